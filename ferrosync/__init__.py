@@ -1,0 +1,47 @@
+"""ferrosync: average gradients across ranks through shared storage.
+
+    import ferrosync
+    sync = ferrosync.connect("s3://bucket/runs/exp7")   # or a directory, gloo://, nccl://
+    ...
+    loss.backward()
+    sync.average_gradients(model)
+
+Importing this package is cheap: storage drivers and CUDA load on first use.
+"""
+
+from __future__ import annotations
+
+from . import errors
+from .api import GradSync, connect
+from .errors import (
+    ConfigError,
+    DuplicateRank,
+    FerrosyncError,
+    LayoutMismatch,
+    PeerFailed,
+    ShardCorrupt,
+    StorageError,
+    SyncClosed,
+    SyncTimeout,
+)
+from .partition import ShardSampler, shard_indices
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "connect",
+    "GradSync",
+    "shard_indices",
+    "ShardSampler",
+    "errors",
+    "FerrosyncError",
+    "ConfigError",
+    "SyncTimeout",
+    "PeerFailed",
+    "ShardCorrupt",
+    "LayoutMismatch",
+    "DuplicateRank",
+    "StorageError",
+    "SyncClosed",
+    "__version__",
+]

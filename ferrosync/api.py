@@ -1,0 +1,336 @@
+"""``connect`` and ``GradSync``: the public collectives, written once for every backend.
+
+``GradSync`` validates arguments, groups tensors into flat dtype-homogeneous
+buckets, times phases and keeps ``stats``; a backend implements four private
+primitives that move bytes (``_average_flat``, ``_broadcast_flat``, ``_barrier``,
+``_shutdown``) plus ``_publish_abort``.
+
+The collective contract (as with NCCL): every rank calls the same collectives in
+the same order, with tensors of the same dtypes and shapes. A violation is
+detected (each object carries a layout digest) and raised as ``LayoutMismatch``
+on every rank, never silently averaged. A collective that raises leaves this
+``GradSync`` unusable (the ranks no longer agree on where they are): close it
+and reconnect, which starts a new generation.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import sys
+import threading
+import weakref
+
+import torch
+
+from .env import ENV_URL, Identity, discover
+from .errors import ConfigError, SyncClosed
+from .flat import Bucket, BufferPool, as_tensor_list, layout_signature, plan_buckets
+from .stats import StatsBook
+from .wire import layout_digest
+
+__all__ = ["connect", "GradSync"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+class GradSync:
+    """Averages tensors across ranks. Create with ``ferrosync.connect``.
+
+    Attributes:
+        rank, world_size, local_rank: this process's identity.
+        url: where the ranks meet.
+        stats: ``{"total": {...}, "last": {...}}`` (see ``ferrosync.stats``).
+    """
+
+    #: per-backend default bucket size; None means one bucket per dtype
+    default_bucket_bytes: int | None = None
+
+    def __init__(self, url: str, identity: Identity, timeout: float, counters,
+                 bucket_bytes: int | None = None) -> None:
+        self.url = url
+        self.rank = identity.rank
+        self.world_size = identity.world_size
+        self.local_rank = identity.local_rank
+        self.timeout = timeout
+        self.bucket_bytes = bucket_bytes if bucket_bytes is not None else self.default_bucket_bytes
+        self._stats = StatsBook(counters)
+        self._pool = BufferPool()
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._failed_at: int | None = None
+        self._lock = threading.RLock()  # one collective at a time per GradSync
+        _LIVE.add(self)
+
+    # -- public collectives ------------------------------------------------------------
+    def average_(self, tensors, *, weight: float = 1.0) -> float:
+        """Collective: in place, every tensor becomes ``Σ_r w_r·T_r / Σ_r w_r``.
+
+        Every rank calls it with tensors of the same count, dtypes and shapes (float32,
+        float16, bfloat16 or float64). Blocks until the average is in place; the
+        tensors may be reused as soon as it returns. The result is bit-identical on
+        every rank. A rank with ``weight=0`` adds nothing but still takes part and
+        receives the average; if every weight is 0 the tensors stay unchanged.
+
+        Returns:
+            ``Σ_r w_r``, the total weight (identical on every rank).
+        """
+        tensors = as_tensor_list(tensors)
+        weight = _check_weight(weight)
+        for i, t in enumerate(tensors):
+            if t.dtype not in _FLOAT_DTYPES:
+                raise ConfigError(
+                    f"tensors[{i}] has dtype {t.dtype}; average_ takes float32, float16, "
+                    "bfloat16 or float64", rank=self.rank,
+                    hint="cast it, or use broadcast_ for integer tensors",
+                )
+            if t.is_sparse:
+                raise ConfigError(f"tensors[{i}] is sparse; average_ takes dense tensors",
+                                  rank=self.rank)
+        return self._collective("average", tensors, lambda: self._average(tensors, weight))
+
+    def average_gradients(self, module_or_params, *, weight: float = 1.0) -> float:
+        """Collective: ``average_`` over every ``p.grad`` that is not None.
+
+        All ranks must have gradients for the same parameters (a parameter unused on
+        one rank but not another is a ``LayoutMismatch``; zero its grad instead).
+        """
+        grads = [p.grad for p in _parameters(module_or_params) if p.grad is not None]
+        return self.average_(grads, weight=weight)
+
+    def average_parameters(self, module_or_params, *, weight: float = 1.0) -> float:
+        """Collective: ``average_`` over the parameters' data (Local SGD, model averaging)."""
+        params = [p.detach() for p in _parameters(module_or_params)]
+        return self.average_(params, weight=weight)
+
+    def broadcast_(self, tensors, *, src: int = 0) -> None:
+        """Collective: in place, every rank's tensors become rank ``src``'s (any dtype).
+
+        Every rank passes tensors of the same dtypes and shapes; blocks until done.
+        """
+        tensors = as_tensor_list(tensors)
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
+            raise ConfigError(f"src must be a rank in [0, {self.world_size}), got {src!r}",
+                              rank=self.rank)
+        self._collective("broadcast", tensors, lambda: self._broadcast(tensors, src))
+
+    def barrier(self) -> None:
+        """Collective: returns once every rank has entered."""
+        self._collective("barrier", [], self._barrier)
+
+    def close(self) -> None:
+        """Release storage handles and threads. Idempotent; never waits on peers and
+        never raises because a peer failed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _LIVE.discard(self)
+            try:
+                self._shutdown(self._failure)
+            finally:
+                self._pool.clear()
+
+    def __enter__(self) -> "GradSync":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None and self._failure is None and not self._closed:
+            self._fail(exc)
+        self.close()
+
+    @property
+    def stats(self) -> dict:
+        return self._stats.as_dict()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(url={self.url!r}, rank={self.rank}, "
+                f"world_size={self.world_size})")
+
+    # -- shared machinery --------------------------------------------------------------
+    def _collective(self, op: str, tensors: list, body):
+        with self._lock:
+            self._check_usable()
+            with self._stats.collective():
+                try:
+                    return body()
+                except BaseException as exc:
+                    self._fail(exc)
+                    raise
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise SyncClosed("this GradSync is closed", rank=self.rank, path=self.url,
+                             hint="connect again to start a new generation")
+        if self._failure is not None:
+            raise SyncClosed(
+                f"an earlier collective failed ({type(self._failure).__name__}: "
+                f"{self._failure})", rank=self.rank, path=self.url,
+                hint="close this GradSync and connect again (all ranks)",
+            )
+
+    def _fail(self, exc: BaseException) -> None:
+        self._failure = exc
+        try:
+            self._publish_abort(exc)
+        except Exception:  # never mask the original error
+            pass
+
+    def _buckets(self, op: str, tensors: list[torch.Tensor]) -> list[tuple[Bucket, bytes, dict]]:
+        """Plan the buckets, each with its layout record and that record's digest.
+
+        The digest covers the whole call (operation and every tensor's dtype and
+        shape), so a mismatch anywhere is caught at the first bucket.
+        """
+        buckets = plan_buckets(tensors, self.bucket_bytes)
+        if not buckets:  # no tensors: still a collective (weights are summed)
+            buckets = [Bucket(0, [], torch.float32, torch.device("cpu"), 0)]
+        signature = layout_signature(tensors)
+        out = []
+        for bucket in buckets:
+            layout = {"op": op, "bucket": f"{bucket.index}/{len(buckets)}", "tensors": signature}
+            out.append((bucket, layout_digest(json.dumps(layout, sort_keys=True)), layout))
+        return out
+
+    def _average(self, tensors: list[torch.Tensor], weight: float) -> float:
+        total = 0.0
+        with torch.no_grad():
+            for bucket, digest, layout in self._buckets("average", tensors):
+                flat, is_copy = bucket.flat(self._pool)
+                total = self._average_flat(flat, weight, digest, layout)
+                if is_copy and total > 0:
+                    bucket.scatter(flat)
+        return total
+
+    def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
+        with torch.no_grad():
+            for bucket, digest, layout in self._buckets("broadcast", tensors):
+                flat, is_copy = bucket.flat(self._pool)
+                self._broadcast_flat(flat, src, digest, layout)
+                if is_copy and self.rank != src:
+                    bucket.scatter(flat)
+
+    # -- backend primitives --------------------------------------------------------------
+    def _average_flat(self, flat: torch.Tensor, weight: float, digest: bytes,
+                      layout: dict) -> float:
+        """In place: ``flat`` becomes the weighted average (unchanged if Σw = 0).
+
+        ``layout`` ({"op", "bucket", "tensors"}) describes the call for error messages;
+        ``digest`` is its fingerprint, which every rank must match.
+        """
+        raise NotImplementedError
+
+    def _broadcast_flat(self, flat: torch.Tensor, src: int, digest: bytes,
+                        layout: dict) -> None:
+        raise NotImplementedError
+
+    def _barrier(self) -> None:
+        raise NotImplementedError
+
+    def _publish_abort(self, exc: BaseException) -> None:
+        """Tell peers this rank failed (best effort, must not raise)."""
+
+    def _shutdown(self, failure: BaseException | None) -> None:
+        """Stop threads and release handles; must not wait on peers."""
+
+
+def _check_weight(weight) -> float:
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise ConfigError(f"weight must be a number, got a tensor of shape {list(weight.shape)}")
+        weight = weight.item()
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+        raise ConfigError(f"weight must be a number, got {type(weight).__name__}")
+    weight = float(weight)
+    if not math.isfinite(weight) or weight < 0:
+        raise ConfigError(f"weight must be finite and >= 0, got {weight}")
+    return weight
+
+
+def _parameters(module_or_params) -> list[torch.nn.Parameter]:
+    if isinstance(module_or_params, torch.nn.Module):
+        return list(module_or_params.parameters())
+    if isinstance(module_or_params, torch.Tensor):
+        return [module_or_params]
+    params = list(module_or_params)
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise ConfigError(
+                f"expected an nn.Module or an iterable of parameters, found {type(p).__name__}"
+            )
+        if p.grad is not None and p.grad.is_sparse:
+            raise ConfigError("sparse gradients are not supported; use dense embeddings")
+    return params
+
+
+# -- connect ------------------------------------------------------------------------------
+
+def connect(url: str | None = None, *, rank: int | None = None, world_size: int | None = None,
+            timeout: float = 300.0, **options) -> GradSync:
+    """Connect this process to the ranks meeting at ``url``.
+
+    Args:
+        url: a directory (``/mnt/nfs/run``, ``file:///...``), an fsspec URL
+            (``s3://bucket/prefix``, ``gs://...``, ``memory://...``), ``gloo://HOST:PORT``,
+            ``nccl://HOST:PORT`` or ``torch://``. Default: ``$FERROSYNC_URL``.
+        rank, world_size: default from the environment (torchrun, then SLURM), else 0 and 1.
+        timeout: seconds any single wait may last (rendezvous, each collective) before
+            ``SyncTimeout``.
+        **options: backend options (``reduce``, ``wire_dtype``, ``secret``,
+            ``storage_options``, ``heartbeat_timeout``, ...; see the README). An
+            unknown option is a ``ConfigError``.
+
+    Collective: every rank calls it; it returns once all ranks have joined (or raises
+    ``SyncTimeout`` after ``timeout``). Arguments are validated before any I/O.
+    """
+    from .registry import backend_for
+
+    if url is None:
+        url = os.environ.get(ENV_URL)
+        if not url:
+            raise ConfigError(
+                "no URL given and FERROSYNC_URL is not set",
+                hint="pass connect('/shared/dir') or connect('s3://bucket/run'), or set "
+                "FERROSYNC_URL",
+            )
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"url must be a non-empty string, got {url!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+        0 < timeout < math.inf
+    ):
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    identity = discover(rank, world_size)
+    backend = backend_for(url)
+    checked = backend.check_options(options)
+    return backend(url.strip(), identity, float(timeout), checked)
+
+
+# -- aborting on process exit ----------------------------------------------------------------
+#
+# An uncaught exception that ends the process must leave an abort marker, or the
+# peers would wait out their whole timeout. sys.excepthook runs before atexit, so
+# it records the failure; atexit then closes whatever is still open.
+
+_LIVE: "weakref.WeakSet[GradSync]" = weakref.WeakSet()
+_previous_excepthook = sys.excepthook
+
+
+def _excepthook(exc_type, exc, tb):
+    for sync in list(_LIVE):
+        if sync._failure is None and not sync._closed:
+            sync._fail(exc)
+    _previous_excepthook(exc_type, exc, tb)
+
+
+def _close_all() -> None:
+    for sync in list(_LIVE):
+        try:
+            sync.close()
+        except Exception:
+            pass
+
+
+sys.excepthook = _excepthook
+atexit.register(_close_all)

@@ -1,0 +1,106 @@
+"""Every error ferrosync raises, in one place.
+
+Each class is rooted in the nearest builtin (``SyncTimeout`` is a ``TimeoutError``,
+``ConfigError`` a ``ValueError``) so that generic handlers keep working, and each
+message names what an operator needs: the rank that saw it, the collective number,
+the storage path, and what to do next.
+
+All classes pickle cleanly (they travel between processes in tests and launchers):
+the structured fields are rebuilt from ``__reduce__`` rather than re-parsed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FerrosyncError",
+    "ConfigError",
+    "SyncTimeout",
+    "PeerFailed",
+    "ShardCorrupt",
+    "LayoutMismatch",
+    "DuplicateRank",
+    "StorageError",
+    "SyncClosed",
+]
+
+
+class FerrosyncError(Exception):
+    """Base class. ``rank``, ``collective``, ``path`` and ``hint`` may be None.
+
+    The message is composed once from the parts, so ``str(err)`` reads like
+    ``rank 1, collective 17, at /mnt/run/g3/c17.out: <what>; <hint>``.
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        rank: int | None = None,
+        collective: int | None = None,
+        path: str | None = None,
+        hint: str | None = None,
+    ) -> None:
+        self.what = what
+        self.rank = rank
+        self.collective = collective
+        self.path = path
+        self.hint = hint
+        super().__init__(self._compose())
+
+    def _compose(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.collective is not None:
+            where.append(f"collective {self.collective}")
+        if self.path is not None:
+            where.append(f"at {self.path}")
+        text = (", ".join(where) + ": " if where else "") + self.what
+        if self.hint:
+            text += f"; {self.hint}"
+        return text
+
+    def __reduce__(self):
+        kwargs = {
+            "rank": self.rank,
+            "collective": self.collective,
+            "path": self.path,
+            "hint": self.hint,
+        }
+        return (_rebuild, (type(self), self.what, kwargs))
+
+
+def _rebuild(cls, what, kwargs):
+    return cls(what, **kwargs)
+
+
+class ConfigError(FerrosyncError, ValueError):
+    """Bad arguments, options, URL or environment; raised before any collective I/O."""
+
+
+class SyncTimeout(FerrosyncError, TimeoutError):
+    """A bounded wait expired (peers missing, generation never announced, ...)."""
+
+
+class PeerFailed(FerrosyncError, RuntimeError):
+    """Another rank published an abort marker, stopped heartbeating, or closed early."""
+
+
+class ShardCorrupt(FerrosyncError, ValueError):
+    """A stored object failed its checks (magic, checksum, MAC, size); never averaged."""
+
+
+class LayoutMismatch(FerrosyncError, ValueError):
+    """Ranks called the same collective with different tensor counts, shapes or dtypes."""
+
+
+class DuplicateRank(FerrosyncError, RuntimeError):
+    """Two live processes claim the same rank under the same URL."""
+
+
+class StorageError(FerrosyncError, OSError):
+    """A storage request failed for a reason other than "not there yet"."""
+
+
+class SyncClosed(FerrosyncError, RuntimeError):
+    """A collective was called after ``close()`` or after an earlier collective failed."""

@@ -1,0 +1,31 @@
+"""URL scheme -> backend class, imported lazily.
+
+``import ferrosync`` must stay cheap: no fsspec, s3fs or CUDA initialisation until
+a URL actually needs them. A missing driver is reported with the command that
+installs it (see ``storage.open_storage``).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .storage import split_url
+
+# scheme -> "module:Class"; every other scheme is a storage URL (directory or fsspec)
+TORCH_SCHEMES = {
+    "gloo": "ferrosync.backends.torchdist:TorchDistSync",
+    "nccl": "ferrosync.backends.torchdist:TorchDistSync",
+    "torch": "ferrosync.backends.torchdist:TorchDistSync",
+}
+STORAGE_BACKEND = "ferrosync.backends.files:FileSync"
+
+
+def _load(target: str):
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def backend_for(url: str):
+    """The GradSync subclass serving ``url`` (validation of the URL itself is its job)."""
+    scheme, _ = split_url(url)
+    return _load(TORCH_SCHEMES.get(scheme, STORAGE_BACKEND))

@@ -1,0 +1,322 @@
+"""The on-storage object format: a fixed binary header, then a raw payload.
+
+Every object ferrosync writes on the collective path (a rank's contribution, a
+reduced result, an error record) is::
+
+    header (112 bytes, little-endian)  [+ 32-byte MAC when a secret is set]  payload
+
+Header fields (``struct`` format ``HEADER``)::
+
+    off size field
+      0   4  magic            b"FSYN"
+      4   2  version          1
+      6   2  flags            FLAG_AUTH | FLAG_EMPTY | FLAG_UNCHANGED
+      8   1  kind             KIND_* (contribution, result, broadcast, error, barrier)
+      9   1  dtype            code of the tensors' dtype (DTYPE_CODES)
+     10   1  codec            code of the payload encoding (see codecs.py)
+     11   1  checksum kind    CHECKSUM_XXH3 or CHECKSUM_HMAC
+     12   4  rank             the writer
+     16   4  world size
+     20   4  slice            which slice of the collective this object carries
+     24   4  nslices
+     28   4  block            codec block size (int8), else 0
+     32   8  generation
+     40   8  collective       sequence number within the generation
+     48   8  count            elements in this object
+     56   8  offset           first element of this object within the collective
+     64   8  total            elements in the whole collective
+     72   8  weight           float64: the writer's weight, or for results the total
+     80   8  layout digest    of the tensors' dtypes and shapes (all ranks must agree)
+     88   8  payload bytes
+     96   8  payload checksum xxh3-64 of the payload (zero when a MAC is used)
+    104   4  header crc32     over bytes 0..104, so a torn or flipped header is caught
+                              before its sizes are trusted
+    108   4  reserved         zero
+
+The payload is the codec's raw little-endian bytes; nothing here is ever unpickled.
+With a secret, a keyed HMAC-SHA256 over the header and the payload follows the
+header, so a forged or altered object is rejected (``ShardCorrupt``) without
+trusting a single byte of it.
+
+Checksums: xxh3-64 runs at ~30 GB/s here against ~4 GB/s for zlib.crc32, so
+integrity checking costs almost nothing next to the I/O (measured with
+``python tools/bench_checksum.py``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import struct
+import sys
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+import xxhash
+
+from .errors import ShardCorrupt
+
+MAGIC = b"FSYN"
+VERSION = 1
+HEADER = struct.Struct("<4sHHBBBBIIIIIQQQQQd8sQ8sII")
+HEADER_SIZE = HEADER.size  # 112
+MAC_SIZE = 32
+_CRC_SPAN = 104  # header bytes covered by the header crc32
+
+FLAG_AUTH = 1  # a MAC follows the header
+FLAG_EMPTY = 2  # no payload: the writer's weight is zero (or a barrier)
+FLAG_UNCHANGED = 4  # result: total weight was zero; every rank keeps its tensors
+
+KIND_CONTRIB = 1
+KIND_RESULT = 2
+KIND_BROADCAST = 3
+KIND_ERROR = 4
+KIND_NAMES = {1: "contribution", 2: "result", 3: "broadcast", 4: "error"}
+
+CHECKSUM_XXH3 = 1
+CHECKSUM_HMAC = 2
+
+# dtype codes are part of the format: append, never renumber
+DTYPE_CODES = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.uint8: 5,
+    torch.int8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+    torch.complex64: 11,
+    torch.complex128: 12,
+}
+DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian torch targets today
+    raise ImportError("ferrosync's wire format is little-endian; this host is big-endian")
+
+
+@dataclass(frozen=True)
+class Header:
+    kind: int
+    dtype: int
+    codec: int
+    rank: int
+    world_size: int
+    generation: int
+    collective: int
+    count: int
+    offset: int
+    total: int
+    weight: float
+    layout: bytes
+    payload_nbytes: int
+    flags: int = 0
+    slice: int = 0
+    nslices: int = 1
+    block: int = 0
+    checksum_kind: int = CHECKSUM_XXH3
+    checksum: bytes = b"\0" * 8
+    version: int = VERSION
+
+    @property
+    def size(self) -> int:
+        """Bytes before the payload: the fixed header plus the MAC, if any."""
+        return HEADER_SIZE + (MAC_SIZE if self.flags & FLAG_AUTH else 0)
+
+    def pack(self) -> bytes:
+        fixed = HEADER.pack(
+            MAGIC, self.version, self.flags, self.kind, self.dtype, self.codec,
+            self.checksum_kind, self.rank, self.world_size, self.slice, self.nslices,
+            self.block, self.generation, self.collective, self.count, self.offset,
+            self.total, float(self.weight), self.layout, self.payload_nbytes,
+            self.checksum, 0, 0,
+        )
+        crc = zlib.crc32(fixed[:_CRC_SPAN])
+        return fixed[:_CRC_SPAN] + struct.pack("<II", crc, 0)
+
+
+class PayloadDigest:
+    """Streaming integrity check over header + payload: xxh3, or HMAC with a key."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self.key = key
+        self._h = hmac.new(key, digestmod="sha256") if key else xxhash.xxh3_64()
+
+    def update(self, chunk) -> None:
+        self._h.update(chunk)
+
+    def xxh3(self) -> bytes:
+        return self._h.digest() if not self.key else b"\0" * 8
+
+    def mac(self, header_bytes: bytes) -> bytes:
+        """The MAC binds the (checksum-free) fixed header to the payload digest."""
+        assert self.key is not None
+        payload_mac = self._h.digest()
+        return hmac.new(self.key, header_bytes + payload_mac, "sha256").digest()
+
+
+def seal(header: Header, payload_parts, key: bytes | None) -> bytes:
+    """Finish ``header`` for ``payload_parts`` and return the bytes to write first.
+
+    Computes the payload checksum (or MAC) in one pass over the parts.
+    """
+    digest = PayloadDigest(key)
+    for part in payload_parts:
+        digest.update(part)
+    if key is None:
+        head = replace(header, checksum_kind=CHECKSUM_XXH3, checksum=digest.xxh3())
+        return head.pack()
+    head = replace(
+        header, flags=header.flags | FLAG_AUTH, checksum_kind=CHECKSUM_HMAC, checksum=b"\0" * 8
+    )
+    packed = head.pack()
+    return packed + digest.mac(packed)
+
+
+def parse_header(raw, *, path: str, rank: int | None = None, key: bytes | None = None) -> Header:
+    """Decode and check the fixed header in ``raw`` (at least HEADER_SIZE bytes).
+
+    Checks magic, version, header crc and the authentication mode. Raises
+    ``ShardCorrupt`` naming ``path`` on any failure: a header is never half-trusted.
+    """
+    raw = bytes(raw[:HEADER_SIZE])
+    if len(raw) < HEADER_SIZE:
+        raise ShardCorrupt(
+            f"object is truncated: {len(raw)} bytes, shorter than the {HEADER_SIZE}-byte header",
+            rank=rank, path=path, hint=_CORRUPT_HINT,
+        )
+    fields = HEADER.unpack(raw)
+    magic, version, flags = fields[0], fields[1], fields[2]
+    if magic != MAGIC:
+        raise ShardCorrupt(
+            f"not a ferrosync object (magic {magic!r})", rank=rank, path=path,
+            hint="something else writes into this location: give the run its own URL",
+        )
+    if version != VERSION:
+        raise ShardCorrupt(
+            f"wire format version {version}, this ferrosync reads version {VERSION}",
+            rank=rank, path=path, hint="run the same ferrosync version on every rank",
+        )
+    (crc,) = struct.unpack_from("<I", raw, _CRC_SPAN)
+    if zlib.crc32(raw[:_CRC_SPAN]) != crc:
+        raise ShardCorrupt("header checksum mismatch", rank=rank, path=path, hint=_CORRUPT_HINT)
+    if key is not None and not flags & FLAG_AUTH:
+        raise ShardCorrupt(
+            "object carries no MAC but a secret is configured (forged, or written by a "
+            "rank without the secret)", rank=rank, path=path,
+            hint="set the same secret (FERROSYNC_SECRET) on every rank",
+        )
+    if key is None and flags & FLAG_AUTH:
+        raise ShardCorrupt(
+            "object is authenticated but this rank has no secret", rank=rank, path=path,
+            hint="set the same secret (FERROSYNC_SECRET) on every rank",
+        )
+    (
+        _m, _v, _f, kind, dtype, codec, checksum_kind, wrank, world, slc, nslices, block,
+        generation, collective, count, offset, total, weight, layout, nbytes, checksum,
+        _crc, _res,
+    ) = fields
+    if kind not in KIND_NAMES:
+        raise ShardCorrupt(f"unknown object kind {kind}", rank=rank, path=path, hint=_CORRUPT_HINT)
+    return Header(
+        kind=kind, dtype=dtype, codec=codec, rank=wrank, world_size=world,
+        generation=generation, collective=collective, count=count, offset=offset,
+        total=total, weight=weight, layout=layout, payload_nbytes=nbytes, flags=flags,
+        slice=slc, nslices=nslices, block=block, checksum_kind=checksum_kind,
+        checksum=checksum, version=version,
+    )
+
+
+class PayloadCheck:
+    """Verifies a payload streamed in chunks against its header; raise at ``finish``."""
+
+    def __init__(self, header: Header, header_raw: bytes, key: bytes | None, path: str,
+                 rank: int | None) -> None:
+        self.header = header
+        self._header_raw = bytes(header_raw[:HEADER_SIZE])
+        self._mac = bytes(header_raw[HEADER_SIZE:HEADER_SIZE + MAC_SIZE]) if key else b""
+        self._digest = PayloadDigest(key)
+        self._path = path
+        self._rank = rank
+        self._seen = 0
+
+    def update(self, chunk) -> None:
+        self._seen += len(memoryview(chunk).cast("B"))
+        self._digest.update(chunk)
+
+    def finish(self) -> None:
+        h = self.header
+        if self._seen != h.payload_nbytes:
+            raise ShardCorrupt(
+                f"payload is truncated: {self._seen} of {h.payload_nbytes} bytes",
+                rank=self._rank, path=self._path, hint=_CORRUPT_HINT,
+            )
+        if self._digest.key is None:
+            ok = self._digest.xxh3() == h.checksum
+        else:
+            ok = hmac.compare_digest(self._digest.mac(self._header_raw), self._mac)
+        if not ok:
+            what = "MAC" if self._digest.key else "checksum"
+            raise ShardCorrupt(
+                f"payload {what} mismatch ({h.payload_nbytes} bytes from rank {h.rank})",
+                rank=self._rank, collective=h.collective, path=self._path,
+                hint=_CORRUPT_HINT if not self._digest.key else
+                "the object was altered or written without the secret",
+            )
+
+
+_CORRUPT_HINT = (
+    "the object was damaged or torn on storage; check the storage's health and that "
+    "nothing else writes under this URL"
+)
+
+
+def layout_digest(signature: str) -> bytes:
+    """8-byte digest of a layout signature string (dtypes and shapes, in order)."""
+    return xxhash.xxh3_64_digest(signature.encode())
+
+
+# -- small JSON records: rendezvous, heartbeats, abort markers, layouts ------------------
+#
+# Control records are JSON (never pickle). With a secret they carry an HMAC over
+# their canonical JSON, so a tenant without the key cannot forge an abort, keep a
+# dead rank "alive", or steer a rendezvous.
+
+_RECORD_LIMIT = 1 << 20  # a control record larger than this is not ours
+
+
+def encode_record(record: dict, key: bytes | None) -> bytes:
+    body = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    if key is None:
+        return json.dumps({"v": VERSION, "body": body}).encode()
+    mac = hmac.new(key, body.encode(), "sha256").hexdigest()
+    return json.dumps({"v": VERSION, "body": body, "mac": mac}).encode()
+
+
+def decode_record(data: bytes, key: bytes | None, *, path: str, rank: int | None = None) -> dict:
+    """Parse a control record; raise ``ShardCorrupt`` naming ``path`` if it is not one."""
+    try:
+        if len(data) > _RECORD_LIMIT:
+            raise ValueError(f"{len(data)} bytes is too large for a control record")
+        outer = json.loads(data)
+        if not isinstance(outer, dict) or outer.get("v") != VERSION:
+            raise ValueError("not a version-1 ferrosync record")
+        body = outer["body"]
+        if key is not None:
+            mac = hmac.new(key, body.encode(), "sha256").hexdigest()
+            if not hmac.compare_digest(mac, str(outer.get("mac", ""))):
+                raise PermissionError("MAC mismatch (forged, or written without the secret)")
+        elif "mac" in outer:
+            raise PermissionError("record is authenticated but this rank has no secret")
+        record = json.loads(body)
+        if not isinstance(record, dict):
+            raise ValueError("record body is not an object")
+        return record
+    except (ValueError, KeyError, TypeError, PermissionError, UnicodeDecodeError) as exc:
+        raise ShardCorrupt(
+            f"unreadable control record ({exc})", rank=rank, path=path,
+            hint="set the same secret on every rank, and let nothing else write under this URL",
+        ) from None
