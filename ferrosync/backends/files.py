@@ -551,10 +551,11 @@ class FileSync(GradSync):
     def _accumulate(self, acc: torch.Tensor, values: torch.Tensor, weight: float, first: bool):
         """acc (+)= weight * values, in float32/64; ``first`` initialises instead of adding."""
         if first:
-            if weight == 1.0:
-                acc.copy_(values)
-            else:
-                torch.mul(values, weight, out=acc)
+            # copy first, then scale: torch.mul(half, w, out=f32) would multiply in
+            # half precision before widening
+            acc.copy_(values)
+            if weight != 1.0:
+                acc.mul_(weight)
         elif weight == 1.0:
             acc.add_(values)
         else:

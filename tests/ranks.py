@@ -1,0 +1,152 @@
+"""Run a function on N real processes, one per rank, and collect what each returns.
+
+Ranks are real OS processes started from a forkserver that has already imported
+torch and ferrosync, so a rank starts in tens of milliseconds instead of seconds
+(the suite starts hundreds of them). Results and exceptions come back through a
+multiprocessing queue (pickle between our own test processes, never from shared
+storage).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import multiprocessing as mp
+import os
+import pickle
+import sys
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+
+_CTX = None
+
+
+def context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "ferrosync", "ferrosync.backends.files", "ranks"])
+    return _CTX
+
+
+@dataclass
+class RankFailure:
+    """What a rank raised: the exception (our errors pickle) and its traceback text."""
+
+    rank: int
+    error: BaseException
+    traceback: str
+
+    def __repr__(self) -> str:
+        return f"RankFailure(rank={self.rank}, {type(self.error).__name__}: {self.error})"
+
+
+def _resolve(target):
+    """Import a worker function by file path, so test modules in any folder work
+    (the forkserver's sys.path was fixed when it started)."""
+    module_name, path, qualname = target
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    obj = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _entry(target, rank, world_size, args, kwargs, results, env):
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        fn = _resolve(target)
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put(_pack(rank, True, value, ""))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        try:
+            results.put(_pack(rank, False, exc, traceback.format_exc()))
+        except Exception:  # unpicklable exception: send its text
+            results.put(_pack(rank, False, RuntimeError(repr(exc)), traceback.format_exc()))
+
+
+def _pack(*item) -> bytes:
+    # plain pickle: torch's queue reducers would share tensors through file
+    # descriptors that die with this process
+    return pickle.dumps(item)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 90.0, expect_errors: bool = False,
+              env: dict | None = None, ranks=None, **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on each rank in its own process.
+
+    Returns the per-rank return values in rank order. If a rank raised: re-raise
+    (with every rank's traceback) unless ``expect_errors``, in which case its slot
+    holds a ``RankFailure``. A rank that does not finish within ``timeout`` is
+    killed and the call fails: a test never hangs.
+    """
+    procs, results = start_ranks(fn, world_size, *args, env=env, ranks=ranks, **kwargs)
+    out = collect(procs, results, timeout)
+    missing = sorted(set(procs) - set(out))
+    if missing:
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout} s")
+    ordered = [out[r] for r in sorted(procs)]
+    failures = [v for v in ordered if isinstance(v, RankFailure)]
+    if failures and not expect_errors:
+        text = "\n".join(f"--- rank {f.rank} ---\n{f.traceback or f.error}" for f in failures)
+        raise AssertionError(f"{len(failures)} rank(s) failed:\n{text}") from failures[0].error
+    return ordered
+
+
+def start_ranks(fn, world_size: int, *args, env: dict | None = None, ranks=None, **kwargs):
+    """Start ranks without waiting: returns (processes by rank, results queue)."""
+    ctx = context()
+    results = ctx.Queue()
+    env = {k: str(v) for k, v in (env or {}).items()}
+    which = list(range(world_size)) if ranks is None else list(ranks)
+    target = (fn.__module__, inspect.getfile(fn), fn.__qualname__)
+    procs = {
+        r: ctx.Process(target=_entry, args=(target, r, world_size, args, kwargs, results, env),
+                       daemon=True)
+        for r in which
+    }
+    for p in procs.values():
+        p.start()
+    return procs, results
+
+
+def collect(procs, results, timeout: float = 90.0) -> dict:
+    """Gather {rank: value or RankFailure} from ``start_ranks``; kills stragglers."""
+    out: dict[int, object] = {}
+    exited: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < len(procs):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value, tb = pickle.loads(results.get(timeout=min(remaining, 0.5)))
+            except queue.Empty:
+                # a rank that exited without reporting (SIGKILL, segfault); give its
+                # queue feeder a moment, a clean exit flushes the result first
+                now = time.monotonic()
+                for r, p in procs.items():
+                    if r not in out and p.exitcode is not None:
+                        if now - exited.setdefault(r, now) > 2.0:
+                            out[r] = RankFailure(r, RuntimeError(f"exit code {p.exitcode}"), "")
+                continue
+            out[rank] = value if ok else RankFailure(rank, value, tb)
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return out

@@ -1,0 +1,265 @@
+"""The backend contract: the same collectives, checked the same way on every transport.
+
+Every test runs real processes (one per rank) against the ``case`` matrix in
+conftest.py, and asserts two things: every rank ends with bit-identical tensors,
+and they match a single-process float64 reference within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import ferrosync
+from ferrosync.storage import open_storage
+from ranks import run_ranks
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def make_tensors(rank: int, seed: int = 0) -> list[torch.Tensor]:
+    """Per-rank inputs covering dtypes, shapes, an empty and a non-contiguous tensor."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    return [
+        torch.randn(7, 5, generator=g),
+        (torch.randn(300, generator=g) * 4).to(torch.float16),
+        torch.randn(2, 3, 4, generator=g).to(torch.bfloat16),
+        torch.randn(11, generator=g, dtype=torch.float64),
+        torch.randn(0, generator=g),
+        torch.randn(4, 3, generator=g).t(),  # non-contiguous view
+        torch.tensor(3.5) * (rank + 1),  # 0-d
+    ]
+
+
+def reference(world: int, weights: list[float], seed: int = 0) -> list[torch.Tensor]:
+    per_rank = [make_tensors(r, seed) for r in range(world)]
+    total = sum(weights)
+    out = []
+    for i, first in enumerate(per_rank[0]):
+        if total == 0:
+            out.append(first.clone())
+            continue
+        acc = sum(w * per_rank[r][i].to(torch.float64) for r, w in enumerate(weights))
+        out.append((acc / total).to(first.dtype))
+    return out
+
+
+def assert_bit_identical(per_rank: list[list[torch.Tensor]]) -> None:
+    first = per_rank[0]
+    for rank, tensors in enumerate(per_rank[1:], start=1):
+        assert len(tensors) == len(first)
+        for i, (a, b) in enumerate(zip(first, tensors)):
+            assert a.dtype == b.dtype and a.shape == b.shape, (rank, i)
+            assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
+                               b.contiguous().view(-1).view(torch.uint8)), (
+                f"rank {rank} differs from rank 0 in tensor {i}")
+
+
+def connect(case_url, rank, world, options, **extra):
+    return ferrosync.connect(case_url, rank=rank, world_size=world, timeout=60,
+                             **{**options, **extra})
+
+
+# -- workers (run in the rank processes) ---------------------------------------------------
+
+def w_average(rank, world, url, options, weights, seed=0, calls=1):
+    tensors = make_tensors(rank, seed)
+    with connect(url, rank, world, options) as sync:
+        for _ in range(calls):
+            tensors = make_tensors(rank, seed)
+            total = sync.average_(tensors, weight=weights[rank])
+        return total, tensors, sync.stats
+
+
+def w_model(rank, world, url, options):
+    torch.manual_seed(0)  # same initial parameters on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    grads_before = [p.grad.clone() for p in model.parameters()]
+    with connect(url, rank, world, options) as sync:
+        sync.average_gradients(model)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(rank)  # make the parameters differ per rank
+        sync.average_parameters(model)
+    return grads_before, [p.grad for p in model.parameters()], [p.detach() for p in
+                                                                 model.parameters()]
+
+
+def w_broadcast(rank, world, url, options):
+    seen = []
+    with connect(url, rank, world, options) as sync:
+        for src in range(world):
+            tensors = [
+                torch.full((3, 2), float(rank)),
+                torch.arange(5, dtype=torch.int64) * (rank + 1),
+                torch.tensor([rank % 2 == 0, True]),
+                torch.full((4,), rank, dtype=torch.bfloat16),
+            ]
+            sync.broadcast_(tensors, src=src)
+            seen.append(tensors)
+    return seen
+
+
+def w_many(rank, world, url, options, steps):
+    x = torch.full((1000,), float(rank))
+    with connect(url, rank, world, options) as sync:
+        for step in range(steps):
+            x.fill_(rank + step)
+            sync.average_(x)
+            if step % 7 == 0:
+                sync.barrier()
+        return x, sync.stats, sync.generation
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+def test_average_is_exact_and_bit_identical(case):
+    weights = [1.0] * case.world_size
+    results = run_ranks(w_average, case.world_size, case.url, case.options, weights)
+    totals = [r[0] for r in results]
+    assert totals == [float(case.world_size)] * case.world_size
+    per_rank = [r[1] for r in results]
+    assert_bit_identical(per_rank)
+    for got, want in zip(per_rank[0], reference(case.world_size, weights)):
+        torch.testing.assert_close(got, want)
+
+
+def test_weighted_average_sum_and_count(case):
+    weights = [0.0, 3.0, 1.0, 0.5][: case.world_size]
+    if case.world_size == 1:
+        weights = [2.5]
+    results = run_ranks(w_average, case.world_size, case.url, case.options, weights, seed=1)
+    assert all(r[0] == sum(weights) for r in results)
+    per_rank = [r[1] for r in results]
+    assert_bit_identical(per_rank)
+    for got, want in zip(per_rank[0], reference(case.world_size, weights, seed=1)):
+        torch.testing.assert_close(got, want)
+
+
+def test_all_zero_weights_leave_tensors_unchanged(case):
+    weights = [0.0] * case.world_size
+    results = run_ranks(w_average, case.world_size, case.url, case.options, weights, seed=2)
+    for rank, (total, tensors, _stats) in enumerate(results):
+        assert total == 0.0
+        for got, want in zip(tensors, make_tensors(rank, seed=2)):
+            assert torch.equal(got, want)
+
+
+def test_average_gradients_and_parameters(case):
+    results = run_ranks(w_model, case.world_size, case.url, case.options)
+    grads_before = [r[0] for r in results]
+    assert_bit_identical([r[1] for r in results])
+    assert_bit_identical([r[2] for r in results])
+    for i, got in enumerate(results[0][1]):
+        want = sum(g[i].double() for g in grads_before) / case.world_size
+        torch.testing.assert_close(got, want.float())
+    # parameters were the shared init plus `rank`: their average adds (W-1)/2
+    torch.manual_seed(0)
+    init = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    shift = (case.world_size - 1) / 2
+    for got, p in zip(results[0][2], init.parameters()):
+        torch.testing.assert_close(got, p.detach() + shift)
+
+
+def test_broadcast_from_every_source(case):
+    results = run_ranks(w_broadcast, case.world_size, case.url, case.options)
+    for src in range(case.world_size):
+        per_rank = [seen[src] for seen in results]
+        assert_bit_identical(per_rank)
+        got = per_rank[0]
+        assert torch.equal(got[0], torch.full((3, 2), float(src)))
+        assert torch.equal(got[1], torch.arange(5) * (src + 1))
+        assert torch.equal(got[2], torch.tensor([src % 2 == 0, True]))
+
+
+def test_storage_stays_bounded_over_many_collectives(case):
+    steps = 40
+    results = run_ranks(w_many, case.world_size, case.url, case.options, steps)
+    for x, _stats, _gen in results:
+        assert torch.equal(x, torch.full((1000,), (case.world_size - 1) / 2 + steps - 1))
+    generation = results[0][2]
+    storage = open_storage(case.url, case.options.get("storage_options"))
+    names = [k for k, _ in storage.list(f"g{generation}")]
+    collectives = {int(m.group(1)) for k in names if (m := re.search(r"/c(\d+)\.", k))}
+    # at most the last couple of collectives' objects survive (rule: cleanup)
+    assert len(collectives) <= 2, sorted(collectives)
+    assert not [k for k in names if k.rsplit("/", 1)[-1].startswith(".")], names  # no temp files
+
+
+def test_stats_count_what_moved(case):
+    results = run_ranks(w_average, case.world_size, case.url, case.options,
+                        [1.0] * case.world_size)
+    for total, tensors, stats in results:
+        for part in ("total", "last"):
+            for key in ("collectives", "bytes_written", "bytes_read", "requests", "write_s",
+                        "wait_s", "reduce_s", "read_s"):
+                assert key in stats[part], key
+        assert stats["total"]["collectives"] == 1
+        if case.world_size > 1:
+            payload = sum(t.numel() * t.element_size() for t in tensors)
+            assert stats["last"]["bytes_written"] > 0
+            assert stats["last"]["requests"] > 0
+            # nobody writes or reads more than ~2x the payload in one collective
+            # (plus headers and control records)
+            assert stats["last"]["bytes_written"] < 2 * payload + 8192
+            assert stats["last"]["bytes_read"] < 2 * payload + 8192
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_root_and_sharded_reduce_are_bit_identical(tmp_path, world_size):
+    weights = [1.0, 0.0, 2.0, 0.25][:world_size]
+    runs = {}
+    for mode in ("root", "sharded"):
+        url = str(tmp_path / mode)
+        runs[mode] = run_ranks(w_average, world_size, url, {"reduce": mode}, weights, seed=3)
+        assert_bit_identical([r[1] for r in runs[mode]])
+    assert_bit_identical([runs["root"][0][1], runs["sharded"][0][1]])
+
+
+@pytest.mark.parametrize("wire", ["bfloat16", "float16", "int8"])
+def test_wire_dtypes_are_close_and_smaller(case, wire):
+    if case.world_size == 1:
+        pytest.skip("a single rank sends nothing")
+    weights = [1.0] * case.world_size
+    results = run_ranks(w_average, case.world_size, case.url,
+                        {**case.options, "wire_dtype": wire}, weights, seed=4)
+    per_rank = [r[1] for r in results]
+    assert_bit_identical(per_rank)
+    want = reference(case.world_size, weights, seed=4)
+    for got, ref in zip(per_rank[0], want):
+        if ref.numel() == 0:
+            continue
+        # int8: error per element <= absmax/127 per frame on the way in and out
+        bound = {"bfloat16": 2e-2, "float16": 2e-3, "int8": 6e-2}[wire]
+        scale = ref.double().abs().max().item() + 1e-12
+        err = (got.double() - ref.double()).abs().max().item()
+        assert err <= bound * scale + 1e-3, (wire, got.dtype, err, scale)
+
+
+def test_secret_authenticates_every_object(case):
+    options = {**case.options, "secret": "s3cr3t-for-tests"}
+    weights = [1.0] * case.world_size
+    results = run_ranks(w_average, case.world_size, case.url, options, weights)
+    assert_bit_identical([r[1] for r in results])
+    for got, want in zip(results[0][1], reference(case.world_size, weights)):
+        torch.testing.assert_close(got, want)
+
+
+def test_large_payload_streams_in_chunks(tmp_path):
+    def_options = {"chunk_bytes": 1 << 16, "reduce": "root"}
+    results = run_ranks(w_large, 3, str(tmp_path / "run"), def_options)
+    assert_bit_identical([[r] for r in results])
+    expected = sum(torch.arange(300_001, dtype=torch.float32) * (r + 1) for r in range(3)) / 3
+    torch.testing.assert_close(results[0], expected)
+
+
+def w_large(rank, world, url, options):
+    x = torch.arange(300_001, dtype=torch.float32) * (rank + 1)
+    with connect(url, rank, world, options) as sync:
+        sync.average_(x)
+    return x
