@@ -104,3 +104,13 @@ class StorageError(FerrosyncError, OSError):
 
 class SyncClosed(FerrosyncError, RuntimeError):
     """A collective was called after ``close()`` or after an earlier collective failed."""
+
+
+def error_class(name: str) -> type[FerrosyncError]:
+    """The class to re-raise for a peer's error named ``name`` (from an abort marker
+    or an error record): the same kind where it says something about the job
+    (a layout mismatch is one on every rank), ``PeerFailed`` otherwise."""
+    known = {cls.__name__: cls for cls in (
+        ConfigError, SyncTimeout, PeerFailed, ShardCorrupt, LayoutMismatch, DuplicateRank,
+        StorageError)}
+    return known.get(name, PeerFailed)

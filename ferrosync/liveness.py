@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 
-from .errors import LayoutMismatch, PeerFailed, ShardCorrupt
+from .errors import LayoutMismatch, PeerFailed, ShardCorrupt, error_class
 from .storage import Storage
 from .wire import decode_record, encode_record
 
@@ -176,8 +176,8 @@ class PeerMonitor:
                 peer_op = record.get("op")
                 if record.get("collective") == collective and peer_op and peer_op != op:
                     raise LayoutMismatch(
-                        f"rank {peer} is in {peer_op} while this rank is in {op} "
-                        f"at the same collective number",
+                        f"rank {self._rank} called {op}, rank {peer} called {peer_op} "
+                        "(seen in its heartbeat)",
                         rank=self._rank, collective=collective, path=self._url,
                         hint="every rank must call the same collectives in the same order",
                     )
@@ -195,15 +195,17 @@ class PeerMonitor:
                     "check that rank's log, then restart the job",
                 )
 
-    def _peer_error(self, peer: int, path: str, data: bytes, collective: int) -> PeerFailed:
+    def _peer_error(self, peer: int, path: str, data: bytes, collective: int):
+        cls = PeerFailed
         try:
             record = decode_record(data, self._key, path=self._storage.path_of(path),
                                    rank=self._rank)
             what = f"{record.get('type')}: {record.get('message')}"
             where = record.get("collective")
+            cls = error_class(str(record.get("type")))
         except ShardCorrupt as exc:
             what, where = f"(unreadable abort marker: {exc})", None
-        return PeerFailed(
+        return cls(
             f"rank {peer} failed" + (f" at collective {where}" if where is not None else "")
             + f" with {what}",
             rank=self._rank, collective=collective, path=self._storage.path_of(path),

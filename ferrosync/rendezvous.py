@@ -50,16 +50,24 @@ def gen_key(generation: int) -> str:
     return f"{RDZV}/gen.{generation}"
 
 
-def gen_prefix(generation: int) -> str:
-    return f"g{generation}"
+def gen_prefix(generation: int, token: str) -> str:
+    """The generation's data prefix. The random token makes it unique even if the
+    rendezvous records were deleted and a number is reused: a stale directory of
+    an earlier attempt can never be mistaken for the current one."""
+    return f"g{generation}.{token}"
 
 
 @dataclass(frozen=True)
 class Generation:
     number: int
-    token: str
+    token: str  # 16 hex digits, random per announcement
     prefix: str
     settings: dict
+
+    @property
+    def tag(self) -> int:
+        """The token as the 64-bit value every object header carries."""
+        return int(self.token, 16)
 
 
 def first_missing(storage: Storage, key_of, start: int = 0) -> int:
@@ -83,10 +91,12 @@ def first_missing(storage: Storage, key_of, start: int = 0) -> int:
 class _DuplicateWatch:
     """Raises DuplicateRank if ``rank``'s heartbeat in ``generation`` keeps moving."""
 
-    def __init__(self, storage: Storage, generation: int | None, rank: int,
+    def __init__(self, storage: Storage, previous: dict | None, rank: int,
                  key: bytes | None, interval: float) -> None:
         self._storage = storage
-        self._generation = generation
+        self._generation = previous.get("generation") if previous else None
+        self._prefix = (gen_prefix(previous["generation"], previous["token"])
+                        if previous else None)
         self._rank = rank
         self._key = key
         self._interval = interval
@@ -97,7 +107,7 @@ class _DuplicateWatch:
         if self._generation is None or time.monotonic() < self._next:
             return
         self._next = time.monotonic() + self._interval
-        path = heartbeat_key(gen_prefix(self._generation), self._rank)
+        path = heartbeat_key(self._prefix, self._rank)
         raw = self._storage.read(path)
         if raw is None:
             return
@@ -120,6 +130,15 @@ class _DuplicateWatch:
             )
 
 
+def _read_announcement(storage: Storage, g: int, key: bytes | None) -> dict | None:
+    if g < 0:
+        return None
+    raw = storage.read(gen_key(g))
+    if raw is None:
+        return None
+    return decode_record(raw, key, path=storage.path_of(gen_key(g)))
+
+
 def rendezvous(storage: Storage, rank: int, world_size: int, settings: dict, *,
                key: bytes | None, timeout: float, poll: tuple[float, float],
                heartbeat_interval: float, url: str) -> Generation:
@@ -136,14 +155,9 @@ def rendezvous(storage: Storage, rank: int, world_size: int, settings: dict, *,
 
 def _announce(storage, world_size, settings, key, deadline, poll, interval, url, timeout):
     g = first_missing(storage, gen_key)
-    consumed: dict[str, list] = {}
-    if g > 0:
-        raw = storage.read(gen_key(g - 1))
-        if raw is not None:
-            consumed = decode_record(raw, key, path=storage.path_of(gen_key(g - 1))).get(
-                "joins", {}
-            )
-    watch = _DuplicateWatch(storage, g - 1 if g else None, 0, key, interval)
+    previous = _read_announcement(storage, g - 1, key)
+    consumed: dict[str, list] = previous.get("joins", {}) if previous else {}
+    watch = _DuplicateWatch(storage, previous, 0, key, interval)
     joins: dict[str, list] = {}
     problems: list[str] = []
     pending = list(range(1, world_size))
@@ -189,7 +203,7 @@ def _announce(storage, world_size, settings, key, deadline, poll, interval, url,
         "pid": os.getpid(),
         "wall_time": time.time(),
     }
-    storage.makedirs(gen_prefix(g))
+    storage.makedirs(gen_prefix(g, token))
     try:
         storage.put(gen_key(g), [encode_record(record, key)], exclusive=True)
     except FileExistsError:
@@ -201,7 +215,7 @@ def _announce(storage, world_size, settings, key, deadline, poll, interval, url,
     if problems:
         raise ConfigError("ranks disagree on settings: " + record["error"], rank=0, path=url,
                           hint="start every rank with the same options and versions")
-    return Generation(g, token, gen_prefix(g), settings)
+    return Generation(g, token, gen_prefix(g, token), settings)
 
 
 def _join(storage, rank, world_size, settings, key, deadline, poll, interval, url, timeout):
@@ -225,7 +239,8 @@ def _join(storage, rank, world_size, settings, key, deadline, poll, interval, ur
             path=storage.path_of(join_key(rank, attempt)),
             hint="each process needs a distinct RANK; two jobs must not share one URL",
         ) from None
-    watch = _DuplicateWatch(storage, g - 1 if g else None, rank, key, interval)
+    watch = _DuplicateWatch(storage, _read_announcement(storage, g - 1, key), rank, key,
+                            interval)
     backoff = Backoff(*poll)
     while True:
         raw = storage.read(gen_key(g))
@@ -238,7 +253,8 @@ def _join(storage, rank, world_size, settings, key, deadline, poll, interval, ur
                         "ranks disagree on settings: " + announced["error"], rank=rank,
                         path=url, hint="start every rank with the same options and versions",
                     )
-                return Generation(g, announced["token"], gen_prefix(g), announced["settings"])
+                return Generation(g, announced["token"], gen_prefix(g, announced["token"]),
+                                  announced["settings"])
             if mine is not None and mine[0] > attempt:
                 raise DuplicateRank(
                     f"generation {g} took a later process as rank {rank} (attempt {mine[0]}, "

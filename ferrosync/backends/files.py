@@ -62,6 +62,7 @@ from ..errors import (
     ShardCorrupt,
     StorageError,
     SyncTimeout,
+    error_class,
 )
 from ..liveness import Heartbeat, PeerMonitor, publish_abort
 from ..rendezvous import rendezvous
@@ -120,17 +121,6 @@ def _positive(name, value, *, integer=False, allow_none=True):
         raise ConfigError(f"{name} must be a positive {'int' if integer else 'number'}, "
                           f"got {value!r}")
     return value
-
-
-def _error_type(name: str) -> type[FerrosyncError]:
-    return {
-        "LayoutMismatch": LayoutMismatch,
-        "ShardCorrupt": ShardCorrupt,
-        "SyncTimeout": SyncTimeout,
-        "ConfigError": ConfigError,
-        "DuplicateRank": DuplicateRank,
-        "StorageError": StorageError,
-    }.get(name, PeerFailed)
 
 
 class FileSync(GradSync):
@@ -235,6 +225,11 @@ class FileSync(GradSync):
     def generation(self) -> int:
         return self._generation.number
 
+    @property
+    def generation_url(self) -> str:
+        """Where this generation's objects live (``<url>/g<n>.<token>``)."""
+        return self._storage.path_of(self._prefix)
+
     # -- connect-time checks -------------------------------------------------------------
     def _probe(self) -> None:
         """Fail at connect, not at the first step, when the location is unusable."""
@@ -297,7 +292,7 @@ class FileSync(GradSync):
                 slice_: int = 0, nslices: int = 1) -> Header:
         return Header(
             kind=kind, dtype=DTYPE_CODES[dtype], codec=codec.code, rank=self.rank,
-            world_size=self.world_size, generation=self._generation.number,
+            world_size=self.world_size, generation=self._generation.tag,
             collective=self._seq, count=count, offset=offset, total=total, weight=weight,
             layout=digest, payload_nbytes=nbytes, flags=flags, slice=slice_, nslices=nslices,
             block=codec.frame_elems if isinstance(codec, Int8Codec) else 0,
@@ -346,11 +341,11 @@ class FileSync(GradSync):
                 header = parse_header(raw[:got], path=path, rank=self.rank, key=self._key)
                 if header.flags & FLAG_AUTH:
                     reader.readinto(memoryview(raw)[HEADER_SIZE:])
-            if header.generation != self._generation.number or header.collective != self._seq:
+            if header.generation != self._generation.tag or header.collective != self._seq:
                 raise ShardCorrupt(
-                    f"object belongs to generation {header.generation} collective "
-                    f"{header.collective}, expected generation {self._generation.number} "
-                    f"collective {self._seq}", rank=self.rank, collective=self._seq, path=path,
+                    f"object belongs to generation tag {header.generation:016x} collective "
+                    f"{header.collective}, expected {self._generation.token} collective "
+                    f"{self._seq}", rank=self.rank, collective=self._seq, path=path,
                     hint="something else writes under this URL: give each job its own URL",
                 )
             expected = header.size + header.payload_nbytes
@@ -384,7 +379,7 @@ class FileSync(GradSync):
         data = self._read_payload_bytes(reader, header, raw_head, path)
         try:
             info = json.loads(data.decode())
-            cls = _error_type(info.get("type", ""))
+            cls = error_class(info.get("type", ""))
             message = str(info.get("message", ""))
         except (ValueError, UnicodeDecodeError):
             cls, message = PeerFailed, "(unreadable error record)"
@@ -406,7 +401,7 @@ class FileSync(GradSync):
         payload = body.encode()
         header = Header(
             kind=KIND_ERROR, dtype=DTYPE_CODES[torch.uint8], codec=0, rank=self.rank,
-            world_size=self.world_size, generation=self._generation.number,
+            world_size=self.world_size, generation=self._generation.tag,
             collective=self._seq, count=len(payload), offset=0, total=len(payload),
             weight=0.0, layout=b"\0" * 8, payload_nbytes=len(payload),
         )
