@@ -133,7 +133,7 @@ class GradSync:
             finally:
                 self._pool.clear()
 
-    def __enter__(self) -> "GradSync":
+    def __enter__(self) -> GradSync:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -239,7 +239,8 @@ class GradSync:
 def _check_weight(weight) -> float:
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1:
-            raise ConfigError(f"weight must be a number, got a tensor of shape {list(weight.shape)}")
+            raise ConfigError(
+                f"weight must be a number, got a tensor of shape {list(weight.shape)}")
         weight = weight.item()
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
         raise ConfigError(f"weight must be a number, got {type(weight).__name__}")
@@ -313,7 +314,7 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
 # peers would wait out their whole timeout. sys.excepthook runs before atexit, so
 # it records the failure; atexit then closes whatever is still open.
 
-_LIVE: "weakref.WeakSet[GradSync]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[GradSync] = weakref.WeakSet()
 _previous_excepthook = sys.excepthook
 
 

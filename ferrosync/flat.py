@@ -38,7 +38,7 @@ class Bucket:
     device: torch.device
     numel: int
 
-    def flat(self, pool: "BufferPool") -> tuple[torch.Tensor, bool]:
+    def flat(self, pool: BufferPool) -> tuple[torch.Tensor, bool]:
         """(flat vector, is_copy). A lone contiguous tensor is returned as a view."""
         if len(self.tensors) == 1 and self.tensors[0].is_contiguous():
             return self.tensors[0].detach().view(-1), False

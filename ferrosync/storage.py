@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 import threading
 import time
 from typing import Iterable, Sequence
@@ -122,12 +123,16 @@ class _FdReader(Reader):
     def readinto(self, buf) -> int:
         view = memoryview(buf).cast("B")
         total = 0
-        while total < len(view):
-            n = os.readv(self._fd, [view[total:]])
-            if n == 0:
-                break
-            total += n
-        self._counters.add(read=total)
+        try:
+            while total < len(view):
+                n = os.readv(self._fd, [view[total:]])
+                if n == 0:
+                    break
+                total += n
+        except OSError as exc:
+            raise _storage_error("reading", self._path, exc, _is_transient(exc)) from exc
+        finally:
+            self._counters.add(read=total)
         return total
 
     def close(self) -> None:
@@ -317,6 +322,10 @@ class LocalStorage(Storage):
             fd = self._retry("opening", key, os.open, path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StorageError("not a regular file", path=path,
+                               hint="something else occupies this name: give the run its own URL")
         return _FdReader(fd, path, self.counters)
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -515,11 +524,11 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
-        hint = known_implementations.get(protocol, {}).get("err", "")
-        package = {"s3": "ferrosync[s3]' (s3fs)", "gs": "gcsfs", "gcs": "gcsfs"}.get(protocol)
-        fix = f"pip install '{package}" if package and protocol == "s3" else (
-            f"pip install {package}" if package else hint or f"install the fsspec driver for {protocol}"
-        )
+        package = {"s3": "'ferrosync[s3]' (s3fs)", "gs": "gcsfs", "gcs": "gcsfs",
+                   "az": "adlfs", "abfs": "adlfs"}.get(protocol)
+        fix = f"pip install {package}" if package else (
+            known_implementations.get(protocol, {}).get("err")
+            or f"install the fsspec driver for {protocol}")
         raise ConfigError(
             f"the {protocol}:// driver is not installed ({exc})", path=url, hint=fix
         ) from None

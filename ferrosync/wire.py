@@ -200,8 +200,8 @@ def parse_header(raw, *, path: str, rank: int | None = None, key: bytes | None =
             f"wire format version {version}, this ferrosync reads version {VERSION}",
             rank=rank, path=path, hint="run the same ferrosync version on every rank",
         )
-    (crc,) = struct.unpack_from("<I", raw, _CRC_SPAN)
-    if zlib.crc32(raw[:_CRC_SPAN]) != crc:
+    crc, reserved = struct.unpack_from("<II", raw, _CRC_SPAN)
+    if zlib.crc32(raw[:_CRC_SPAN]) != crc or reserved != 0:
         raise ShardCorrupt("header checksum mismatch", rank=rank, path=path, hint=_CORRUPT_HINT)
     if key is not None and not flags & FLAG_AUTH:
         raise ShardCorrupt(

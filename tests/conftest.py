@@ -35,7 +35,7 @@ class Transport:
     url: str
     options: dict = field(default_factory=dict)
 
-    def with_options(self, **extra) -> "Transport":
+    def with_options(self, **extra) -> Transport:
         return Transport(self.name, self.url, {**self.options, **extra})
 
 

@@ -14,8 +14,8 @@ import inspect
 import multiprocessing as mp
 import os
 import pickle
-import sys
 import queue
+import sys
 import time
 import traceback
 from dataclasses import dataclass

@@ -195,7 +195,7 @@ def test_storage_stays_bounded_over_many_collectives(case):
 def test_stats_count_what_moved(case):
     results = run_ranks(w_average, case.world_size, case.url, case.options,
                         [1.0] * case.world_size)
-    for total, tensors, stats in results:
+    for _total, tensors, stats in results:
         for part in ("total", "last"):
             for key in ("collectives", "bytes_written", "bytes_read", "requests", "write_s",
                         "wait_s", "reduce_s", "read_s"):

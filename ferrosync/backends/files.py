@@ -55,8 +55,6 @@ from ..codecs import (
 from ..env import ENV_SECRET
 from ..errors import (
     ConfigError,
-    DuplicateRank,
-    FerrosyncError,
     LayoutMismatch,
     PeerFailed,
     ShardCorrupt,
@@ -68,6 +66,7 @@ from ..liveness import Heartbeat, PeerMonitor, publish_abort
 from ..rendezvous import rendezvous
 from ..storage import Backoff, FsspecStorage, object_exists, open_storage
 from ..wire import (
+    DTYPE_CODES,
     FLAG_AUTH,
     FLAG_EMPTY,
     FLAG_UNCHANGED,
@@ -79,7 +78,6 @@ from ..wire import (
     KIND_RESULT,
     MAC_SIZE,
     VERSION,
-    DTYPE_CODES,
     Header,
     PayloadCheck,
     decode_record,
@@ -165,7 +163,8 @@ class FileSync(GradSync):
             try:
                 device = torch.device(device)
             except (RuntimeError, TypeError):
-                raise ConfigError(f"reduce_device must be 'cpu' or 'cuda', got {device!r}") from None
+                raise ConfigError(
+                    f"reduce_device must be 'cpu' or 'cuda', got {device!r}") from None
             if device.type == "cuda" and not torch.cuda.is_available():
                 raise ConfigError("reduce_device='cuda' but CUDA is not available",
                                   hint="drop reduce_device or use 'cpu'")
@@ -697,7 +696,8 @@ class FileSync(GradSync):
                 header = self._header(KIND_CONTRIB, flat.dtype, codec, count=hi - lo, offset=lo,
                                       total=n, weight=weight, digest=digest,
                                       nbytes=sum(p.nbytes for p in parts),
-                                      flags=0 if parts else FLAG_EMPTY, slice_=j, nslices=len(bounds))
+                                      flags=0 if parts else FLAG_EMPTY, slice_=j,
+                                      nslices=len(bounds))
                 self._put(f"c{s}.r{me}.s{j}", header, parts)
         lo, hi = bounds[me]
         acc = self._pool.get("acc", hi - lo, accumulator_dtype(flat.dtype),

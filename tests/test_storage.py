@@ -1,0 +1,116 @@
+"""The storage layer: atomic publish, exact-name reads, errors that are not "not yet"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+
+import pytest
+
+from ferrosync.errors import ConfigError, StorageError
+from ferrosync.storage import LocalStorage, open_storage
+from ranks import start_ranks
+
+
+def test_put_open_delete_roundtrip(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    st.makedirs("d")
+    assert st.open("d/x") is None  # not there yet: None, not an error
+    n = st.put("d/x", [b"hello ", memoryview(b"world")])
+    assert n == 11
+    with st.open("d/x") as reader:
+        buf = bytearray(reader.size)
+        assert reader.readinto(buf) == 11
+    assert bytes(buf) == b"hello world"
+    st.delete(["d/x", "d/missing"])  # a missing key is fine
+    assert st.open("d/x") is None
+    assert st.counters.snapshot()["requests"] >= 4
+
+
+def test_files_are_not_world_accessible(tmp_path):
+    st = LocalStorage(str(tmp_path / "run"))
+    st.makedirs("g")
+    st.put("g/x", [b"data"])
+    mode = stat.S_IMODE(os.stat(tmp_path / "run" / "g" / "x").st_mode)
+    assert mode & 0o007 == 0
+    assert stat.S_IMODE(os.stat(tmp_path / "run" / "g").st_mode) & 0o007 == 0
+
+
+def test_exclusive_put_refuses_an_existing_name(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    st.put("once", [b"a"], exclusive=True)
+    with pytest.raises(FileExistsError):
+        st.put("once", [b"b"], exclusive=True)
+    assert st.read("once") == b"a"
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_errors_other_than_not_found_propagate(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    os.mkdir(tmp_path / "adir")
+    with pytest.raises(StorageError) as info:
+        st.open("adir")  # exists but is no object: an error, never "not yet"
+    assert str(tmp_path / "adir") in str(info.value)
+
+
+def test_writing_into_a_missing_directory_names_the_path(tmp_path):
+    st = LocalStorage(str(tmp_path))
+    with pytest.raises(FileNotFoundError):
+        st.put("no/such/dir/x", [b"a"])
+
+
+def w_blocked_writer(rank, world, root, ready):
+    # fault injection in this process only: stop between writing and publishing
+    import threading
+
+    def stall(src, dst):
+        open(ready, "w").close()
+        threading.Event().wait()
+
+    os.replace = stall
+    LocalStorage(root).put("shard", [b"x" * (1 << 20)])
+
+
+def test_killed_writer_never_exposes_a_partial_object(tmp_path):
+    root, ready = str(tmp_path / "run"), str(tmp_path / "ready")
+    os.makedirs(root)
+    procs, _ = start_ranks(w_blocked_writer, 1, root, ready)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(ready):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # the bytes are fully written, under a temporary name in the same directory
+    temps = [n for n in os.listdir(root) if n.endswith(".tmp")]
+    assert len(temps) == 1 and temps[0].startswith(".shard.")
+    os.kill(procs[0].pid, signal.SIGKILL)
+    procs[0].join(10)
+    st = LocalStorage(root)
+    assert st.open("shard") is None  # readers never see it
+    assert os.path.getsize(os.path.join(root, temps[0])) == 1 << 20  # orphan left for `gc`
+
+
+def test_memory_and_bad_urls():
+    st = open_storage("memory://ferrosync-test-storage")
+    st.put("a/b", [b"xyz"])
+    assert st.read("a/b") == b"xyz"
+    assert st.read("a/c") is None
+    assert [k for k, _ in st.list("a")] == ["a/b"]
+    with pytest.raises(ConfigError):
+        open_storage("/tmp/x", {"anon": True})
+    with pytest.raises(ConfigError, match="unknown URL scheme"):
+        open_storage("bogus://x")
+
+
+def test_s3_roundtrip_and_single_request_reads(s3_transport):
+    st = open_storage(s3_transport.url, s3_transport.options["storage_options"])
+    assert st.open("k") is None
+    st.put("k", [b"abc", b"def"])
+    before = st.counters.snapshot()["requests"]
+    assert st.read("k") == b"abcdef"
+    assert st.counters.snapshot()["requests"] - before == 1  # one GET, no HEAD first
+    with pytest.raises(FileExistsError):
+        st.put("k", [b"again"], exclusive=True)
+    st.delete(["k"])
+    assert st.open("k") is None
