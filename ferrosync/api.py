@@ -116,6 +116,24 @@ class GradSync:
                               rank=self.rank)
         self._collective("broadcast", tensors, lambda: self._broadcast(tensors, src))
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Collective: every rank's ``tensor`` (any dtype), as a list indexed by rank.
+
+        Every rank passes a tensor of the same dtype and shape; blocks until all have
+        arrived. The returned tensors are new (this rank's entry is a copy).
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"all_gather takes one tensor, got {type(tensor).__name__}",
+                              rank=self.rank)
+        source = tensor.detach().contiguous()
+
+        def body():
+            (bucket, digest, layout), = self._buckets("all_gather", [source])
+            flat = source.view(-1)
+            return [t.view(tensor.shape) for t in self._all_gather_flat(flat, digest, layout)]
+
+        return self._collective("all_gather", [source], body)
+
     def barrier(self) -> None:
         """Collective: returns once every rank has entered."""
         self._collective("barrier", [], self._barrier)
@@ -224,6 +242,11 @@ class GradSync:
 
     def _broadcast_flat(self, flat: torch.Tensor, src: int, digest: bytes,
                         layout: dict) -> None:
+        raise NotImplementedError
+
+    def _all_gather_flat(self, flat: torch.Tensor, digest: bytes,
+                         layout: dict) -> list[torch.Tensor]:
+        """Every rank's ``flat`` (new tensors, indexed by rank)."""
         raise NotImplementedError
 
     def _barrier(self) -> None:

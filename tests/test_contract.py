@@ -264,3 +264,20 @@ def w_large(rank, world, url, options):
     with connect(url, rank, world, options) as sync:
         sync.average_(x)
     return x
+
+
+def w_all_gather(rank, world, url, options):
+    with connect(url, rank, world, options) as sync:
+        a = sync.all_gather(torch.arange(6, dtype=torch.int32).reshape(2, 3) * rank)
+        b = sync.all_gather(torch.tensor([float(rank)], dtype=torch.bfloat16))
+        sync.average_(torch.ones(2))  # cleanup of all-gather objects rides on later gathers
+        return a, b
+
+
+def test_all_gather(case):
+    results = run_ranks(w_all_gather, case.world_size, case.url, case.options)
+    for a, b in results:
+        assert len(a) == len(b) == case.world_size
+        for k in range(case.world_size):
+            assert torch.equal(a[k], torch.arange(6, dtype=torch.int32).reshape(2, 3) * k)
+            assert b[k].item() == k and b[k].dtype == torch.bfloat16

@@ -766,6 +766,39 @@ class FileSync(GradSync):
             # rank 0 deletes it once every rank has shown up for a later gather
             self._after_gather.append(self._key_of(name))
 
+    # all-gather ----------------------------------------------------------------------------
+    def _all_gather_flat(self, flat, digest, layout):
+        s = self._begin("all_gather")
+        out = [flat.clone() if k == self.rank else torch.empty_like(flat)
+               for k in range(self.world_size)]
+        if self.world_size == 1:
+            return out
+        self._ensure_layout(digest, layout)
+        codec = RawCodec(flat.dtype)
+        mine = f"c{s}.r{self.rank}"
+        with self._stats.phase("write_s"):
+            payload = self._encode(flat, codec, None)
+            header = self._header(KIND_BROADCAST, flat.dtype, codec, count=flat.numel(),
+                                  offset=0, total=flat.numel(), weight=1.0, digest=digest,
+                                  nbytes=payload.numel())
+            self._put(mine, header, [payload.numpy()])
+        names = {k: f"c{s}.r{k}" for k in range(self.world_size)}
+        self._gathering = names
+        for k in range(self.world_size):
+            if k == self.rank:
+                continue
+            reader, header, raw = self._wait_open(names[k], range(k, self.world_size),
+                                                  f"the contribution of rank {k}")
+            path = self._storage.path_of(self._key_of(names[k]))
+            with reader:
+                self._check_header(header, path, kind=KIND_BROADCAST, src=k, digest=digest,
+                                   codec=codec, dtype=flat.dtype, count=flat.numel(), offset=0)
+                self._receive_into(reader, header, raw, codec, out[k], path)
+        self._gathering = None
+        # every rank wrote for s, so every rank finished the collectives before it
+        self._after_gather_done([self._key_of(mine)])
+        return out
+
     # failure and shutdown ------------------------------------------------------------------
     def _publish_abort(self, exc):
         if self._prefix is None:
