@@ -86,7 +86,9 @@ def dir_transport(tmp_path) -> Transport:
 
 
 # The contract matrix: (backend, world size). Each contract test runs on every case.
-CASES = [("dir", 1), ("dir", 2), ("dir", 3), ("dir", 4), ("s3", 2)]
+CASES = [("dir", 1), ("dir", 2), ("dir", 3), ("dir", 4), ("s3", 2), ("gloo", 2), ("gloo", 3),
+         ("nccl", 2)]
+STORAGE_BACKENDS = ("dir", "s3")
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,10 @@ class Case:
     def options(self) -> dict:
         return self.transport.options
 
+    @property
+    def is_storage(self) -> bool:
+        return self.transport.name in STORAGE_BACKENDS
+
 
 @pytest.fixture(params=CASES, ids=[f"{b}-w{w}" for b, w in CASES])
 def case(request, tmp_path) -> Case:
@@ -110,6 +116,15 @@ def case(request, tmp_path) -> Case:
         transport = Transport("dir", str(tmp_path / "run"))
     elif backend == "s3":
         transport = request.getfixturevalue("s3_transport")
+    elif backend == "gloo":
+        transport = Transport("gloo", f"gloo://127.0.0.1:{free_port()}")
+    elif backend == "nccl":
+        import torch
+
+        if torch.cuda.device_count() < world:
+            pytest.skip(f"NCCL needs {world} CUDA devices, this machine has "
+                        f"{torch.cuda.device_count()}")
+        transport = Transport("nccl", f"nccl://127.0.0.1:{free_port()}")
     else:  # pragma: no cover
         raise AssertionError(backend)
     return Case(transport, world)

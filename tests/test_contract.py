@@ -178,6 +178,8 @@ def test_broadcast_from_every_source(case):
 
 
 def test_storage_stays_bounded_over_many_collectives(case):
+    if not case.is_storage:
+        pytest.skip("no storage to inspect on a torch.distributed transport")
     steps = 40
     results = run_ranks(w_many, case.world_size, case.url, case.options, steps)
     for x, _stats, _gen in results:
@@ -237,6 +239,8 @@ def test_wire_dtypes_are_close_and_smaller(case, wire):
             continue
         # int8: error per element <= absmax/127 per frame on the way in and out
         bound = {"bfloat16": 2e-2, "float16": 2e-3, "int8": 6e-2}[wire]
+        # the result is rounded to the wire dtype, then to the tensor's own dtype
+        bound = max(bound, torch.finfo(ref.dtype).eps)
         scale = ref.double().abs().max().item() + 1e-12
         err = (got.double() - ref.double()).abs().max().item()
         assert err <= bound * scale + 1e-3, (wire, got.dtype, err, scale)
