@@ -173,11 +173,19 @@ class Storage:
         self.counters = Counters()
 
     # -- interface -----------------------------------------------------------------
-    def put(self, key: str, parts: Sequence, *, exclusive: bool = False) -> int:
+    #: whether ``put(..., reuse=old_key)`` can recycle an old object's storage
+    can_recycle: bool = False
+
+    def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
+            reuse: str | None = None) -> int:
         """Publish ``parts`` (buffers, concatenated) under ``key`` atomically.
 
         With ``exclusive`` the put fails with ``FileExistsError`` when ``key`` exists
-        (used for write-once announcements). Returns the bytes written.
+        (used for write-once announcements). ``reuse`` names an object in the same
+        directory that the caller owns and that nobody will read again: where
+        ``can_recycle`` is true its storage is rewritten instead of allocating a new
+        object (and it disappears under its old name); elsewhere it is ignored.
+        Returns the bytes written.
         """
         raise NotImplementedError
 
@@ -197,6 +205,14 @@ class Storage:
 
     def delete(self, keys: Iterable[str]) -> None:
         raise NotImplementedError
+
+    def park(self, key: str) -> str | None:
+        """Move a consumed object to a hidden spare name for a later ``put(reuse=...)``.
+
+        Returns the spare's key, or None where the store cannot recycle (the object is
+        then left alone: delete it instead).
+        """
+        return None
 
     def makedirs(self, prefix: str) -> None:
         """Create a directory level where the store has them; no-op on object stores."""
@@ -278,11 +294,15 @@ class LocalStorage(Storage):
     poll_max = 0.01
     heartbeat_interval = 1.0
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, recycle: bool | None = None) -> None:
         root = os.path.abspath(os.path.expanduser(root))
         super().__init__(root)
         self.root = root
         self._made: set[str] = set()
+        # Rewriting a consumed file in place skips the kernel zeroing fresh page-cache
+        # pages (32 MiB: 5 ms instead of 15 ms on tmpfs). Only on local filesystems: an
+        # NFS client may hold cached pages of the old contents under the same inode.
+        self.can_recycle = is_local_filesystem(root) if recycle is None else bool(recycle)
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, key) if key else self.root
@@ -294,13 +314,24 @@ class LocalStorage(Storage):
         self._retry("creating the directory", prefix, os.makedirs, path, DIR_MODE, True)
         self._made.add(path)
 
-    def put(self, key: str, parts: Sequence, *, exclusive: bool = False) -> int:
+    def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
+            reuse: str | None = None) -> int:
         final = self._path(key)
         directory, name = os.path.split(final)
         # The temporary name lives in the *same directory* so the rename is atomic;
         # the leading dot and ".tmp" mark it for `gc` if this process dies here.
         tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        nbytes = self._retry("writing", key, _write_file, tmp, parts)
+        recycled = False
+        if reuse is not None and self.can_recycle:
+            old = self._path(reuse)
+            if os.path.dirname(old) == directory:
+                try:
+                    os.rename(old, tmp)  # the old name vanishes atomically, as a delete would
+                    recycled = True
+                except FileNotFoundError:
+                    pass
+            self.counters.add(requests=1)
+        nbytes = self._retry("writing", key, _write_file, tmp, parts, recycled)
         try:
             if exclusive:
                 # link() fails if the name exists: an atomic create-if-absent that
@@ -328,6 +359,18 @@ class LocalStorage(Storage):
                                hint="something else occupies this name: give the run its own URL")
         return _FdReader(fd, path, self.counters)
 
+    def park(self, key: str) -> str | None:
+        if not self.can_recycle:
+            return None
+        directory = os.path.dirname(key)
+        spare = f"{directory}/.spare.{os.getpid()}.{secrets.token_hex(4)}".lstrip("/")
+        self.counters.add(requests=1)
+        try:
+            os.rename(self._path(key), self._path(spare))
+        except FileNotFoundError:
+            return None
+        return spare
+
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
             self.counters.add(requests=1)
@@ -350,9 +393,11 @@ class LocalStorage(Storage):
         return sorted(out)
 
 
-def _write_file(path: str, parts: Sequence) -> int:
-    """Write ``parts`` to a new file; on any failure the file is removed."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+def _write_file(path: str, parts: Sequence, existing: bool = False) -> int:
+    """Write ``parts`` to a new file (or over an ``existing`` one, then cut it to
+    size); on any failure the file is removed."""
+    flags = os.O_WRONLY if existing else os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    fd = os.open(path, flags, FILE_MODE)
     try:
         try:
             views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
@@ -366,6 +411,8 @@ def _write_file(path: str, parts: Sequence) -> int:
                     views.pop(0)
                 if views and n:
                     views[0] = views[0][n:]
+            if existing:
+                os.ftruncate(fd, total)
         finally:
             os.close(fd)  # on NFS close() flushes, and may be where ENOSPC shows
     except BaseException:
@@ -400,7 +447,10 @@ class FsspecStorage(Storage):
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
-    def put(self, key: str, parts: Sequence, *, exclusive: bool = False) -> int:
+    def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
+            reuse: str | None = None) -> int:
+        if reuse is not None:
+            self.delete([reuse])  # an object store has nothing to recycle
         views = [memoryview(p).cast("B") for p in parts]
         data = views[0].tobytes() if len(views) == 1 else b"".join(views)
         mode = "create" if exclusive else "overwrite"
@@ -482,6 +532,36 @@ def _accepts_refresh(fs) -> bool:
         return "refresh" in inspect.signature(fs.ls).parameters
     except (TypeError, ValueError):
         return False
+
+
+# Filesystems whose page cache is the only cache: rewriting a file in place is seen by
+# every reader at once. Network and FUSE filesystems are excluded on purpose.
+_LOCAL_FS = {"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs",
+             "overlay", "jfs", "reiserfs", "bcachefs"}
+
+
+def is_local_filesystem(path: str) -> bool:
+    """True when ``path`` lies on a local filesystem (per /proc/self/mountinfo)."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return False  # not Linux: be conservative
+    path = os.path.realpath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    best, fstype = "", None
+    for line in mounts:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        mount_point = fields[4].replace("\\040", " ")
+        if (path == mount_point or path.startswith(mount_point.rstrip("/") + "/")) and len(
+            mount_point
+        ) >= len(best):
+            best, fstype = mount_point, right.split()[0]
+    return fstype in _LOCAL_FS
 
 
 def split_url(url: str) -> tuple[str, str]:

@@ -88,6 +88,7 @@ from ..wire import (
 )
 
 REDUCE_MODES = ("root", "sharded", "auto")
+_RECYCLE_MIN_BYTES = 256 << 10
 
 # name -> (default, description); validated in check_options
 OPTIONS = {
@@ -196,6 +197,10 @@ class FileSync(GradSync):
         self._deadline = 0.0
         self._garbage: list[str] = []  # provably consumed, delete at the next wait
         self._after_gather: list[str] = []  # delete once every rank has moved on
+        # consumed objects this rank wrote, kept to be rewritten by later puts instead of
+        # being deleted (local filesystems only, see LocalStorage.can_recycle)
+        self._written: dict[str, int] = {}
+        self._spares: list[tuple[int, str]] = []
         self._heartbeat = None
         self._prefix = None
         self._gathering: dict[int, str] | None = None  # names awaited in a gather
@@ -262,8 +267,10 @@ class FileSync(GradSync):
         return f"{self._prefix}/{name}"
 
     def _begin(self, op: str) -> int:
-        if len(self._garbage) > 2 * self.world_size + 8:
-            self._flush_garbage()  # waits were all short: nothing flushed them yet
+        if self._storage.can_recycle or len(self._garbage) > 2 * self.world_size + 8:
+            # recycling: consumed files become spares before this collective's puts;
+            # otherwise only when waits were all too short to delete them for free
+            self._flush_garbage()
         self._seq += 1
         self._op = op
         self._deadline = time.monotonic() + self.timeout
@@ -299,12 +306,42 @@ class FileSync(GradSync):
 
     def _put(self, name: str, header: Header, parts: list) -> None:
         head = seal(header, parts, self._key)
-        self._storage.put(self._key_of(name), [head, *parts])
+        key = self._key_of(name)
+        nbytes = len(head) + header.payload_nbytes
+        self._storage.put(key, [head, *parts], reuse=self._take_spare(nbytes))
+        if self._storage.can_recycle:
+            self._written[key] = nbytes
+
+    def _take_spare(self, nbytes: int) -> str | None:
+        """The smallest spare that fits: its pages get rewritten instead of allocated.
+
+        Small objects are not worth it (and would truncate a large spare's pages away).
+        """
+        if nbytes < _RECYCLE_MIN_BYTES or not self._spares:
+            return None
+        self._spares.sort()
+        for i, (size, _key) in enumerate(self._spares):
+            if size >= nbytes:
+                return self._spares.pop(i)[1]
+        return None
 
     def _flush_garbage(self) -> None:
-        if self._garbage:
-            keys, self._garbage = self._garbage, []
-            self._storage.delete(keys)
+        if not self._garbage:
+            return
+        keys, self._garbage = self._garbage, []
+        doomed = []
+        for key in keys:
+            size = self._written.pop(key, None)
+            if (size is not None and size >= _RECYCLE_MIN_BYTES
+                    and len(self._spares) < 2 * self.world_size + 4):
+                # hidden name: a parked file must not look like a live collective object
+                spare = self._storage.park(key)
+                if spare is not None:
+                    self._spares.append((size, spare))
+                    continue
+            doomed.append(key)
+        if doomed:
+            self._storage.delete(doomed)
 
     def _ensure_layout(self, digest: bytes, layout: dict) -> None:
         """Publish this rank's description of ``digest`` once, for mismatch messages."""
@@ -595,9 +632,16 @@ class FileSync(GradSync):
                         digest, codec, *, offset: int, full: int, slice_: int, nslices: int):
         """Divide once, encode, publish; then decode the published bytes into ``out``."""
         dtype = out.dtype
+        direct = codec.raw and out.device.type == "cpu"
         with self._stats.phase("reduce_s"):
             if total == 0:
                 parts, flags = [], FLAG_UNCHANGED
+            elif direct:
+                # divide straight into the output (rounding once to its dtype) and
+                # publish those very bytes: no extra copy, and this rank provably holds
+                # what every other rank will read
+                torch.div(acc, total, out=out)
+                parts, flags = [as_uint8(out).numpy()], 0
             else:
                 acc.div_(total)
                 result = acc if acc.dtype == dtype else acc.to(dtype)
@@ -609,7 +653,7 @@ class FileSync(GradSync):
                               slice_=slice_, nslices=nslices)
         with self._stats.phase("write_s"):
             self._put(name, header, parts)
-        if total == 0:
+        if total == 0 or direct:
             return
         with self._stats.phase("reduce_s"):
             # every rank, this one included, ends with the decoded published bytes
@@ -815,6 +859,8 @@ class FileSync(GradSync):
                 self._heartbeat = None
             if failure is None:
                 self._flush_garbage()
+                self._storage.delete([key for _, key in self._spares])
+                self._spares.clear()
         except Exception:
             pass  # close() must not raise because storage or a peer failed
         finally:

@@ -1,0 +1,318 @@
+"""ferrosync's benchmark: average_ through every transport, side by side, in one run.
+
+Run (the README's table comes from the first line):
+    python tools/bench.py                                   # full matrix, ~10 minutes on 2 cores
+    python tools/bench.py --payloads 4KiB,16MiB --world-sizes 2 --backends disk,gloo
+    python tools/bench.py --wire-only                       # bytes per collective per codec
+
+For each backend, world size and float32 payload it starts one process per rank, runs
+``--warmup`` untimed collectives and ``--iters`` timed ones (ranks are aligned with a
+barrier before each, which is not timed), and reports for each collective the time
+until the *last* rank returns: median and p90, the algorithm bandwidth (payload /
+median), the ratio to gloo's median in the same run (< 1 is faster than gloo), and
+rank 0's peak RSS (absolute, and above its baseline after imports). It prints a
+table, writes JSON and draws a PNG (bandwidth vs payload, one line per backend).
+
+Backends:
+    disk-root, disk-sharded   a directory on the local disk (--disk-dir), reduce=root / sharded
+    shm-root, shm-sharded     a directory in /dev/shm (tmpfs)
+    s3                        the S3 backend against a local moto server (127.0.0.1),
+                              payloads above --s3-max-bytes are skipped (moto is slow)
+    gloo                      torch.distributed all_reduce + divide: the baseline
+    ferrosync-gloo            ferrosync's gloo:// backend (layout check + sum-and-count)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
+ALL_BACKENDS = ["disk-root", "disk-sharded", "shm-root", "shm-sharded", "s3", "gloo",
+                "ferrosync-gloo"]
+WIRES = ["float32", "bfloat16", "float16", "int8"]
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    for unit, factor in UNITS.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def human(n: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor} {unit}"
+    return f"{n} B"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# -- one rank ---------------------------------------------------------------------------------
+
+def rank_main(rank, world, spec, payloads, warmup, iters, out):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    import ferrosync
+
+    baseline = rss_mb()
+    kind = spec["kind"]
+    if kind == "gloo":
+        import datetime
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", spec["port"], world, rank == 0,
+                              timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+        def average(x):
+            dist.all_reduce(x)
+            x.div_(world)
+
+        barrier, stats, close = dist.barrier, (lambda: None), dist.destroy_process_group
+    else:
+        sync = ferrosync.connect(spec["url"], rank=rank, world_size=world, timeout=300,
+                                 **spec.get("options", {}))
+        average, barrier, close = sync.average_, sync.barrier, sync.close
+
+        def stats():
+            return sync.stats["last"]
+    results = []
+    for nbytes in payloads:
+        x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
+        times = []
+        last = None
+        for i in range(warmup + iters):
+            barrier()
+            t0 = time.perf_counter()
+            average(x)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(dt)
+                last = stats()
+        results.append({"payload": nbytes, "times": times, "peak_rss_mb": rss_mb(),
+                        "baseline_rss_mb": baseline, "last": last})
+        del x
+    close()
+    out.put((rank, results))
+
+
+def run_group(spec, world, payloads, warmup, iters):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, world, spec, payloads, warmup, iters, out))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    per_rank = {}
+    for _ in procs:
+        rank, results = out.get(timeout=3600)
+        per_rank[rank] = results
+    for p in procs:
+        p.join()
+    rows = []
+    for i, nbytes in enumerate(payloads):
+        # the collective is done when the slowest rank returns
+        times = [max(per_rank[r][i]["times"][k] for r in range(world))
+                 for k in range(len(per_rank[0][i]["times"]))]
+        times.sort()
+        p50 = statistics.median(times)
+        p90 = times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
+        last = per_rank[0][i]["last"] or {}
+        moved = [(per_rank[r][i]["last"] or {}) for r in range(world)]
+        rows.append({
+            "payload": nbytes, "world": world, "p50_ms": p50 * 1e3, "p90_ms": p90 * 1e3,
+            "algbw_gbs": nbytes / p50 / 1e9,
+            "rank0_peak_rss_mb": per_rank[0][i]["peak_rss_mb"],
+            "rank0_rss_above_baseline_mb": per_rank[0][i]["peak_rss_mb"]
+            - per_rank[0][i]["baseline_rss_mb"],
+            "bytes_per_rank": max((m.get("bytes_written", 0) + m.get("bytes_read", 0))
+                                  for m in moved) if last else None,
+            "requests_rank0": last.get("requests"),
+        })
+    return rows
+
+
+def specs(args, world, tmp):
+    out = {}
+    for backend in args.backends:
+        if backend.startswith("disk") or backend.startswith("shm"):
+            base = args.disk_dir if backend.startswith("disk") else "/dev/shm"
+            path = tempfile.mkdtemp(prefix=f"ferrosync-bench-{backend}-", dir=base)
+            tmp.append(path)
+            mode = backend.split("-")[1]
+            out[backend] = {"kind": "ferrosync", "url": path, "options": {"reduce": mode}}
+        elif backend == "s3":
+            out[backend] = {"kind": "ferrosync", "url": f"s3://ferrosync-bench/w{world}",
+                            "options": {"storage_options": args.s3_options}}
+        elif backend == "gloo":
+            out[backend] = {"kind": "gloo", "port": free_port()}
+        elif backend == "ferrosync-gloo":
+            out[backend] = {"kind": "ferrosync", "url": f"gloo://127.0.0.1:{free_port()}"}
+        else:
+            raise SystemExit(f"unknown backend {backend!r}; choose from {ALL_BACKENDS}")
+    return out
+
+
+def start_moto():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                 aws_access_key_id="bench", aws_secret_access_key="bench"
+                 ).create_bucket(Bucket="ferrosync-bench")
+    options = {"key": "bench", "secret": "bench",
+               "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return server, options
+
+
+def wire_rows(args, tmp):
+    """Bytes moved per rank per collective for each codec (directory backend, 2 ranks)."""
+    rows = []
+    nbytes = parse_size(args.wire_payload)
+    for wire in WIRES:
+        path = tempfile.mkdtemp(prefix="ferrosync-bench-wire-", dir="/dev/shm")
+        tmp.append(path)
+        spec = {"kind": "ferrosync", "url": path, "options": {"wire_dtype": wire,
+                                                               "reduce": "root"}}
+        (row,) = run_group(spec, 2, [nbytes], 1, 3)
+        row["wire"] = wire
+        rows.append(row)
+    base = rows[0]["bytes_per_rank"]
+    for row in rows:
+        row["fraction_of_float32"] = row["bytes_per_rank"] / base
+    return rows
+
+
+def print_table(rows, command):
+    print(f"\n$ {command}")
+    head = (f"{'backend':<15} {'W':>2} {'payload':>9} {'p50 ms':>9} {'p90 ms':>9} "
+            f"{'GB/s':>6} {'vs gloo':>8} {'rank0 RSS MB':>13} {'(+base)':>8} {'B/rank':>11}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        ratio = f"{r['vs_gloo']:.2f}x" if r.get("vs_gloo") else "-"
+        moved = f"{r['bytes_per_rank']:,}" if r.get("bytes_per_rank") else "-"
+        print(f"{r['backend']:<15} {r['world']:>2} {human(r['payload']):>9} {r['p50_ms']:>9.3f} "
+              f"{r['p90_ms']:>9.3f} {r['algbw_gbs']:>6.2f} {ratio:>8} "
+              f"{r['rank0_peak_rss_mb']:>13.0f} {r['rank0_rss_above_baseline_mb']:>8.0f} "
+              f"{moved:>11}")
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no PNG; pip install 'ferrosync[plot]')")
+        return
+    worlds = sorted({r["world"] for r in rows})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
+    for ax, world in zip(axes[0], worlds):
+        for backend in dict.fromkeys(r["backend"] for r in rows):
+            pts = [(r["payload"], r["algbw_gbs"]) for r in rows
+                   if r["backend"] == backend and r["world"] == world]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=backend)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("payload (bytes, float32)")
+        ax.set_ylabel("algorithm bandwidth (GB/s)")
+        ax.set_title(f"average_ with {world} ranks")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--payloads", default="4KiB,1MiB,16MiB,64MiB,256MiB",
+                        help="comma-separated float32 payload sizes")
+    parser.add_argument("--world-sizes", default="2,4", help="comma-separated rank counts")
+    parser.add_argument("--backends", default=",".join(ALL_BACKENDS),
+                        help=f"comma-separated, from {ALL_BACKENDS}")
+    parser.add_argument("--iters", type=int, default=10, help="timed collectives per point")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed collectives first")
+    parser.add_argument("--disk-dir", default=os.environ.get("TMPDIR", "/var/tmp"),
+                        help="parent directory on the local disk for the 'disk' backends")
+    parser.add_argument("--s3-max-bytes", default="64MiB",
+                        help="skip larger payloads on the moto S3 server")
+    parser.add_argument("--wire-payload", default="16MiB", help="payload for the codec table")
+    parser.add_argument("--wire-only", action="store_true", help="only the codec byte table")
+    parser.add_argument("--out", default="bench-out", help="folder for bench.json/bench.png")
+    args = parser.parse_args()
+    payloads = sorted(parse_size(p) for p in args.payloads.split(","))
+    worlds = [int(w) for w in args.world_sizes.split(",")]
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    command = "python tools/bench.py " + " ".join(sys.argv[1:])
+    os.makedirs(args.out, exist_ok=True)
+    tmp: list[str] = []
+    server = None
+    rows, wires = [], []
+    try:
+        if "s3" in args.backends and not args.wire_only:
+            server, args.s3_options = start_moto()
+        if not args.wire_only:
+            for world in worlds:
+                for backend, spec in specs(args, world, tmp).items():
+                    sizes = payloads
+                    if backend == "s3":
+                        sizes = [p for p in payloads if p <= parse_size(args.s3_max_bytes)]
+                    print(f"running {backend} with {world} ranks ...", file=sys.stderr)
+                    for row in run_group(spec, world, sizes, args.warmup, args.iters):
+                        row["backend"] = backend
+                        rows.append(row)
+            gloo = {(r["world"], r["payload"]): r["p50_ms"] for r in rows if r["backend"] == "gloo"}
+            for r in rows:
+                ref = gloo.get((r["world"], r["payload"]))
+                r["vs_gloo"] = r["p50_ms"] / ref if ref else None
+            print_table(rows, command)
+            plot(rows, os.path.join(args.out, "bench.png"))
+        wires = wire_rows(args, tmp)
+        print(f"\nbytes written + read per rank per collective, {args.wire_payload} float32, "
+              "2 ranks, root reduce (the reducer's own contribution never travels):")
+        for w in wires:
+            print(f"  {w['wire']:<9} {w['bytes_per_rank']:>12,} B  "
+                  f"{w['fraction_of_float32']:.1%} of float32")
+    finally:
+        if server is not None:
+            server.stop()
+        for path in tmp:
+            shutil.rmtree(path, ignore_errors=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump({"command": command, "rows": rows, "wire": wires}, f, indent=1)
+    print(f"wrote {os.path.join(args.out, 'bench.json')}")
+
+
+if __name__ == "__main__":
+    main()
