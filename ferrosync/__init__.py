@@ -12,7 +12,7 @@ Importing this package is cheap: storage drivers and CUDA load on first use.
 from __future__ import annotations
 
 from . import errors
-from .api import GradSync, connect
+from .api import GradSync, SyncHandle, connect
 from .errors import (
     ConfigError,
     DuplicateRank,
@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "connect",
     "GradSync",
+    "SyncHandle",
     "shard_indices",
     "ShardSampler",
     "errors",

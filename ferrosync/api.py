@@ -19,6 +19,7 @@ import atexit
 import json
 import math
 import os
+import queue
 import sys
 import threading
 import weakref
@@ -31,7 +32,7 @@ from .flat import Bucket, BufferPool, as_tensor_list, layout_signature, plan_buc
 from .stats import StatsBook
 from .wire import layout_digest
 
-__all__ = ["connect", "GradSync"]
+__all__ = ["connect", "GradSync", "SyncHandle"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -62,10 +63,11 @@ class GradSync:
         self._failure: BaseException | None = None
         self._failed_at: int | None = None
         self._lock = threading.RLock()  # one collective at a time per GradSync
+        self._runner: _AsyncRunner | None = None
         _LIVE.add(self)
 
     # -- public collectives ------------------------------------------------------------
-    def average_(self, tensors, *, weight: float = 1.0) -> float:
+    def average_(self, tensors, *, weight: float = 1.0, async_op: bool = False):
         """Collective: in place, every tensor becomes ``Σ_r w_r·T_r / Σ_r w_r``.
 
         Every rank calls it with tensors of the same count, dtypes and shapes (float32,
@@ -74,8 +76,14 @@ class GradSync:
         every rank. A rank with ``weight=0`` adds nothing but still takes part and
         receives the average; if every weight is 0 the tensors stay unchanged.
 
+        With ``async_op=True`` it returns at once with a ``SyncHandle``: a background
+        thread moves the bytes while the caller goes on. The tensors must not be
+        read or written until ``handle.wait()`` returns. Collectives still run in call
+        order: a later collective on this GradSync first waits for earlier ones.
+
         Returns:
-            ``Σ_r w_r``, the total weight (identical on every rank).
+            ``Σ_r w_r``, the total weight (identical on every rank), or a ``SyncHandle``
+            whose ``wait()`` returns it.
         """
         tensors = as_tensor_list(tensors)
         weight = _check_weight(weight)
@@ -89,21 +97,27 @@ class GradSync:
             if t.is_sparse:
                 raise ConfigError(f"tensors[{i}] is sparse; average_ takes dense tensors",
                                   rank=self.rank)
-        return self._collective("average", tensors, lambda: self._average(tensors, weight))
+        body = lambda: self._average(tensors, weight)  # noqa: E731
+        if async_op:
+            return self._submit("average", tensors, body)
+        return self._collective("average", tensors, body)
 
-    def average_gradients(self, module_or_params, *, weight: float = 1.0) -> float:
+    def average_gradients(self, module_or_params, *, weight: float = 1.0,
+                          async_op: bool = False):
         """Collective: ``average_`` over every ``p.grad`` that is not None.
 
         All ranks must have gradients for the same parameters (a parameter unused on
         one rank but not another is a ``LayoutMismatch``; zero its grad instead).
+        With ``async_op=True``, call ``handle.wait()`` before ``optimizer.step()``.
         """
         grads = [p.grad for p in _parameters(module_or_params) if p.grad is not None]
-        return self.average_(grads, weight=weight)
+        return self.average_(grads, weight=weight, async_op=async_op)
 
-    def average_parameters(self, module_or_params, *, weight: float = 1.0) -> float:
+    def average_parameters(self, module_or_params, *, weight: float = 1.0,
+                           async_op: bool = False):
         """Collective: ``average_`` over the parameters' data (Local SGD, model averaging)."""
         params = [p.detach() for p in _parameters(module_or_params)]
-        return self.average_(params, weight=weight)
+        return self.average_(params, weight=weight, async_op=async_op)
 
     def broadcast_(self, tensors, *, src: int = 0) -> None:
         """Collective: in place, every rank's tensors become rank ``src``'s (any dtype).
@@ -140,7 +154,9 @@ class GradSync:
 
     def close(self) -> None:
         """Release storage handles and threads. Idempotent; never waits on peers and
-        never raises because a peer failed."""
+        never raises because a peer failed (pending async collectives are cancelled)."""
+        if self._runner is not None:
+            self._runner.stop()
         with self._lock:
             if self._closed:
                 return
@@ -168,7 +184,15 @@ class GradSync:
                 f"world_size={self.world_size})")
 
     # -- shared machinery --------------------------------------------------------------
+    def _submit(self, op: str, tensors: list, body) -> SyncHandle:
+        self._check_usable()
+        if self._runner is None:
+            self._runner = _AsyncRunner(f"ferrosync-async-r{self.rank}")
+        return self._runner.submit(lambda: self._collective(op, tensors, body))
+
     def _collective(self, op: str, tensors: list, body):
+        if self._runner is not None and not self._runner.is_worker():
+            self._runner.drain()  # earlier async collectives first: call order is the contract
         with self._lock:
             self._check_usable()
             with self._stats.collective():
@@ -257,6 +281,73 @@ class GradSync:
 
     def _shutdown(self, failure: BaseException | None) -> None:
         """Stop threads and release handles; must not wait on peers."""
+
+
+class SyncHandle:
+    """The pending result of a collective started with ``async_op=True``."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value = None
+        self._error: BaseException | None = None
+
+    def _finish(self, value=None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the collective finished; return its value or raise its error.
+
+        ``timeout`` bounds this wait only (the collective keeps its own timeout).
+        """
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"the async collective did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class _AsyncRunner:
+    """One daemon thread running submitted collectives in order.
+
+    A daemon thread, so a process whose peers vanished can still exit; the
+    collective's own timeout bounds how long a running one can take.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[SyncHandle] = []
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn) -> SyncHandle:
+        handle = SyncHandle()
+        self._pending.append(handle)
+        self._queue.put((fn, handle))
+        return handle
+
+    def is_worker(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def drain(self) -> None:
+        """Wait for every submitted collective (errors stay with their handles)."""
+        for handle in self._pending:
+            handle._event.wait()
+        self._pending = [h for h in self._pending if not h.done()]
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fn, handle = item
+            try:
+                handle._finish(value=fn())
+            except BaseException as exc:  # noqa: BLE001 - delivered by handle.wait()
+                handle._finish(error=exc)
 
 
 def _check_weight(weight) -> float:

@@ -306,3 +306,31 @@ def test_recycled_files_never_leak_old_contents(tmp_path, reduce):
     results = run_ranks(w_recycle, 3, str(tmp_path / "run"),
                         {"reduce": reduce, "sharded_min_bytes": 1}, 12)
     assert all(r["collectives"] == 12 for r in results)
+
+
+def w_async(rank, world, url, options):
+    model_a = torch.nn.Linear(50, 20)
+    with connect(url, rank, world, options) as sync:
+        for p in model_a.parameters():
+            p.grad = torch.full_like(p, float(rank))
+        handle = sync.average_gradients(model_a, async_op=True)
+        busy = sum(torch.randn(200, 200).sum().item() for _ in range(3))  # overlapped work
+        total = handle.wait()
+        # a synchronous collective right after an async one keeps the call order
+        x = torch.full((3,), float(rank))
+        h2 = sync.average_(x, async_op=True)
+        y = torch.full((2,), float(rank) * 2)
+        sync.average_(y)  # waits for h2 first
+        assert h2.done()
+        return total, [p.grad for p in model_a.parameters()], x, y, busy is not None
+
+
+def test_async_average_overlaps_and_keeps_order(case):
+    results = run_ranks(w_async, case.world_size, case.url, case.options)
+    mean = (case.world_size - 1) / 2
+    for total, grads, x, y, _ in results:
+        assert total == case.world_size
+        for g in grads:
+            assert torch.equal(g, torch.full_like(g, mean))
+        assert torch.equal(x, torch.full((3,), mean))
+        assert torch.equal(y, torch.full((2,), 2 * mean))
