@@ -62,6 +62,17 @@ _PERMANENT_HINTS = {
 }
 
 
+def check_key(key: str) -> str:
+    """Keys are relative POSIX paths below the root: no escapes, no surprises."""
+    parts = key.split("/")
+    if key.startswith("/") or "\\" in key or "\0" in key or any(
+        p in ("", ".", "..") for p in parts
+    ):
+        raise ConfigError(f"invalid storage key {key!r}",
+                          hint="keys are relative paths without '..', '.' or empty parts")
+    return key
+
+
 class Counters:
     """Thread-safe request and byte counters (the heartbeat thread also counts)."""
 
@@ -175,6 +186,8 @@ class Storage:
     # -- interface -----------------------------------------------------------------
     #: whether ``put(..., reuse=old_key)`` can recycle an old object's storage
     can_recycle: bool = False
+    #: deleting costs microseconds (local files, memory), not a billed round trip
+    cheap_deletes: bool = False
 
     def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
             reuse: str | None = None) -> int:
@@ -293,6 +306,7 @@ class LocalStorage(Storage):
     poll_initial = 20e-6
     poll_max = 0.01
     heartbeat_interval = 1.0
+    cheap_deletes = True
 
     def __init__(self, root: str, *, recycle: bool | None = None) -> None:
         root = os.path.abspath(os.path.expanduser(root))
@@ -305,7 +319,7 @@ class LocalStorage(Storage):
         self.can_recycle = is_local_filesystem(root) if recycle is None else bool(recycle)
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, key) if key else self.root
+        return os.path.join(self.root, check_key(key)) if key else self.root
 
     def makedirs(self, prefix: str) -> None:
         path = self._path(prefix)
@@ -443,9 +457,10 @@ class FsspecStorage(Storage):
         if proto == "memory":
             # in-process dictionary: polling it costs nothing
             self.poll_initial, self.poll_max, self.heartbeat_interval = 20e-6, 0.005, 1.0
+            self.cheap_deletes = True
 
     def _path(self, key: str) -> str:
-        return f"{self.root}/{key}" if key else self.root
+        return f"{self.root}/{check_key(key)}" if key else self.root
 
     def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
             reuse: str | None = None) -> int:

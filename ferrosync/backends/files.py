@@ -62,9 +62,10 @@ from ..errors import (
     SyncTimeout,
     error_class,
 )
+from ..faults import FaultyStorage, load_faults
 from ..liveness import Heartbeat, PeerMonitor, publish_abort
 from ..rendezvous import rendezvous
-from ..storage import Backoff, FsspecStorage, object_exists, open_storage
+from ..storage import Backoff, object_exists, open_storage
 from ..wire import (
     DTYPE_CODES,
     FLAG_AUTH,
@@ -176,6 +177,9 @@ class FileSync(GradSync):
 
     def __init__(self, url: str, identity, timeout: float, options: dict) -> None:
         storage = open_storage(url, options["storage_options"])
+        faults = load_faults(identity.rank)  # $FERROSYNC_FAULTS: tests and drills only
+        if faults:
+            storage = FaultyStorage(storage, faults)
         super().__init__(url, identity, timeout, storage.counters, options["bucket_bytes"])
         self._storage = storage
         self._opts = options
@@ -238,7 +242,7 @@ class FileSync(GradSync):
     def _probe(self) -> None:
         """Fail at connect, not at the first step, when the location is unusable."""
         storage = self._storage
-        if isinstance(storage, FsspecStorage):
+        if hasattr(storage, "probe_bucket"):
             storage.probe_bucket()
         key = f".probe.r{self.rank}.{secrets.token_hex(4)}"
         payload = b"ferrosync probe " + secrets.token_bytes(8)
@@ -711,7 +715,7 @@ class FileSync(GradSync):
         rank was holding for them can go. ``new_results`` are held until next time."""
         self._garbage.extend(self._after_gather)
         self._after_gather = list(new_results)
-        if isinstance(self._storage, FsspecStorage):
+        if not self._storage.cheap_deletes:
             return  # deleted at the next wait, off the critical path
         self._flush_garbage()
 

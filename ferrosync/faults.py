@@ -1,0 +1,217 @@
+"""Fault injection for tests and drills: make one rank fail at a chosen point.
+
+Set ``FERROSYNC_FAULTS`` to a JSON list of faults before a rank connects; the
+storage backend then wraps its storage in ``FaultyStorage``. Nothing else changes:
+the production path pays one environment lookup at connect.
+
+A fault is a dict::
+
+    {"rank": 1,               # who misbehaves (required)
+     "collective": 3,         # at which collective number (default: any)
+     "object": "contrib",     # "contrib" (c<s>.r<k>...), "result" (c<s>.out...), "any"
+     "phase": "write",        # write | publish | read | reduce (see below)
+     "action": "kill",        # kill | raise | delay | corrupt | truncate | delete
+     "errno": "ENOSPC",       # with "raise": the OS error to raise (ENOSPC, EACCES, EIO...)
+     "seconds": 2.0,          # with "delay"
+     "offset": 123,           # with "corrupt"/"truncate": byte offset (default: middle)
+     "times": 1}              # how often it fires (default once; 0 = every time)
+
+Phases: ``write`` fires inside a put, after half of the bytes reached the temporary
+file and before it is published (a kill there leaves an orphaned ``.tmp``);
+``publish`` right after an object became visible (``corrupt``/``truncate``/``delete``
+damage it as a failing disk or another tenant would; readers may race the damage —
+in the ``write`` phase ``corrupt``/``truncate`` damage the bytes before they are
+published, so every reader sees them; ``bit`` picks the flipped bit, default 0);
+``read`` before opening an object; ``reduce`` after an object was read, while its
+data is being reduced.
+``kill`` is SIGKILL (no cleanup, no abort marker: peers must notice the silence).
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import json
+import os
+import re
+import signal
+import time
+
+from .errors import ConfigError
+from .storage import Reader, Storage, _storage_error, _write_file
+
+ENV_FAULTS = "FERROSYNC_FAULTS"
+PHASES = ("write", "publish", "read", "reduce")
+ACTIONS = ("kill", "raise", "delay", "corrupt", "truncate", "delete")
+_COLLECTIVE = re.compile(r"(?:^|/)c(\d+)\.(r\d+|out)")
+
+
+def load_faults(rank: int) -> list[dict]:
+    """This rank's faults from ``$FERROSYNC_FAULTS`` (validated), or []."""
+    raw = os.environ.get(ENV_FAULTS)
+    if not raw:
+        return []
+    try:
+        faults = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"{ENV_FAULTS} is not JSON ({exc})") from None
+    if isinstance(faults, dict):
+        faults = [faults]
+    out = []
+    for fault in faults:
+        if not isinstance(fault, dict) or "rank" not in fault:
+            raise ConfigError(f"{ENV_FAULTS}: every fault needs a 'rank', got {fault!r}")
+        if fault.get("phase", "write") not in PHASES or fault.get("action", "kill") not in ACTIONS:
+            raise ConfigError(f"{ENV_FAULTS}: phase must be one of {PHASES} and action one "
+                              f"of {ACTIONS}, got {fault!r}")
+        if fault["rank"] == rank:
+            out.append({"phase": "write", "action": "kill", "object": "any", "times": 1,
+                        **fault})
+    return out
+
+
+class FaultyStorage(Storage):
+    """Wraps a storage and fires the configured faults; otherwise passes through."""
+
+    def __init__(self, inner: Storage, faults: list[dict]) -> None:
+        self._inner = inner
+        self._faults = faults
+        # look like the wrapped store to the backend
+        self.url = inner.url
+        self.counters = inner.counters
+        self.poll_initial, self.poll_max = inner.poll_initial, inner.poll_max
+        self.heartbeat_interval = inner.heartbeat_interval
+        self.can_recycle = inner.can_recycle
+        self.cheap_deletes = inner.cheap_deletes
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _match(self, phase: str, key: str) -> dict | None:
+        found = _COLLECTIVE.search(key)
+        if found is None:
+            return None  # control records (heartbeats, layouts, rendezvous) are spared
+        collective, what = int(found.group(1)), found.group(2)
+        kind = "result" if what == "out" else "contrib"
+        for fault in self._faults:
+            if fault["phase"] != phase or fault.get("times", 1) < 0:
+                continue
+            if fault.get("collective") not in (None, collective):
+                continue
+            if fault.get("object", "any") not in ("any", kind):
+                continue
+            if fault.get("times", 1) > 0:
+                fault["times"] -= 1
+                if fault["times"] == 0:
+                    fault["times"] = -1  # spent
+            return fault
+        return None
+
+    def _act(self, fault: dict, key: str) -> None:
+        action = fault["action"]
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "delay":
+            time.sleep(float(fault.get("seconds", 1.0)))
+        elif action == "raise":
+            code = getattr(errno_mod, str(fault.get("errno", "EIO")))
+            exc = OSError(code, os.strerror(code), self.path_of(key))
+            raise _storage_error("writing" if fault["phase"] in ("write", "publish")
+                                 else "reading", self.path_of(key), exc, False)
+        elif action in ("corrupt", "truncate", "delete"):
+            self._damage(action, key, fault.get("offset"))
+
+    def _damage(self, action: str, key: str, offset) -> None:
+        data = self._inner.read(key)
+        if data is None:
+            return
+        if action == "delete":
+            self._inner.delete([key])
+            return
+        pos = len(data) // 2 if offset is None else int(offset) % max(1, len(data))
+        if action == "corrupt":
+            damaged = bytearray(data)
+            damaged[pos] ^= 0xFF
+        else:
+            damaged = data[:pos]
+        # rewrite under the same name, as a failing disk or a stray writer would
+        self._inner.delete([key])
+        self._inner.put(key, [bytes(damaged)])
+
+    # -- the interface -----------------------------------------------------------------------
+    def put(self, key, parts, *, exclusive=False, reuse=None):
+        fault = self._match("write", key)
+        if fault is not None and fault["action"] in ("corrupt", "truncate"):
+            # damaged before it becomes visible: every reader sees the damage
+            data = bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts))
+            offset = fault.get("offset")
+            pos = len(data) // 2 if offset is None else int(offset) % max(1, len(data))
+            if fault["action"] == "corrupt":
+                data[pos] ^= 1 << int(fault.get("bit", 0))
+            else:
+                del data[pos:]
+            parts, fault = [bytes(data)], None
+        if fault is not None:
+            if fault["action"] == "kill" and hasattr(self._inner, "_path"):
+                # leave half of the bytes in a temporary file, as a real crash would
+                data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+                final = self._inner._path(key)
+                head, name = os.path.split(final)
+                _write_file(os.path.join(head, f".{name}.{os.getpid()}.dead0000.tmp"),
+                            [data[: len(data) // 2]])
+            self._act(fault, key)
+        n = self._inner.put(key, parts, exclusive=exclusive, reuse=reuse)
+        fault = self._match("publish", key)
+        if fault is not None:
+            self._act(fault, key)
+        return n
+
+    def open(self, key):
+        fault = self._match("read", key)
+        if fault is not None:
+            self._act(fault, key)
+        reader = self._inner.open(key)
+        if reader is None:
+            return None
+        fault = self._match("reduce", key)
+        return _AfterReader(reader, self, fault, key) if fault is not None else reader
+
+    def read(self, key):
+        return self._inner.read(key)
+
+    def delete(self, keys):
+        self._inner.delete(keys)
+
+    def park(self, key):
+        return self._inner.park(key)
+
+    def makedirs(self, prefix):
+        self._inner.makedirs(prefix)
+
+    def list(self, prefix=""):
+        return self._inner.list(prefix)
+
+    def path_of(self, key):
+        return self._inner.path_of(key)
+
+    def close(self):
+        self._inner.close()
+
+
+class _AfterReader(Reader):
+    """Fires a "reduce" fault once the object's bytes have been read."""
+
+    def __init__(self, inner: Reader, storage: FaultyStorage, fault: dict, key: str) -> None:
+        self._inner, self._storage, self._fault, self._key = inner, storage, fault, key
+        self.size = inner.size
+        self._seen = 0
+
+    def readinto(self, buf) -> int:
+        n = self._inner.readinto(buf)
+        self._seen += n
+        if self._seen >= self.size - 144 and self._fault is not None:  # payload consumed
+            fault, self._fault = self._fault, None
+            self._storage._act(fault, self._key)
+        return n
+
+    def close(self) -> None:
+        self._inner.close()
