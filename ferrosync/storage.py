@@ -487,12 +487,17 @@ class FsspecStorage(Storage):
     def open(self, key: str) -> Reader | None:
         self.counters.add(requests=1)
         try:
-            # start=0 makes s3fs send one ranged GET instead of HEAD + GET
-            data = self._retry("reading", key, self.fs.cat_file, self._path(key), 0, None)
+            # start=0 (by keyword: s3fs's second positional is version_id) makes s3fs
+            # send one ranged GET instead of HEAD + GET, and a miss costs one request
+            # instead of HEAD + LIST
+            data = self._retry("reading", key, self._cat, self._path(key))
         except FileNotFoundError:
             return None
         self.counters.add(read=len(data))
         return _BytesReader(data)
+
+    def _cat(self, path: str) -> bytes:
+        return self.fs.cat_file(path, start=0)
 
     def delete(self, keys: Iterable[str]) -> None:
         paths = [self._path(k) for k in keys]
@@ -611,11 +616,17 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
             hint="use a directory path, file://, an fsspec URL (s3://, gs://, memory://) "
             "or gloo://, nccl://, torch://",
         )
+    retries = None
     if protocol == "s3":
-        # botocore's adaptive retry mode backs off on 503 SlowDown before we see it
-        storage_options.setdefault("config_kwargs", {}).setdefault(
-            "retries", {"mode": "adaptive", "max_attempts": 6}
-        )
+        # One retry layer, not three multiplied (botocore x s3fs x ours took 2 minutes
+        # to report a dead endpoint): botocore's adaptive mode backs off on 503 SlowDown
+        # and connection errors; s3fs and ferrosync then try once.
+        config = dict(storage_options.get("config_kwargs") or {})
+        config.setdefault("retries", {"mode": "adaptive", "max_attempts": 5})
+        config.setdefault("connect_timeout", 5)
+        config.setdefault("read_timeout", 60)
+        storage_options["config_kwargs"] = config
+        retries = 0
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
@@ -638,7 +649,13 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
     root = fs._strip_protocol(url)
     if isinstance(root, list):  # pragma: no cover - defensive
         root = root[0]
-    return FsspecStorage(url, fs, root)
+    storage = FsspecStorage(url, fs, root)
+    if retries is not None:
+        storage.retries = retries
+        if hasattr(fs, "retries"):
+            fs.retries = 1  # s3fs's own loop: a single attempt, botocore retries
+
+    return storage
 
 
 

@@ -1,0 +1,93 @@
+"""The S3 endpoint goes away mid-run: every rank gets a clear error after bounded
+retries; once it is back, a new run under the same URL works."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import ferrosync
+from conftest import free_port, s3_storage_options
+from ferrosync.errors import PeerFailed, StorageError, SyncTimeout
+from ranks import RankFailure, collect, start_ranks
+
+
+def start_server(port):
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    import boto3
+
+    boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}",
+                 region_name="us-east-1").create_bucket(Bucket="outage")  # idempotent
+    return server
+
+
+def w_until_failure(rank, world, url, options, progress):
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=120, **options) as sync:
+        step = 0
+        t_fail = None
+        try:
+            while True:
+                x = torch.full((1000,), float(rank + step))
+                sync.average_(x)
+                assert torch.equal(x, torch.full((1000,), 0.5 + step))
+                step += 1
+                with open(f"{progress}.{rank}", "w") as f:
+                    f.write(str(step))
+                t_fail = time.monotonic()
+        except (StorageError, PeerFailed, SyncTimeout) as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - (t_fail or 0), step
+
+
+def w_short_run(rank, world, url, options):
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=60, **options) as sync:
+        x = torch.full((10,), float(rank))
+        sync.average_(x)
+        return x, sync.generation
+
+
+@pytest.mark.timeout(240)
+def test_s3_outage_then_recovery(tmp_path):
+    pytest.importorskip("s3fs")
+    port = free_port()
+    server = start_server(port)
+    url = "s3://outage/run"
+    options = {"storage_options": s3_storage_options(f"http://127.0.0.1:{port}"),
+               "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0}
+    progress = str(tmp_path / "progress")
+    procs, q = start_ranks(w_until_failure, 2, url, options, progress)
+    try:
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(f"{progress}.{r}") for r in range(2)):
+            assert time.monotonic() < deadline, "ranks never made progress"
+            time.sleep(0.01)
+    finally:
+        server.stop()
+    out = collect(procs, q, timeout=150)
+    for rank in range(2):
+        res = out[rank]
+        assert not isinstance(res, RankFailure), res
+        kind, message, seconds, steps = res
+        assert steps >= 1
+        assert kind in ("StorageError", "PeerFailed"), res
+        if kind == "StorageError":
+            assert "127.0.0.1" in message and "after retries" in message, message
+        assert seconds < 90, res  # bounded retries, not the 120 s collective timeout
+    # the endpoint comes back (moto keeps its objects in this process): a new run
+    # works, in a new generation of its own
+    server = start_server(port)
+    try:
+        results = collect(*start_ranks(w_short_run, 2, url, options), timeout=120)
+    finally:
+        server.stop()
+    generations = set()
+    for rank in range(2):
+        x, generation = results[rank]
+        assert torch.equal(x, torch.full((10,), 0.5))
+        generations.add(generation)
+    assert generations == {1}, generations  # never mixed with the interrupted one
