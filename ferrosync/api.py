@@ -417,7 +417,9 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
     ):
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
     identity = discover(rank, world_size)
-    backend = backend_for(url)
+    if "local" in options and options["local"] is None:
+        del options["local"]  # local=None: the flat (one-level) backend
+    backend = backend_for(url, options)
     checked = backend.check_options(options)
     return backend(url.strip(), identity, float(timeout), checked)
 

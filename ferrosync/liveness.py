@@ -61,6 +61,7 @@ class Heartbeat:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "wall_time": time.time(),  # for `inspect` only; never used for liveness
+            "interval": interval,  # lets tools size their watch window
         }
         self._thread: threading.Thread | None = None
         self.last_error: BaseException | None = None
@@ -165,7 +166,10 @@ class PeerMonitor:
                     record = {}
                 beat = record.get("beat")
                 state = record.get("state")
-                if state == "closed":
+                closed_at = record.get("collective")
+                # a peer that closed *after* entering this collective finished it (it
+                # published what we wait for, the next poll will see it): not a failure
+                if state == "closed" and isinstance(closed_at, int) and closed_at < collective:
                     raise PeerFailed(
                         f"rank {peer} closed its connection (after collective "
                         f"{record.get('collective')}) while this rank waits for it",

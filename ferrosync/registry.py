@@ -25,7 +25,18 @@ def _load(target: str):
     return getattr(importlib.import_module(module), name)
 
 
-def backend_for(url: str):
-    """The GradSync subclass serving ``url`` (validation of the URL itself is its job)."""
+HIERARCHICAL_BACKEND = "ferrosync.backends.hierarchical:HierarchicalSync"
+
+
+def backend_for(url: str, options: dict | None = None):
+    """The GradSync subclass serving ``url`` (validation of the URL itself is its job).
+
+    A storage URL with ``local=...`` gets the two-level backend (nodes reduce locally,
+    leaders meet through the storage).
+    """
     scheme, _ = split_url(url)
-    return _load(TORCH_SCHEMES.get(scheme, STORAGE_BACKEND))
+    if scheme in TORCH_SCHEMES:
+        return _load(TORCH_SCHEMES[scheme])
+    if (options or {}).get("local") is not None:
+        return _load(HIERARCHICAL_BACKEND)
+    return _load(STORAGE_BACKEND)

@@ -1,9 +1,11 @@
 """Per-collective and running statistics (``GradSync.stats``).
 
 ``stats["total"]`` and ``stats["last"]`` each hold the keys in ``STAT_KEYS``:
-how many collectives ran, the bytes and storage requests they cost, and where the
-time went (write, wait, reduce, read). ``last`` is the most recent public call
-(one ``average_`` with several buckets counts once).
+how many collectives ran, the bytes and storage requests they cost (every request,
+heartbeats included), the collective data objects written (contributions, results;
+not control records), and where the time went (write, wait, reduce, read).
+``last`` is the most recent public call (one ``average_`` with several buckets
+counts once).
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ class LocalStorage(Storage):
         except BaseException:
             _unlink_quietly(tmp)
             raise
-        self.counters.add(requests=1, written=nbytes, objects=1)
+        self.counters.add(requests=1, written=nbytes)
         return nbytes
 
     def open(self, key: str) -> Reader | None:
@@ -470,7 +470,7 @@ class FsspecStorage(Storage):
         data = views[0].tobytes() if len(views) == 1 else b"".join(views)
         mode = "create" if exclusive else "overwrite"
         self._retry("writing", key, self._pipe, self._path(key), data, mode)
-        self.counters.add(requests=1, written=len(data), objects=1)
+        self.counters.add(requests=1, written=len(data))
         return len(data)
 
     def _pipe(self, path: str, data: bytes, mode: str) -> None:

@@ -313,6 +313,9 @@ class FileSync(GradSync):
         key = self._key_of(name)
         nbytes = len(head) + header.payload_nbytes
         self._storage.put(key, [head, *parts], reuse=self._take_spare(nbytes))
+        # collective data objects only (not heartbeats or layout records): what a
+        # collective costs in objects
+        self._storage.counters.add(objects=1)
         if self._storage.can_recycle:
             self._written[key] = nbytes
 

@@ -213,40 +213,13 @@ class TorchDistSync(GradSync):
     def _check_layout(self, op: str, digest: bytes, layout: dict) -> None:
         """Fixed-size exchange of the layout digest before any data moves."""
         self._seq += 1
-        mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._call(f"{op} (layout check)", dist.all_gather, gathered, mine,
-                   group=self._cpu_group)
-        values = [int(t.item()) for t in gathered]
-        if len(set(values)) == 1:
-            return
-        other = next(k for k, v in enumerate(values) if v != values[self.rank])
-        theirs = self._exchange_layouts(layout)[other]
-        raise LayoutMismatch(
-            describe_mismatch(layout, theirs, self.rank, other), rank=self.rank,
-            collective=self._seq, path=self.url,
-            hint="every rank must pass the same tensors (count, dtype, shape) to the same "
-            "collective, in the same order",
-        )
 
-    def _exchange_layouts(self, layout: dict) -> list[dict | None]:
-        """All ranks' layout records, as JSON (never pickle), for the mismatch message."""
-        data = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8)
-        size = torch.tensor([data.numel()], dtype=torch.int64)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        self._call("layout exchange", dist.all_gather, sizes, size, group=self._cpu_group)
-        longest = max(int(s.item()) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        out = [torch.empty_like(padded) for _ in range(self.world_size)]
-        self._call("layout exchange", dist.all_gather, out, padded, group=self._cpu_group)
-        records = []
-        for t, s in zip(out, sizes):
-            try:
-                records.append(json.loads(bytes(t[: int(s.item())].tolist()).decode()))
-            except ValueError:
-                records.append(None)
-        return records
+        def gather(out, tensor):
+            self._call(f"{op} (layout check)", dist.all_gather, out, tensor,
+                       group=self._cpu_group)
+
+        check_layouts(gather, self.world_size, self.rank, digest, layout,
+                      collective=self._seq, url=self.url)
 
     # -- primitives --------------------------------------------------------------------------
     def _average_flat(self, flat, weight, digest, layout):
@@ -368,6 +341,42 @@ class TorchDistSync(GradSync):
                 dist.destroy_process_group()
             except Exception:  # never raise from close()
                 pass
+
+
+def check_layouts(gather, world_size: int, rank: int, digest: bytes, layout: dict, *,
+                  collective: int, url: str, global_rank=lambda k: k) -> None:
+    """Raise ``LayoutMismatch`` on every rank unless all ranks passed ``digest``.
+
+    ``gather(out_list, tensor)`` all-gathers one tensor per rank (any group). Every
+    rank exchanges the same fixed-size int64 first, so a mismatch can never turn into
+    a size mismatch inside the transport (gloo aborts the process on one); only then
+    are the JSON layout records exchanged, to name the first differing tensor.
+    """
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    digests = [torch.empty_like(mine) for _ in range(world_size)]
+    gather(digests, mine)
+    values = [int(t.item()) for t in digests]
+    if len(set(values)) == 1:
+        return
+    other = next(k for k, v in enumerate(values) if v != values[rank])
+    data = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    gather(sizes, size)
+    padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    records = [torch.empty_like(padded) for _ in range(world_size)]
+    gather(records, padded)
+    try:
+        theirs = json.loads(bytes(records[other][: int(sizes[other].item())].tolist()).decode())
+    except ValueError:
+        theirs = None
+    raise LayoutMismatch(
+        describe_mismatch(layout, theirs, global_rank(rank), global_rank(other)),
+        rank=global_rank(rank), collective=collective, path=url,
+        hint="every rank must pass the same tensors (count, dtype, shape) to the same "
+        "collective, in the same order",
+    )
 
 
 def _host_port(url: str) -> tuple[str, int]:
