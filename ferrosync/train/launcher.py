@@ -285,14 +285,19 @@ class Supervisor:
 
 def _write(stream, lock: threading.Lock, data: bytes) -> None:
     with lock:
-        binary = getattr(stream, "buffer", None)
-        if binary is not None:
-            stream.flush()  # anything written as text before must come first
-            binary.write(data)
-            binary.flush()
-        else:  # a text-only stream (an embedding application's)
-            stream.write(data.decode(errors="replace"))
-            stream.flush()
+        try:
+            binary = getattr(stream, "buffer", None)
+            if binary is not None:
+                stream.flush()  # anything written as text before must come first
+                binary.write(data)
+                binary.flush()
+            else:  # a text-only stream (an embedding application's)
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
+        except (BrokenPipeError, ValueError):
+            # our reader went away (`| head`) or the stream is closed: drop the output,
+            # but keep draining the ranks' pipes, or they would block on a full pipe
+            pass
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

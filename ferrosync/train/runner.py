@@ -21,7 +21,7 @@ from ..strategies import make_strategy
 from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
 from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, resolve
-from .trainer import Trainer
+from .trainer import Trainer, resolve_device
 
 LOSSES = {
     "cross_entropy": torch.nn.functional.cross_entropy,
@@ -120,11 +120,24 @@ def build_trainer(args) -> Trainer:
         strategy=strategy, seed=args.seed or 0, metrics_path=args.metrics,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, keep_checkpoints=args.keep_checkpoints or 2,
-        progress=not args.no_progress, device=args.device,
+        storage_options=_checkpoint_options(args), progress=not args.no_progress,
+        device=args.device,
     )
     if evaluation is not None:
         trainer.eval_fn = make_eval(evaluation, loss_fn, classification, trainer.device)
     return trainer
+
+
+def _checkpoint_options(args) -> dict | None:
+    """The sync's fsspec ``storage_options`` (credentials, endpoint) also serve an object
+    store checkpoint directory; a local directory takes none."""
+    from ..storage import split_url
+
+    options = args.sync_options.get("storage_options")
+    if options and args.checkpoint_dir and split_url(args.checkpoint_dir)[0] not in (
+            "file", "local"):
+        return options
+    return None
 
 
 # -- checks the launcher makes before starting any rank ------------------------------------
@@ -144,12 +157,13 @@ def preflight(args, world_size: int) -> None:
     """What every rank would reject before connecting, checked once by the launcher."""
     strategy = _strategy(args)
     model_fn = _model_fn(args)
+    resolve_device(args.device)
     if args.data:
         resolve(args.data, "--data")
     if args.loss:
         _loss(args, None)  # resolves MODULE:FUNCTION, rejects unknown names
     if args.checkpoint_dir:
-        store = CheckpointStore(args.checkpoint_dir)
+        store = CheckpointStore(args.checkpoint_dir, _checkpoint_options(args))
         if args.resume:
             meta = store.require_latest()
             torch.manual_seed(args.seed or 0)

@@ -40,7 +40,7 @@ from ..strategies import GradAveraging, Strategy
 from .checkpoint import CheckpointStore, check_compatible, model_signature
 from .metrics import MetricsWriter, final_line, format_summary, param_digest
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "resolve_device"]
 
 #: the final "loss" is the mean over ranks of each rank's last this-many batch losses
 LOSS_WINDOW = 20
@@ -163,10 +163,7 @@ class Trainer:
         self.metrics_path = metrics_path
         self.checkpoint_every = checkpoint_every
         self.progress, self.report = progress, report
-        if device is None:
-            device = (f"cuda:{identity.local_rank % torch.cuda.device_count()}"
-                      if torch.cuda.is_available() else "cpu")
-        self.device = torch.device(device)
+        self.device = resolve_device(device, identity.local_rank)
 
         torch.manual_seed(seed)  # the same initial weights on every rank
         model = model_fn()
@@ -409,6 +406,23 @@ class Trainer:
             "steps_this_run": steps_run,
             "resumed_from": self.resumed_from,
         }
+
+
+def resolve_device(device, local_rank: int = 0) -> torch.device:
+    """``device`` as a ``torch.device``; None means ``cuda:<local rank>`` if CUDA is
+    available, else cpu. Raises ConfigError for a name torch rejects or missing CUDA."""
+    if device is None:
+        device = (f"cuda:{local_rank % torch.cuda.device_count()}"
+                  if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device {device!r} is not a torch device",
+                          hint="use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} needs CUDA, which is not available here",
+                          hint="drop --device to train on the CPU")
+    return resolved
 
 
 def _rank_seed(seed: int, rank: int) -> int:
