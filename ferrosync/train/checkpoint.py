@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import io
 import json
+import random
 import re
 import secrets
 
+import numpy
 import torch
 
 from ..errors import ConfigError, StorageError
@@ -34,6 +36,38 @@ from ..storage import Storage, open_storage
 LATEST = "latest.json"
 FORMAT = 1
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
+
+
+def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random states as fixed-size tensors (same shapes on every rank,
+    so they can be gathered): torch (CPU, and CUDA when training there), Python's
+    ``random`` and NumPy's global generator, which data pipelines often use."""
+    version, words, gauss = random.getstate()
+    np_name, np_key, np_pos, np_has_gauss, np_gauss = numpy.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        # Mersenne Twister words and positions are < 2**32: exact in int64
+        "python": torch.tensor([version, *words, gauss is not None], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor([*np_key.tolist(), np_pos, np_has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo ``capture_rng`` (one rank's entry)."""
+    torch.set_rng_state(state["torch"])
+    words = state["python"].tolist()
+    gauss = float(state["python_gauss"][0]) if words[-1] else None
+    random.setstate((words[0], tuple(words[1:-1]), gauss))
+    key = state["numpy"].tolist()
+    numpy.random.set_state(("MT19937", numpy.array(key[:-2], dtype=numpy.uint32), key[-2],
+                            key[-1], float(state["numpy_gauss"][0])))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def model_signature(model: torch.nn.Module) -> list[list]:

@@ -37,7 +37,13 @@ from ..errors import ConfigError
 from ..partition import ShardSampler
 from ..stats import PHASES
 from ..strategies import GradAveraging, Strategy
-from .checkpoint import CheckpointStore, check_compatible, model_signature
+from .checkpoint import (
+    CheckpointStore,
+    capture_rng,
+    check_compatible,
+    model_signature,
+    restore_rng,
+)
 from .metrics import MetricsWriter, final_line, format_summary, param_digest
 
 __all__ = ["Trainer", "resolve_device"]
@@ -209,10 +215,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.strategy.load_state_dict(state["strategy"])
             self.sampler.load_state_dict(state["sampler"])
-            rng = state["rng"]
-            torch.set_rng_state(rng["torch"][self.rank])
-            if rng.get("cuda") and torch.cuda.is_available():
-                torch.cuda.set_rng_state(rng["cuda"][self.rank], self.device)
+            restore_rng({name: per_rank[self.rank] for name, per_rank in state["rng"].items()},
+                        self.device)
             self.step, self.epoch = int(state["step"]), int(state["epoch"])
         except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as exc:
             raise ConfigError(
@@ -226,9 +230,8 @@ class Trainer:
     def _save_checkpoint(self, sync) -> float:
         """Collective (every rank, at the same step): gather RNG states; rank 0 writes."""
         start = time.perf_counter()
-        rng = {"torch": sync.all_gather(torch.get_rng_state())}
-        if self.device.type == "cuda":
-            rng["cuda"] = sync.all_gather(torch.cuda.get_rng_state(self.device))
+        # every rank's random state, so each rank resumes its own streams
+        rng = {name: sync.all_gather(t) for name, t in capture_rng(self.device).items()}
         if self.rank == 0:
             epoch, consumed = self.epoch, self.consumed
             if consumed >= len(self.sampler):  # the epoch is done: resume at the next
