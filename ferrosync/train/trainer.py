@@ -14,9 +14,9 @@ checkpoints, so new strategies need no change here.
 
 Determinism (what makes ``--resume`` bit-exact on CPU): the model is built from
 ``torch.manual_seed(seed)`` on every rank; then each rank seeds its own training
-RNG from ``(seed, rank)``; the data order depends only on ``(seed, epoch)``; a
-checkpoint carries every rank's RNG state (gathered through the sync), the
-optimizer and strategy state, and the position inside the current epoch.
+RNGs (torch, ``random``, NumPy) from ``(seed, rank)``; the data order depends only
+on ``(seed, epoch)``; a checkpoint carries every rank's RNG states (gathered through
+the sync), the optimizer and strategy state, and the position inside the epoch.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import random
 import sys
 import time
 from collections import deque
 from typing import Callable
 
+import numpy
 import torch
 from torch.utils.data import DataLoader
 
@@ -181,7 +183,11 @@ class Trainer:
         if not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ConfigError(f"optimizer_fn must return a torch.optim.Optimizer, got "
                               f"{type(self.optimizer).__name__}")
-        torch.manual_seed(_rank_seed(seed, self.rank))  # dropout etc. differ per rank
+        # training randomness (dropout, augmentation) differs per rank, reproducibly
+        rank_seed = _rank_seed(seed, self.rank)
+        torch.manual_seed(rank_seed)
+        random.seed(rank_seed)
+        numpy.random.seed(rank_seed % 2**32)
 
         self.sampler = ShardSampler(n, rank=self.rank, world_size=self.world_size,
                                     shuffle=True, seed=seed)
