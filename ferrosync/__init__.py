@@ -45,4 +45,14 @@ __all__ = [
     "StorageError",
     "SyncClosed",
     "__version__",
+    "Trainer",
 ]
+
+
+def __getattr__(name: str):
+    # lazy: the trainer and its CLI modules load only when someone uses them
+    if name == "Trainer":
+        from .train.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'ferrosync' has no attribute {name!r}")

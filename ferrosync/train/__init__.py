@@ -1,0 +1,13 @@
+"""``python -m ferrosync.train``: launcher, built-in trainer, checkpoints and metrics.
+
+Modules: ``cli`` (flags), ``launcher`` (``--nproc``: local ranks, output, failures),
+``runner`` (one rank: the trainer or a user SCRIPT), ``trainer`` (``Trainer``),
+``checkpoint``, ``metrics``, ``demo`` (the built-in synthetic task).
+See docs/train.md.
+"""
+
+from __future__ import annotations
+
+from .trainer import Trainer
+
+__all__ = ["Trainer"]

@@ -1,0 +1,235 @@
+"""Training checkpoints in a directory or any fsspec URL, written atomically by rank 0.
+
+Layout under ``--checkpoint-dir``::
+
+    step-00000040.pt   torch.save of plain data: model and optimizer state dicts, the
+                       strategy's state, step, epoch, sampler position and every
+                       rank's RNG state
+    latest.json        {"step": 40, "file": "step-00000040.pt", "model": [...], ...},
+                       rewritten after each checkpoint
+
+Both go through ``ferrosync.storage``: a local or NFS directory gets a temporary
+file in the same directory and ``os.replace``, an object store one PUT, so a
+reader sees a whole checkpoint or none. ``latest.json`` is written only after its
+checkpoint is complete, so a crash at any moment leaves a loadable latest. The
+``.pt`` files hold tensors and plain Python values only and are read with
+``torch.load(..., weights_only=True)``: no pickled code is ever executed.
+
+Every rank loads the checkpoint itself (the optimizer state must be identical on
+every rank), so the directory must be visible to all of them, like the sync URL.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+import secrets
+
+import numpy
+import torch
+
+from ..errors import ConfigError, StorageError
+from ..storage import Storage, open_storage
+
+LATEST = "latest.json"
+FORMAT = 1
+_STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
+
+
+def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random states as fixed-size tensors (same shapes on every rank,
+    so they can be gathered): torch (CPU, and CUDA when training there), Python's
+    ``random`` and NumPy's global generator, which data pipelines often use."""
+    version, words, gauss = random.getstate()
+    np_name, np_key, np_pos, np_has_gauss, np_gauss = numpy.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        # Mersenne Twister words and positions are < 2**32: exact in int64
+        "python": torch.tensor([version, *words, gauss is not None], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.tensor([*np_key.tolist(), np_pos, np_has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([np_gauss], dtype=torch.float64),
+    }
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo ``capture_rng`` (one rank's entry)."""
+    torch.set_rng_state(state["torch"])
+    words = state["python"].tolist()
+    gauss = float(state["python_gauss"][0]) if words[-1] else None
+    random.setstate((words[0], tuple(words[1:-1]), gauss))
+    key = state["numpy"].tolist()
+    numpy.random.set_state(("MT19937", numpy.array(key[:-2], dtype=numpy.uint32), key[-2],
+                            key[-1], float(state["numpy_gauss"][0])))
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def model_signature(model: torch.nn.Module) -> list[list]:
+    """[name, shape, dtype] of every state-dict entry: what a checkpoint must match."""
+    return [[name, list(t.shape), str(t.dtype).replace("torch.", "")]
+            for name, t in model.state_dict().items()]
+
+
+def probe_location(storage: Storage, what: str) -> None:
+    """Fail now, with a ConfigError, if ``storage`` cannot be written and read back.
+
+    Writes, reads and deletes one small object with a random name, so a run never
+    starts (and never half-writes anything) against a location it cannot use.
+    """
+    key = f".probe.{secrets.token_hex(6)}"
+    payload = secrets.token_bytes(16)
+    try:
+        if hasattr(storage, "probe_bucket"):
+            storage.probe_bucket()
+        storage.makedirs("")
+        storage.put(key, [payload])
+        back = storage.read(key)
+        storage.delete([key])
+    except (StorageError, OSError) as exc:
+        raise ConfigError(
+            f"cannot use {what} {storage.url} ({exc})",
+            hint="check that it is a writable directory (or an existing bucket) "
+            "reachable from every node",
+        ) from None
+    if back != payload:
+        raise ConfigError(f"{what} {storage.url} returned different bytes than were written",
+                          hint="use a consistent filesystem or object store")
+
+
+class CheckpointStore:
+    """Reads and writes checkpoints under one URL.
+
+    Args:
+        url: a directory or an fsspec URL (``s3://bucket/run/ckpt``).
+        storage_options: passed to the fsspec filesystem (credentials, endpoint).
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None) -> None:
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigError(f"checkpoint directory must be a non-empty string, got {url!r}")
+        self.url = url.strip()
+        self.storage = open_storage(self.url, storage_options)
+
+    def probe(self) -> None:
+        """Rank 0, before training: the location must accept writes."""
+        probe_location(self.storage, "checkpoint directory")
+
+    def latest(self) -> dict | None:
+        """The newest checkpoint's description (``latest.json``), or None if none."""
+        try:
+            raw = self.storage.read(LATEST)
+        except (StorageError, OSError) as exc:
+            raise ConfigError(f"cannot read checkpoints at {self.url} ({exc})",
+                              hint="check the --checkpoint-dir URL and its permissions") from None
+        if raw is None:
+            return None
+        try:
+            meta = json.loads(raw.decode())
+            int(meta["step"]), str(meta["file"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise ConfigError(
+                f"{self.storage.path_of(LATEST)} is not a ferrosync checkpoint index",
+                hint="point --checkpoint-dir at a directory written by ferrosync.train",
+            ) from None
+        return meta
+
+    def require_latest(self) -> dict:
+        """``latest()``, or a ConfigError telling the user how to start instead."""
+        meta = self.latest()
+        if meta is None:
+            raise ConfigError(
+                f"--resume: no checkpoint in {self.url}",
+                hint="drop --resume to start from scratch, or point --checkpoint-dir at "
+                "the run's checkpoint directory",
+            )
+        return meta
+
+    def load(self, meta: dict) -> dict:
+        """The checkpoint ``meta`` describes, loaded without unpickling code."""
+        key = meta["file"]
+        if not _STEP_FILE.match(key):
+            raise ConfigError(f"{LATEST} at {self.url} names an unexpected file {key!r}",
+                              hint="point --checkpoint-dir at a directory written by "
+                              "ferrosync.train")
+        raw = self.storage.read(key)
+        if raw is None:
+            raise ConfigError(f"checkpoint {self.storage.path_of(key)} is missing",
+                              hint="the directory was pruned by hand: restore the file "
+                              "or start without --resume")
+        try:
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as exc:  # a truncated or foreign file: say which one
+            raise ConfigError(
+                f"cannot load checkpoint {self.storage.path_of(key)} "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                hint="it is damaged or not a ferrosync checkpoint; start without --resume",
+            ) from None
+
+    def save(self, state: dict, meta: dict, *, keep: int = 2) -> str:
+        """Rank 0: publish ``state`` as ``step-<step>.pt``, then point ``latest.json`` at
+        it, then delete all but the newest ``keep`` checkpoints. Returns the file's path.
+        """
+        step = int(meta["step"])
+        key = f"step-{step:08d}.pt"
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self.storage.makedirs("")
+        self.storage.put(key, [buffer.getbuffer()])
+        meta = {**meta, "format": FORMAT, "file": key}
+        # latest.json only after the checkpoint itself is complete: a crash between
+        # the two leaves the previous (whole) checkpoint as the latest
+        self.storage.put(LATEST, [json.dumps(meta, sort_keys=True).encode()])
+        self._prune(keep, step)
+        return self.storage.path_of(key)
+
+    def _prune(self, keep: int, newest: int) -> None:
+        steps = sorted(
+            int(m.group(1)) for name, _ in self.storage.list("")
+            if "/" not in name and (m := _STEP_FILE.match(name))
+        )
+        old = [s for s in steps if s <= newest][:-keep] if keep > 0 else []
+        self.storage.delete([f"step-{s:08d}.pt" for s in old])
+
+
+def check_compatible(meta: dict, *, model: torch.nn.Module, world_size: int, strategy: str,
+                     url: str) -> None:
+    """Raise ConfigError unless the checkpoint ``meta`` fits this run."""
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"checkpoint at {url} has format {meta.get('format')!r}, this "
+                          f"version reads {FORMAT}", hint="resume with the ferrosync version "
+                          "that wrote it, or start without --resume")
+    theirs = {name: (shape, dtype) for name, shape, dtype in meta.get("model", [])}
+    ours = {name: (shape, dtype) for name, shape, dtype in model_signature(model)}
+    if theirs != ours:
+        missing = sorted(set(ours) - set(theirs))
+        extra = sorted(set(theirs) - set(ours))
+        changed = sorted(n for n in set(ours) & set(theirs) if ours[n] != theirs[n])
+        if changed:
+            detail = (f"{changed[0]!r} is {theirs[changed[0]]} there and "
+                      f"{ours[changed[0]]} here")
+        elif missing:
+            detail = f"it lacks {missing[0]!r}"
+        else:
+            detail = f"it has {extra[0]!r}, which this model lacks"
+        raise ConfigError(
+            f"checkpoint at {url} was written for a different model ({detail})",
+            hint="resume with the same --model, or point --checkpoint-dir at a fresh directory",
+        )
+    if int(meta.get("world_size", world_size)) != world_size:
+        raise ConfigError(
+            f"checkpoint at {url} was written by {meta['world_size']} ranks, this run has "
+            f"{world_size}",
+            hint=f"resume with {meta['world_size']} ranks (the data order and every rank's "
+            "random state depend on it), or start without --resume",
+        )
+    if meta.get("strategy", strategy) != strategy:
+        raise ConfigError(
+            f"checkpoint at {url} was written with --strategy {meta['strategy']}, this run "
+            f"uses {strategy}", hint=f"resume with --strategy {meta['strategy']}",
+        )

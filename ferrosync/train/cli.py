@@ -1,0 +1,204 @@
+"""Command-line flags of ``python -m ferrosync.train`` and what they build.
+
+The same parsing serves the launcher (``--nproc N``) and every rank, so a rank
+started by the launcher, by ``torchrun`` or by ``srun`` sees identical settings.
+Bad input becomes a ``ConfigError`` (one line, exit code 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+
+from ..errors import ConfigError
+from ..strategies import PLANNED, STRATEGIES
+
+PROG = "python -m ferrosync.train"
+DEFAULT_EPOCHS = 10
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+#: flags that configure the built-in trainer, meaningless with a SCRIPT
+TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
+                 "checkpoint_every", "resume", "strategy", "sync_every", "sync_every_seconds",
+                 "model", "data", "loss", "optimizer", "device", "keep_checkpoints",
+                 "sync_options", "no_progress", "timeout")
+
+EPILOG = f"""\
+examples:
+  {PROG} --nproc 2                              demo: 2 local ranks, temporary sync dir
+  {PROG} --nproc 4 --sync /mnt/nfs/run1 --checkpoint-dir /mnt/nfs/run1/ckpt \\
+        --checkpoint-every 200 --metrics metrics.jsonl
+  {PROG} --nproc 2 --model mypkg.nets:build --data mypkg.data:load
+  {PROG} --nproc 2 my_script.py --my-flag 1     run your own script on every rank
+  srun -N2 --ntasks-per-node=4 {PROG} --sync s3://bucket/run1   one rank per task
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2 (via main), not usage + text
+        raise ConfigError(message, hint=f"see {PROG} --help")
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _option(text: str) -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(raw)
+    except ValueError:
+        return key, raw  # a bare string such as bfloat16
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Data-parallel training through shared storage: launch local ranks, "
+        "run the built-in trainer (or your SCRIPT) on each, report how the ranks synced.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("launching")
+    g.add_argument("--nproc", type=_int_at_least(1), metavar="N",
+                   help="start N local ranks (like torchrun --nproc-per-node); without it, "
+                   "run one rank whose identity comes from the environment "
+                   "(RANK/WORLD_SIZE from torchrun, or SLURM_PROCID/SLURM_NTASKS)")
+    g.add_argument("--sync", metavar="URL",
+                   help="where ranks meet: a shared directory, file://, s3://bucket/prefix, "
+                   "... (default with --nproc: a fresh temporary directory; without "
+                   "--nproc: $FERROSYNC_URL)")
+    g.add_argument("--sync-option", dest="sync_options", action="append", type=_option,
+                   default=None, metavar="KEY=VALUE",
+                   help="option for ferrosync.connect, e.g. wire_dtype=bfloat16 or "
+                   "heartbeat_timeout=30 (VALUE is JSON, else a string); repeatable")
+    g.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help="seconds any single wait for peers may last (default 300)")
+    g.add_argument("script", nargs="?", metavar="SCRIPT",
+                   help="a Python script to run on every rank instead of the built-in "
+                   "trainer; it calls ferrosync.connect() with no arguments")
+    g.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS",
+                   help="arguments passed to SCRIPT")
+
+    t = p.add_argument_group("built-in trainer")
+    t.add_argument("--steps", type=_int_at_least(1), metavar="N",
+                   help="optimizer steps to run (with --epochs too: whichever ends first)")
+    t.add_argument("--epochs", type=_int_at_least(1), metavar="N",
+                   help=f"passes over the data (default {DEFAULT_EPOCHS} when --steps is "
+                   "not given)")
+    t.add_argument("--batch-size", type=_int_at_least(1), metavar="B",
+                   help=f"samples per rank per step (default {DEFAULT_BATCH_SIZE})")
+    t.add_argument("--lr", type=_positive_float, metavar="LR",
+                   help="learning rate (default 0.05 for sgd, 0.001 for adamw)")
+    t.add_argument("--optimizer", choices=sorted(DEFAULT_LR),
+                   help="sgd (momentum 0.9, the default) or adamw")
+    t.add_argument("--seed", type=int, metavar="S",
+                   help="seed for initial weights, data order and per-rank RNGs (default 0)")
+    t.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="FACTORY() returns a torch.nn.Module (default: the demo MLP, "
+                   "ferrosync.train.demo:model)")
+    t.add_argument("--data", metavar="MODULE:FACTORY",
+                   help="FACTORY() returns a Dataset of (input, target) pairs, or a "
+                   "(train, eval) pair of them (default: the synthetic demo set)")
+    t.add_argument("--loss", metavar="NAME",
+                   help="cross_entropy, mse, or MODULE:FUNCTION(output, target) (default: "
+                   "cross_entropy for integer targets, mse otherwise)")
+    t.add_argument("--device", metavar="DEV",
+                   help="torch device (default cuda:LOCAL_RANK when CUDA is available, else cpu)")
+    t.add_argument("--metrics", metavar="PATH",
+                   help="rank 0 appends one JSON line per optimizer step to this local file")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar on rank 0")
+
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", metavar="URL",
+                   help="directory or fsspec URL (s3://...) for checkpoints, visible to "
+                   "every rank; a final checkpoint is written at the end")
+    c.add_argument("--checkpoint-every", type=_int_at_least(1), metavar="N",
+                   help="also write a checkpoint every N optimizer steps")
+    c.add_argument("--keep-checkpoints", type=_int_at_least(1), metavar="K",
+                   help="keep the newest K checkpoints (default 2)")
+    c.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir "
+                   "(the same model and number of ranks)")
+
+    s = p.add_argument_group("synchronisation strategy")
+    s.add_argument("--strategy", choices=[*STRATEGIES, *PLANNED],
+                   help="grad: average gradients every step (the default); local-sgd and "
+                   "diloco are not available yet")
+    s.add_argument("--sync-every", type=_int_at_least(1), metavar="H",
+                   help="periodic strategies: synchronise every H steps")
+    s.add_argument("--sync-every-seconds", type=_positive_float, metavar="S",
+                   help="periodic strategies: synchronise about every S seconds")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse and cross-check the flags; raises ConfigError on bad input."""
+    args = build_parser().parse_args(argv)
+    if args.script is not None:
+        given = [f"--{name.replace('_', '-')}" for name in TRAINER_FLAGS
+                 if getattr(args, name) not in (None, False)]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} configure(s) the built-in trainer, not SCRIPT",
+                hint="put your script's own flags after SCRIPT",
+            )
+        if not os.path.isfile(args.script):
+            raise ConfigError(f"SCRIPT {args.script!r} does not exist",
+                              hint="give the path of a Python file (or no SCRIPT for the "
+                              "built-in trainer)")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+    if args.resume and not args.checkpoint_dir:
+        raise ConfigError("--resume needs --checkpoint-dir",
+                          hint="give the checkpoint directory of the run to continue")
+    args.sync_options = dict(args.sync_options or [])
+    return args
+
+
+def resolve(spec: str, flag: str):
+    """``module:attr`` (attr may be dotted) -> the callable it names."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{flag} {spec!r} is not MODULE:FACTORY",
+                          hint=f"e.g. {flag} mypkg.models:build")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: the current directory imports
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{flag} {spec}: cannot import {module_name!r} ({exc})",
+                          hint="make it importable from the current directory or "
+                          "PYTHONPATH") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{flag} {spec}: {module_name!r} has no attribute {attr!r}",
+                              hint="check the name after the colon")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{flag} {spec}: {attr!r} is not callable")
+    return obj

@@ -1,0 +1,311 @@
+"""``--nproc N``: start N local ranks, forward their output, stop them all if one fails.
+
+A small subprocess supervisor (``torch.distributed.elastic.multiprocessing`` does
+more, such as restarts and log files, but buries a failing rank's message and
+needs a rendezvous store we do not use):
+
+* each rank is ``python -m ferrosync.train <same flags>`` with ``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``FERROSYNC_URL`` in its
+  environment, in its own process group (so Ctrl-C reaches the launcher, which
+  stops the ranks in order, and a rank's own children are stopped with it), and
+  with a parent-death signal, so a launcher killed with SIGKILL takes its ranks
+  along;
+* every line of output is forwarded with a ``[rank k]`` prefix; rank 0's
+  ``FINAL {json}`` line is held back and printed last, unprefixed, so the
+  launcher's last line of stdout is the trainer's summary;
+* the first rank to exit non-zero makes the launcher SIGTERM the others (SIGKILL
+  after a grace period), name the failed rank and its last error line, and exit
+  with 2 if that rank reported bad input (exit code 2), else 1.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from ..env import (
+    ENV_LOCAL_RANK,
+    ENV_LOCAL_WORLD_SIZE,
+    ENV_RANK,
+    ENV_URL,
+    ENV_WORLD_SIZE,
+)
+
+#: set in each rank's environment: "you are a rank, ignore --nproc"
+ENV_CHILD = "FERROSYNC_TRAIN_CHILD"
+#: set when the launcher's stderr is a terminal, so rank 0 redraws its bar often
+ENV_TTY = "FERROSYNC_TTY"
+GRACE_S = 5.0
+POLL_S = 0.05
+_DELIMITER = re.compile(rb"[\r\n]")
+_PR_SET_PDEATHSIG = 1
+
+
+def launch(args, argv: list[str]) -> int:
+    """Run ``args.nproc`` ranks of ``python -m ferrosync.train argv``; the exit code."""
+    from .runner import check_sync_url, preflight
+
+    url, created = args.sync, None
+    if url is None:
+        url = created = tempfile.mkdtemp(prefix="ferrosync-train-")
+    try:
+        if args.script is None:
+            preflight(args, args.nproc)
+        if created is None:  # after the read-only checks: this one writes a probe
+            check_sync_url(url, args.sync_options)
+        commands, envs = [], []
+        for rank in range(args.nproc):
+            commands.append([sys.executable, "-m", "ferrosync.train", *argv])
+            envs.append(_rank_env(rank, args.nproc, url))
+        return Supervisor(commands, envs, url=url).run()
+    finally:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+
+
+def _rank_env(rank: int, world_size: int, url: str) -> dict:
+    env = dict(os.environ)
+    env.update({
+        ENV_RANK: str(rank),
+        ENV_WORLD_SIZE: str(world_size),
+        ENV_LOCAL_RANK: str(rank),
+        ENV_LOCAL_WORLD_SIZE: str(world_size),
+        ENV_URL: url,
+        ENV_CHILD: "1",
+        "PYTHONUNBUFFERED": "1",  # output reaches the launcher as it is written
+    })
+    if world_size > 1:
+        env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun: N ranks must not oversubscribe
+    if sys.stderr.isatty():
+        env[ENV_TTY] = "1"
+    # the ranks must import this very ferrosync, whatever their sys.path would say
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _load_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()
+
+
+class _Stop(Exception):
+    """The launcher itself was asked to stop (SIGTERM)."""
+
+
+class _Pump(threading.Thread):
+    """Copies one rank's stdout or stderr to ours, prefixing every line.
+
+    Complete lines go out whole (so ranks' lines never interleave mid-line); a
+    progress bar's carriage-return redraw goes out as soon as it arrives.
+    """
+
+    def __init__(self, rank: int, source, sink, lock: threading.Lock, *,
+                 hold_final: bool) -> None:
+        super().__init__(daemon=True, name=f"rank{rank}-pump")
+        self.prefix = f"[rank {rank}] ".encode()
+        self.source, self.sink, self.lock = source, sink, lock
+        self.hold_final = hold_final
+        self.final: bytes | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self._buf = b""
+        self._open = False  # a partial redraw was written: continue without prefix
+        self._after_cr = False
+
+    def run(self) -> None:
+        fd = self.source.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            self._feed(chunk)
+        if self._buf:
+            self._feed(b"\n")
+        self.source.close()
+
+    def _feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        out = []
+        while (m := _DELIMITER.search(self._buf)) is not None:
+            segment, delim = self._buf[:m.start()], self._buf[m.start():m.end()]
+            self._buf = self._buf[m.end():]
+            if delim == b"\n" and not self._open:
+                self.tail.append(segment.decode(errors="replace"))
+                if self.hold_final and segment.startswith(b"FINAL "):
+                    self.final = segment
+                    continue
+            if self._open or (not segment and delim == b"\r"):
+                out.append(segment + delim)  # a continuation, or a bare redraw marker
+            else:
+                out.append(self.prefix + segment + delim)
+            self._open = False
+            self._after_cr = delim == b"\r"
+        if self._buf and self._after_cr:
+            out.append(self._buf if self._open else self.prefix + self._buf)
+            self._buf, self._open = b"", True
+        if out:
+            _write(self.sink, self.lock, b"".join(out))
+
+    def error_line(self) -> str:
+        for line in reversed(self.tail):
+            if line.strip():
+                return line.strip()
+        return ""
+
+
+class Supervisor:
+    """Runs one process per rank and stops them all as soon as one fails."""
+
+    def __init__(self, commands: list[list[str]], envs: list[dict], *, url: str) -> None:
+        self.commands, self.envs, self.url = commands, envs, url
+        self.procs: list[subprocess.Popen] = []
+        self.pumps: list[tuple[_Pump, _Pump]] = []
+        self.stopped: set[int] = set()  # ranks this launcher signalled
+        self.out_lock, self.err_lock = threading.Lock(), threading.Lock()
+
+    def _say(self, text: str) -> None:
+        _write(sys.stderr, self.err_lock, f"ferrosync.train: {text}\n".encode())
+
+    def run(self) -> int:
+        previous = signal.signal(signal.SIGTERM, _raise_stop)
+        try:
+            self._start()
+            failed = self._wait()
+        except KeyboardInterrupt:
+            self._stop_all()
+            self._say("interrupted: stopped every rank")
+            return 130
+        except _Stop:
+            self._stop_all()
+            self._say("terminated: stopped every rank")
+            return 143
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self._stop_all()
+            self._drain()
+        return self._report(failed)
+
+    def _start(self) -> None:
+        parent = os.getpid()
+
+        def die_with_parent() -> None:  # runs in the child, between fork and exec
+            if _PRCTL is not None:
+                _PRCTL(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the launcher died before prctl took effect
+                os._exit(1)
+
+        # start every process before any pump thread: fork with threads running is
+        # best kept to a minimum
+        for command, env in zip(self.commands, self.envs):
+            self.procs.append(subprocess.Popen(
+                command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent,
+            ))
+        pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.procs))
+        self._say(f"started {len(self.procs)} ranks ({pids}); sync URL {self.url}")
+        for rank, proc in enumerate(self.procs):
+            out = _Pump(rank, proc.stdout, sys.stdout, self.out_lock, hold_final=rank == 0)
+            err = _Pump(rank, proc.stderr, sys.stderr, self.err_lock, hold_final=False)
+            out.start()
+            err.start()
+            self.pumps.append((out, err))
+
+    def _wait(self) -> list[int]:
+        """Block until every rank exited 0 (returns []) or until ranks failed on their
+        own (returns them; none has been stopped by the launcher yet)."""
+        while True:
+            codes = [p.poll() for p in self.procs]
+            failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
+            if failed or all(code == 0 for code in codes):
+                return failed
+            time.sleep(POLL_S)
+
+    def _stop_all(self) -> None:
+        alive = [p for p in self.procs if p.poll() is None]
+        for proc in alive:
+            _signal_group(proc, signal.SIGTERM)
+        self.stopped.update(self.procs.index(p) for p in alive)
+        deadline = time.monotonic() + GRACE_S
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                try:
+                    proc.wait(timeout=GRACE_S)
+                except subprocess.TimeoutExpired:  # stuck in the kernel: report, not hang
+                    self._say(f"rank {self.procs.index(proc)} (pid {proc.pid}) did not exit")
+
+    def _drain(self) -> None:
+        for out, err in self.pumps:
+            out.join(timeout=5.0)
+            err.join(timeout=5.0)
+
+    def _report(self, failed: list[int]) -> int:
+        final = self.pumps[0][0].final if self.pumps else None
+        code = 0
+        if failed:
+            # ranks that failed in the same instant: name the cause, not a peer that
+            # merely reported it (PeerFailed)
+            failed.sort(key=lambda r: "PeerFailed" in self.pumps[r][1].error_line())
+            first = failed[0]
+            rc = self.procs[first].returncode
+            how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0
+                   else f"failed with exit code {rc}")
+            error = self.pumps[first][1].error_line()
+            self._say(f"rank {first} {how}" + (f": {error}" if error else ""))
+            others = sorted(set(failed[1:]))
+            if others:
+                self._say(f"ranks {others} failed too")
+            stopped = sorted(self.stopped - set(failed))
+            if stopped:
+                self._say(f"stopped ranks {stopped}")
+            code = 2 if rc == 2 else 1
+        if final is not None:
+            _write(sys.stdout, self.out_lock, final + b"\n")
+        return code
+
+
+def _write(stream, lock: threading.Lock, data: bytes) -> None:
+    with lock:
+        try:
+            binary = getattr(stream, "buffer", None)
+            if binary is not None:
+                stream.flush()  # anything written as text before must come first
+                binary.write(data)
+                binary.flush()
+            else:  # a text-only stream (an embedding application's)
+                stream.write(data.decode(errors="replace"))
+                stream.flush()
+        except (BrokenPipeError, ValueError):
+            # our reader went away (`| head`) or the stream is closed: drop the output,
+            # but keep draining the ranks' pipes, or they would block on a full pipe
+            pass
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the rank and anything it started (DataLoader workers)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop()

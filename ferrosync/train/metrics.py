@@ -1,0 +1,121 @@
+"""What a run reports: per-step JSON lines, the parameter digest, the summary table and
+the ``FINAL {json}`` line.
+
+Metrics file (``--metrics PATH``, rank 0, one JSON object per optimizer step)::
+
+    {"step": 12, "epoch": 0, "loss": 0.91, "lr": 0.05, "compute_s": 0.0012,
+     "sync_s": 0.0019, "bytes": 41224, "requests": 6, "synced": true}
+
+``bytes`` and ``requests`` are what *this rank* wrote plus read (and the storage
+requests it made) during that step, not running totals. ``loss`` is rank 0's
+batch loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+
+import torch
+
+#: keys the FINAL line always carries (DESIGN.md §6)
+FINAL_KEYS = ("steps", "loss", "accuracy", "param_digest", "ranks_agree", "bytes_written",
+              "bytes_read", "requests")
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to a local file (rank 0 only).
+
+    On a resumed run, lines after the resumed step (written by the interrupted
+    run after its last checkpoint) are dropped first, so the file reads as one
+    uninterrupted run.
+    """
+
+    def __init__(self, path: str, resume_step: int | None = None) -> None:
+        self.path = os.path.abspath(path)
+        directory = os.path.dirname(self.path)
+        os.makedirs(directory, exist_ok=True)
+        kept = []
+        if resume_step is not None and os.path.exists(self.path):
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] <= resume_step:
+                            kept.append(line if line.endswith("\n") else line + "\n")
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn last line from a killed run
+        # replace atomically, so a crash now leaves the old file or the new one
+        tmp = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record, separators=(", ", ": ")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def param_digest(model: torch.nn.Module) -> bytes:
+    """SHA-256 over every state-dict entry's name, dtype, shape and raw bytes.
+
+    Equal digests mean bit-identical parameters and buffers.
+    """
+    h = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole > 0 else "-"
+
+
+def format_summary(s: dict) -> str:
+    """The human-readable table printed by rank 0 before the FINAL line."""
+    wall = s["wall_s"]
+    rows = [
+        ("ranks", f"{s['world_size']} (strategy {s['strategy']})"),
+        ("steps", f"{s['steps']} ({s['epochs']:.2f} epochs"
+                  + (f", resumed at step {s['resumed_from']}" if s["resumed_from"] else "")
+                  + ")"),
+        ("samples/s", f"{s['samples_per_s']:,.0f} (all ranks)"),
+        ("wall time", f"{wall:.2f} s"),
+        ("compute", f"{s['compute_s']:.2f} s ({_pct(s['compute_s'], wall)})"),
+        ("sync", f"{s['sync_s']:.2f} s ({_pct(s['sync_s'], wall)}): write {s['write_s']:.2f}, "
+                 f"wait {s['wait_s']:.2f}, reduce {s['reduce_s']:.2f}, read {s['read_s']:.2f}"),
+        ("checkpoints", f"{s['checkpoint_s']:.2f} s ({s['checkpoints']} written)"),
+        ("bytes moved", f"written {_mb(s['bytes_written'])}, read {_mb(s['bytes_read'])}, "
+                        f"{s['requests']:,} requests (all ranks)"),
+        ("final loss", _num(s["loss"])),
+    ]
+    if s.get("eval_loss") is not None:
+        rows.append(("eval loss", _num(s["eval_loss"])))
+    rows.append(("accuracy", "-" if s["accuracy"] is None else f"{100 * s['accuracy']:.2f}%"))
+    agree = "yes" if s["ranks_agree"] else "NO: " + ", ".join(
+        f"rank {r} {d[:12]}" for r, d in enumerate(s["rank_digests"]))
+    rows.append(("ranks agree", f"{agree} (digest {s['param_digest'][:16]})"))
+    width = max(len(k) for k, _ in rows)
+    lines = ["ferrosync.train summary"] + [f"  {k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
+
+
+def final_line(summary: dict) -> str:
+    """``FINAL {json}`` on one line (non-finite numbers become null: strict JSON)."""
+    clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+             for k, v in summary.items()}
+    return "FINAL " + json.dumps(clean, separators=(",", ":"), sort_keys=True)

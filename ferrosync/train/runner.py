@@ -1,0 +1,234 @@
+"""One rank of ``python -m ferrosync.train``: the built-in trainer or the user's SCRIPT.
+
+Also the launcher's pre-flight: the checks a rank would make before touching the
+sync URL (strategy, factories, checkpoint), done once in the launcher so that bad
+input is one line and exit code 2 before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+import torch
+
+from ..env import ENV_URL
+from ..errors import ConfigError
+from ..strategies import make_strategy
+from . import demo
+from .checkpoint import CheckpointStore, check_compatible, probe_location
+from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, resolve
+from .trainer import Trainer, resolve_device
+
+LOSSES = {
+    "cross_entropy": torch.nn.functional.cross_entropy,
+    "mse": torch.nn.functional.mse_loss,
+}
+EVAL_BATCH = 1024
+
+
+# -- building the trainer from flags -----------------------------------------------------
+
+def _strategy(args):
+    return make_strategy(args.strategy or "grad", sync_every=args.sync_every,
+                         sync_every_seconds=args.sync_every_seconds)
+
+
+def _model_fn(args):
+    return resolve(args.model, "--model") if args.model else demo.model
+
+
+def _optimizer_fn(args):
+    name = args.optimizer or "sgd"
+    lr = args.lr if args.lr is not None else DEFAULT_LR[name]
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr)
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def _datasets(args):
+    """(train, eval or None) from ``--data`` (or the demo)."""
+    factory = resolve(args.data, "--data") if args.data else demo.data
+    made = factory()
+    if isinstance(made, (tuple, list)):
+        if len(made) != 2:
+            raise ConfigError(f"--data {args.data}: the factory returned {len(made)} items",
+                              hint="return a Dataset, or a (train, eval) pair")
+        train, evaluation = made
+    else:
+        train, evaluation = made, None
+    try:
+        sample = train[0]
+        _, target = sample
+    except Exception:  # noqa: BLE001 - any failure here means the wrong shape
+        raise ConfigError(f"--data {args.data or 'demo'}: items must be (input, target) pairs",
+                          hint="return a Dataset whose items are (input, target)") from None
+    return train, evaluation, target
+
+
+def _is_integer_target(target) -> bool:
+    if isinstance(target, torch.Tensor):
+        return not target.is_floating_point() and not target.is_complex() \
+            and target.dtype != torch.bool
+    return isinstance(target, int) and not isinstance(target, bool)
+
+
+def _loss(args, target):
+    """(loss_fn, classification?) from ``--loss`` and the first target."""
+    name = args.loss
+    integer = _is_integer_target(target)
+    if name is None:
+        name = "cross_entropy" if integer else "mse"
+    if name in LOSSES:
+        return LOSSES[name], name == "cross_entropy"
+    if ":" in name:
+        return resolve(name, "--loss"), integer
+    raise ConfigError(f"unknown --loss {name!r}",
+                      hint="use cross_entropy, mse or MODULE:FUNCTION")
+
+
+def make_eval(dataset, loss_fn, classification: bool, device):
+    """An ``eval_fn``: mean loss (and accuracy for classification) over ``dataset``."""
+    def evaluate(model: torch.nn.Module) -> dict:
+        loader = torch.utils.data.DataLoader(dataset, batch_size=EVAL_BATCH)
+        seen, correct, loss_sum = 0, 0, 0.0
+        for x, y in loader:
+            x = x.to(device) if isinstance(x, torch.Tensor) else x
+            y = y.to(device)
+            out = model(x)
+            loss_sum += float(loss_fn(out, y)) * len(y)
+            if classification:
+                correct += int((out.argmax(dim=-1) == y).sum())
+            seen += len(y)
+        return {"loss": loss_sum / seen if seen else None,
+                "accuracy": correct / seen if classification and seen else None}
+    return evaluate
+
+
+def build_trainer(args) -> Trainer:
+    """The Trainer for these flags; everything that can fail on bad input fails here."""
+    strategy = _strategy(args)
+    train, evaluation, target = _datasets(args)
+    loss_fn, classification = _loss(args, target)
+    epochs = args.epochs if args.epochs or args.steps else DEFAULT_EPOCHS
+    trainer = Trainer(
+        _model_fn(args), _optimizer_fn(args), loss_fn, train,
+        batch_size=args.batch_size or DEFAULT_BATCH_SIZE, epochs=epochs, steps=args.steps,
+        strategy=strategy, seed=args.seed or 0, metrics_path=args.metrics,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        resume=args.resume, keep_checkpoints=args.keep_checkpoints or 2,
+        storage_options=_checkpoint_options(args), progress=not args.no_progress,
+        device=args.device,
+    )
+    if evaluation is not None:
+        trainer.eval_fn = make_eval(evaluation, loss_fn, classification, trainer.device)
+    return trainer
+
+
+def _checkpoint_options(args) -> dict | None:
+    """The sync's fsspec ``storage_options`` (credentials, endpoint) also serve an object
+    store checkpoint directory; a local directory takes none."""
+    from ..storage import split_url
+
+    options = args.sync_options.get("storage_options")
+    if options and args.checkpoint_dir and split_url(args.checkpoint_dir)[0] not in (
+            "file", "local"):
+        return options
+    return None
+
+
+# -- checks the launcher makes before starting any rank ------------------------------------
+
+def check_sync_url(url: str, options: dict) -> None:
+    """Options and reachability of a storage sync URL (torch URLs are checked by ranks)."""
+    from ..registry import TORCH_SCHEMES, backend_for
+    from ..storage import open_storage, split_url
+
+    if split_url(url)[0] in TORCH_SCHEMES:
+        return
+    checked = backend_for(url).check_options(options)
+    probe_location(open_storage(url, checked["storage_options"]), "sync URL")
+
+
+def preflight(args, world_size: int) -> None:
+    """What every rank would reject before connecting, checked once by the launcher."""
+    strategy = _strategy(args)
+    model_fn = _model_fn(args)
+    resolve_device(args.device)
+    if args.data:
+        resolve(args.data, "--data")
+    if args.loss:
+        _loss(args, None)  # resolves MODULE:FUNCTION, rejects unknown names
+    if args.checkpoint_dir:
+        store = CheckpointStore(args.checkpoint_dir, _checkpoint_options(args))
+        if args.resume:
+            meta = store.require_latest()
+            torch.manual_seed(args.seed or 0)
+            check_compatible(meta, model=model_fn(), world_size=world_size,
+                             strategy=strategy.name, url=store.url)
+        store.probe()
+
+
+# -- one rank ------------------------------------------------------------------------------
+
+def _stop_on_sigterm() -> None:
+    # The launcher stops ranks with SIGTERM. As an exception it unwinds `with connect()`
+    # (peers learn at once through the abort marker) and removes temporary files
+    # instead of killing the process mid-write.
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_rank(args) -> int:
+    """Run this process's rank; returns the exit code (ConfigError propagates: exit 2)."""
+    import ferrosync
+
+    _stop_on_sigterm()
+    url = args.sync or os.environ.get(ENV_URL)
+    if not url:
+        raise ConfigError("--sync URL is required without --nproc (or set FERROSYNC_URL)",
+                          hint="for a run on this machine use --nproc N")
+    if args.script is not None:
+        return run_script(args, url)
+    trainer = build_trainer(args)
+    with ferrosync.connect(url, timeout=args.timeout or 300.0, **args.sync_options) as sync:
+        summary = trainer.fit(sync)
+    return 0 if summary["ranks_agree"] else 1
+
+
+def run_script(args, url: str) -> int:
+    """Run SCRIPT as ``__main__`` in this process, like ``python SCRIPT SCRIPT_ARGS``."""
+    os.environ[ENV_URL] = url
+    path = os.path.abspath(args.script)
+    sys.argv = [args.script, *args.script_args]
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except ConfigError as exc:
+        _abort_open_syncs(exc)
+        raise
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported like `python SCRIPT` would
+        _abort_open_syncs(exc)
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename != path:
+            tb = tb.tb_next  # start at the script's frame: the launcher's are noise
+        traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
+        return 1
+    return 0
+
+
+def _abort_open_syncs(exc: BaseException) -> None:
+    """Tell peers this rank failed, as an uncaught exception would (see api._excepthook):
+    a ConfigError caught here for a clean one-line exit must not leave peers waiting."""
+    from ..api import _LIVE
+
+    for sync in list(_LIVE):
+        if sync._failure is None and not sync._closed:
+            sync._fail(exc)

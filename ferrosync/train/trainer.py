@@ -1,0 +1,451 @@
+"""``Trainer``: a data-parallel training loop over a ``GradSync``, with checkpoints.
+
+Every rank runs the same loop over its own shard of the data (``ShardSampler``)::
+
+    trainer = ferrosync.Trainer(model_fn, optimizer_fn, loss_fn, dataset,
+                                batch_size=64, epochs=5, eval_fn=evaluate)
+    with ferrosync.connect() as sync:          # after the Trainer: bad input fails
+        summary = trainer.fit(sync)            # before anything is written
+    # summary["ranks_agree"], summary["accuracy"], ...
+
+Synchronisation belongs to a ``Strategy`` (default ``GradAveraging``: average the
+gradients every step); the loop itself only does forward, backward, telemetry and
+checkpoints, so new strategies need no change here.
+
+Determinism (what makes ``--resume`` bit-exact on CPU): the model is built from
+``torch.manual_seed(seed)`` on every rank; then each rank seeds its own training
+RNGs (torch, ``random``, NumPy) from ``(seed, rank)``; the data order depends only
+on ``(seed, epoch)``; a checkpoint carries every rank's RNG states (gathered through
+the sync), the optimizer and strategy state, and the position inside the epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+import sys
+import time
+from collections import deque
+from typing import Callable
+
+import numpy
+import torch
+from torch.utils.data import DataLoader
+
+from ..env import discover
+from ..errors import ConfigError
+from ..partition import ShardSampler
+from ..stats import PHASES
+from ..strategies import GradAveraging, Strategy
+from .checkpoint import (
+    CheckpointStore,
+    capture_rng,
+    check_compatible,
+    model_signature,
+    restore_rng,
+)
+from .metrics import MetricsWriter, final_line, format_summary, param_digest
+
+__all__ = ["Trainer", "resolve_device"]
+
+#: the final "loss" is the mean over ranks of each rank's last this-many batch losses
+LOSS_WINDOW = 20
+
+
+def _positive_int(name: str, value, *, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class Trainer:
+    """Train ``model_fn()`` on ``dataset`` across every rank of a ``GradSync``.
+
+    Args:
+        model_fn: ``() -> torch.nn.Module``; called on every rank right after
+            ``torch.manual_seed(seed)``, so every rank builds the same initial model
+            (the strategy also broadcasts rank 0's parameters at the start).
+        optimizer_fn: ``(parameters) -> torch.optim.Optimizer``.
+        loss_fn: ``(model_output, target) -> scalar tensor``.
+        dataset: a sized ``Dataset`` of ``(input, target)`` pairs; every rank holds
+            the same dataset and trains on its ``ShardSampler`` shard.
+        sync: the ``GradSync`` (may instead be passed to ``fit``).
+        batch_size: per rank; the global batch is ``batch_size * world_size``.
+        epochs, steps: how long to train; with both, whichever ends first. ``steps``
+            counts optimizer steps.
+        eval_fn: ``(model) -> {"loss": float, "accuracy": float | None}``; called on
+            every rank after training (parameters are identical there by then);
+            rank 0's result is reported.
+        strategy: a ``Strategy``; default ``GradAveraging()``.
+        seed: model initialisation, data order and per-rank RNG seeds derive from it.
+        metrics_path: rank 0 writes one JSON line per step there (a local path).
+        checkpoint_dir: directory or fsspec URL, visible to every rank.
+        checkpoint_every: write a checkpoint every this many optimizer steps (and at
+            the end); needs ``checkpoint_dir``.
+        resume: continue from the latest checkpoint in ``checkpoint_dir``; a missing
+            or incompatible checkpoint is a ``ConfigError`` raised here, before any
+            collective, so nothing is written.
+        keep_checkpoints: how many recent checkpoints to keep.
+        storage_options: fsspec options for ``checkpoint_dir``.
+        progress: rank 0 shows a tqdm bar on stderr.
+        report: rank 0 prints the summary table and the ``FINAL {json}`` line.
+        device: where to train (default: ``cuda:<local rank>`` if available, else cpu).
+        num_workers: DataLoader worker processes.
+        rank, world_size: this process's identity when ``sync`` is not given yet
+            (default: from the environment, like ``connect``).
+
+    Raises:
+        ConfigError: on bad arguments or an unusable checkpoint (before any I/O
+            on the sync; rank 0 also checks that ``checkpoint_dir`` is writable).
+    """
+
+    def __init__(
+        self,
+        model_fn: Callable[[], torch.nn.Module],
+        optimizer_fn: Callable,
+        loss_fn: Callable,
+        dataset,
+        *,
+        sync=None,
+        batch_size: int = 64,
+        epochs: int | None = None,
+        steps: int | None = None,
+        eval_fn: Callable | None = None,
+        strategy: Strategy | None = None,
+        seed: int = 0,
+        metrics_path: str | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every: int | None = None,
+        resume: bool = False,
+        keep_checkpoints: int = 2,
+        storage_options: dict | None = None,
+        progress: bool = True,
+        report: bool = True,
+        device=None,
+        num_workers: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.batch_size = _positive_int("batch_size", batch_size, allow_none=False)
+        epochs = _positive_int("epochs", epochs)
+        steps = _positive_int("steps", steps)
+        checkpoint_every = _positive_int("checkpoint_every", checkpoint_every)
+        self.keep_checkpoints = _positive_int("keep_checkpoints", keep_checkpoints,
+                                              allow_none=False)
+        if epochs is None and steps is None:
+            raise ConfigError("give epochs or steps (or both: whichever ends first)")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
+        if (checkpoint_every or resume) and not checkpoint_dir:
+            raise ConfigError("checkpoint_every and resume need checkpoint_dir",
+                              hint="pass --checkpoint-dir DIR_OR_URL")
+        for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn),
+                         ("loss_fn", loss_fn)):
+            if not callable(fn):
+                raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
+        if eval_fn is not None and not callable(eval_fn):
+            raise ConfigError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
+        try:
+            n = len(dataset)
+        except TypeError:
+            raise ConfigError("dataset must be sized (a map-style Dataset with __len__)",
+                              hint="wrap an iterable dataset in a map-style one") from None
+        if n == 0:
+            raise ConfigError("dataset is empty")
+
+        if sync is not None:
+            rank, world_size = sync.rank, sync.world_size
+        identity = discover(rank, world_size)
+        self.rank, self.world_size = identity.rank, identity.world_size
+        self.sync = sync
+        self.loss_fn, self.eval_fn = loss_fn, eval_fn
+        self.strategy = strategy if strategy is not None else GradAveraging()
+        if not isinstance(self.strategy, Strategy):
+            raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
+                              f"{type(self.strategy).__name__}")
+        self.seed = seed
+        self.metrics_path = metrics_path
+        self.checkpoint_every = checkpoint_every
+        self.progress, self.report = progress, report
+        self.device = resolve_device(device, identity.local_rank)
+
+        torch.manual_seed(seed)  # the same initial weights on every rank
+        model = model_fn()
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model_fn must return a torch.nn.Module, got "
+                              f"{type(model).__name__}")
+        self.model = model.to(self.device)
+        self.optimizer = optimizer_fn(self.model.parameters())
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer_fn must return a torch.optim.Optimizer, got "
+                              f"{type(self.optimizer).__name__}")
+        # training randomness (dropout, augmentation) differs per rank, reproducibly
+        rank_seed = _rank_seed(seed, self.rank)
+        torch.manual_seed(rank_seed)
+        random.seed(rank_seed)
+        numpy.random.seed(rank_seed % 2**32)
+
+        self.sampler = ShardSampler(n, rank=self.rank, world_size=self.world_size,
+                                    shuffle=True, seed=seed)
+        # the loader gets its own generator: creating an iterator must not draw from
+        # the global RNG, or a run resumed mid-epoch would be one draw out of step
+        self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler,
+                                 num_workers=num_workers,
+                                 generator=torch.Generator().manual_seed(seed))
+        self.steps_per_epoch = -(-len(self.sampler) // self.batch_size)
+        limits = [s for s in (steps, epochs and epochs * self.steps_per_epoch) if s]
+        self.total_steps = min(limits)
+
+        self.step, self.epoch, self.consumed = 0, 0, 0
+        self.resumed_from = None
+        self.checkpoints = (CheckpointStore(checkpoint_dir, storage_options)
+                            if checkpoint_dir else None)
+        if resume:
+            self._resume()
+        if self.checkpoints is not None and self.rank == 0:
+            self.checkpoints.probe()
+
+    # -- checkpoints -------------------------------------------------------------------
+    def _resume(self) -> None:
+        store = self.checkpoints
+        meta = store.require_latest()
+        check_compatible(meta, model=self.model, world_size=self.world_size,
+                         strategy=self.strategy.name, url=store.url)
+        state = store.load(meta)
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.strategy.load_state_dict(state["strategy"])
+            self.sampler.load_state_dict(state["sampler"])
+            restore_rng({name: per_rank[self.rank] for name, per_rank in state["rng"].items()},
+                        self.device)
+            self.step, self.epoch = int(state["step"]), int(state["epoch"])
+        except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as exc:
+            raise ConfigError(
+                f"checkpoint {store.url}/{meta['file']} does not fit this run "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                hint="resume with the settings that wrote it, or start without --resume",
+            ) from None
+        self.consumed = int(state["sampler"].get("consumed", 0))
+        self.resumed_from = self.step
+
+    def _save_checkpoint(self, sync) -> float:
+        """Collective (every rank, at the same step): gather RNG states; rank 0 writes."""
+        start = time.perf_counter()
+        # every rank's random state, so each rank resumes its own streams
+        rng = {name: sync.all_gather(t) for name, t in capture_rng(self.device).items()}
+        if self.rank == 0:
+            epoch, consumed = self.epoch, self.consumed
+            if consumed >= len(self.sampler):  # the epoch is done: resume at the next
+                epoch, consumed = epoch + 1, 0
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "strategy": self.strategy.state_dict(),
+                "sampler": self.sampler.state_dict(consumed) | {"epoch": epoch},
+                "rng": rng,
+                "step": self.step,
+                "epoch": epoch,
+            }
+            meta = {"step": self.step, "epoch": epoch, "world_size": self.world_size,
+                    "strategy": self.strategy.name, "batch_size": self.batch_size,
+                    "seed": self.seed, "model": model_signature(self.model)}
+            self.checkpoints.save(state, meta, keep=self.keep_checkpoints)
+        return time.perf_counter() - start
+
+    # -- the loop ----------------------------------------------------------------------
+    def fit(self, sync=None) -> dict:
+        """Collective: train to the end, then compare parameters across ranks.
+
+        Every rank calls it with the same settings. Blocks for the whole run;
+        raises whatever a collective raises (``PeerFailed`` when a peer dies,
+        ``SyncTimeout``, ...). Returns the summary (the FINAL line's fields) on
+        every rank; ``summary["ranks_agree"]`` is False if parameters differ.
+        """
+        sync = sync if sync is not None else self.sync
+        if sync is None:
+            raise ConfigError("no GradSync: pass sync= to Trainer or to fit()")
+        if (sync.rank, sync.world_size) != (self.rank, self.world_size):
+            raise ConfigError(
+                f"the GradSync is rank {sync.rank} of {sync.world_size}, the Trainer was "
+                f"built for rank {self.rank} of {self.world_size}",
+                hint="build the Trainer with the same rank/world_size (or the same environment)",
+            )
+        self.strategy.attach(self.model, self.optimizer, sync)
+        metrics = None
+        if self.metrics_path and self.rank == 0:
+            metrics = MetricsWriter(self.metrics_path, resume_step=self.resumed_from)
+        bar = self._progress_bar()
+        totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
+        losses: deque[float] = deque(maxlen=LOSS_WINDOW)
+        start_step, samples = self.step, 0
+        begin = time.perf_counter()
+        stats_begin = sync.stats["total"]
+        self.model.train()
+        try:
+            while self.step < self.total_steps:
+                self.sampler.set_epoch(self.epoch)  # keeps a resumed mid-epoch position
+                for x, y in self.loader:
+                    record = self._train_step(sync, x, y)
+                    samples += record.pop("samples")
+                    losses.append(record["loss"])
+                    totals["compute_s"] += record["compute_s"]
+                    totals["sync_s"] += record["sync_s"]
+                    if metrics is not None:
+                        metrics.write(record)
+                    if bar is not None:
+                        elapsed = time.perf_counter() - begin
+                        bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                        samples_s=f"{samples * self.world_size / elapsed:,.0f}",
+                                        sync=f"{100 * totals['sync_s'] / elapsed:.0f}%",
+                                        refresh=False)
+                        bar.update(1)
+                    due = self.checkpoint_every and self.step % self.checkpoint_every == 0
+                    if due or (self.checkpoints is not None and self.step == self.total_steps):
+                        totals["checkpoint_s"] += self._save_checkpoint(sync)
+                        totals["checkpoints"] += 1
+                    if self.step >= self.total_steps:
+                        break
+                else:
+                    self.epoch, self.consumed = self.epoch + 1, 0
+            self.strategy.finish(self.model, self.optimizer)
+        finally:
+            if bar is not None:
+                bar.close()
+            if metrics is not None:
+                metrics.close()
+        wall = time.perf_counter() - begin
+        summary = self._summarise(sync, stats_begin, totals, losses, wall, samples, start_step)
+        if self.report and self.rank == 0:
+            if not summary["ranks_agree"]:
+                print(f"ferrosync.train: ranks ended with DIFFERENT parameters: "
+                      f"{summary['rank_digests']}", file=sys.stderr, flush=True)
+            print(format_summary(summary), flush=True)
+            print(final_line(summary), flush=True)
+        return summary
+
+    def _train_step(self, sync, x, y) -> dict:
+        start = time.perf_counter()
+        before = sync.stats["total"]
+        x = x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+        y = y.to(self.device, non_blocking=True) if isinstance(y, torch.Tensor) else y
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        telemetry = self.strategy.step(self.model, self.optimizer)
+        loss_value = float(loss.detach())  # after the step: no extra device sync before it
+        self.step += 1
+        batch = len(y)
+        self.consumed += batch
+        after = sync.stats["total"]
+        step_s = time.perf_counter() - start
+        sync_s = float(telemetry.get("sync_s", 0.0))
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "loss": loss_value,
+            "lr": _float_or_none(self.optimizer.param_groups[0].get("lr")),
+            "compute_s": max(step_s - sync_s, 0.0),
+            "sync_s": sync_s,
+            "bytes": (after["bytes_written"] - before["bytes_written"]
+                      + after["bytes_read"] - before["bytes_read"]),
+            "requests": after["requests"] - before["requests"],
+            "synced": bool(telemetry.get("synced", False)),
+            "samples": batch,
+        }
+
+    def _progress_bar(self):
+        if not (self.progress and self.rank == 0):
+            return None
+        from tqdm import tqdm
+
+        # through a pipe (the launcher, a log file) redraw rarely instead of 10x a second
+        interactive = sys.stderr.isatty() or _env_flag("FERROSYNC_TTY")
+        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
+                    file=sys.stderr, dynamic_ncols=interactive,
+                    mininterval=0.2 if interactive else 5.0)
+
+    def _summarise(self, sync, stats_begin, totals, losses, wall, samples, start_step) -> dict:
+        """Collective: evaluate, then gather every rank's digest, counters and loss."""
+        evaluation = {}
+        if self.eval_fn is not None:
+            self.model.eval()
+            with torch.no_grad():
+                evaluation = dict(self.eval_fn(self.model) or {})
+        stats = sync.stats["total"]
+        mine = sum(losses) / len(losses) if losses else math.nan
+        numbers = torch.tensor(
+            [stats["bytes_written"], stats["bytes_read"], stats["requests"], mine],
+            dtype=torch.float64)
+        digest = param_digest(self.model)
+        packed = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8),
+                            numbers.view(torch.uint8)])
+        gathered = sync.all_gather(packed)
+        digests = [bytes(g[:32].tolist()).hex() for g in gathered]
+        per_rank = [g[32:].clone().view(torch.float64).tolist() for g in gathered]
+        rank_losses = [r[3] for r in per_rank if math.isfinite(r[3])]
+        phases = {p: stats[p] - stats_begin[p] for p in PHASES}
+        steps_run = self.step - start_step
+        accuracy = evaluation.get("accuracy")
+        return {
+            "steps": self.step,
+            "epochs": self.step / self.steps_per_epoch,
+            "world_size": self.world_size,
+            "strategy": self.strategy.name,
+            "loss": sum(rank_losses) / len(rank_losses) if rank_losses else None,
+            "eval_loss": _float_or_none(evaluation.get("loss")),
+            "accuracy": _float_or_none(accuracy),
+            "param_digest": digests[self.rank],
+            "rank_digests": digests,
+            "ranks_agree": len(set(digests)) == 1,
+            "bytes_written": int(sum(r[0] for r in per_rank)),
+            "bytes_read": int(sum(r[1] for r in per_rank)),
+            "requests": int(sum(r[2] for r in per_rank)),
+            "samples_per_s": samples * self.world_size / wall if wall > 0 else 0.0,
+            "wall_s": wall,
+            "compute_s": totals["compute_s"],
+            "sync_s": totals["sync_s"],
+            **phases,
+            "checkpoint_s": totals["checkpoint_s"],
+            "checkpoints": totals["checkpoints"],
+            "steps_this_run": steps_run,
+            "resumed_from": self.resumed_from,
+        }
+
+
+def resolve_device(device, local_rank: int = 0) -> torch.device:
+    """``device`` as a ``torch.device``; None means ``cuda:<local rank>`` if CUDA is
+    available, else cpu. Raises ConfigError for a name torch rejects or missing CUDA."""
+    if device is None:
+        device = (f"cuda:{local_rank % torch.cuda.device_count()}"
+                  if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device {device!r} is not a torch device",
+                          hint="use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} needs CUDA, which is not available here",
+                          hint="drop --device to train on the CPU")
+    return resolved
+
+
+def _rank_seed(seed: int, rank: int) -> int:
+    # a hash, not seed + rank: runs with seeds 0 and 1 must not share streams
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{rank}".encode(), digest_size=8).digest(),
+                          "little") >> 1
+
+
+def _float_or_none(value) -> float | None:
+    if value is None:
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")

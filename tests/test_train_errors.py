@@ -1,0 +1,79 @@
+"""Bad input to ``python -m ferrosync.train``: one line that says what to do, exit code 2,
+nothing written (no checkpoint, no metrics file, no sync directory)."""
+
+from __future__ import annotations
+
+import pytest
+from train_cli import run_cli
+
+
+def _listing(path):
+    return sorted((p.name, p.read_bytes()) for p in path.iterdir()) if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def demo_checkpoint(tmp_path_factory):
+    """A real checkpoint of the demo model, written by a 1-rank run."""
+    where = tmp_path_factory.mktemp("demo_ck")
+    proc = run_cli("--nproc", 1, "--steps", 2, "--checkpoint-dir", where / "ck",
+                   "--no-progress", cwd=where)
+    assert proc.returncode == 0, proc.stderr
+    return where / "ck"
+
+
+def _case(name, tmp_path, demo_checkpoint):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    return {
+        "unknown flag": (["--nproc", 2, "--bogus"], "unrecognized arguments: --bogus"),
+        "missing script": (["--nproc", 2, "no_such_script.py"], "does not exist"),
+        "zero ranks": (["--nproc", 0], "--nproc: must be an integer >= 1"),
+        "unreachable sync": (["--nproc", 2, "--sync", blocker / "run"], "cannot use sync URL"),
+        "resume without checkpoint": (
+            ["--nproc", 2, "--resume", "--checkpoint-dir", tmp_path / "ck"],
+            "no checkpoint in"),
+        "different model": (
+            ["--nproc", 1, "--resume", "--checkpoint-dir", demo_checkpoint,
+             "--model", "train_models:wide_mlp"], "different model"),
+        "different world size": (
+            ["--nproc", 2, "--resume", "--checkpoint-dir", demo_checkpoint],
+            "written by 1 ranks, this run has 2"),
+        "strategy not available": (["--nproc", 2, "--strategy", "local-sgd"],
+                                   "not available yet"),
+        "trainer flag with script": (["--nproc", 2, "--steps", 3, __file__],
+                                     "configure(s) the built-in trainer"),
+    }[name]
+
+
+CASES = ["unknown flag", "missing script", "zero ranks", "unreachable sync",
+         "resume without checkpoint", "different model", "different world size",
+         "strategy not available", "trainer flag with script"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, demo_checkpoint, name):
+    args, needle = _case(name, tmp_path, demo_checkpoint)
+    before = _listing(demo_checkpoint)
+    sync = tmp_path / "sync"
+    if "--sync" not in args:
+        args = [*args[:2], "--sync", sync, *args[2:]]
+    if "--nproc" in args and not any(str(a).endswith(".py") for a in args):
+        args = [*args, "--metrics", tmp_path / "metrics.jsonl"]
+    proc = run_cli(*args, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("ferrosync.train: error: ") and needle in lines[0], lines[0]
+    assert proc.stdout == ""
+    assert not sync.exists() and not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "ck").exists()
+    assert _listing(demo_checkpoint) == before
+
+
+def test_a_rank_alone_reports_bad_input_with_exit_2(tmp_path):
+    """Without the launcher (one rank, as under srun), the rank itself exits 2."""
+    proc = run_cli("--sync", tmp_path / "sync", "--resume", "--checkpoint-dir",
+                   tmp_path / "ck", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "no checkpoint in" in proc.stderr
+    assert not (tmp_path / "sync").exists() and not (tmp_path / "ck").exists()

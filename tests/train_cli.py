@@ -1,0 +1,52 @@
+"""Run ``python -m ferrosync.train`` as a real process, as a user would, and read what
+it reports (the FINAL line, the metrics file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+#: required keys of every metrics line (DESIGN.md §6)
+METRIC_KEYS = {"step", "epoch", "loss", "lr", "compute_s", "sync_s", "bytes", "requests"}
+
+
+def cli_env(**extra) -> dict:
+    env = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "FERROSYNC_URL", "SLURM_PROCID",
+                 "SLURM_NTASKS"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS])
+    env["OMP_NUM_THREADS"] = "1"
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def command(*args) -> list[str]:
+    return [sys.executable, "-m", "ferrosync.train", *map(str, args)]
+
+
+def run_cli(*args, cwd, timeout: float = 180, **env) -> subprocess.CompletedProcess:
+    """Run to completion (a test never hangs: ``timeout`` raises)."""
+    return subprocess.run(command(*args), cwd=cwd, env=cli_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_cli(*args, cwd, **env) -> subprocess.Popen:
+    return subprocess.Popen(command(*args), cwd=cwd, env=cli_env(**env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def final_of(stdout: str) -> dict:
+    """The FINAL record, which must be the last line of stdout."""
+    last = stdout.rstrip("\n").splitlines()[-1]
+    assert last.startswith("FINAL "), f"last stdout line is not FINAL: {last!r}"
+    return json.loads(last[len("FINAL "):])
+
+
+def read_metrics(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]

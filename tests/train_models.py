@@ -1,0 +1,68 @@
+"""Models and data for the trainer tests, importable by ranks as ``--model train_models:...``.
+
+``DropoutMLP`` draws random numbers every step (dropout), so a resumed run matches an
+uninterrupted one only if every rank's RNG state survives the checkpoint. With
+``FERROSYNC_TEST_PAUSE_AT=K`` and ``FERROSYNC_TEST_PAUSE_RANK=R`` in the environment,
+rank R announces itself in ``FERROSYNC_TEST_PAUSE_DIR`` at its K-th training forward
+and waits there to be killed: the test then interrupts the run at a known step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch.utils.data import TensorDataset
+
+PAUSE_AT = "FERROSYNC_TEST_PAUSE_AT"
+PAUSE_RANK = "FERROSYNC_TEST_PAUSE_RANK"
+PAUSE_DIR = "FERROSYNC_TEST_PAUSE_DIR"
+
+
+class DropoutMLP(torch.nn.Module):
+    def __init__(self, features: int = 10, classes: int = 4) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(features, 32), torch.nn.ReLU(), torch.nn.Dropout(0.25),
+            torch.nn.Linear(32, classes),
+        )
+        self.calls = 0
+        pause = os.environ.get(PAUSE_AT)
+        same_rank = os.environ.get(PAUSE_RANK, "0") == os.environ.get("RANK", "0")
+        self.pause_at = int(pause) if pause and same_rank else 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == self.pause_at:
+                self._pause()
+        return self.net(x)
+
+    def _pause(self) -> None:
+        marker = os.path.join(os.environ[PAUSE_DIR], f"paused.r{os.environ.get('RANK', '0')}")
+        with open(marker + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the test kills this process
+            time.sleep(0.05)
+        raise RuntimeError("test pause: nobody stopped this rank within 120 s")
+
+
+def dropout_mlp() -> torch.nn.Module:
+    return DropoutMLP()
+
+
+def wide_mlp() -> torch.nn.Module:
+    """Same input and output as the demo, different parameter shapes."""
+    return torch.nn.Sequential(torch.nn.Linear(10, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
+
+
+def small_data(n: int = 600, features: int = 10, classes: int = 4):
+    """A small deterministic (train, eval) classification set."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(n, features, generator=g)
+    y = (x[:, :classes] * torch.arange(1, classes + 1)).argmax(dim=1)
+    cut = n * 5 // 6
+    return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
