@@ -47,6 +47,8 @@ _IN_GENERATION = (
     ("abort", re.compile(r"abort\.r(\d+)")),
 )
 
+MAX_WORLD = 1 << 20  # a larger world size in a record is not believed
+
 #: how far to trust a control record: only "verified" and "plain" are acted upon
 TRUSTED = ("verified", "plain")
 
@@ -109,9 +111,11 @@ class Generation:
 
     @property
     def world_size(self) -> int | None:
-        if self.announcement is not None and self.announcement.data:
-            size = self.announcement.data.get("world_size")
-            if isinstance(size, int) and size > 0:
+        """From a trusted announcement, else from the ranks seen on storage (an
+        unverified record must not make a tool probe a billion heartbeat names)."""
+        if self.announcement is not None and self.announcement.usable:
+            size = self.announcement.get("world_size")
+            if isinstance(size, int) and 0 < size <= MAX_WORLD:
                 return size
         ranks = [o.rank for o in self.objects if o.rank is not None]
         return max(ranks) + 1 if ranks else None

@@ -121,8 +121,11 @@ def judge(storage: Storage, gens: list[Generation], secret: bytes | None, window
         views = []
         for rank in ranks_of[gen.prefix]:
             obs = seen.get(f"{gen.prefix}/hb.r{rank}")
-            views.append(_rank_view(rank, obs, aborts[gen.prefix].get(rank),
-                                    default_interval(storage)))
+            view = _rank_view(rank, obs, aborts[gen.prefix].get(rank),
+                              default_interval(storage))
+            if gen.world_size == 1 and view.state == "missing":
+                view.problem = "a world of one writes no heartbeats: liveness unknown"
+            views.append(view)
         out[gen.prefix] = views
     return out
 
