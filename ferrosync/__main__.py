@@ -1,0 +1,186 @@
+"""The ``ferrosync`` console script: operator tools for a storage location.
+
+    ferrosync inspect URL [--json] [--watch S] [--objects]
+    ferrosync gc URL [--keep N] [--dry-run] [--watch S] [--json]
+    ferrosync doctor URL [--json] [--size-mib N] [--samples N] [--strict]
+    python -m ferrosync SUB ...            # the same, without the installed script
+
+Every tool takes ``--storage-options JSON`` (passed to the fsspec filesystem, e.g.
+``'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'``); ``inspect`` and
+``gc`` take ``--secret`` (default ``$FERROSYNC_SECRET``) to verify control records.
+
+Exit status: 0 when the tool ran, whatever it found (``doctor --strict``: 1 if a
+check failed); 1 when storage failed underneath it; 2 on bad usage (unknown flag,
+bad URL or option). The tools live in ``ferrosync.ops`` and are imported only here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .env import ENV_SECRET
+from .errors import ConfigError, StorageError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+    return parse
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ferrosync",
+        description="Operator tools for a ferrosync storage location (directory, NFS, "
+        "s3://, ...). See docs/operations.md.",
+    )
+    subs = parser.add_subparsers(dest="command", metavar="{inspect,gc,doctor}")
+    subs.required = True
+
+    def common(sub: argparse.ArgumentParser, *, secret: bool) -> None:
+        sub.add_argument("url", metavar="URL",
+                         help="the job's storage URL: a directory, file://, s3://, gs://, ...")
+        sub.add_argument("--storage-options", type=_json_object, default=None,
+                         metavar="JSON", help="JSON object passed to the fsspec filesystem "
+                         "(credentials, endpoint_url, ...); not for local paths")
+        if secret:
+            sub.add_argument("--secret", default=None,
+                             help=f"shared key to verify control records (default "
+                             f"${ENV_SECRET}; '' for none)")
+
+    def watch(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--watch", type=_non_negative_float, default=None, metavar="SECONDS",
+                         help="watch heartbeat counters this long to tell live ranks from "
+                         "stale ones (default 3 s locally, 5 s on object stores; 0 skips)")
+
+    p = subs.add_parser("inspect", help="generations, ranks, liveness, aborts, bytes",
+                        description="Describe what is stored at URL and whether its ranks "
+                        "are alive.")
+    common(p, secret=True)
+    watch(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--objects", action="store_true",
+                   help="list every object of every generation (with data headers)")
+
+    p = subs.add_parser("gc", help="remove finished generations and orphaned temp files",
+                        description="Remove finished or dead generations and orphaned "
+                        "temp files; never live ones.")
+    common(p, secret=True)
+    watch(p)
+    p.add_argument("--keep", type=_count(0), default=0, metavar="N",
+                   help="keep the N newest finished generations (default 0)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = subs.add_parser("doctor", help="check a storage location before a job",
+                        description="Check URL (created if missing) for atomicity, "
+                        "visibility, permissions, latency and throughput; print settings.")
+    common(p, secret=False)
+    p.add_argument("--size-mib", type=_count(0), default=64, metavar="N",
+                   help="object size for the throughput check, MiB (default 64; 0 skips)")
+    p.add_argument("--samples", type=_count(1), default=30, metavar="N",
+                   help="round trips per latency measurement (default 30)")
+    p.add_argument("--payload-mib", type=_count(1), default=100, metavar="N",
+                   help="your per-collective payload, MiB, for the timeout advice "
+                   "(default 100)")
+    p.add_argument("--world-size", type=_count(1), default=8, metavar="N",
+                   help="ranks in your job, for the timeout advice (default 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any check fails")
+    return parser
+
+
+def _secret(args) -> bytes | None:
+    value = args.secret if args.secret is not None else os.environ.get(ENV_SECRET)
+    return value.encode() if value else None
+
+
+def _dispatch(args) -> int:
+    from .storage import open_storage
+
+    storage = open_storage(args.url, args.storage_options)
+    try:
+        if args.command == "doctor":
+            from .ops import doctor
+
+            return doctor.run(storage, args.url, args.storage_options, size_mib=args.size_mib,
+                              samples=args.samples, payload_mib=args.payload_mib,
+                              world_size=args.world_size, as_json=args.json,
+                              strict=args.strict)
+        from .ops.watch import default_window
+
+        window = args.watch if args.watch is not None else default_window(storage)
+        if args.command == "inspect":
+            from .ops import inspect
+
+            _check_reachable(storage)
+            return inspect.run(storage, _secret(args), window, as_json=args.json,
+                               objects=args.objects)
+        from .ops import gc
+
+        _check_reachable(storage)
+        return gc.run(storage, _secret(args), window, keep=args.keep, dry_run=args.dry_run,
+                      as_json=args.json)
+    finally:
+        storage.close()
+
+
+def _check_reachable(storage) -> None:
+    """A missing bucket is bad usage (exit 2); a missing directory is merely empty."""
+    probe = getattr(storage, "probe_bucket", None)
+    if probe is not None:
+        probe()
+    elif os.path.exists(storage.url) and not os.path.isdir(storage.url):
+        raise ConfigError("not a directory", path=storage.url,
+                          hint="pass the directory the job was given as its URL")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one tool; returns the exit status (argparse exits 2 itself on bad flags)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except ConfigError as exc:
+        print(f"ferrosync {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (StorageError, OSError) as exc:
+        print(f"ferrosync {args.command}: storage failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

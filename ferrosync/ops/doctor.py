@@ -1,0 +1,529 @@
+"""``ferrosync doctor URL``: is this storage location fit for a job? Which settings suit it?
+
+Run it before a job (exit 0 whatever it finds, 1 with ``--strict`` when a check
+fails; 2 on bad usage)::
+
+    ferrosync doctor /mnt/nfs/exp7                    # creates the directory if missing
+    ferrosync doctor s3://bucket/exp7 --storage-options '{"client_kwargs": {...}}'
+    ferrosync doctor /mnt/nfs/exp7 --size-mib 256 --json
+
+Checks (each ok / warn / fail / info; see docs/operations.md):
+
+* location: exists or is created (directory mode, bucket);
+* filesystem (local paths): the mount's type and options; NFS without
+  ``lookupcache=positive``, with ``nocto`` or ``soft``, and FUSE mounts are flagged;
+* atomic publish: a second handle reads an object while it is being replaced over
+  and over: never a torn or missing read (temp file + ``os.replace`` locally, one
+  PUT on object stores), and no temp file left behind;
+* exclusive create: a second create-if-absent of one name must fail (``os.link``
+  locally, ``If-None-Match`` on object stores): rendezvous relies on it;
+* visibility: how long until a second handle sees a new object, polled by exact
+  name after a miss (negative caches), and an overwritten one (heartbeats);
+* permissions: modes of what ferrosync creates, the umask, world access;
+* latency: small put / get / open-miss round trips, p50 and p90;
+* throughput: one ``--size-mib`` object written and read back.
+
+Then it prints recommended ``connect()`` settings. Its probe objects live under
+``.doctor.{pid}.{hex}/`` and are removed afterwards (``gc`` removes them if doctor
+was killed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, StorageError
+from ..storage import Backoff, LocalStorage, Storage, open_storage
+from .layout import DOCTOR_PREFIX, human_bytes
+
+MiB = 1 << 20
+VISIBILITY_LIMIT = 30.0  # seconds: an object not visible by then fails the check
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | warn | fail | info
+    summary: str
+    data: dict = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    index = max(0, math.ceil(q / 100 * len(ordered)) - 1)
+    return ordered[index]
+
+
+def _stats_ms(values: list[float]) -> dict:
+    return {"p50_ms": round(percentile(values, 50) * 1e3, 3),
+            "p90_ms": round(percentile(values, 90) * 1e3, 3),
+            "max_ms": round(max(values) * 1e3, 3), "n": len(values)}
+
+
+def _nice(x: float) -> float:
+    """Round up to two significant digits, so settings read like a human chose them."""
+    if x <= 0:
+        return 0.0
+    scale = 10 ** (math.floor(math.log10(x)) - 1)
+    return round(math.ceil(x / scale - 1e-9) * scale, 12)
+
+
+class Doctor:
+    """Runs the checks against ``storage``; a second, independent handle reads."""
+
+    def __init__(self, storage: Storage, url: str, storage_options: dict | None, *,
+                 size_mib: int, samples: int, payload_mib: int = 100,
+                 world_size: int = 8) -> None:
+        self.storage = storage
+        self.url = url
+        self.options = storage_options
+        self.size = size_mib * MiB
+        self.samples = samples
+        self.payload_mib = payload_mib
+        self.world_size = world_size
+        self.local = isinstance(storage, LocalStorage)
+        self.prefix = f"{DOCTOR_PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
+        self.checks: list[Check] = []
+        self.measured: dict = {}
+        self.mount: dict | None = None
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def add(self, name: str, status: str, summary: str, **data) -> None:
+        self.checks.append(Check(name, status, summary, data))
+
+    # -- the run --------------------------------------------------------------------------
+    def run(self) -> dict:
+        try:
+            usable = self.check_location()
+        except (StorageError, OSError) as exc:
+            self.add("location", "fail", f"cannot use this location: {exc}")
+            usable = False
+        if usable:
+            # a second handle: its own fsspec instance (no shared caches) or file handles
+            self.second = open_storage(self.url, self.options)
+            try:
+                self.storage.makedirs(self.prefix)
+                if self.local:
+                    self.check_filesystem()
+                for check in (self.check_atomic, self.check_exclusive, self.check_visibility,
+                              self.check_permissions, self.check_latency,
+                              self.check_throughput):
+                    try:
+                        check()
+                    except (StorageError, OSError) as exc:
+                        self.add(check.__name__[6:], "fail", f"storage failed: {exc}")
+            finally:
+                self.cleanup()
+                self.second.close()
+        return {
+            "url": self.storage.url,
+            "checks": [c.__dict__ for c in self.checks],
+            "measured": self.measured,
+            "recommended": self.recommend() if "latency" in self.measured else None,
+        }
+
+    def check_location(self) -> bool:
+        storage = self.storage
+        if self.local:
+            root = storage.root
+            if os.path.exists(root) and not os.path.isdir(root):
+                self.add("location", "fail", f"{root} exists and is not a directory")
+                return False
+            existed = os.path.isdir(root)
+            storage.makedirs("")
+            mode = stat.S_IMODE(os.stat(root).st_mode)
+            self.add("location", "ok", ("exists" if existed else "created now")
+                     + f", directory mode {mode:04o}", created=not existed, mode=f"{mode:04o}")
+        else:
+            created = False
+            try:
+                storage.probe_bucket()
+            except ConfigError as exc:
+                if "does not exist" not in str(exc):
+                    self.add("location", "fail", str(exc))
+                    return False
+                bucket = storage.root.split("/", 1)[0]
+                try:
+                    storage.fs.mkdir(bucket)
+                    created = True
+                except Exception as err:  # noqa: BLE001 - reported as the check's result
+                    self.add("location", "fail", f"bucket {bucket!r} does not exist and "
+                             f"could not be created ({type(err).__name__}: {err})")
+                    return False
+            self.add("location", "ok", "bucket created now" if created else "bucket reachable",
+                     created=created)
+        existing = [k for k, _ in storage.list("rdzv") if "/gen." in k]
+        if existing:
+            self.add("existing jobs", "info", f"{len(existing)} generation(s) announced here "
+                     "already (see `ferrosync inspect`); a new job gets a fresh one")
+        return True
+
+    def check_filesystem(self) -> None:
+        mount = mount_of(self.storage.root)
+        if mount is None:
+            self.add("filesystem", "info", "mount table unavailable (not Linux?)")
+            return
+        self.mount = mount
+        fstype, opts = mount["fstype"], mount["options"]
+        where = f"{fstype} at {mount['mountpoint']} from {mount['source']}"
+        if fstype.startswith("nfs"):
+            problems = nfs_problems(opts)
+            status = "fail" if any(p[0] == "fail" for p in problems) else (
+                "warn" if problems else "ok")
+            text = "; ".join(p[1] for p in problems) or (
+                "close-to-open consistency on, lookupcache="
+                f"{_opt(opts, 'lookupcache') or 'all'}, hard mount")
+            self.add("filesystem", status, f"{where}: {text}", **mount)
+        elif fstype.startswith("fuse"):
+            self.add("filesystem", "warn", f"{where}: a FUSE filesystem; atomic rename, "
+                     "hard links and read-after-write depend on its driver. For S3/GCS use "
+                     "the s3:// or gs:// URL directly", **mount)
+        elif fstype in ("cifs", "smb3", "smbfs"):
+            self.add("filesystem", "warn", f"{where}: SMB; mount with cache=strict and "
+                     "check the atomic publish result below", **mount)
+        elif fstype in ("tmpfs", "ext4", "xfs", "btrfs", "zfs", "overlay", "ext3", "f2fs"):
+            self.add("filesystem", "ok", f"{where}: a local filesystem (ranks on other "
+                     "nodes cannot share it)", **mount)
+        else:
+            self.add("filesystem", "info", where, **mount)
+
+    def check_atomic(self) -> None:
+        """A reader must see every version whole: never torn, short or missing."""
+        size = 1 * MiB if self.local else 256 * 1024
+        versions = 40 if self.local else 8
+        key = self.key("atomic")
+        self.storage.put(key, [_pattern(0, size)])
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                for v in range(1, versions + 1):
+                    self.storage.put(key, [_pattern(v, size)])
+            except BaseException as exc:  # noqa: BLE001 - reported by the reader side
+                errors.append(exc)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=writer, name="ferrosync-doctor-writer", daemon=True)
+        reads, bad, seen = 0, [], set()
+        thread.start()
+        try:
+            while not done.is_set() or reads < 3:
+                data = self.second.read(key)
+                reads += 1
+                version = _version_of(data, size)
+                if version is None:
+                    bad.append("missing" if data is None else f"torn ({len(data)} bytes)")
+                else:
+                    seen.add(version)
+        finally:
+            thread.join(timeout=120)
+        if errors:
+            raise errors[0]
+        temps = [k for k, _ in self.storage.list(self.prefix) if k.endswith(".tmp")]
+        how = "temp file + os.replace" if self.local else "single PUT"
+        if bad or temps:
+            what = (f"{len(bad)} of {reads} reads were not a whole version "
+                    f"({', '.join(sorted(set(bad)))})" if bad else "") + (
+                f"; temp files left behind: {temps}" if temps else "")
+            self.add("atomic publish", "fail", f"{how}: {what}. Readers could see partial "
+                     "objects: use another filesystem or an object-store URL",
+                     reads=reads, bad=len(bad))
+        else:
+            self.add("atomic publish", "ok", f"{how}: {reads} reads during {versions} "
+                     f"replacements of a {human_bytes(size)} object saw {len(seen)} "
+                     "versions, all whole; no temp file left", reads=reads)
+
+    def check_exclusive(self) -> None:
+        key = self.key("exclusive")
+        self.storage.put(key, [b"first"], exclusive=True)
+        how = "os.link" if self.local else "conditional PUT (If-None-Match)"
+        try:
+            self.storage.put(key, [b"second"], exclusive=True)
+        except FileExistsError:
+            self.add("exclusive create", "ok", f"{how}: a second create of one name fails")
+            return
+        except StorageError as exc:
+            self.add("exclusive create", "fail", f"{how} is not supported here ({exc}); "
+                     "rendezvous needs it to keep two jobs from claiming one generation")
+            return
+        self.add("exclusive create", "warn", f"{how} is not enforced (the second create "
+                 "overwrote the first): two jobs sharing this URL are not detected at "
+                 "rendezvous; give every job its own URL")
+
+    def check_visibility(self) -> None:
+        trials = max(3, min(10, self.samples))
+        fresh, overwrite = [], []
+        for i in range(trials):
+            key = self.key(f"visible.{i}")
+            self.second.read(key)  # a miss first: a negative cache would now hide it
+            self.storage.put(key, [b"v1"])
+            fresh.append(self._until_seen(key, b"v1"))
+            self.storage.put(key, [b"v2"])  # heartbeats are overwritten in place
+            overwrite.append(self._until_seen(key, b"v2"))
+        limit = max(fresh + overwrite)
+        self.measured["visibility"] = {"new": _stats_ms(fresh), "overwrite": _stats_ms(overwrite)}
+        text = (f"a second handle sees a new object after p50 {percentile(fresh, 50)*1e3:.2f} "
+                f"ms (max {max(fresh)*1e3:.2f} ms), an overwritten one after max "
+                f"{max(overwrite)*1e3:.2f} ms ({trials} trials)")
+        if self.local:
+            text += "; same host only: caches of other NFS clients are not measured"
+        if math.isinf(limit):
+            self.add("visibility", "fail", f"an object stayed invisible for "
+                     f"{VISIBILITY_LIMIT:g} s to a second handle")
+        else:
+            self.add("visibility", "ok" if limit < 1.0 else "warn", text)
+
+    def _until_seen(self, key: str, want: bytes) -> float:
+        start = time.monotonic()
+        deadline = start + VISIBILITY_LIMIT
+        backoff = Backoff(1e-4, 0.01)
+        while self.second.read(key) != want:
+            if time.monotonic() >= deadline:
+                return math.inf
+            backoff.sleep(deadline)
+        return time.monotonic() - start
+
+    def check_permissions(self) -> None:
+        if not self.local:
+            self.add("permissions", "info", "object store: access is the bucket policy's "
+                     "business; set a secret (FERROSYNC_SECRET) if others can write to it")
+            return
+        root = self.storage.root
+        key = self.key("mode")
+        self.storage.put(key, [b"x"])
+        modes = {
+            "location": stat.S_IMODE(os.stat(root).st_mode),
+            "created_dir": stat.S_IMODE(os.stat(os.path.join(root, self.prefix)).st_mode),
+            "created_file": stat.S_IMODE(os.stat(os.path.join(root, key)).st_mode),
+        }
+        umask = current_umask()
+        data = {k: f"{v:04o}" for k, v in modes.items()}
+        data["umask"] = f"{umask:04o}" if umask is not None else None
+        text = (f"files {data['created_file']}, directories {data['created_dir']}, "
+                f"location {data['location']}, umask {data['umask']}")
+        if any(v & stat.S_IWOTH for v in modes.values()):
+            self.add("permissions", "fail", text + ": world-writable, so any user can plant "
+                     "objects; use a private directory (chmod o-w) and set a secret", **data)
+        elif any(v & stat.S_IROTH for v in modes.values()):
+            self.add("permissions", "warn", text + ": world-readable, so other users can read "
+                     "gradients; chmod o-rx the location or tighten the umask", **data)
+        else:
+            self.add("permissions", "ok", text + ": owner and group only", **data)
+
+    def check_latency(self) -> None:
+        put, get, miss = [], [], []
+        payload = secrets.token_bytes(1024)
+        for i in range(self.samples):
+            key = self.key(f"lat.{i}")
+            t0 = time.perf_counter()
+            self.storage.put(key, [payload])
+            t1 = time.perf_counter()
+            self.second.read(key)
+            t2 = time.perf_counter()
+            self.second.read(self.key(f"missing.{i}"))
+            t3 = time.perf_counter()
+            put.append(t1 - t0)
+            get.append(t2 - t1)
+            miss.append(t3 - t2)
+        stats = {"put": _stats_ms(put), "get": _stats_ms(get), "open_miss": _stats_ms(miss)}
+        self.measured["latency"] = stats
+        self.add("latency", "info", ", ".join(
+            f"{name} p50 {s['p50_ms']:.3g} ms p90 {s['p90_ms']:.3g} ms"
+            for name, s in stats.items()) + f" (1 KiB objects, {self.samples} samples)")
+
+    def check_throughput(self) -> None:
+        if self.size <= 0:
+            return
+        block = secrets.token_bytes(MiB)
+        data = block * (self.size // MiB)
+        key = self.key("throughput")
+        t0 = time.perf_counter()
+        self.storage.put(key, [data])
+        t1 = time.perf_counter()
+        back = bytearray(len(data))
+        reader = self.second.open(key)
+        got = 0
+        if reader is not None:
+            with reader:
+                got = reader.readinto(back)
+        t2 = time.perf_counter()
+        write, read = len(data) / (t1 - t0), len(data) / (t2 - t1)
+        self.measured["throughput"] = {"bytes": len(data), "write_Bps": write, "read_Bps": read}
+        self.storage.delete([key])
+        if got != len(data) or back != data:
+            self.add("throughput", "fail", f"the {human_bytes(len(data))} object read back "
+                     "differs from what was written")
+            return
+        note = " (reads likely from this host's page cache)" if self.local else ""
+        self.add("throughput", "info", f"write {write / 1e6:.0f} MB/s, read {read / 1e6:.0f} "
+                 f"MB/s with one {human_bytes(len(data))} object{note}")
+
+    def cleanup(self) -> None:
+        keys = [k for k, _ in self.storage.list(self.prefix)]
+        self.storage.delete(keys)
+        if self.local:
+            try:
+                os.rmdir(os.path.join(self.storage.root, self.prefix))
+            except FileNotFoundError:
+                pass
+        left = self.storage.list(self.prefix)
+        if left:
+            self.add("cleanup", "warn", f"{len(left)} probe objects could not be removed "
+                     f"under {self.prefix}/ (`ferrosync gc` removes them)")
+
+    # -- recommendations -----------------------------------------------------------------
+    def recommend(self) -> dict:
+        """Settings derived from the measurements (the store's defaults are the floor)."""
+        s = self.storage
+        payload_mib, world_size = self.payload_mib, self.world_size
+        lat = self.measured["latency"]
+        miss50, miss90 = lat["open_miss"]["p50_ms"] / 1e3, lat["open_miss"]["p90_ms"] / 1e3
+        put90 = lat["put"]["p90_ms"] / 1e3
+        vis = self.measured.get("visibility", {})
+        vis_max = max((v["max_ms"] / 1e3 for v in vis.values()), default=0.0)
+        # polling faster than a miss round trip only queues requests
+        poll_initial = _nice(max(s.poll_initial, min(miss50 / 2, 0.05)))
+        poll_max = _nice(max(s.poll_max, min(4 * miss90, 1.0)))
+        # a heartbeat put must be a small fraction of its period
+        interval = _nice(max(s.heartbeat_interval, 20 * put90))
+        hb_timeout = float(math.ceil(max(20.0, 5 * interval + 2 * vis_max)))
+        out = {"poll_initial": poll_initial, "poll_max": poll_max,
+               "heartbeat_interval": interval, "heartbeat_timeout": hb_timeout}
+        tp = self.measured.get("throughput")
+        if tp:
+            # root reduce: rank 0 reads world_size - 1 contributions and writes one result
+            seconds = payload_mib * MiB * world_size / min(tp["write_Bps"], tp["read_Bps"])
+            out["timeout"] = float(max(300, math.ceil(10 * seconds + vis_max)))
+            out["timeout_basis"] = (f"10x one collective of {payload_mib} MiB over "
+                                    f"{world_size} ranks at the measured throughput")
+        if self.mount and self.mount["fstype"].startswith("nfs"):
+            out["nfs_mount_options"] = "hard,lookupcache=positive (keep the default cto)"
+        return out
+
+
+def _pattern(version: int, size: int) -> bytes:
+    """Version number, then a fill byte derived from it: any mix of two is detectable."""
+    return version.to_bytes(8, "little") + bytes([version % 251 + 1]) * (size - 8)
+
+
+def _version_of(data: bytes | None, size: int) -> int | None:
+    if data is None or len(data) != size:
+        return None
+    version = int.from_bytes(data[:8], "little")
+    fill = version % 251 + 1
+    if data.count(fill, 8) != size - 8:
+        return None
+    return version
+
+
+# -- mount table ------------------------------------------------------------------------------
+
+def mount_of(path: str) -> dict | None:
+    """The mount holding ``path`` from /proc/self/mounts (longest mount point wins)."""
+    real = os.path.realpath(path)
+    best = None
+    try:
+        with open("/proc/self/mounts") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        source, point, fstype, options = (_unescape(p) for p in parts[:4])
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best["mountpoint"])):
+            best = {"source": source, "mountpoint": point, "fstype": fstype,
+                    "options": options.split(",")}
+    return best
+
+
+def _unescape(text: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def _opt(options: list[str], name: str) -> str | None:
+    for opt in options:
+        if opt == name:
+            return ""
+        if opt.startswith(name + "="):
+            return opt.split("=", 1)[1]
+    return None
+
+
+def nfs_problems(options: list[str]) -> list[tuple[str, str]]:
+    """(status, text) for NFS mount options that hurt ferrosync (README "NFS")."""
+    problems = []
+    if _opt(options, "nocto") is not None:
+        problems.append(("fail", "nocto: open() no longer revalidates, so readers can see "
+                         "stale or missing objects; remount without nocto"))
+    lookup = _opt(options, "lookupcache")
+    if lookup not in ("positive", "pos", "none"):
+        problems.append(("warn", f"lookupcache={lookup or 'all'}: a cached \"no such file\" "
+                         "can hide a new object for up to acdirmax seconds; remount with "
+                         "lookupcache=positive"))
+    if _opt(options, "soft") is not None:
+        problems.append(("warn", "soft mount: timeouts surface as EIO errors; prefer hard"))
+    return problems
+
+
+def current_umask() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return None
+
+
+# -- output ----------------------------------------------------------------------------------
+
+def render(report: dict) -> str:
+    lines = [f"ferrosync doctor {report['url']}"]
+    for c in report["checks"]:
+        lines.append(f"  [{c['status']:<4}] {c['name']:<17} {c['summary']}")
+    rec = report.get("recommended")
+    if rec:
+        lines.append("")
+        lines.append("recommended settings:")
+        names = ("poll_initial", "poll_max", "heartbeat_interval", "heartbeat_timeout",
+                 "timeout")
+        pairs = [f"{n}={rec[n]:g}" for n in names if n in rec]
+        lines.append("  " + "  ".join(pairs))
+        if "timeout_basis" in rec:
+            lines.append(f"  (timeout: {rec['timeout_basis']}; scale it with your payload)")
+        args = ", ".join(p for p in pairs if not p.startswith("timeout="))
+        timeout = f", timeout={rec['timeout']:g}" if "timeout" in rec else ""
+        lines.append(f"  ferrosync.connect({report['url']!r}{timeout}, {args})")
+        if rec.get("nfs_mount_options"):
+            lines.append(f"  NFS mount options: {rec['nfs_mount_options']}")
+    return "\n".join(lines)
+
+
+def run(storage: Storage, url: str, storage_options: dict | None, *, size_mib: int,
+        samples: int, payload_mib: int, world_size: int, as_json: bool, strict: bool) -> int:
+    doctor = Doctor(storage, url, storage_options, size_mib=size_mib, samples=samples,
+                    payload_mib=payload_mib, world_size=world_size)
+    report = doctor.run()
+    print(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
+    failed = any(c["status"] == "fail" for c in report["checks"])
+    return 1 if strict and failed else 0
+
+
+__all__ = ["Doctor", "run", "render", "mount_of", "nfs_problems"]

@@ -1,0 +1,289 @@
+"""``ferrosync inspect URL``: what is at a storage location, and is anyone alive there?
+
+Run it (exit 0 whatever it finds; 2 on bad usage)::
+
+    ferrosync inspect /mnt/nfs/exp7                  # text report
+    ferrosync inspect s3://bucket/runs/exp7 --json --storage-options '{"anon": false}'
+    ferrosync inspect /mnt/nfs/exp7 --watch 0        # no liveness watch: instant
+
+For every generation: its status (live, finished, dead, ...), the ranks seen with
+their state, heartbeat counter, last collective and operation, stragglers, abort
+markers with the failing rank's error, and the bytes it holds. Liveness comes from
+heartbeat counters changing during ``--watch`` seconds of this process's monotonic
+clock (DESIGN.md §7); wall-clock ages are printed for information only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from ..storage import Storage
+from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
+from .layout import Generation, Scan, human_bytes, scan
+from .watch import RankView, generation_status, judge, progress, stragglers
+
+
+def rank_report(view: RankView) -> dict:
+    """One rank as JSON: state, heartbeat counter (first -> last), position, error."""
+    out = {"rank": view.rank, "state": view.state, "problem": view.problem}
+    obs = view.heartbeat
+    last = obs.last if obs is not None else None
+    if last is not None and last.data is not None:
+        first = obs.first.get("beat") if obs.first is not None else None
+        out.update(
+            beat_first=first, beat_last=last.get("beat"), beat_changed=obs.changed,
+            watched_s=round(obs.watched_s, 3), collective=last.get("collective"),
+            op=last.get("op"), host=last.get("host"), pid=last.get("pid"),
+            heartbeat_state=last.get("state"), trust=last.trust,
+            # another host's clock against ours: informational only, never for liveness
+            heartbeat_wall_age_s=_wall_age(last.get("wall_time")),
+        )
+    if view.abort is not None:
+        a = view.abort
+        out["abort"] = {"type": a.get("type"), "message": a.get("message"),
+                        "collective": a.get("collective"), "host": a.get("host"),
+                        "pid": a.get("pid"), "trust": a.trust, "problem": a.problem}
+    return out
+
+
+def _wall_age(wall) -> float | None:
+    if not isinstance(wall, (int, float)):
+        return None
+    return round(time.time() - wall, 1)
+
+
+def generation_report(storage: Storage, gen: Generation, views: list[RankView],
+                      newest: int | None, objects: bool) -> dict:
+    ann = gen.announcement
+    out = {
+        "generation": gen.number,
+        "token": gen.token,
+        "prefix": gen.prefix,
+        "path": storage.path_of(gen.prefix),
+        "status": generation_status(gen, views, newest),
+        "announced": gen.announced,
+        "world_size": gen.world_size,
+        "objects": len(gen.objects),
+        "bytes": gen.bytes,
+        "temp_files": [t.key for t in gen.temps],
+        "last_collective_on_storage": gen.last_collective(),
+        "ranks": [rank_report(v) for v in views],
+        "stragglers": stragglers(views),
+        "progress": progress(views),
+        "aborts": [rank_report(v)["abort"] | {"rank": v.rank}
+                   for v in views if v.abort is not None],
+    }
+    if ann is not None:
+        out["announcement"] = {
+            "host": ann.get("host"), "pid": ann.get("pid"), "settings": ann.get("settings"),
+            "error": ann.get("error"), "trust": ann.trust, "problem": ann.problem,
+            "wall_age_s": _wall_age(ann.get("wall_time")),
+        }
+    if objects:
+        out["object_list"] = [object_report(storage, o.key, o.size, o.kind)
+                              for o in sorted(gen.objects, key=lambda o: o.key)]
+    return out
+
+
+def object_report(storage: Storage, key: str, size: int, kind: str) -> dict:
+    """One object; for binary data objects, what its (crc-checked) header says."""
+    out = {"key": key, "size": size, "kind": kind}
+    if kind not in ("contribution", "result"):
+        return out
+    reader = storage.open(key)
+    if reader is None:
+        out["header"] = "gone (deleted since the listing)"
+        return out
+    with reader:
+        raw = bytearray(HEADER_SIZE)
+        got = reader.readinto(raw)
+    try:
+        # the header's crc is checked; a MAC (if any) covers the payload and is not
+        # verified here, so these fields are informational
+        authenticated = got >= 8 and bool(int.from_bytes(raw[6:8], "little") & 1)
+        head = parse_header(raw[:got], path=storage.path_of(key),
+                            key=b"inspect" if authenticated else None)
+    except ValueError as exc:  # ShardCorrupt
+        out["header"] = f"unreadable: {exc}"
+        return out
+    out["header"] = {
+        "kind": KIND_NAMES.get(head.kind), "rank": head.rank, "world_size": head.world_size,
+        "collective": head.collective, "slice": head.slice, "nslices": head.nslices,
+        "count": head.count, "weight": head.weight, "payload_bytes": head.payload_nbytes,
+        "authenticated": authenticated,
+        "size_matches": size == HEADER_SIZE + (MAC_SIZE if authenticated else 0)
+        + head.payload_nbytes,
+    }
+    return out
+
+
+def unconsumed_joins(found: Scan) -> dict[str, int]:
+    """{rank: attempt} of join records newer than the newest announcement's: ranks
+    waiting for rank 0 to announce (or that gave up waiting)."""
+    newest = found.newest_announced
+    consumed = {}
+    if newest is not None and found.announcements[newest].data:
+        joins = found.announcements[newest].get("joins") or {}
+        consumed = {str(r): v[0] for r, v in joins.items() if isinstance(v, list) and v}
+    latest: dict[str, int] = {}
+    for obj in found.rdzv:
+        if obj.kind == "join":
+            attempt = int(obj.key.rsplit(".", 1)[1])
+            latest[str(obj.rank)] = max(attempt, latest.get(str(obj.rank), -1))
+    return {r: n for r, n in sorted(latest.items(), key=lambda kv: int(kv[0]))
+            if n > consumed.get(r, -1)}
+
+
+def build_report(storage: Storage, secret: bytes | None, window: float,
+                 objects: bool = False) -> dict:
+    """Scan, watch heartbeats for ``window`` s, and describe everything found."""
+    found: Scan = scan(storage, secret)
+    gens = found.ordered()
+    views = judge(storage, gens, secret, window)
+    reports = [generation_report(storage, g, views[g.prefix], found.newest_announced, objects)
+               for g in gens]
+    rdzv_bytes = sum(o.size for o in found.rdzv)
+    return {
+        "url": storage.url,
+        "watch_s": window,
+        "total_bytes": found.total_bytes,
+        "total_objects": len(found.objects),
+        "rdzv": {"announcements": len(found.announcements),
+                 "unconsumed_joins": unconsumed_joins(found),
+                 "announced_without_data": sorted(
+                     set(found.announcements) - {g.number for g in gens if g.announced}),
+                 "join_records": sum(o.kind == "join" for o in found.rdzv),
+                 "bytes": rdzv_bytes},
+        "generations": reports,
+        "orphan_temp_files": [o.key for o in found.temps],
+        "leftover_probes": [o.key for o in found.probes],
+        "foreign_objects": [o.key for o in found.foreign],
+        "untrusted_announcements": sorted(
+            n for n, r in found.announcements.items() if not r.usable),
+    }
+
+
+# -- text rendering ---------------------------------------------------------------------------
+
+def render(report: dict) -> str:
+    watched = (f"heartbeats watched up to {report['watch_s']:g} s" if report["watch_s"] > 0
+               else "heartbeats not watched (--watch 0): liveness not judged")
+    lines = [f"ferrosync inspect {report['url']}  ({watched})"]
+    gens = report["generations"]
+    lines.append(
+        f"storage: {len(gens)} generation(s), {report['total_objects']} objects, "
+        f"{human_bytes(report['total_bytes'])} in all; rdzv: "
+        f"{report['rdzv']['announcements']} announcements, "
+        f"{report['rdzv']['join_records']} join records, "
+        f"{human_bytes(report['rdzv']['bytes'])}")
+    waiting = report["rdzv"]["unconsumed_joins"]
+    if waiting:
+        lines.append(f"join records newer than the newest announcement (ranks waiting for "
+                     f"rank 0 to announce, or that gave up): ranks {sorted(map(int, waiting))}")
+    bare = report["rdzv"]["announced_without_data"]
+    if bare:
+        lines.append(f"announced generations with no data left (collected, or a world of "
+                     f"one): {_ranges(bare)}")
+    if not gens and not report["total_objects"]:
+        lines.append("nothing here yet (no ferrosync job has used this location)")
+    for gen in gens:
+        lines.append("")
+        lines.extend(_render_generation(gen))
+    for title, key in (("orphaned temp files", "orphan_temp_files"),
+                       ("leftover probes", "leftover_probes"),
+                       ("objects ferrosync does not write (left alone)", "foreign_objects")):
+        if report[key]:
+            lines.append("")
+            lines.append(f"{title}: {len(report[key])}")
+            lines.extend(f"  {k}" for k in report[key][:20])
+            if len(report[key]) > 20:
+                lines.append(f"  ... and {len(report[key]) - 20} more (see --json)")
+    lines.append("")
+    lines.append("hb age: the writer's wall clock against this host's; informational only. "
+                 "live/stale come from the beat counter changing while watched.")
+    return "\n".join(lines)
+
+
+def _render_generation(gen: dict) -> list[str]:
+    lines = [f"generation {gen['generation']}  {gen['prefix']}  {gen['status'].upper()}  "
+             f"world {gen['world_size']}  {gen['objects']} objects  "
+             f"{human_bytes(gen['bytes'])}"
+             + ("" if gen["announced"] else "  (no announcement)")]
+    ann = gen.get("announcement")
+    if ann:
+        age = f", {ann['wall_age_s']:g} s ago by its clock" if ann["wall_age_s"] is not None \
+            else ""
+        lines.append(f"  announced by pid {ann['pid']} on {ann['host']}{age}")
+        if ann.get("error"):
+            lines.append(f"  settings disagreed: {ann['error']}")
+        if ann.get("problem"):
+            lines.append(f"  announcement {ann['trust']}: {ann['problem']}")
+    if gen["last_collective_on_storage"] is not None:
+        lines.append(f"  newest collective with objects on storage: "
+                     f"{gen['last_collective_on_storage']}")
+    if gen["ranks"]:
+        lines.append("  rank  state      beat            collective  op            "
+                     "host:pid                 hb age")
+    for r in gen["ranks"]:
+        beat = "-"
+        if r.get("beat_last") is not None:
+            beat = (f"{r['beat_first']} -> {r['beat_last']}" if r.get("beat_changed")
+                    else f"{r['beat_last']} (final)" if r["state"] in ("closed", "aborted")
+                    else f"{r['beat_last']} (same)")
+        where = f"{r.get('host')}:{r.get('pid')}" if r.get("host") else "-"
+        age = f"{r['heartbeat_wall_age_s']:g} s" if r.get("heartbeat_wall_age_s") is not None \
+            else "-"
+        lines.append(f"  {r['rank']:<5} {r['state']:<10} {beat:<15} "
+                     f"{_dash(r.get('collective')):<11} {_dash(r.get('op')):<13} "
+                     f"{where:<24} {age}")
+        if r.get("problem"):
+            lines.append(f"        {r['problem']}")
+    prog = gen["progress"]
+    if prog is not None:
+        lines.append(f"  progress: collective {prog['from']} -> {prog['to']} in "
+                     f"{prog['seconds']:.1f} s" + ("  (STALLED)" if prog["stalled"] else ""))
+    if gen["stragglers"]:
+        lines.append(f"  stragglers (the others wait for them): ranks {gen['stragglers']}")
+    for a in gen["aborts"]:
+        where = f" at collective {a['collective']}" if a.get("collective") is not None else ""
+        lines.append(f"  ABORT rank {a['rank']}{where}: {a.get('type')}: {a.get('message')}"
+                     + (f"  [{a['trust']}: {a['problem']}]" if a.get("problem") else ""))
+    if gen["temp_files"]:
+        lines.append(f"  temp files: {len(gen['temp_files'])} (a killed writer's, or one "
+                     "being written)")
+    for obj in gen.get("object_list", []):
+        head = obj.get("header")
+        detail = ""
+        if isinstance(head, dict):
+            detail = (f"  {head['kind']} rank {head['rank']} collective {head['collective']} "
+                      f"slice {head['slice']}/{head['nslices']} count {head['count']} "
+                      f"weight {head['weight']:g}"
+                      + ("" if head["size_matches"] else "  SIZE MISMATCH"))
+        elif head:
+            detail = f"  {head}"
+        lines.append(f"    {obj['key']}  {human_bytes(obj['size'])}{detail}")
+    return lines
+
+
+def _ranges(numbers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(f"{start}-{n}" if n != start else f"{n}")
+            start = None
+    return ", ".join(parts)
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def run(storage: Storage, secret: bytes | None, window: float, *, as_json: bool,
+        objects: bool) -> int:
+    report = build_report(storage, secret, window, objects)
+    print(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
+    return 0

@@ -1,0 +1,400 @@
+"""Operator tools (`ferrosync inspect | gc | doctor`) against real runs.
+
+Jobs are real rank processes (tests/ranks.py). A *live* job is provably live while
+the tools look at it: its ranks loop on a collective until the test creates a stop
+file, and the test waits for files the ranks write (never a sleep). The tools run
+in-process through ``ferrosync.__main__.main`` (their output captured), and once as
+``python -m ferrosync`` to check the entry point and the exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import ferrosync
+from ferrosync.__main__ import main
+from ferrosync.ops.doctor import nfs_problems
+from ranks import RankFailure, collect, run_ranks, start_ranks
+
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+WATCH = "2"  # seconds: two periods of the library's default 1 s heartbeat
+DEAD_PID = (1 << 22) + 12345  # above Linux's largest pid_max: never a live process
+
+
+def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.01)
+
+
+# -- workers ---------------------------------------------------------------------------------
+
+def finish_together(rank, world, done):
+    """Rank 0 leaves (and closes) only once every rank is out of the last collective.
+
+    Works around a race in the library: a rank still polling for rank 0's last result
+    may read rank 0's heartbeat saying "closed" before it sees that result, and raise
+    PeerFailed (seen on S3; liveness.PeerMonitor.check raises for any closed peer,
+    also one that finished the awaited collective)."""
+    if rank:
+        open(f"{done}.{rank}", "w").close()
+    else:
+        wait_until(lambda: all(os.path.exists(f"{done}.{r}") for r in range(1, world)),
+                   "every rank out of its last collective")
+
+
+def w_steps(rank, world, url, options, steps, done, fail_rank=None):
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=60, **options) as sync:
+        for _ in range(steps):
+            sync.average_(torch.full((256,), float(rank)))
+        if rank == fail_rank:
+            raise ValueError("boom from the test")
+        sync.barrier()
+        finish_together(rank, world, done)
+        return sync.generation
+
+
+def w_live(rank, world, url, options, stop, started):
+    """Loops until ``stop`` exists; all ranks agree on the step to stop at (they
+    average the flag), so the job ends cleanly."""
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=120, **options) as sync:
+        open(f"{started}.{rank}", "w").close()
+        steps = 0
+        while True:
+            flag = torch.tensor([1.0 if os.path.exists(stop) else 0.0])
+            sync.average_(flag)
+            steps += 1
+            if flag.item() > 0:
+                finish_together(rank, world, stop)
+                return steps
+            time.sleep(0.005)  # pacing only: keeps two cores free for the tools
+
+
+def w_straggle(rank, world, url, options, holding, release):
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=120, **options) as sync:
+        for _ in range(3):
+            sync.barrier()
+        if rank == 1:
+            open(holding, "w").close()  # outside any collective; rank 0 waits in the next
+            wait_until(lambda: os.path.exists(release), "release")
+        sync.barrier()
+        finish_together(rank, world, release)
+        return True
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def tool(capsys, *argv) -> tuple[int, str]:
+    code = main(list(argv))
+    out = capsys.readouterr().out
+    return code, out
+
+
+def tool_json(capsys, *argv) -> dict:
+    code, out = tool(capsys, *argv, "--json")
+    assert code == 0, out
+    return json.loads(out)
+
+
+def files_under(root: str) -> list[str]:
+    out = []
+    for dirpath, _dirs, names in os.walk(root):
+        out.extend(os.path.relpath(os.path.join(dirpath, n), root) for n in names)
+    return sorted(out)
+
+
+def generation_dirs(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("g"))
+
+
+def by_number(report: dict) -> dict[int, dict]:
+    return {g["generation"]: g for g in report["generations"] if g["announced"]}
+
+
+def start_live(tmp_path, url, options=FAST):
+    stop, started = str(tmp_path / "stop"), str(tmp_path / "started")
+    procs, q = start_ranks(w_live, 2, url, options, stop, started)
+    wait_until(lambda: all(os.path.exists(f"{started}.{r}") for r in range(2)), "ranks started")
+    return procs, q, stop
+
+
+# -- tests -----------------------------------------------------------------------------------
+
+def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    assert run_ranks(w_steps, 2, url, FAST, 3, str(tmp_path / "done-a")) == [0, 0]  # finished
+    failed = run_ranks(w_steps, 2, url, FAST, 2, str(tmp_path / "done-b"), fail_rank=1,
+                       expect_errors=True)
+    assert all(isinstance(r, RankFailure) for r in failed)  # generation 1: aborted
+    procs, q, stop = start_live(tmp_path, url)  # generation 2: live
+    try:
+        live_dir = next(d for d in generation_dirs(url) if d.startswith("g2."))
+        orphan = os.path.join(url, live_dir, f".c99.r1.{DEAD_PID}.deadbeef.tmp")
+        rdzv_orphan = os.path.join(url, "rdzv", f".join.r1.9.{DEAD_PID}.0badf00d.tmp")
+        for path in (orphan, rdzv_orphan):
+            with open(path, "wb") as f:
+                f.write(b"half a write")
+        with open(os.path.join(url, "notes.txt"), "w") as f:
+            f.write("not ferrosync's: left alone")
+
+        # the watch ends as soon as both live ranks have beaten: 10 s is only a bound
+        report = tool_json(capsys, "inspect", url, "--watch", "10")
+        gens = by_number(report)
+        assert sorted(gens) == [0, 1, 2]
+        assert gens[0]["status"] == "finished"
+        assert [r["state"] for r in gens[0]["ranks"]] == ["closed", "closed"]
+        assert gens[1]["status"] == "finished"
+        messages = [a["message"] for a in gens[1]["aborts"]]
+        assert any("boom from the test" in m for m in messages), gens[1]["aborts"]
+        assert gens[2]["status"] == "live"
+        for r in gens[2]["ranks"]:
+            assert r["state"] == "live" and r["beat_changed"], r
+            assert r["collective"] >= 1 and r["op"] == "average"
+        assert gens[2]["temp_files"] == [f"{live_dir}/.c99.r1.{DEAD_PID}.deadbeef.tmp"]
+        assert report["orphan_temp_files"] == [f"rdzv/.join.r1.9.{DEAD_PID}.0badf00d.tmp"]
+        assert report["foreign_objects"] == ["notes.txt"]
+        assert all(g["bytes"] > 0 for g in gens.values())
+        # one listing: the total is every generation, rdzv/ and the loose files
+        loose = len(b"half a write") + len("not ferrosync's: left alone")
+        assert report["total_bytes"] == sum(g["bytes"] for g in report["generations"]) + \
+            report["rdzv"]["bytes"] + loose
+        code, text = tool(capsys, "inspect", url, "--watch", "0")
+        assert code == 0 and "boom from the test" in text and "FINISHED" in text
+        detail = by_number(tool_json(capsys, "inspect", url, "--watch", "0", "--objects"))
+        results = [o for o in detail[0]["object_list"] if o["kind"] == "result"]
+        assert results, detail[0]["object_list"]
+        for obj in results:  # the binary header agrees with the name and the size
+            assert obj["key"].endswith(f"/c{obj['header']['collective']}.out"), obj
+            assert obj["header"]["size_matches"] is True
+
+        def settled():  # everything but the live generation's churning objects
+            return [f for f in files_under(url) if not f.startswith(live_dir + "/")]
+
+        before = settled()
+        plan = tool_json(capsys, "gc", url, "--dry-run", "--watch", WATCH)
+        assert settled() == before  # a dry run deletes (and creates) nothing
+        assert os.path.exists(orphan)
+        removing = {d["target"] for d in plan["decisions"] if d["action"] == "remove"}
+        assert any(t.startswith("g0.") for t in removing) and any(
+            t.startswith("g1.") for t in removing)
+        assert not any(t.startswith("g2.") for t in removing)
+
+        done = tool_json(capsys, "gc", url, "--keep", "1", "--watch", WATCH)
+        assert done["removed_objects"] > 0
+        dirs = generation_dirs(url)
+        assert [d.split(".")[0] for d in dirs] == ["g1", "g2"]  # g0 gone; g1 kept by --keep 1
+        assert not os.path.exists(orphan) and not os.path.exists(rdzv_orphan)
+        assert os.path.exists(os.path.join(url, live_dir, "hb.r0"))
+        assert os.path.exists(os.path.join(url, "notes.txt"))
+        assert {f for f in files_under(url) if f.startswith("rdzv/")} == {
+            "rdzv/gen.0", "rdzv/gen.1", "rdzv/gen.2", "rdzv/join.r1.0", "rdzv/join.r1.1",
+            "rdzv/join.r1.2"}
+    finally:
+        open(stop, "w").close()
+        out = collect(procs, q, timeout=60)
+    assert all(isinstance(v, int) and v > 0 for v in out.values()), out  # undisturbed
+
+    done = tool_json(capsys, "gc", url, "--watch", WATCH)
+    assert generation_dirs(url) == []  # the live one finished: now it may go, newest or not
+    assert any(d["target"].startswith("g2.") and d["action"] == "remove"
+               for d in done["decisions"])
+    # rdzv/ survived, so the next job still gets a fresh generation number
+    assert run_ranks(w_steps, 2, url, FAST, 1, str(tmp_path / "done-c")) == [3, 3]
+
+
+def test_gc_keeps_the_newest_dead_generation_and_unannounced_ones(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    procs, q, stop = start_live(tmp_path, url)
+    for p in procs.values():
+        os.kill(p.pid, signal.SIGKILL)
+    collect(procs, q, timeout=30)
+    (dead_dir,) = generation_dirs(url)
+    creating = os.path.join(url, "g5.0123456789abcdef")  # rank 0 before its announcement
+    loser = os.path.join(url, "g0.fedcba9876543210")  # lost generation 0 to another rank 0
+    os.makedirs(creating)
+    os.makedirs(loser)
+
+    report = tool_json(capsys, "inspect", url, "--watch", WATCH)
+    gens = {g["prefix"]: g for g in report["generations"]}
+    assert gens[dead_dir]["status"] == "dead"
+    assert [r["state"] for r in gens[dead_dir]["ranks"]] == ["stale", "stale"]
+    assert gens["g5.0123456789abcdef"]["status"] == "creating"
+    assert gens["g0.fedcba9876543210"]["status"] == "orphan"
+
+    tool_json(capsys, "gc", url, "--watch", WATCH)
+    # the newest generation goes only when finished; one being created is never touched
+    assert generation_dirs(url) == sorted([dead_dir, "g5.0123456789abcdef"])
+
+    assert run_ranks(w_steps, 2, url, FAST, 1, str(tmp_path / "done")) == [1, 1]
+    done = tool_json(capsys, "gc", url, "--watch", WATCH)
+    reasons = {d["target"]: d["reason"] for d in done["decisions"] if d["action"] == "remove"}
+    assert reasons[dead_dir].startswith("dead"), reasons
+    assert generation_dirs(url) == ["g5.0123456789abcdef"]
+
+
+def test_inspect_names_the_straggler(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    holding, release = str(tmp_path / "holding"), str(tmp_path / "release")
+    procs, q = start_ranks(w_straggle, 2, url, FAST, holding, release)
+    try:
+        wait_until(lambda: os.path.exists(holding), "rank 1 holding")
+        # rank 0's heartbeat shows it inside collective 4 once it has begun it
+        deadline = time.monotonic() + 30
+        while True:
+            report = tool_json(capsys, "inspect", url, "--watch", "1")
+            (gen,) = report["generations"]
+            where = {r["rank"]: r.get("collective") for r in gen["ranks"]}
+            if where == {0: 4, 1: 3} and gen["progress"]["stalled"]:
+                break
+            assert time.monotonic() < deadline, gen
+        assert gen["status"] == "live"
+        assert gen["stragglers"] == [1]
+        code, text = tool(capsys, "inspect", url, "--watch", "1")
+        assert "stragglers (the others wait for them): ranks [1]" in text
+    finally:
+        open(release, "w").close()
+        out = collect(procs, q, timeout=60)
+    assert out == {0: True, 1: True}
+
+
+def w_join_only(rank, world, url, options):
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=1.0, **options):
+        pass
+
+
+def test_inspect_shows_join_records_no_announcement_consumed(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    assert run_ranks(w_steps, 2, url, FAST, 1, str(tmp_path / "done")) == [0, 0]
+    (gave_up,) = run_ranks(w_join_only, 2, url, FAST, ranks=[1], expect_errors=True)
+    assert isinstance(gave_up, RankFailure)  # rank 0 never came: SyncTimeout
+    report = tool_json(capsys, "inspect", url, "--watch", "0")
+    assert report["rdzv"]["unconsumed_joins"] == {"1": 1}  # attempt 0 went into gen 0
+
+
+def w_secret(rank, world, url, options, done):
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=60, secret="s3cret",
+                           **options) as sync:
+        sync.barrier()
+        finish_together(rank, world, done)
+
+
+def test_records_that_cannot_be_verified_are_never_acted_upon(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FERROSYNC_SECRET", raising=False)
+    url = str(tmp_path / "run")
+    run_ranks(w_secret, 2, url, FAST, str(tmp_path / "done-a"))
+    run_ranks(w_secret, 2, url, FAST, str(tmp_path / "done-b"))
+    report = tool_json(capsys, "inspect", url, "--watch", "0.5")
+    assert {g["status"] for g in report["generations"]} == {"unknown"}
+    assert {r["state"] for g in report["generations"] for r in g["ranks"]} == {"untrusted"}
+    tool_json(capsys, "gc", url, "--watch", "0.5")
+    assert len(generation_dirs(url)) == 2  # kept: without the key it proves nothing
+
+    wrong = tool_json(capsys, "gc", url, "--watch", "0.5", "--secret", "wrong")
+    assert len(generation_dirs(url)) == 2, wrong
+    tool_json(capsys, "gc", url, "--watch", "0.5", "--secret", "s3cret")
+    assert generation_dirs(url) == []
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["inspect"],
+    ["frobnicate", "/tmp/x"],
+    ["gc", "/tmp/x", "--keep", "-1"],
+    ["inspect", "/tmp/x", "--watch", "soon"],
+    ["inspect", "/tmp/x", "--storage-options", "{not json"],
+    ["doctor", "/tmp/x", "--samples", "0"],
+])
+def test_bad_usage_exits_2(argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["inspect", "nosuch://bucket/run"],
+    ["gc", "{tmp}", "--storage-options", '{"anon": true}'],  # options for a local path
+    ["inspect", "{tmp}/a-file"],
+])
+def test_bad_url_exits_2(tmp_path, capsys, argv):
+    (tmp_path / "a-file").write_text("not a directory")
+    code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(ferrosync.__file__))}
+    ok = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(tmp_path / "none"),
+                         "--watch", "0"], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "nothing here yet" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "ferrosync", "gc"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "URL" in bad.stderr
+
+
+def test_doctor_creates_checks_and_cleans_up(tmp_path, capsys):
+    url = str(tmp_path / "new" / "location")
+    report = tool_json(capsys, "doctor", url, "--size-mib", "2", "--samples", "5")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["location"]["data"]["created"] is True and os.path.isdir(url)
+    for name in ("atomic publish", "exclusive create", "visibility", "permissions",
+                 "latency", "throughput"):
+        assert name in checks, sorted(checks)
+    assert checks["atomic publish"]["status"] == "ok", checks["atomic publish"]
+    assert checks["exclusive create"]["status"] == "ok"
+    assert report["measured"]["latency"]["put"]["n"] == 5
+    rec = report["recommended"]
+    assert rec["heartbeat_timeout"] > 2 * rec["heartbeat_interval"]
+    assert 0 < rec["poll_initial"] <= rec["poll_max"]
+    assert os.listdir(url) == []  # probes removed
+    mode = stat.S_IMODE(os.stat(url).st_mode)
+    assert not mode & stat.S_IWOTH
+
+    os.chmod(url, 0o777)  # anyone may plant objects here
+    report = tool_json(capsys, "doctor", url, "--size-mib", "0", "--samples", "3")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["permissions"]["status"] == "fail"
+    assert "world-writable" in checks["permissions"]["summary"]
+    code, text = tool(capsys, "doctor", url, "--size-mib", "0", "--samples", "3", "--strict")
+    assert code == 1 and "recommended settings" in text
+
+
+def test_nfs_mount_options_are_judged():
+    assert nfs_problems(["rw", "hard", "lookupcache=positive"]) == []
+    status = {s for s, _ in nfs_problems(["rw", "nocto", "soft"])}
+    assert status == {"fail", "warn"}
+    assert any("lookupcache=positive" in text for _, text in nfs_problems(["rw", "hard"]))
+
+
+def test_s3_smoke_inspect_gc_doctor(s3_transport, capsys, tmp_path):
+    url, opts = s3_transport.url, s3_transport.options
+    assert run_ranks(w_steps, 2, url, {**FAST, **opts}, 2, str(tmp_path / "done")) == [0, 0]
+    so = json.dumps(opts["storage_options"])
+    report = tool_json(capsys, "inspect", url, "--storage-options", so, "--watch", "1")
+    (gen,) = report["generations"]
+    assert gen["status"] == "finished" and gen["bytes"] > 0
+    assert [r["state"] for r in gen["ranks"]] == ["closed", "closed"]
+
+    doctor = tool_json(capsys, "doctor", url, "--storage-options", so, "--size-mib", "1",
+                       "--samples", "3")
+    checks = {c["name"]: c["status"] for c in doctor["checks"]}
+    assert checks["atomic publish"] == "ok" and checks["visibility"] == "ok", doctor
+    assert "fail" not in checks.values(), doctor
+
+    tool_json(capsys, "gc", url, "--storage-options", so, "--watch", "1")
+    after = tool_json(capsys, "inspect", url, "--storage-options", so, "--watch", "0")
+    assert after["generations"] == []  # the finished generation is gone ...
+    assert after["rdzv"]["announced_without_data"] == [0]  # ... its announcement stays
+    assert not [k for k in after["leftover_probes"]]  # doctor cleaned up after itself
