@@ -272,7 +272,7 @@ class TwoParams(nn.Module):
 def mismatched_buckets(rank, world, location):
     """Ranks whose DDP buckets have the same size but different parameter shapes, over
     per-process world-size-1 gloo groups with the hook doing the averaging."""
-    sync = ferrosync.connect(location, rank=rank, world_size=world, timeout=60.0, **FAST)
+    sync = ferrosync.connect(location, rank=rank, world_size=world, timeout=60.0)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     model = TwoParams((6, 4), (6,)) if rank == 0 else TwoParams((4, 6), (6,))
     ddp = DistributedDataParallel(model)

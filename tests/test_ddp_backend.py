@@ -18,6 +18,7 @@ import torch
 from ddp_workers import FAST, assert_matches_reference, collectives, gloo_reference, train
 
 from ferrosync.errors import PeerFailed
+from ferrosync.wire import decode_record
 from ranks import RankFailure, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +65,8 @@ def test_s3_init_method_with_options_from_environment(s3_transport):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives(tmp_path, world):
-    results = run_ranks(collectives, world, str(tmp_path / "run"), FAST)
+    # options through pg_options (the S3 test covers FERROSYNC_PG_OPTIONS)
+    results = run_ranks(collectives, world, str(tmp_path / "run"), {"heartbeat_timeout": 60.0})
     ranks = range(1, world + 1)  # rank r contributes base * (r + 1)
     base = torch.arange(1, 7, dtype=torch.float32)
     total = sum(ranks)
@@ -140,27 +142,39 @@ SCRIPT = textwrap.dedent("""
     model = DDP(torch.nn.Linear(4, 2))
     for step in range(10):
         loss = model(torch.randn(3, 4)).sum()
-        if rank == 1 and step == 3:
+        if sys.argv[2] == "fail" and rank == 1 and step == 3:
             raise RuntimeError("injected failure")
         loss.backward()
-    dist.destroy_process_group()
+    # no destroy_process_group(): interpreter exit closes the connection
 """)
 
 
-def test_uncaught_exception_in_a_script_fails_peers_without_crash(tmp_path):
-    """Real interpreters, ranks from the environment (torchrun style): the failing
-    rank's uncaught exception publishes an abort marker; the other rank raises
-    PeerFailed from backward() and exits with status 1, not a signal."""
+def run_script(tmp_path, mode: str):
+    """Two real interpreters, ranks from the environment (torchrun style)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "PYTHONPATH": ROOT}
-        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")],
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), mode],
                                       env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outputs = [p.communicate(timeout=120) for p in procs]
-    codes = [p.returncode for p in procs]
-    assert codes == [1, 1], (codes, outputs)
-    assert "injected failure" in outputs[1][1]
-    assert "PeerFailed" in outputs[0][1] and "rank 1 failed" in outputs[0][1], outputs[0][1]
+    return [p.returncode for p in procs], [err for _, err in outputs]
+
+
+def test_uncaught_exception_in_a_script_fails_peers_without_crash(tmp_path):
+    """The failing rank's uncaught exception publishes an abort marker; the other rank
+    raises PeerFailed from backward() and exits with status 1, not a signal."""
+    codes, errs = run_script(tmp_path, "fail")
+    assert codes == [1, 1], (codes, errs)
+    assert "injected failure" in errs[1]
+    assert "PeerFailed" in errs[0] and "rank 1 failed" in errs[0], errs[0]
+
+
+def test_script_exiting_without_destroy_closes_cleanly(tmp_path):
+    codes, errs = run_script(tmp_path, "ok")
+    assert codes == [0, 0], (codes, errs)
+    for rank in range(2):  # each rank's last heartbeat says it closed (atexit ran)
+        (beat,) = (tmp_path / "run").glob(f"g*/hb.r{rank}")
+        assert decode_record(beat.read_bytes(), None, path=str(beat))["state"] == "closed"

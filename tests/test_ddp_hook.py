@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ddp_workers import assert_matches_reference, gloo_reference, mismatched_buckets, train
+from ddp_workers import (
+    FAST,
+    assert_matches_reference,
+    gloo_reference,
+    mismatched_buckets,
+    train,
+)
 
 import ferrosync
 from ferrosync.errors import ConfigError, LayoutMismatch, PeerFailed
@@ -49,8 +55,7 @@ def test_differing_buckets_raise_layout_mismatch_on_every_rank(tmp_path):
 
 
 def test_rank_failing_under_wrap_makes_the_others_raise(tmp_path):
-    results = run_ranks(train, 2, "wrap", str(tmp_path / "run"), fail=(0, 3),
-                        options={"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0},
+    results = run_ranks(train, 2, "wrap", str(tmp_path / "run"), fail=(0, 3), options=FAST,
                         expect_errors=True, timeout=60)
     assert "injected failure" in str(results[0].error)
     assert isinstance(results[1].error, PeerFailed), results[1].traceback
