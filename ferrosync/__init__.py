@@ -11,7 +11,7 @@ Importing this package is cheap: storage drivers and CUDA load on first use.
 
 from __future__ import annotations
 
-from . import errors
+from . import ddp, errors
 from .api import GradSync, SyncHandle, connect
 from .errors import (
     ConfigError,
@@ -27,6 +27,9 @@ from .errors import (
 from .partition import ShardSampler, shard_indices
 
 __version__ = "0.1.0"
+
+# torch.distributed backend "ferrosync" and its init_method URLs (cheap: torch only)
+ddp.register()
 
 __all__ = [
     "connect",

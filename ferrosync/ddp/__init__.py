@@ -1,0 +1,79 @@
+"""DistributedDataParallel over a shared directory or an object store.
+
+Two routes, both over the same storage layer and wire format as ``ferrosync.connect``:
+
+1. The ``"ferrosync"`` torch.distributed backend, registered by ``import ferrosync``::
+
+       import ferrosync  # registers the backend
+       dist.init_process_group("ferrosync", init_method="/shared/run", rank=r, world_size=w)
+       model = DistributedDataParallel(model)           # unchanged from here on
+
+2. A DDP communication hook over any ``GradSync``, no process group needed::
+
+       sync = ferrosync.connect("s3://bucket/run", rank=r, world_size=w)
+       model = ferrosync.ddp.wrap(model, sync)
+
+See ``docs/ddp.md``. Modules: ``init_methods`` (init_method URLs), ``process_group``
+(``SyncProcessGroup``, the backend factory), ``comm_hook`` (``hook``, ``wrap``).
+Only ``register`` runs at ``import ferrosync``; the rest loads on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+import torch
+import torch.distributed as dist
+
+BACKEND_NAME = "ferrosync"
+#: JSON object of ``ferrosync.connect`` options for the backend, merged under ``pg_options``
+ENV_PG_OPTIONS = "FERROSYNC_PG_OPTIONS"
+
+_LAZY = {
+    "hook": "comm_hook",
+    "wrap": "comm_hook",
+    "SyncProcessGroup": "process_group",
+    "register_scheme": "init_methods",
+}
+
+__all__ = ["BACKEND_NAME", "ENV_PG_OPTIONS", "register", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def _create_backend(backend_opts, pg_options):
+    from .process_group import create_backend
+
+    return create_backend(backend_opts, pg_options)
+
+
+def register() -> bool:
+    """Register backend ``"ferrosync"`` and its init_method handlers with torch.
+
+    Idempotent and cheap (imports nothing beyond torch); ``import ferrosync`` calls
+    it. Returns False when this torch build has no ``torch.distributed``, or (with
+    a ``RuntimeWarning``) when its registration API differs from the one ferrosync
+    knows: ``connect`` and the rest of ferrosync keep working either way.
+    """
+    if not dist.is_available():
+        return False
+    try:
+        from .init_methods import register_handlers
+
+        if not hasattr(dist.Backend, BACKEND_NAME.upper()):
+            dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
+                                          devices=["cpu", "cuda"])
+        register_handlers()
+    except Exception as exc:  # a torch API change must not break `import ferrosync`
+        warnings.warn(f"ferrosync could not register its torch.distributed backend with "
+                      f"torch {torch.__version__} ({type(exc).__name__}: {exc}); "
+                      "init_process_group('ferrosync') will not work, ferrosync.connect will",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True

@@ -1,0 +1,232 @@
+"""``init_method`` URLs for ``init_process_group("ferrosync", ...)``: where the ranks meet.
+
+torch turns ``init_method`` into a key-value store (a "rendezvous"), then hands the
+backend factory a chain of ``PrefixStore``s around it. The ferrosync backend needs
+no key-value store at all (its own rendezvous runs in storage), only the storage
+*location*, which it reads back from the innermost store (``location_of``):
+
+* ``/dir`` (bare path, existing or not), or ``file:///dir`` naming an existing
+  directory or ending in ``/``: torch gets ``FileStore("/dir/c10d.store")``;
+  ferrosync's data lives in ``/dir``.
+* ``file:///path/f`` naming anything else keeps torch's own meaning (a store file,
+  made by torch's handler): ``FileStore("/path/f")``; data in ``/path/f.ferrosync``.
+* ``s3://bucket/run`` (any scheme in ``OBJECT_SCHEMES``, or added with
+  ``register_scheme``): a process-local ``UrlStore`` that carries the URL; data in
+  ``s3://bucket/run``.
+
+Only cases torch itself rejects are taken over: a bare path has no handler in
+torch, and ``file://`` naming a directory fails there ("Is a directory"). A
+``file://`` URL naming a file keeps torch's behaviour exactly. Local stores are
+real ``FileStore``s, so ``backend="gloo"`` works with the same URLs; an object-store
+URL has no store shared between hosts, so only the ferrosync backend can use it
+(anything that asks its ``UrlStore`` for a peer's key gets a ``ConfigError``).
+
+Rank and world size come from the URL query that torch appends
+(``init_process_group(rank=, world_size=)``), else from the environment
+(torchrun, SLURM; see ``ferrosync.env``). Registering the handlers imports nothing
+beyond torch: fsspec loads when the backend first touches storage.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from urllib.parse import parse_qsl, urlsplit
+
+import torch.distributed as dist
+
+from ..env import discover
+from ..errors import ConfigError
+
+#: torch's FileStore inside a directory init_method (ferrosync's own files sit beside it)
+STORE_FILE = "c10d.store"
+#: data directory next to a FileStore *file* named by a ``file://`` init_method
+FILE_DATA_SUFFIX = ".ferrosync"
+#: fsspec schemes whose URLs are accepted as init_method (``register_scheme`` adds more)
+OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci",
+                  "hdfs", "webhdfs")
+
+_IDENTITY_KEYS = ("rank", "world_size")
+# torch keeps only the C++ half of a Python store alive; without this reference the
+# UrlStore (and its URL) would be collected while its process group still uses it
+_LIVE_URL_STORES: list[UrlStore] = []
+
+
+class UrlStore(dist.Store):
+    """The "store" behind an object-store init_method: it only carries the URL.
+
+    Keys set in this process can be read back (torch sets a few of its own); a key
+    that would have to come from another rank raises ``ConfigError`` at once
+    instead of waiting out a timeout, because nothing is shared between hosts.
+    """
+
+    def __init__(self, url: str, rank: int) -> None:
+        super().__init__()
+        self.url = url
+        self.rank = rank
+        self._data: dict[str, bytes] = {}
+
+    def _missing(self, keys) -> ConfigError:
+        return ConfigError(
+            f"init_method {self.url!r} has no key-value store shared between ranks, but "
+            f"{list(keys)} was asked for (another backend, or TORCH_DIST_INIT_BARRIER=1?)",
+            rank=self.rank,
+            hint="use an object-store init_method only with backend='ferrosync'; for gloo or "
+            "nccl use tcp://, env:// or a shared directory",
+        )
+
+    def set(self, key, value) -> None:
+        self._data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key) -> bytes:
+        if key not in self._data:
+            raise self._missing([key])
+        return self._data[key]
+
+    def add(self, key, amount) -> int:
+        value = int(self._data.get(key, b"0")) + int(amount)
+        self._data[key] = str(value).encode()
+        return value
+
+    def compare_set(self, key, expected, desired) -> bytes:
+        current = self._data.get(key)
+        expected = expected if isinstance(expected, bytes) else str(expected).encode()
+        if (current is None and not expected) or current == expected:
+            self.set(key, desired)
+        return self._data.get(key, expected)
+
+    def check(self, keys) -> bool:
+        return all(k in self._data for k in keys)
+
+    def wait(self, keys, timeout=None) -> None:
+        if not self.check(keys):
+            raise self._missing([k for k in keys if k not in self._data])
+
+    def delete_key(self, key) -> bool:
+        return self._data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        return len(self._data)
+
+
+def location_of(store) -> str | None:
+    """The storage URL an init_method stands for, from the store torch built for it.
+
+    Returns None when the store says nothing about a location (``env://``,
+    ``tcp://`` or an explicit ``store=``); the caller then needs another source.
+    """
+    inner = store
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, UrlStore):
+        return inner.url
+    if isinstance(inner, dist.FileStore):
+        path = inner.path
+        if os.path.basename(path) == STORE_FILE:
+            return os.path.dirname(path)
+        return path + FILE_DATA_SUFFIX
+    return None
+
+
+def _identity(query: str, url: str):
+    """(rank, world_size) from the query torch appended, else from the environment."""
+    pairs = dict(parse_qsl(query, keep_blank_values=True))
+    extra = sorted(set(pairs) - set(_IDENTITY_KEYS))
+    if extra:
+        raise ConfigError(
+            f"init_method {url!r} has query parameters {extra}; only rank and world_size "
+            "are understood",
+            hint="pass ferrosync options through pg_options={...} or the "
+            "FERROSYNC_PG_OPTIONS environment variable (JSON)",
+        )
+    values = {}
+    for key in _IDENTITY_KEYS:
+        raw = pairs.get(key)
+        try:
+            value = None if raw is None else int(raw)
+        except ValueError:
+            raise ConfigError(f"init_method {url!r}: {key}={raw!r} is not an integer") from None
+        values[key] = None if value is None or value < 0 else value  # torch's -1: not given
+    identity = discover(values["rank"], values["world_size"])
+    return identity.rank, identity.world_size
+
+
+def _directory_store(path: str, world_size: int) -> dist.FileStore:
+    os.makedirs(path, exist_ok=True)
+    return dist.FileStore(os.path.join(path, STORE_FILE), world_size)
+
+
+def _local_handler(url: str, **kwargs):
+    """A bare path: a directory (created if missing), or an existing store file."""
+    parts = urlsplit(url)
+    rank, world_size = _identity(parts.query, url)
+    if not parts.path:
+        raise ConfigError(f"init_method {url!r} names no path")
+    path = os.path.abspath(os.path.expanduser(parts.path))
+    if os.path.isfile(path):  # an existing FileStore file, as file:// would take it
+        store = dist.FileStore(path, world_size)
+    else:
+        store = _directory_store(path, world_size)
+    yield store, rank, world_size
+    raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
+
+
+def _file_handler(torch_handler):
+    """torch's ``file://`` handler, extended to URLs naming a directory."""
+
+    def handler(url: str, **kwargs):
+        parts = urlsplit(url)
+        if parts.path and (parts.path.endswith("/") or os.path.isdir(parts.path)):
+            rank, world_size = _identity(parts.query, url)
+            yield _directory_store(parts.path, world_size), rank, world_size
+            raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
+        yield from torch_handler(url, **kwargs)
+
+    handler.ferrosync_wraps = torch_handler
+    return handler
+
+
+def _object_store_handler(url: str, **kwargs):
+    parts = urlsplit(url)
+    rank, world_size = _identity(parts.query, url)
+    if not parts.netloc:
+        raise ConfigError(f"init_method {url!r} names no bucket",
+                          hint="use scheme://bucket/prefix")
+    store = UrlStore(f"{parts.scheme}://{parts.netloc}{parts.path}", rank)
+    _LIVE_URL_STORES.append(store)
+    yield store, rank, world_size
+    raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
+
+
+def _rendezvous():
+    # the module, not the function torch.distributed re-exports under the same name
+    return importlib.import_module("torch.distributed.rendezvous")
+
+
+def register_scheme(scheme: str) -> bool:
+    """Accept ``scheme://...`` as an init_method naming an fsspec location.
+
+    Returns False when a handler for ``scheme`` exists already (it is kept).
+    """
+    try:
+        _rendezvous().register_rendezvous_handler(scheme, _object_store_handler)
+    except RuntimeError:  # already registered (by us, or by someone else: theirs wins)
+        return False
+    return True
+
+
+def register_handlers() -> None:
+    """Install the handlers above. Idempotent; imports nothing but torch."""
+    rendezvous = _rendezvous()
+    try:
+        rendezvous.register_rendezvous_handler("", _local_handler)
+    except RuntimeError:
+        pass
+    for scheme in OBJECT_SCHEMES:
+        register_scheme(scheme)
+    # torch refuses to register a second "file" handler, so the wrapper replaces the
+    # entry in its table; it only changes URLs that torch itself would reject.
+    table = getattr(rendezvous, "_rendezvous_handlers", None)
+    current = table.get("file") if isinstance(table, dict) else None
+    if current is not None and not hasattr(current, "ferrosync_wraps"):
+        table["file"] = _file_handler(current)

@@ -1,0 +1,417 @@
+"""``SyncProcessGroup``: a ``torch.distributed`` process group whose collectives run on a GradSync.
+
+``init_process_group("ferrosync", ...)`` builds one over a storage ``GradSync``
+(``create_backend``); ``ferrosync.ddp.wrap`` builds one over any ``GradSync`` it is
+given. Either way DDP and ``torch.distributed`` calls map onto four GradSync
+collectives: ``average_``, ``broadcast_``, ``all_gather`` and ``barrier``.
+
+Contract: the same as every ``torch.distributed`` backend. Every rank of the group
+calls the same collectives in the same order with tensors of the same dtypes and
+shapes; a violation is detected (layout digests) and raised as ``LayoutMismatch``.
+
+Every collective runs **synchronously**: when the call returns, the result is in
+place and the returned ``Work`` is already complete. Failures are therefore
+raised by the call itself, as the GradSync's typed exception (``PeerFailed``,
+``SyncTimeout``, ...). This is deliberate: a Work that completes *with an error*
+under DDP's built-in reducer hook can crash the process (seen on torch 2.13), and a
+completed Work can never report an error late. The cost is that DDP does not
+overlap gradient communication with the rest of the backward pass.
+
+Reductions:
+
+* ``AVG`` on float16/bfloat16/float32/float64: ``GradSync.average_``, i.e. Σx/W
+  summed in rank order (half types accumulate in float32), bit-identical on every rank.
+* ``SUM`` on the same dtypes: that average times W (half types are averaged as
+  float32 copies so only one rounding to half happens). Exact when W is a power of
+  two; otherwise within about one ulp (of the accumulation dtype) of the rank-ordered
+  sum. DDP's gradient SUM is of gradients already divided by W.
+* everything else (``SUM`` on integers and bool, ``MIN``, ``MAX``, ``PRODUCT``,
+  ``BAND``, ``BOR``, ``BXOR``): ``all_gather`` and a local reduce in rank order,
+  identical on every rank. It reads every rank's tensor, so it suits the small
+  tensors (flags, counters, metrics) these ops are used for.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+from functools import reduce
+
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from ..api import GradSync, connect
+from ..env import ENV_URL
+from ..errors import ConfigError
+from . import BACKEND_NAME, ENV_PG_OPTIONS
+from .init_methods import location_of
+
+__all__ = ["SyncProcessGroup", "create_backend"]
+
+_Op = dist.ReduceOp.RedOpType
+_AVERAGED = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_HALF = (torch.float16, torch.bfloat16)
+# combine two ranks' tensors; applied left to right in rank order
+_COMBINE = {
+    _Op.SUM: torch.add,
+    _Op.PRODUCT: torch.mul,
+    _Op.MIN: torch.minimum,
+    _Op.MAX: torch.maximum,
+    _Op.BAND: torch.bitwise_and,
+    _Op.BOR: torch.bitwise_or,
+    _Op.BXOR: torch.bitwise_xor,
+}
+_BITWISE = (_Op.BAND, _Op.BOR, _Op.BXOR)
+_UNSUPPORTED_HINT = (
+    "ferrosync's process group implements allreduce, broadcast, allgather, "
+    "reduce_scatter, reduce, gather, scatter and barrier; use backend 'gloo' or 'nccl' "
+    "for the rest"
+)
+
+
+class _Done(dist._Work):
+    """A Work that is complete when it is created (every collective here is synchronous)."""
+
+    def __init__(self, result) -> None:
+        super().__init__()
+        self._result = result
+        self._future = Future()
+        self._future.set_result(result)
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def result(self):
+        return self._result
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+def _reduce_op(opts) -> _Op:
+    if opts is None:
+        return _Op.SUM
+    op = opts.reduceOp
+    if isinstance(op, dist.ReduceOp):
+        op = op.op
+    return op if isinstance(op, _Op) else _Op(op)
+
+
+class SyncProcessGroup(dist.ProcessGroup):
+    """A process group over ``sync``: rank and size are the GradSync's.
+
+    Args:
+        sync: any connected ``GradSync`` (storage, gloo, nccl).
+        owns_sync: close ``sync`` when the group shuts down (``destroy_process_group``).
+            ``init_process_group`` sets it; ``wrap`` leaves the caller's sync open.
+    """
+
+    def __init__(self, sync: GradSync, *, owns_sync: bool = False) -> None:
+        if not isinstance(sync, GradSync):
+            raise ConfigError(f"SyncProcessGroup needs a GradSync, got {type(sync).__name__}",
+                              hint="create one with ferrosync.connect(url)")
+        super().__init__(sync.rank, sync.world_size)
+        self.sync = sync
+        self._owns_sync = owns_sync
+
+    def getBackendName(self) -> str:  # torch's name for it
+        return BACKEND_NAME
+
+    def __repr__(self) -> str:
+        return f"SyncProcessGroup({self.sync!r})"
+
+    # -- checks (before any I/O, so a bad call leaves the GradSync usable) -------------------
+    def _error(self, what: str, hint: str | None = None) -> ConfigError:
+        return ConfigError(what, rank=self.sync.rank, path=self.sync.url, hint=hint)
+
+    def _check_op(self, op: _Op, tensors) -> None:
+        if op not in _COMBINE and op != _Op.AVG:  # PREMUL_SUM, or a future op
+            raise self._error(f"reduce op {op.name} is not supported",
+                              hint="use SUM, AVG, MIN, MAX, PRODUCT, BAND, BOR or BXOR")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise self._error(f"tensors[{i}] is a {type(t).__name__}, not a tensor")
+            if t.is_sparse:
+                raise self._error(f"tensors[{i}] is sparse; only dense tensors are supported")
+            if op == _Op.AVG and not (t.dtype in _AVERAGED or t.is_complex()):
+                raise self._error(f"AVG needs floating-point tensors, tensors[{i}] is {t.dtype}",
+                                  hint="use SUM and divide, or cast to float32")
+            if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
+                raise self._error(f"{op.name} needs integer or bool tensors, tensors[{i}] is "
+                                  f"{t.dtype}")
+            if op in (_Op.MIN, _Op.MAX) and t.is_complex():
+                raise self._error(f"{op.name} is undefined for complex tensors[{i}]")
+
+    def _check_list(self, what: str, tensors, count: int, numel: int) -> None:
+        if len(tensors) != count:
+            raise self._error(f"{what} has {len(tensors)} tensors, expected {count} (one per "
+                              "rank)")
+        for i, t in enumerate(tensors):
+            if t.numel() != numel:
+                raise self._error(f"{what}[{i}] has {t.numel()} elements, expected {numel}",
+                                  hint="every rank's tensor must have the same shape")
+
+    # -- reductions -------------------------------------------------------------------------
+    def _allreduce(self, tensors: list[torch.Tensor], op: _Op) -> None:
+        """In place, after ``_check_op``. One collective per group of tensors, in a
+        fixed order (so every rank issues the same sequence)."""
+        tensors = [torch.view_as_real(t) if t.is_complex() and op in (_Op.SUM, _Op.AVG) else t
+                   for t in tensors]
+        if op in (_Op.SUM, _Op.AVG):
+            floats = [t for t in tensors if t.dtype in _AVERAGED]
+            others = [t for t in tensors if t.dtype not in _AVERAGED]
+        else:
+            floats, others = [], tensors
+        if floats:
+            self._average(floats, scale=op == _Op.SUM)
+        for t in others:
+            parts = self.sync.all_gather(t)
+            t.copy_(reduce(_COMBINE[op], parts))
+
+    def _average(self, tensors: list[torch.Tensor], *, scale: bool) -> None:
+        world = self.sync.world_size
+        if not scale:
+            self.sync.average_(tensors)
+            return
+        # a sum is the average times W; half types go through float32 so that the
+        # result is rounded to half once, not twice
+        work = [t.float() if t.dtype in _HALF else t for t in tensors]
+        self.sync.average_(work)
+        for t, w in zip(tensors, work):
+            if world != 1:
+                w.mul_(world)
+            if w is not t:
+                t.copy_(w)
+
+    # -- torch.distributed.ProcessGroup interface ------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        op = _reduce_op(opts)
+        self._check_op(op, tensors)
+        with torch.no_grad():
+            self._allreduce(list(tensors), op)
+        return _Done(tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors, opts=None):
+        src = 0 if opts is None else opts.rootRank
+        with torch.no_grad():
+            self.sync.broadcast_(list(tensors), src=src)
+        return _Done(tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        if len(output_tensors) != len(input_tensors):
+            raise self._error(f"allgather got {len(output_tensors)} output lists for "
+                              f"{len(input_tensors)} inputs")
+        for outs, inp in zip(output_tensors, input_tensors):
+            self._check_list("allgather output", outs, self.sync.world_size, inp.numel())
+        with torch.no_grad():
+            for outs, inp in zip(output_tensors, input_tensors):
+                for out, part in zip(outs, self.sync.all_gather(inp)):
+                    out.copy_(part.view(out.shape))
+        return _Done(output_tensors)
+
+    def _check_world_times(self, what: str, whole: torch.Tensor, part: torch.Tensor) -> None:
+        world = self.sync.world_size
+        if whole.numel() != world * part.numel():
+            raise self._error(f"{what} has {whole.numel()} elements, expected {world} x "
+                              f"{part.numel()} (world size x the per-rank tensor)")
+
+    def _coalesced(self, single, outputs, inputs, opts):
+        for output, input in zip(outputs, inputs):
+            single(output, input, opts)
+        return _Done(outputs)
+
+    def _allgather_base(self, output, input, opts=None):
+        self._check_world_times("all_gather_into_tensor output", output, input)
+        with torch.no_grad():
+            parts = self.sync.all_gather(input)
+            output.copy_(torch.cat([p.reshape(-1) for p in parts]).view(output.shape))
+        return _Done([output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self._allgather_base, outputs, inputs, opts)
+
+    # torch >= 2.13 names for the two above (dist.all_gather_single / all_gather_into_tensor)
+    all_gather_single = _allgather_base
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        op = _reduce_op(opts)
+        world = self.sync.world_size
+        for out, ins in zip(output_tensors, input_tensors):
+            self._check_list("reduce_scatter input", ins, world, out.numel())
+            self._check_op(op, [out, *ins])
+        with torch.no_grad():
+            for out, ins in zip(output_tensors, input_tensors):
+                flat = torch.cat([t.reshape(-1) for t in ins])
+                self._allreduce([flat], op)
+                self._take_own_slice(out, flat)
+        return _Done(output_tensors)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        op = _reduce_op(opts)
+        self._check_world_times("reduce_scatter_tensor input", input, output)
+        self._check_op(op, [output, input])
+        with torch.no_grad():
+            flat = input.detach().reshape(-1).clone()
+            self._allreduce([flat], op)
+            self._take_own_slice(output, flat)
+        return _Done([output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self._reduce_scatter_base, outputs, inputs, opts)
+
+    # torch >= 2.13 names (dist.reduce_scatter_single / reduce_scatter_tensor)
+    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _take_own_slice(self, out: torch.Tensor, flat: torch.Tensor) -> None:
+        n = out.numel()
+        out.copy_(flat[self.sync.rank * n:(self.sync.rank + 1) * n].view(out.shape))
+
+    def reduce(self, tensors, opts=None):
+        op = _reduce_op(opts)
+        self._check_op(op, tensors)
+        root = 0 if opts is None else opts.rootRank
+        with torch.no_grad():
+            # only the root's tensors change, as with gloo
+            work = list(tensors) if self.sync.rank == root else [t.clone() for t in tensors]
+            self._allreduce(work, op)
+        return _Done(tensors)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = 0 if opts is None else opts.rootRank
+        (inp,) = input_tensors
+        if self.sync.rank == root:
+            self._check_list("gather output", output_tensors[0], self.sync.world_size,
+                             inp.numel())
+        with torch.no_grad():
+            parts = self.sync.all_gather(inp)
+            if self.sync.rank == root:
+                for out, part in zip(output_tensors[0], parts):
+                    out.copy_(part.view(out.shape))
+        return _Done(output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = 0 if opts is None else opts.rootRank
+        (out,) = output_tensors
+        world = self.sync.world_size
+        if self.sync.rank == root:
+            self._check_list("scatter input", input_tensors[0], world, out.numel())
+        with torch.no_grad():
+            rows = torch.empty((world, out.numel()), dtype=out.dtype, device=out.device)
+            if self.sync.rank == root:
+                for row, t in zip(rows, input_tensors[0]):
+                    row.copy_(t.reshape(-1))
+            self.sync.broadcast_([rows], src=root)
+            out.copy_(rows[self.sync.rank].view(out.shape))
+        return _Done(output_tensors)
+
+    def barrier(self, opts=None):
+        self.sync.barrier()
+        return _Done([])
+
+    def _unsupported(self, name: str):
+        raise self._error(f"{name} is not supported by the ferrosync backend",
+                          hint=_UNSUPPORTED_HINT)
+
+    def send(self, tensors, dst, tag=0):
+        self._unsupported("send")
+
+    def recv(self, tensors, src, tag=0):
+        self._unsupported("recv")
+
+    def recv_anysource(self, tensors, tag=0):
+        self._unsupported("recv_anysource")
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._unsupported("all_to_all")
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._unsupported("all_to_all_single")
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        self._unsupported("all_to_all_single")
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        self._unsupported("monitored_barrier")
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: closes an owned GradSync (never waits on
+        peers, never raises because a peer failed)."""
+        if self._owns_sync:
+            self.sync.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+# -- the backend factory -------------------------------------------------------------------
+
+def _options(pg_options) -> dict:
+    """``ferrosync.connect`` options: ``$FERROSYNC_PG_OPTIONS`` (JSON), then ``pg_options``."""
+    options: dict = {}
+    raw = os.environ.get(ENV_PG_OPTIONS, "").strip()
+    if raw:
+        try:
+            options = json.loads(raw)
+        except ValueError as exc:
+            raise ConfigError(f"{ENV_PG_OPTIONS} is not valid JSON ({exc})",
+                              hint='set it to a JSON object such as {"secret": "..."}') from None
+        if not isinstance(options, dict):
+            raise ConfigError(f"{ENV_PG_OPTIONS} must be a JSON object, got {raw[:80]!r}")
+    if pg_options is not None:
+        if not isinstance(pg_options, dict):
+            raise ConfigError(
+                f"pg_options for backend {BACKEND_NAME!r} must be a dict of ferrosync.connect "
+                f"options, got {type(pg_options).__name__}",
+                hint="e.g. pg_options={'storage_options': {...}, 'secret': '...'}")
+        options.update(pg_options)
+    return options
+
+
+def _group_suffix(group_id: str) -> str:
+    return "group." + re.sub(r"[^A-Za-z0-9_.-]", "_", str(group_id))
+
+
+def create_backend(backend_opts, pg_options) -> SyncProcessGroup:
+    """torch's factory for backend "ferrosync" (registered with ``extended_api=True``).
+
+    Collective over the group's ranks: connects every rank to the storage location
+    named by the init_method (see ``init_methods``), or by ``pg_options["url"]`` /
+    ``$FERROSYNC_URL`` when the init_method names none (``env://``, ``tcp://``).
+    The world group uses the location itself, a subgroup ``<location>/group.<name>``.
+    The init timeout bounds every wait. Raises ``ConfigError`` (bad options, no
+    location) or ``SyncTimeout`` (peers missing).
+    """
+    options = _options(pg_options)
+    url = options.pop("url", None)
+    location = location_of(backend_opts.store)
+    if location is not None:
+        if url is not None and url != location:
+            raise ConfigError(
+                f"pg_options url {url!r} differs from the init_method's location {location!r}",
+                rank=backend_opts.group_rank, hint="give the location once")
+        url = location
+    url = url or os.environ.get(ENV_URL)
+    if not url:
+        raise ConfigError(
+            f"backend {BACKEND_NAME!r} needs a storage location, and init_method names none",
+            rank=backend_opts.group_rank,
+            hint="use init_method='/shared/dir' or 's3://bucket/run', or set FERROSYNC_URL",
+        )
+    if list(backend_opts.global_ranks_in_group):  # a subgroup (the world group has [])
+        url = url.rstrip("/") + "/" + _group_suffix(backend_opts.group_id)
+    sync = connect(url, rank=backend_opts.group_rank, world_size=backend_opts.group_size,
+                   timeout=backend_opts.timeout.total_seconds(), **options)
+    return SyncProcessGroup(sync, owns_sync=True)
