@@ -10,7 +10,8 @@ For each backend, world size and float32 payload it starts one process per rank,
 barrier before each, which is not timed), and reports for each collective the time
 until the *last* rank returns: median and p90, the algorithm bandwidth (payload /
 median), the ratio to gloo's median in the same run (< 1 is faster than gloo), and
-rank 0's peak RSS (absolute, and above its baseline after imports). It prints a
+rank 0's peak RSS while averaging that payload (absolute, and above its RSS just
+before the payload's tensor was allocated). It prints a
 table, writes JSON and draws a PNG (bandwidth vs payload, one line per backend).
 
 Backends:
@@ -28,7 +29,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import shutil
 import socket
 import statistics
@@ -63,8 +63,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return _status_mb("VmRSS")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak RSS since the last ``reset_peak_rss``.
+
+    Not ``ru_maxrss``: Linux carries that across exec, so a spawned rank would inherit
+    the launching process's high-water mark.
+    """
+    return _status_mb("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -76,7 +101,6 @@ def rank_main(rank, world, spec, payloads, warmup, iters, out):
     torch.set_num_threads(1)
     import ferrosync
 
-    baseline = rss_mb()
     kind = spec["kind"]
     if kind == "gloo":
         import datetime
@@ -101,6 +125,9 @@ def rank_main(rank, world, spec, payloads, warmup, iters, out):
             return sync.stats["last"]
     results = []
     for nbytes in payloads:
+        barrier()
+        reset_peak_rss()
+        baseline = rss_mb()  # before this payload's tensor exists
         x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
         times = []
         last = None
@@ -112,7 +139,7 @@ def rank_main(rank, world, spec, payloads, warmup, iters, out):
             if i >= warmup:
                 times.append(dt)
                 last = stats()
-        results.append({"payload": nbytes, "times": times, "peak_rss_mb": rss_mb(),
+        results.append({"payload": nbytes, "times": times, "peak_rss_mb": peak_rss_mb(),
                         "baseline_rss_mb": baseline, "last": last})
         del x
     close()

@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 
 import torch
 import torch.distributed as dist
@@ -47,6 +46,7 @@ from ..api import GradSync
 from ..codecs import accumulator_dtype
 from ..env import Identity
 from ..errors import ConfigError, FerrosyncError, error_class
+from ..storage import Counters
 from ..wire import layout_digest
 from .files import FileSync
 from .torchdist import _translate, check_layouts
@@ -66,22 +66,14 @@ class _Counters:
     """Storage counters of the inter-node sync (leaders) plus local bytes moved."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.inter = None
-        self.local = {"requests": 0, "bytes_written": 0, "bytes_read": 0, "objects_written": 0}
-
-    def add_local(self, requests=0, written=0, read=0) -> None:
-        with self._lock:
-            self.local["requests"] += requests
-            self.local["bytes_written"] += written
-            self.local["bytes_read"] += read
+        self.local = Counters()
+        self.inter: Counters | None = None
 
     def snapshot(self) -> dict:
-        with self._lock:
-            out = dict(self.local)
+        out = self.local.snapshot()
         if self.inter is not None:
             for key, value in self.inter.snapshot().items():
-                out[key] = out.get(key, 0) + value
+                out[key] += value
         return out
 
 
@@ -204,7 +196,7 @@ class HierarchicalSync(GradSync):
             raise _translate(exc, self.rank, 0, self.url, f"{what} inside node {self.node}") \
                 from exc
         finally:
-            self._counters.add_local(requests=1)
+            self._counters.local.add(requests=1)
 
     def _local_reduce(self, buf: torch.Tensor) -> None:
         if self.local_world_size == 1:
@@ -213,7 +205,7 @@ class HierarchicalSync(GradSync):
         opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
         self._local("local reduce", lambda: self._pg(buf.device).reduce([buf], opts))
         nbytes = buf.numel() * buf.element_size()
-        self._counters.add_local(written=nbytes if self.local_rank else 0,
+        self._counters.local.add(written=nbytes if self.local_rank else 0,
                                  read=nbytes if not self.local_rank else 0)
 
     def _local_broadcast(self, buf: torch.Tensor, root: int = 0) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import threading
 import time
 import warnings
 from urllib.parse import urlsplit
@@ -58,6 +57,7 @@ from ..codecs import (
     codec_for,
 )
 from ..errors import ConfigError, LayoutMismatch, PeerFailed, SyncTimeout
+from ..storage import Counters
 from ..wire import layout_digest
 from .files import OPTIONS as STORAGE_OPTIONS
 from .files import describe_mismatch
@@ -69,24 +69,6 @@ OPTIONS = {
 }
 _STORAGE_ONLY = sorted(set(STORAGE_OPTIONS) - set(OPTIONS))
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT")
-
-
-class _Counters:
-    """Bytes this rank contributed / received, and collective calls ("requests")."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values = {"requests": 0, "bytes_written": 0, "bytes_read": 0, "objects_written": 0}
-
-    def add(self, requests=0, written=0, read=0) -> None:
-        with self._lock:
-            self.values["requests"] += requests
-            self.values["bytes_written"] += written
-            self.values["bytes_read"] += read
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return dict(self.values)
 
 
 class TorchDistSync(GradSync):
@@ -118,7 +100,8 @@ class TorchDistSync(GradSync):
         return out
 
     def __init__(self, url: str, identity, timeout: float, options: dict) -> None:
-        self._counters = _Counters()
+        # bytes this rank contributed / received; requests = collective calls
+        self._counters = Counters()
         super().__init__(url, identity, timeout, self._counters, options["bucket_bytes"])
         self._opts = options
         self._ef = ErrorFeedback()

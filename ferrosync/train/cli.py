@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, metavar="KEY=VALUE",
                    help="option for ferrosync.connect, e.g. wire_dtype=bfloat16 or "
                    "heartbeat_timeout=30 (VALUE is JSON, else a string); repeatable")
+    g.add_argument("--local", choices=["gloo", "nccl", "auto"],
+                   help="two-level sync: ranks of a node reduce over gloo/NCCL and only one "
+                   "leader per node uses the --sync storage (node identity from "
+                   "LOCAL_RANK/LOCAL_WORLD_SIZE or SLURM_LOCALID/SLURM_NTASKS_PER_NODE)")
+    g.add_argument("--nnodes-sim", type=_int_at_least(1), metavar="K",
+                   help="with --nproc: simulate K nodes of nproc/K ranks each on this "
+                   "machine (sets LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK per rank; "
+                   "for testing --local)")
     g.add_argument("--timeout", type=_positive_float, metavar="S",
                    help="seconds any single wait for peers may last (default 300)")
     g.add_argument("script", nargs="?", metavar="SCRIPT",
@@ -177,6 +185,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError("--resume needs --checkpoint-dir",
                           hint="give the checkpoint directory of the run to continue")
     args.sync_options = dict(args.sync_options or [])
+    if args.local is not None:
+        args.sync_options["local"] = args.local
+    if args.nnodes_sim is not None:
+        if args.nproc is None:
+            raise ConfigError("--nnodes-sim needs --nproc", hint="e.g. --nproc 4 --nnodes-sim 2")
+        if args.nproc % args.nnodes_sim:
+            raise ConfigError(f"--nproc {args.nproc} is not a multiple of --nnodes-sim "
+                              f"{args.nnodes_sim}", hint="every simulated node needs the same "
+                              "number of ranks")
     return args
 
 

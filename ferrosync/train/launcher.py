@@ -63,22 +63,26 @@ def launch(args, argv: list[str]) -> int:
         if created is None:  # after the read-only checks: this one writes a probe
             check_sync_url(url, args.sync_options)
         commands, envs = [], []
+        per_node = args.nproc // (args.nnodes_sim or 1)
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
-            envs.append(_rank_env(rank, args.nproc, url))
+            envs.append(_rank_env(rank, args.nproc, url, per_node))
         return Supervisor(commands, envs, url=url).run()
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
 
 
-def _rank_env(rank: int, world_size: int, url: str) -> dict:
+def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None) -> dict:
+    """A rank's environment; ``per_node`` < world_size simulates several nodes."""
+    per_node = per_node or world_size
     env = dict(os.environ)
     env.update({
         ENV_RANK: str(rank),
         ENV_WORLD_SIZE: str(world_size),
-        ENV_LOCAL_RANK: str(rank),
-        ENV_LOCAL_WORLD_SIZE: str(world_size),
+        ENV_LOCAL_RANK: str(rank % per_node),
+        ENV_LOCAL_WORLD_SIZE: str(per_node),
+        "GROUP_RANK": str(rank // per_node),  # torchrun's name for the node index
         ENV_URL: url,
         ENV_CHILD: "1",
         "PYTHONUNBUFFERED": "1",  # output reaches the launcher as it is written

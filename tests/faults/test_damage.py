@@ -15,9 +15,9 @@ from ranks import RankFailure, run_ranks
 HB = {"heartbeat_interval": 0.1, "heartbeat_timeout": 2.0}
 
 
-def w_average(rank, world, url, reduce, secret):
+def w_average(rank, world, url, reduce, secret, timeout=20):
     opts = {"secret": secret} if secret else {}
-    with ferrosync.connect(url, rank=rank, world_size=world, timeout=20, reduce=reduce,
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=timeout, reduce=reduce,
                            sharded_min_bytes=1, **HB, **opts) as sync:
         x = torch.arange(5000, dtype=torch.float32) + rank
         sync.average_(x)
@@ -51,7 +51,7 @@ def test_damaged_object_raises_shard_corrupt_everywhere(tmp_path, action, offset
 def test_deleted_object_is_a_timeout_not_a_wrong_answer(tmp_path):
     fault = {"rank": 1, "collective": 1, "phase": "publish", "object": "contrib",
              "action": "delete"}
-    results = run_ranks(w_average, 2, str(tmp_path / "run"), "root", None,
+    results = run_ranks(w_average, 2, str(tmp_path / "run"), "root", None, 5,
                         env={"FERROSYNC_FAULTS": json.dumps([fault])}, expect_errors=True,
                         timeout=120)
     # either rank 0 read it before it vanished (a correct result), or everyone fails

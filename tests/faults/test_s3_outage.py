@@ -57,7 +57,11 @@ def test_s3_outage_then_recovery(tmp_path):
     port = free_port()
     server = start_server(port)
     url = "s3://outage/run"
-    options = {"storage_options": s3_storage_options(f"http://127.0.0.1:{port}"),
+    storage_options = s3_storage_options(f"http://127.0.0.1:{port}")
+    # still retried (botocore, 3 attempts), just not for as long as the defaults
+    storage_options["config_kwargs"] = {"retries": {"mode": "standard", "max_attempts": 3},
+                                        "connect_timeout": 2}
+    options = {"storage_options": storage_options,
                "heartbeat_interval": 0.5, "heartbeat_timeout": 10.0}
     progress = str(tmp_path / "progress")
     procs, q = start_ranks(w_until_failure, 2, url, options, progress)
