@@ -130,3 +130,38 @@ def test_layout_mismatch_inside_a_node(tmp_path):
                      str(results[3].error))
     for res in results[:2]:
         assert isinstance(res.error, (LayoutMismatch, PeerFailed)), res.error
+
+
+def test_trainer_simulates_nodes_with_local_gloo(tmp_path):
+    # the launcher simulates 2 nodes x 2 ranks; only the 2 leaders touch the storage
+    import json
+    import subprocess
+    import sys
+
+    sync_dir = tmp_path / "sync"
+    out = subprocess.run(
+        [sys.executable, "-m", "ferrosync.train", "--nproc", "4", "--nnodes-sim", "2",
+         "--local", "gloo", "--sync", str(sync_dir), "--steps", "30", "--no-progress"],
+        capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = json.loads(out.stdout.strip().splitlines()[-1].split(" ", 1)[1])
+    assert final["ranks_agree"] is True and final["steps"] == 30
+    # a storage generation for 2 node leaders, not 4 ranks
+    gens = [p for p in sync_dir.iterdir() if p.name.startswith("g")]
+    assert {p.name.split(".")[0] for p in gens} == {"g0"}
+    heartbeats = {p.name for p in gens[0].iterdir() if p.name.startswith("hb.")}
+    assert heartbeats == {"hb.r0", "hb.r1"}, heartbeats
+
+
+def test_bad_node_shapes_are_config_errors(tmp_path):
+    from ferrosync.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a multiple"):
+        ferrosync.connect(str(tmp_path), rank=0, world_size=3, local="gloo",
+                          local_rank=0, local_world_size=2)
+    with pytest.raises(ConfigError, match="local must be one of"):
+        ferrosync.connect(str(tmp_path), rank=0, world_size=2, local="shm")
+    with pytest.raises(ConfigError, match="--nnodes-sim"):
+        from ferrosync.train.cli import parse_args
+
+        parse_args(["--nproc", "3", "--nnodes-sim", "2"])

@@ -149,8 +149,8 @@ def check_sync_url(url: str, options: dict) -> None:
 
     if split_url(url)[0] in TORCH_SCHEMES:
         return
-    checked = backend_for(url).check_options(options)
-    probe_location(open_storage(url, checked["storage_options"]), "sync URL")
+    backend_for(url, options).check_options(options)  # raises ConfigError on bad options
+    probe_location(open_storage(url, options.get("storage_options")), "sync URL")
 
 
 def preflight(args, world_size: int) -> None:
