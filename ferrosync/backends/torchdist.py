@@ -231,7 +231,7 @@ class TorchDistSync(GradSync):
         total = float(buf[n].item())
         if total > 0:
             with self._stats.phase("read_s"):
-                flat.copy_(buf[:n].div_(total))
+                torch.div(buf[:n], total, out=flat)  # one pass: divide and narrow to dtype
         return total
 
     def _average_encoded(self, flat, weight, codec, digest, group):
