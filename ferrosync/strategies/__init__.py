@@ -23,10 +23,10 @@ from ..errors import ConfigError
 from .base import TELEMETRY_KEYS, GradAveraging, Strategy
 from .diloco import DiLoCo
 from .local_sgd import LocalSGD
-from .periodic import DEFAULT_SYNC_EVERY, PeriodicStrategy
+from .periodic import PeriodicStrategy
 
 __all__ = ["Strategy", "GradAveraging", "PeriodicStrategy", "LocalSGD", "DiLoCo",
-           "STRATEGIES", "TELEMETRY_KEYS", "DEFAULT_SYNC_EVERY", "make_strategy"]
+           "STRATEGIES", "TELEMETRY_KEYS", "make_strategy"]
 
 #: ``--strategy`` name -> class
 STRATEGIES: dict[str, type[Strategy]] = {

@@ -50,6 +50,9 @@ class DiLoCo(PeriodicStrategy):
     """
 
     name = "diloco"
+    #: on the demo, H = 50 lands within seed noise of per-step averaging at 2 and 4
+    #: ranks while writing 48x fewer bytes (docs/train.md, tools/bench_strategies.py)
+    default_sync_every = 50
 
     def __init__(self, *, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM,
                  outer_optimizer: Callable | None = None, outer_device=None,

@@ -52,10 +52,7 @@ import torch
 from ..errors import ConfigError
 from .base import Strategy, float_buffers, norm
 
-__all__ = ["PeriodicStrategy", "apportion", "DEFAULT_SYNC_EVERY"]
-
-#: H when neither ``sync_every`` nor ``sync_every_seconds`` is given
-DEFAULT_SYNC_EVERY = 20
+__all__ = ["PeriodicStrategy", "apportion"]
 
 
 class PeriodicStrategy(Strategy):
@@ -66,7 +63,7 @@ class PeriodicStrategy(Strategy):
         sync_every_seconds: instead, synchronise when S seconds have passed since the
             previous sync (time-based cadence; ranks may then take different numbers
             of steps). Give at most one of the two; neither means
-            ``sync_every=DEFAULT_SYNC_EVERY``.
+            ``sync_every=default_sync_every`` (the subclass's).
         gamma: a rank's weight in a merge is ``batches ** gamma`` (batches it trained
             since the last sync); 1.0 weighs by work done, 0 weighs every rank that
             worked equally. A rank with no batches always weighs 0.
@@ -76,6 +73,8 @@ class PeriodicStrategy(Strategy):
     """
 
     replicated = False
+    #: H when neither ``sync_every`` nor ``sync_every_seconds`` is given
+    default_sync_every = 20
 
     def __init__(self, *, sync_every: int | None = None,
                  sync_every_seconds: float | None = None, gamma: float = 1.0) -> None:
@@ -95,7 +94,7 @@ class PeriodicStrategy(Strategy):
                 0 <= gamma < math.inf):
             raise ConfigError(f"gamma must be a finite number >= 0, got {gamma!r}")
         if sync_every is None and sync_every_seconds is None:
-            sync_every = DEFAULT_SYNC_EVERY
+            sync_every = self.default_sync_every
         self.sync_every = sync_every
         self.sync_every_seconds = (float(sync_every_seconds)
                                    if sync_every_seconds is not None else None)

@@ -14,7 +14,7 @@ import os
 import sys
 
 from ..errors import ConfigError
-from ..strategies import DEFAULT_SYNC_EVERY, STRATEGIES
+from ..strategies import STRATEGIES, DiLoCo, LocalSGD
 from ..strategies.diloco import OUTER_LR, OUTER_MOMENTUM
 
 PROG = "python -m ferrosync.train"
@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "averaged change")
     s.add_argument("--sync-every", type=_int_at_least(1), metavar="H",
                    help="local-sgd/diloco: synchronise every H optimizer steps (default "
-                   f"{DEFAULT_SYNC_EVERY})")
+                   f"{LocalSGD.default_sync_every} for local-sgd, "
+                   f"{DiLoCo.default_sync_every} for diloco)")
     s.add_argument("--sync-every-seconds", type=_positive_float, metavar="S",
                    help="local-sgd/diloco: synchronise every S seconds instead, so faster "
                    "ranks train more batches; the run is then a budget of samples "
