@@ -173,6 +173,9 @@ def test_plot_metrics(tmp_path, monkeypatch):
     metrics.write_text("".join(
         f'{{"step": {i}, "epoch": 0, "loss": {1 / i}, "lr": 0.1, "compute_s": 0.001, '
         f'"sync_s": 0.002, "bytes": 100, "requests": 4}}\n' for i in range(1, 31))
+        # an idle sync (time-based strategy: rank 0 had nothing to train) has no loss
+        + '{"step": 30, "epoch": 0, "loss": null, "lr": 0.1, "compute_s": 0.0, '
+        '"sync_s": 0.002, "bytes": 100, "requests": 4}\n'
         + '{"step": 31, "ep')  # a torn last line, as a killed run leaves
     assert plot_metrics.main([str(metrics)]) == 0
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
