@@ -171,10 +171,16 @@ class GradAveraging(Strategy):
     applies the same bit-identical averaged gradient with the same optimizer,
     they stay identical without ever exchanging parameters again. Floating-point
     buffers (BatchNorm running statistics), which each rank updates from its own
-    batches, are averaged once in ``finish``.
+    batches, are averaged once in ``finish`` (and, since they differ until then,
+    such a model is checkpointed per rank).
     """
 
     name = "grad"
+
+    def attach(self, model, optimizer, sync) -> None:
+        super().attach(model, optimizer, sync)
+        # running statistics drift apart between steps: checkpoint every rank's own
+        self.replicated = not float_buffers(model)
 
     def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         with self._measured({"synced": True}) as telemetry:

@@ -80,11 +80,14 @@ class Trainer:
         sync: the ``GradSync`` (may instead be passed to ``fit``).
         batch_size: per rank; the global batch is ``batch_size * world_size``.
         epochs, steps: how long to train; with both, whichever ends first. ``steps``
-            counts optimizer steps.
+            counts optimizer steps. With a time-based strategy (``sync_every_seconds``)
+            ranks take different numbers of steps and the length is a budget of
+            ``steps * world_size`` batches over all ranks (the same samples).
         eval_fn: ``(model) -> {"loss": float, "accuracy": float | None}``; called on
             every rank after training (parameters are identical there by then);
             rank 0's result is reported.
-        strategy: a ``Strategy``; default ``GradAveraging()``.
+        strategy: a ``Strategy``; default ``GradAveraging()`` (see
+            ``ferrosync.strategies``: ``LocalSGD``, ``DiLoCo``).
         seed: model initialisation, data order and per-rank RNG seeds derive from it.
         metrics_path: rank 0 writes one JSON line per step there (a local path).
         checkpoint_dir: directory or fsspec URL, visible to every rank.
