@@ -316,7 +316,7 @@ def test_strategy_registry_and_settings():
     local = make_strategy("local-sgd", sync_every_seconds=2.5, gamma=0.0)
     assert isinstance(local, LocalSGD) and not local.lockstep and local.gamma == 0.0
     diloco = make_strategy("diloco", outer_lr=0.5, outer_device="cpu")
-    assert diloco.sync_every == 50 and diloco.outer_lr == 0.5 and diloco.lockstep
+    assert diloco.sync_every == 30 and diloco.outer_lr == 0.5 and diloco.lockstep
     assert make_strategy("local-sgd").sync_every == 20
     assert all(isinstance(s, Strategy) for s in (local, diloco))
     bad = [

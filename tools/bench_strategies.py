@@ -1,7 +1,7 @@
 """Compare grad, local-sgd and diloco: final accuracy, wall time, bytes written per rank.
 
     python tools/bench_strategies.py                              # the demo at 2 and 4 ranks
-    python tools/bench_strategies.py --ranks 2 --sync-every 20 50 --json out.json
+    python tools/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 --seeds 0 1 2
     python tools/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
         --train-arg=--epochs=5 --train-arg=--lr=0.1
 
@@ -11,7 +11,8 @@ fresh temporary sync directory, so the numbers include everything a user pays
 the per-step baseline (grad) runs first; every other row is compared with it: bytes
 written to storage per rank (and how many times fewer than grad) and the accuracy
 difference in percentage points, for the same number of samples (every strategy
-takes the same optimizer steps per rank). Prints a table and the command that
+takes the same optimizer steps per rank). With several ``--seeds`` each row is the
+mean over the seeds (the JSON keeps every run). Prints a table and the command that
 produced it, and saves both as JSON (``--json``).
 """
 
@@ -39,8 +40,11 @@ def parse_args(argv):
     p.add_argument("--strategies", nargs="+", default=["grad", "local-sgd", "diloco"],
                    choices=["grad", "local-sgd", "diloco"],
                    help="strategies to compare (grad always runs: it is the baseline)")
-    p.add_argument("--sync-every", type=int, nargs="+", default=[20, 50], metavar="H",
-                   help="H values for local-sgd and diloco (default: 20 50)")
+    p.add_argument("--sync-every", type=int, nargs="+", default=[20, 30, 50], metavar="H",
+                   help="H values for local-sgd and diloco (default: 20 30 50)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], metavar="S",
+                   help="--seed values to run each configuration with; rows are means "
+                   "(default: 0)")
     p.add_argument("--model", metavar="MODULE:FACTORY",
                    help="passed to the trainer (default: the demo MLP)")
     p.add_argument("--data", metavar="MODULE:FACTORY",
@@ -55,9 +59,9 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def train_command(ranks: int, strategy: str, h: int | None, args) -> list[str]:
+def train_command(ranks: int, strategy: str, h: int | None, seed: int, args) -> list[str]:
     cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", str(ranks), "--strategy",
-           strategy, "--no-progress"]
+           strategy, "--seed", str(seed), "--no-progress"]
     if h is not None:
         cmd += ["--sync-every", str(h)]
     if args.model:
@@ -86,20 +90,28 @@ def run_one(cmd: list[str], timeout: float) -> dict:
     return final
 
 
-def row(ranks: int, strategy: str, h: int | None, final: dict, grad: dict | None) -> dict:
-    per_rank = final["bytes_written"] / ranks
+def row(ranks: int, strategy: str, h: int | None, finals: list[dict],
+        grad: dict | None) -> dict:
+    """One configuration's results, averaged over its seeds, compared with ``grad``."""
+    def mean(key):
+        values = [f[key] for f in finals]
+        return None if None in values else sum(values) / len(values)
+
+    per_rank = mean("bytes_written") / ranks
     out = {
         "ranks": ranks, "strategy": strategy, "sync_every": h,
-        "accuracy": final["accuracy"], "samples": final.get("samples"),
-        "steps": final["steps"], "syncs": final.get("syncs"),
-        "train_wall_s": final["wall_s"], "command_wall_s": final["command_s"],
-        "bytes_written_per_rank": per_rank, "bytes_read_per_rank": final["bytes_read"] / ranks,
-        "requests": final["requests"], "ranks_agree": final["ranks_agree"],
+        "seeds": [f["seed"] for f in finals], "accuracy": mean("accuracy"),
+        "accuracy_per_seed": [f["accuracy"] for f in finals],
+        "samples": finals[0].get("samples"), "steps": finals[0]["steps"],
+        "syncs": finals[0].get("syncs"), "train_wall_s": mean("wall_s"),
+        "command_wall_s": mean("command_s"), "bytes_written_per_rank": per_rank,
+        "bytes_read_per_rank": mean("bytes_read") / ranks, "requests": mean("requests"),
+        "ranks_agree": all(f["ranks_agree"] for f in finals),
     }
     if grad is not None:
         out["bytes_vs_grad"] = grad["bytes_written_per_rank"] / per_rank if per_rank else None
-        if final["accuracy"] is not None and grad["accuracy"] is not None:
-            out["accuracy_vs_grad_pp"] = 100 * (final["accuracy"] - grad["accuracy"])
+        if out["accuracy"] is not None and grad["accuracy"] is not None:
+            out["accuracy_vs_grad_pp"] = 100 * (out["accuracy"] - grad["accuracy"])
     return out
 
 
@@ -131,6 +143,10 @@ def verdicts(rows: list[dict]) -> list[str]:
         ratio, delta = r.get("bytes_vs_grad"), r.get("accuracy_vs_grad_pp")
         ok = ratio is not None and ratio >= TARGET_RATIO and delta is not None \
             and delta >= -TARGET_PP
+        if ratio is None or delta is None:
+            out.append(f"diloco H={r['sync_every']} at {r['ranks']} ranks: no accuracy "
+                       "to compare (give --data an eval set)")
+            continue
         out.append(f"diloco H={r['sync_every']} at {r['ranks']} ranks: "
                    f"{ratio:.1f}x fewer bytes, {delta:+.2f} pp -> "
                    f"{'meets' if ok else 'MISSES'} the target (>= {TARGET_RATIO:g}x, "
@@ -148,9 +164,12 @@ def main(argv: list[str] | None = None) -> int:
                                    for h in args.sync_every]
         grad = None
         for strategy, h in plan:
-            cmd = train_command(ranks, strategy, h, args)
-            print(f"running: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
-            r = row(ranks, strategy, h, run_one(cmd, args.timeout), grad)
+            finals = []
+            for seed in args.seeds:
+                cmd = train_command(ranks, strategy, h, seed, args)
+                print(f"running: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
+                finals.append(run_one(cmd, args.timeout) | {"seed": seed})
+            r = row(ranks, strategy, h, finals, grad)
             grad = r if strategy == "grad" else grad
             rows.append(r)
     table = format_table(rows)
@@ -165,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.json, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     print(f"saved: {args.json}")
-    return 0
+    disagree = [r for r in rows if not r["ranks_agree"]]
+    for r in disagree:
+        print(f"{r['strategy']} H={r['sync_every']} at {r['ranks']} ranks: ranks ended with "
+              "DIFFERENT parameters", file=sys.stderr)
+    return 1 if disagree else 0
 
 
 if __name__ == "__main__":

@@ -50,9 +50,10 @@ class DiLoCo(PeriodicStrategy):
     """
 
     name = "diloco"
-    #: on the demo, H = 50 lands within seed noise of per-step averaging at 2 and 4
-    #: ranks while writing 48x fewer bytes (docs/train.md, tools/bench_strategies.py)
-    default_sync_every = 50
+    #: on the demo, H = 30 ends within a point of per-step averaging at 2, 3 and 4
+    #: ranks over seeds 0-2 while writing 29x fewer bytes; H = 50 was 1 point worse on
+    #: average at 3 ranks (docs/train.md, tools/bench_strategies.py)
+    default_sync_every = 30
 
     def __init__(self, *, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM,
                  outer_optimizer: Callable | None = None, outer_device=None,
