@@ -111,8 +111,8 @@ class PeriodicStrategy(Strategy):
         self._budget: int | None = None         # time-based with begin(): global batches
         self._quota: int | None = None          # time-based: batches left in this window
         self._deadline = 0.0
-        self._model_tensors: list[torch.Tensor] = []
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []       # floating-point: merged
+        self._int_buffers: list[torch.Tensor] = []   # integer: never merged
 
     @property
     def cadence(self) -> str:
