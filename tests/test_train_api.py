@@ -99,12 +99,9 @@ def test_diverged_ranks_are_reported(tmp_path):
 def test_strategy_registry():
     assert isinstance(make_strategy("grad"), GradAveraging)
     assert isinstance(make_strategy("grad", sync_every=1), GradAveraging)
-    for name in ("local-sgd", "diloco"):
-        with pytest.raises(ConfigError, match="not available yet"):
-            make_strategy(name)
     with pytest.raises(ConfigError, match="unknown strategy"):
         make_strategy("allreduce")
-    with pytest.raises(ConfigError, match="do not apply to --strategy grad"):
+    with pytest.raises(ConfigError, match="does not apply to --strategy grad"):
         make_strategy("grad", sync_every=4)
 
 
@@ -176,6 +173,9 @@ def test_plot_metrics(tmp_path, monkeypatch):
     metrics.write_text("".join(
         f'{{"step": {i}, "epoch": 0, "loss": {1 / i}, "lr": 0.1, "compute_s": 0.001, '
         f'"sync_s": 0.002, "bytes": 100, "requests": 4}}\n' for i in range(1, 31))
+        # an idle sync (time-based strategy: rank 0 had nothing to train) has no loss
+        + '{"step": 30, "epoch": 0, "loss": null, "lr": 0.1, "compute_s": 0.0, '
+        '"sync_s": 0.002, "bytes": 100, "requests": 4}\n'
         + '{"step": 31, "ep')  # a torn last line, as a killed run leaves
     assert plot_metrics.main([str(metrics)]) == 0
     assert (tmp_path / "m.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -38,8 +38,17 @@ def _case(name, tmp_path, demo_checkpoint):
         "different world size": (
             ["--nproc", 2, "--resume", "--checkpoint-dir", demo_checkpoint],
             "written by 1 ranks, this run has 2"),
-        "strategy not available": (["--nproc", 2, "--strategy", "local-sgd"],
-                                   "not available yet"),
+        "sync-every with grad": (["--nproc", 2, "--sync-every", 5],
+                                 "--sync-every does not apply to --strategy grad"),
+        "two cadences": (["--nproc", 2, "--strategy", "diloco", "--sync-every", 5,
+                          "--sync-every-seconds", 2], "not both"),
+        "outer flag without diloco": (["--nproc", 2, "--strategy", "local-sgd",
+                                       "--outer-lr", 0.5], "--outer-lr does not apply"),
+        "window beyond timeout": (["--nproc", 2, "--strategy", "local-sgd",
+                                   "--sync-every-seconds", 200], "needs --timeout above 400"),
+        "different strategy": (
+            ["--nproc", 1, "--resume", "--checkpoint-dir", demo_checkpoint, "--strategy",
+             "diloco"], "written with --strategy grad"),
         "trainer flag with script": (["--nproc", 2, "--steps", 3, __file__],
                                      "configure(s) the built-in trainer"),
     }[name]
@@ -47,7 +56,8 @@ def _case(name, tmp_path, demo_checkpoint):
 
 CASES = ["unknown flag", "missing script", "zero ranks", "unreachable sync",
          "resume without checkpoint", "different model", "different world size",
-         "strategy not available", "trainer flag with script"]
+         "sync-every with grad", "two cadences", "outer flag without diloco",
+         "window beyond timeout", "different strategy", "trainer flag with script"]
 
 
 @pytest.mark.parametrize("name", CASES)

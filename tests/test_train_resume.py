@@ -22,21 +22,27 @@ from train_cli import final_of, read_metrics, run_cli, start_cli
 # 32768 demo samples / (2 ranks * 512) = 32 steps per epoch; checkpoints at 15, 30, 45
 FLAGS = ("--nproc", 2, "--model", "train_models:dropout_mlp", "--batch-size", 512,
          "--steps", 50, "--checkpoint-every", 15, "--no-progress")
+#: grad keeps ranks identical; diloco (merging every 20 steps) resumes at step 30 in the
+#: middle of a window, so each rank's own weights and inner momentum, DiLoCo's global
+#: copy and its outer momentum must all survive
+STRATEGIES = {"grad": (), "diloco": ("--strategy", "diloco", "--sync-every", 20)}
 
 
 def _load(path):
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def test_interrupted_run_resumes_bit_identically(tmp_path):
-    full = run_cli(*FLAGS, "--checkpoint-dir", tmp_path / "ck_full", cwd=tmp_path)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_interrupted_run_resumes_bit_identically(tmp_path, strategy):
+    flags = (*FLAGS, *STRATEGIES[strategy])
+    full = run_cli(*flags, "--checkpoint-dir", tmp_path / "ck_full", cwd=tmp_path)
     assert full.returncode == 0, full.stderr
     reference = final_of(full.stdout)
 
     ck = tmp_path / "ck"
     metrics = tmp_path / "metrics.jsonl"
     marker = tmp_path / "paused.r1"
-    proc = start_cli(*FLAGS, "--checkpoint-dir", ck, "--metrics", metrics, cwd=tmp_path,
+    proc = start_cli(*flags, "--checkpoint-dir", ck, "--metrics", metrics, cwd=tmp_path,
                      FERROSYNC_TEST_PAUSE_AT=40, FERROSYNC_TEST_PAUSE_RANK=1,
                      FERROSYNC_TEST_PAUSE_DIR=tmp_path)
     try:
@@ -61,7 +67,7 @@ def test_interrupted_run_resumes_bit_identically(tmp_path):
     assert not (ck / "step-00000045.pt").exists()
     assert max(m["step"] for m in read_metrics(metrics)) >= 39
 
-    resumed = run_cli(*FLAGS, "--checkpoint-dir", ck, "--metrics", metrics, "--resume",
+    resumed = run_cli(*flags, "--checkpoint-dir", ck, "--metrics", metrics, "--resume",
                       cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     final = final_of(resumed.stdout)
@@ -79,7 +85,20 @@ def test_interrupted_run_resumes_bit_identically(tmp_path):
     assert a["sampler"] == b["sampler"] and a["epoch"] == b["epoch"] == 1
     for ra, rb in zip(a["rng"]["torch"], b["rng"]["torch"]):
         assert torch.equal(ra, rb)
+    if strategy == "diloco":
+        assert final["syncs"] == reference["syncs"] == 3  # steps 20, 40 and the last, 50
+        for ga, gb in zip(a["strategy"]["global"], b["strategy"]["global"]):
+            assert torch.equal(ga, gb)
+        for pid, state in a["strategy"]["outer"]["state"].items():
+            assert torch.equal(state["momentum_buffer"],
+                               b["strategy"]["outer"]["state"][pid]["momentum_buffer"])
+        for rank in range(2):  # each rank's own file: its inner optimizer's momentum
+            ra, rb = (_load(d / f"step-00000050.r{rank}.pt") for d in (tmp_path / "ck_full", ck))
+            for pid, state in ra["optimizer"]["state"].items():
+                assert torch.equal(state["momentum_buffer"],
+                                   rb["optimizer"]["state"][pid]["momentum_buffer"])
     # two checkpoints kept; the metrics file reads as one run
-    assert sorted(p.name for p in ck.glob("step-*.pt")) == ["step-00000045.pt",
-                                                              "step-00000050.pt"]
+    rank_files = [f"step-000000{s}.r{r}.pt" for s in (45, 50) for r in range(2)]
+    assert sorted(p.name for p in ck.glob("step-*.pt")) == sorted(
+        ["step-00000045.pt", "step-00000050.pt"] + (rank_files if strategy != "grad" else []))
     assert [m["step"] for m in read_metrics(metrics)] == list(range(1, 51))

@@ -66,13 +66,16 @@ def main(argv: list[str] | None = None) -> int:
 
     records = read_metrics(args.metrics)
     steps = [r["step"] for r in records]
-    loss = [r["loss"] for r in records]
+    # a rank 0 that joined a time-based sync with nothing to train writes loss null
+    trained = [r for r in records if r["loss"] is not None]
+    loss_steps, loss = [r["step"] for r in trained], [r["loss"] for r in trained]
     sync_ms = [1000 * r["sync_s"] for r in records]
     compute_ms = [1000 * r["compute_s"] for r in records]
 
     fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
-    top.plot(steps, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (rank 0)")
-    top.plot(steps, moving_average(loss, args.smooth), color="tab:blue",
+    top.plot(loss_steps, loss, color="tab:blue", alpha=0.3, linewidth=0.8,
+             label="loss (rank 0)")
+    top.plot(loss_steps, moving_average(loss, args.smooth), color="tab:blue",
              label=f"mean of {args.smooth}")
     top.set_ylabel("loss")
     top.legend()

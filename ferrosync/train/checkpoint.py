@@ -5,6 +5,9 @@ Layout under ``--checkpoint-dir``::
     step-00000040.pt   torch.save of plain data: model and optimizer state dicts, the
                        strategy's state, step, epoch, sampler position and every
                        rank's RNG state
+    step-00000040.r1.pt  strategies whose ranks drift apart between syncs (local-sgd,
+                       diloco): each rank's own model, optimizer state and position,
+                       written by that rank (one file per rank, nothing gathered)
     latest.json        {"step": 40, "file": "step-00000040.pt", "model": [...], ...},
                        rewritten after each checkpoint
 
@@ -36,6 +39,7 @@ from ..storage import Storage, open_storage
 LATEST = "latest.json"
 FORMAT = 1
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
+_ANY_STEP_FILE = re.compile(r"^step-(\d{8,})(?:\.r\d+)?\.pt$")
 
 
 def capture_rng(device: torch.device) -> dict[str, torch.Tensor]:
@@ -157,6 +161,9 @@ class CheckpointStore:
             raise ConfigError(f"{LATEST} at {self.url} names an unexpected file {key!r}",
                               hint="point --checkpoint-dir at a directory written by "
                               "ferrosync.train")
+        return self._load_key(key)
+
+    def _load_key(self, key: str) -> dict:
         raw = self.storage.read(key)
         if raw is None:
             raise ConfigError(f"checkpoint {self.storage.path_of(key)} is missing",
@@ -170,6 +177,21 @@ class CheckpointStore:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
                 hint="it is damaged or not a ferrosync checkpoint; start without --resume",
             ) from None
+
+    @staticmethod
+    def rank_key(step: int, rank: int) -> str:
+        return f"step-{step:08d}.r{rank}.pt"
+
+    def save_rank(self, step: int, rank: int, state: dict) -> None:
+        """Every rank (before rank 0's ``save`` of the same step): this rank's own state."""
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self.storage.makedirs("")
+        self.storage.put(self.rank_key(step, rank), [buffer.getbuffer()])
+
+    def load_rank(self, meta: dict, rank: int) -> dict:
+        """This rank's file of the checkpoint ``meta`` describes (see ``save_rank``)."""
+        return self._load_key(self.rank_key(int(meta["step"]), rank))
 
     def save(self, state: dict, meta: dict, *, keep: int = 2) -> str:
         """Rank 0: publish ``state`` as ``step-<step>.pt``, then point ``latest.json`` at
@@ -189,12 +211,15 @@ class CheckpointStore:
         return self.storage.path_of(key)
 
     def _prune(self, keep: int, newest: int) -> None:
-        steps = sorted(
-            int(m.group(1)) for name, _ in self.storage.list("")
-            if "/" not in name and (m := _STEP_FILE.match(name))
-        )
-        old = [s for s in steps if s <= newest][:-keep] if keep > 0 else []
-        self.storage.delete([f"step-{s:08d}.pt" for s in old])
+        files = [(int(m.group(1)), name) for name, _ in self.storage.list("")
+                 if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
+        complete = sorted({step for step, name in files
+                           if step <= newest and _STEP_FILE.match(name)})
+        kept = set(complete[-keep:] if keep > 0 else [])
+        # files of older steps go, rank files of a step whose main file never
+        # appeared (a crash mid-checkpoint) too; never anything newer than this one
+        self.storage.delete([name for step, name in files
+                             if step <= newest and step not in kept])
 
 
 def check_compatible(meta: dict, *, model: torch.nn.Module, world_size: int, strategy: str,

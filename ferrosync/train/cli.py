@@ -14,7 +14,8 @@ import os
 import sys
 
 from ..errors import ConfigError
-from ..strategies import PLANNED, STRATEGIES
+from ..strategies import STRATEGIES, DiLoCo, LocalSGD
+from ..strategies.diloco import OUTER_LR, OUTER_MOMENTUM
 
 PROG = "python -m ferrosync.train"
 DEFAULT_EPOCHS = 10
@@ -24,7 +25,11 @@ DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
 TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
                  "checkpoint_every", "resume", "strategy", "sync_every", "sync_every_seconds",
                  "model", "data", "loss", "optimizer", "device", "keep_checkpoints",
-                 "sync_options", "no_progress", "timeout")
+                 "sync_options", "no_progress", "timeout", "gamma", "outer_lr",
+                 "outer_momentum", "outer_device")
+#: strategy settings: flag dest -> make_strategy keyword (the same names)
+STRATEGY_FLAGS = ("sync_every", "sync_every_seconds", "gamma", "outer_lr", "outer_momentum",
+                  "outer_device")
 
 EPILOG = f"""\
 examples:
@@ -32,6 +37,8 @@ examples:
   {PROG} --nproc 4 --sync /mnt/nfs/run1 --checkpoint-dir /mnt/nfs/run1/ckpt \\
         --checkpoint-every 200 --metrics metrics.jsonl
   {PROG} --nproc 2 --model mypkg.nets:build --data mypkg.data:load
+  {PROG} --nproc 4 --sync s3://bucket/run1 --strategy diloco --sync-every 50
+  {PROG} --nproc 4 --strategy local-sgd --sync-every-seconds 5   uneven ranks
   {PROG} --nproc 2 my_script.py --my-flag 1     run your own script on every rank
   srun -N2 --ntasks-per-node=4 {PROG} --sync s3://bucket/run1   one rank per task
 """
@@ -61,6 +68,16 @@ def _positive_float(text: str) -> float:
         value = -1.0
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return value
 
 
@@ -154,13 +171,30 @@ def build_parser() -> argparse.ArgumentParser:
                    "(the same model and number of ranks)")
 
     s = p.add_argument_group("synchronisation strategy")
-    s.add_argument("--strategy", choices=[*STRATEGIES, *PLANNED],
-                   help="grad: average gradients every step (the default); local-sgd and "
-                   "diloco are not available yet")
+    s.add_argument("--strategy", choices=list(STRATEGIES),
+                   help="grad: average gradients every step (the default); local-sgd: "
+                   "each rank steps alone, parameters are averaged every H steps; "
+                   "diloco: like local-sgd, but an outer Nesterov step is applied to the "
+                   "averaged change")
     s.add_argument("--sync-every", type=_int_at_least(1), metavar="H",
-                   help="periodic strategies: synchronise every H steps")
+                   help="local-sgd/diloco: synchronise every H optimizer steps (default "
+                   f"{LocalSGD.default_sync_every} for local-sgd, "
+                   f"{DiLoCo.default_sync_every} for diloco)")
     s.add_argument("--sync-every-seconds", type=_positive_float, metavar="S",
-                   help="periodic strategies: synchronise about every S seconds")
+                   help="local-sgd/diloco: synchronise every S seconds instead, so faster "
+                   "ranks train more batches; the run is then a budget of samples "
+                   "(--steps x ranks batches) shared by speed")
+    s.add_argument("--gamma", type=_non_negative_float, metavar="G",
+                   help="local-sgd/diloco: weigh each rank by (batches since the last sync) "
+                   "** G (default 1; 0 = every rank that trained counts equally)")
+    s.add_argument("--outer-lr", type=_positive_float, metavar="LR",
+                   help=f"diloco: outer learning rate (default {OUTER_LR})")
+    s.add_argument("--outer-momentum", type=_non_negative_float, metavar="M",
+                   help=f"diloco: outer Nesterov momentum (default {OUTER_MOMENTUM}; 0 = "
+                   "plain SGD)")
+    s.add_argument("--outer-device", choices=["cpu"],
+                   help="diloco: keep the global parameters and outer state on the CPU "
+                   "(default: the training device)")
     return p
 
 

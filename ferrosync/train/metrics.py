@@ -3,12 +3,17 @@ the ``FINAL {json}`` line.
 
 Metrics file (``--metrics PATH``, rank 0, one JSON object per optimizer step)::
 
-    {"step": 12, "epoch": 0, "loss": 0.91, "lr": 0.05, "compute_s": 0.0012,
-     "sync_s": 0.0019, "bytes": 41224, "requests": 6, "synced": true}
+    {"step": 20, "epoch": 0, "loss": 0.91, "lr": 0.05, "compute_s": 0.0012,
+     "sync_s": 0.0019, "bytes": 41224, "requests": 6, "synced": true,
+     "divergence": 0.012, "pre_norm": 10.31, "post_norm": 10.29, "sync_bytes": 41224,
+     "masses": [20, 20], "skipped": false}
 
 ``bytes`` and ``requests`` are what *this rank* wrote plus read (and the storage
 requests it made) during that step, not running totals. ``loss`` is rank 0's
-batch loss.
+batch loss. The strategy's telemetry keys (``ferrosync.strategies.TELEMETRY_KEYS``)
+are on every line, null where the step did not synchronise (or the strategy does
+not measure them). A rank 0 that had nothing to train in a time-based window
+writes a line for the sync it joined idle: the same ``step`` again, ``loss`` null.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ def format_summary(s: dict) -> str:
         ("compute", f"{s['compute_s']:.2f} s ({_pct(s['compute_s'], wall)})"),
         ("sync", f"{s['sync_s']:.2f} s ({_pct(s['sync_s'], wall)}): write {s['write_s']:.2f}, "
                  f"wait {s['wait_s']:.2f}, reduce {s['reduce_s']:.2f}, read {s['read_s']:.2f}"),
+        ("syncs", _syncs(s)),
         ("checkpoints", f"{s['checkpoint_s']:.2f} s ({s['checkpoints']} written)"),
         ("bytes moved", f"written {_mb(s['bytes_written'])}, read {_mb(s['bytes_read'])}, "
                         f"{s['requests']:,} requests (all ranks)"),
@@ -108,6 +114,22 @@ def format_summary(s: dict) -> str:
     width = max(len(k) for k, _ in rows)
     lines = ["ferrosync.train summary"] + [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _syncs(s: dict) -> str:
+    """``128 (every 20 steps, 0 skipped), divergence last 0.0123 mean 0.0201, ...``."""
+    if s.get("sync_every_seconds"):
+        cadence = f"every {s['sync_every_seconds']:g} s"
+    elif s.get("sync_every") in (None, 1):
+        cadence = "every step"
+    else:
+        cadence = f"every {s['sync_every']} steps"
+    text = f"{s.get('syncs', 0):,} ({cadence}, {s.get('skipped_syncs', 0)} skipped)"
+    if s.get("divergence_mean") is not None:
+        text += (f", divergence last {s['divergence']:.4f} mean {s['divergence_mean']:.4f}")
+    if s.get("masses") is not None:
+        text += ", batches per rank " + "/".join(f"{m:,}" for m in s["masses"])
+    return text
 
 
 def _num(x) -> str:

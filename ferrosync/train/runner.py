@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..strategies import make_strategy
 from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
-from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, resolve
+from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, STRATEGY_FLAGS, resolve
 from .trainer import Trainer, resolve_device
 
 LOSSES = {
@@ -33,8 +33,14 @@ EVAL_BATCH = 1024
 # -- building the trainer from flags -----------------------------------------------------
 
 def _strategy(args):
-    return make_strategy(args.strategy or "grad", sync_every=args.sync_every,
-                         sync_every_seconds=args.sync_every_seconds)
+    timeout = args.timeout or 300.0
+    if args.sync_every_seconds and 2 * args.sync_every_seconds > timeout:
+        raise ConfigError(f"--sync-every-seconds {args.sync_every_seconds:g} needs --timeout "
+                          f"above {2 * args.sync_every_seconds:g} (it is {timeout:g}): a rank "
+                          "that reaches a sync early waits up to a whole window there",
+                          hint="raise --timeout or sync more often")
+    return make_strategy(args.strategy or "grad",
+                         **{name: getattr(args, name) for name in STRATEGY_FLAGS})
 
 
 def _model_fn(args):

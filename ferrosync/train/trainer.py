@@ -10,7 +10,11 @@ Every rank runs the same loop over its own shard of the data (``ShardSampler``):
 
 Synchronisation belongs to a ``Strategy`` (default ``GradAveraging``: average the
 gradients every step); the loop itself only does forward, backward, telemetry and
-checkpoints, so new strategies need no change here.
+checkpoints, so new strategies need no change here. The loop asks the strategy
+whether to go on (``keep_going``) and whether this rank should train in the current
+window (``wants_batch``; a time-based strategy may give a rank nothing left to do,
+and it then joins the sync with zero work); with a lockstep strategy that is just
+``step < total_steps``.
 
 Determinism (what makes ``--resume`` bit-exact on CPU): the model is built from
 ``torch.manual_seed(seed)`` on every rank; then each rank seeds its own training
@@ -38,7 +42,7 @@ from ..env import discover
 from ..errors import ConfigError
 from ..partition import ShardSampler
 from ..stats import PHASES
-from ..strategies import GradAveraging, Strategy
+from ..strategies import TELEMETRY_KEYS, GradAveraging, Strategy
 from .checkpoint import (
     CheckpointStore,
     capture_rng,
@@ -76,11 +80,14 @@ class Trainer:
         sync: the ``GradSync`` (may instead be passed to ``fit``).
         batch_size: per rank; the global batch is ``batch_size * world_size``.
         epochs, steps: how long to train; with both, whichever ends first. ``steps``
-            counts optimizer steps.
+            counts optimizer steps. With a time-based strategy (``sync_every_seconds``)
+            ranks take different numbers of steps and the length is a budget of
+            ``steps * world_size`` batches over all ranks (the same samples).
         eval_fn: ``(model) -> {"loss": float, "accuracy": float | None}``; called on
             every rank after training (parameters are identical there by then);
             rank 0's result is reported.
-        strategy: a ``Strategy``; default ``GradAveraging()``.
+        strategy: a ``Strategy``; default ``GradAveraging()`` (see
+            ``ferrosync.strategies``: ``LocalSGD``, ``DiLoCo``).
         seed: model initialisation, data order and per-rank RNG seeds derive from it.
         metrics_path: rank 0 writes one JSON line per step there (a local path).
         checkpoint_dir: directory or fsspec URL, visible to every rank.
@@ -217,43 +224,53 @@ class Trainer:
                          strategy=self.strategy.name, url=store.url)
         state = store.load(meta)
         try:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
+            # ranks that drift apart between syncs each resume from their own file
+            own = store.load_rank(meta, self.rank) if meta.get("rank_files") else state
+            self.model.load_state_dict(own["model"])
+            self.optimizer.load_state_dict(own["optimizer"])
             self.strategy.load_state_dict(state["strategy"])
-            self.sampler.load_state_dict(state["sampler"])
+            self.sampler.load_state_dict(own["sampler"])
             restore_rng({name: per_rank[self.rank] for name, per_rank in state["rng"].items()},
                         self.device)
-            self.step, self.epoch = int(state["step"]), int(state["epoch"])
+            self.step, self.epoch = int(own["step"]), int(own["epoch"])
         except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as exc:
             raise ConfigError(
                 f"checkpoint {store.url}/{meta['file']} does not fit this run "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
                 hint="resume with the settings that wrote it, or start without --resume",
             ) from None
-        self.consumed = int(state["sampler"].get("consumed", 0))
+        self.consumed = int(own["sampler"].get("consumed", 0))
         self.resumed_from = self.step
 
     def _save_checkpoint(self, sync) -> float:
-        """Collective (every rank, at the same step): gather RNG states; rank 0 writes."""
+        """Collective (every rank, at the same point of the strategy's agreed progress):
+        gather RNG states; each rank writes its own state if ranks may differ; rank 0
+        writes the checkpoint and ``latest.json``."""
         start = time.perf_counter()
         # every rank's random state, so each rank resumes its own streams
         rng = {name: sync.all_gather(t) for name, t in capture_rng(self.device).items()}
+        epoch, consumed = self.epoch, self.consumed
+        if consumed >= len(self.sampler):  # the epoch is done: resume at the next
+            epoch, consumed = epoch + 1, 0
+        own = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "sampler": self.sampler.state_dict(consumed) | {"epoch": epoch},
+            "step": self.step,
+            "epoch": epoch,
+        }
+        step = self.strategy.progress(self.step)  # the same on every rank
+        per_rank = not (self.strategy.replicated and self.strategy.lockstep)
+        if per_rank:
+            # parameters, inner optimizer state and data position differ per rank
+            self.checkpoints.save_rank(step, self.rank, own)
+            sync.barrier()  # every rank file exists before latest.json can name the step
         if self.rank == 0:
-            epoch, consumed = self.epoch, self.consumed
-            if consumed >= len(self.sampler):  # the epoch is done: resume at the next
-                epoch, consumed = epoch + 1, 0
-            state = {
-                "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
-                "strategy": self.strategy.state_dict(),
-                "sampler": self.sampler.state_dict(consumed) | {"epoch": epoch},
-                "rng": rng,
-                "step": self.step,
-                "epoch": epoch,
-            }
-            meta = {"step": self.step, "epoch": epoch, "world_size": self.world_size,
+            state = {**own, "strategy": self.strategy.state_dict(), "rng": rng}
+            meta = {"step": step, "epoch": epoch, "world_size": self.world_size,
                     "strategy": self.strategy.name, "batch_size": self.batch_size,
-                    "seed": self.seed, "model": model_signature(self.model)}
+                    "seed": self.seed, "model": model_signature(self.model),
+                    "rank_files": per_rank}
             self.checkpoints.save(state, meta, keep=self.keep_checkpoints)
         return time.perf_counter() - start
 
@@ -275,7 +292,9 @@ class Trainer:
                 f"built for rank {self.rank} of {self.world_size}",
                 hint="build the Trainer with the same rank/world_size (or the same environment)",
             )
-        self.strategy.attach(self.model, self.optimizer, sync)
+        strategy = self.strategy
+        strategy.attach(self.model, self.optimizer, sync)
+        strategy.begin(self.total_steps, self.step)
         metrics = None
         if self.metrics_path and self.rank == 0:
             metrics = MetricsWriter(self.metrics_path, resume_step=self.resumed_from)
@@ -285,34 +304,38 @@ class Trainer:
         start_step, samples = self.step, 0
         begin = time.perf_counter()
         stats_begin = sync.stats["total"]
+        batches = self._batches()
+        every = self.checkpoint_every
         self.model.train()
         try:
-            while self.step < self.total_steps:
-                self.sampler.set_epoch(self.epoch)  # keeps a resumed mid-epoch position
-                for x, y in self.loader:
-                    record = self._train_step(sync, x, y)
-                    samples += record.pop("samples")
+            while strategy.keep_going(self.step, self.total_steps):
+                done_before = strategy.progress(self.step)
+                if strategy.wants_batch():
+                    record = self._train_step(sync, *next(batches))
+                else:  # nothing left for this rank in this window: join the sync idle
+                    record = self._idle_step(sync)
+                samples += record.pop("samples")
+                if record["loss"] is not None:
                     losses.append(record["loss"])
-                    totals["compute_s"] += record["compute_s"]
-                    totals["sync_s"] += record["sync_s"]
-                    if metrics is not None:
-                        metrics.write(record)
-                    if bar is not None:
-                        elapsed = time.perf_counter() - begin
-                        bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                        samples_s=f"{samples * self.world_size / elapsed:,.0f}",
-                                        sync=f"{100 * totals['sync_s'] / elapsed:.0f}%",
-                                        refresh=False)
-                        bar.update(1)
-                    due = self.checkpoint_every and self.step % self.checkpoint_every == 0
-                    if due or (self.checkpoints is not None and self.step == self.total_steps):
-                        totals["checkpoint_s"] += self._save_checkpoint(sync)
-                        totals["checkpoints"] += 1
-                    if self.step >= self.total_steps:
-                        break
-                else:
-                    self.epoch, self.consumed = self.epoch + 1, 0
-            self.strategy.finish(self.model, self.optimizer)
+                totals["compute_s"] += record["compute_s"]
+                totals["sync_s"] += record["sync_s"]
+                if metrics is not None:
+                    metrics.write(record)
+                if bar is not None:
+                    elapsed = time.perf_counter() - begin
+                    bar.set_postfix(loss=f"{record['loss'] or 0:.4f}",
+                                    samples_s=f"{samples * self.world_size / elapsed:,.0f}",
+                                    sync=f"{100 * totals['sync_s'] / elapsed:.0f}%",
+                                    refresh=False)
+                    bar.update(self.step - bar.n)
+                # agreed progress and the agreed end: every rank checkpoints together
+                done_now = strategy.progress(self.step)
+                due = every and done_now // every > done_before // every
+                last = not strategy.keep_going(self.step, self.total_steps)
+                if due or (self.checkpoints is not None and last):
+                    totals["checkpoint_s"] += self._save_checkpoint(sync)
+                    totals["checkpoints"] += 1
+            strategy.finish(self.model, self.optimizer)
         finally:
             if bar is not None:
                 bar.close()
@@ -328,6 +351,13 @@ class Trainer:
             print(final_line(summary), flush=True)
         return summary
 
+    def _batches(self):
+        """This rank's batches, epoch after epoch, for as long as the loop asks."""
+        while True:
+            self.sampler.set_epoch(self.epoch)  # keeps a resumed mid-epoch position
+            yield from self.loader
+            self.epoch, self.consumed = self.epoch + 1, 0
+
     def _train_step(self, sync, x, y) -> dict:
         start = time.perf_counter()
         before = sync.stats["total"]
@@ -341,13 +371,24 @@ class Trainer:
         self.step += 1
         batch = len(y)
         self.consumed += batch
+        return self._record(sync, start, before, telemetry, loss_value, batch)
+
+    def _idle_step(self, sync) -> dict:
+        """Take part in a sync without training (this rank's share is done for now);
+        its metrics line repeats the step number with ``loss`` null."""
+        start = time.perf_counter()
+        before = sync.stats["total"]
+        telemetry = self.strategy.synchronize(self.model, self.optimizer)
+        return self._record(sync, start, before, telemetry, None, 0)
+
+    def _record(self, sync, start, before, telemetry, loss, batch) -> dict:
         after = sync.stats["total"]
         step_s = time.perf_counter() - start
         sync_s = float(telemetry.get("sync_s", 0.0))
         return {
             "step": self.step,
             "epoch": self.epoch,
-            "loss": loss_value,
+            "loss": loss,
             "lr": _float_or_none(self.optimizer.param_groups[0].get("lr")),
             "compute_s": max(step_s - sync_s, 0.0),
             "sync_s": sync_s,
@@ -355,6 +396,7 @@ class Trainer:
                       + after["bytes_read"] - before["bytes_read"]),
             "requests": after["requests"] - before["requests"],
             "synced": bool(telemetry.get("synced", False)),
+            **{key: telemetry.get(key) for key in TELEMETRY_KEYS},
             "samples": batch,
         }
 
@@ -379,8 +421,8 @@ class Trainer:
         stats = sync.stats["total"]
         mine = sum(losses) / len(losses) if losses else math.nan
         numbers = torch.tensor(
-            [stats["bytes_written"], stats["bytes_read"], stats["requests"], mine],
-            dtype=torch.float64)
+            [stats["bytes_written"], stats["bytes_read"], stats["requests"], mine,
+             self.step, samples], dtype=torch.float64)
         digest = param_digest(self.model)
         packed = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8),
                             numbers.view(torch.uint8)])
@@ -405,7 +447,9 @@ class Trainer:
             "bytes_written": int(sum(r[0] for r in per_rank)),
             "bytes_read": int(sum(r[1] for r in per_rank)),
             "requests": int(sum(r[2] for r in per_rank)),
-            "samples_per_s": samples * self.world_size / wall if wall > 0 else 0.0,
+            "rank_steps": [int(r[4]) for r in per_rank],
+            "samples": int(sum(r[5] for r in per_rank)),
+            "samples_per_s": sum(r[5] for r in per_rank) / wall if wall > 0 else 0.0,
             "wall_s": wall,
             "compute_s": totals["compute_s"],
             "sync_s": totals["sync_s"],
@@ -414,6 +458,7 @@ class Trainer:
             "checkpoints": totals["checkpoints"],
             "steps_this_run": steps_run,
             "resumed_from": self.resumed_from,
+            **self.strategy.summary(),
         }
 
 

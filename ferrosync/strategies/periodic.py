@@ -1,0 +1,317 @@
+"""Periodic strategies: ranks train on their own and merge every H steps or S seconds.
+
+``PeriodicStrategy`` owns *when* to synchronise and *how much* each rank counts;
+subclasses (``LocalSGD``, ``DiLoCo``) own *what* a merge does to the model.
+
+One sync, on every rank, in this order:
+
+1. ``all_gather`` of a 2-number record per rank: the batches it trained since the
+   last sync (its *mass*) and whether it is done. Every rank now knows every
+   mass, so the rest is decided identically everywhere without another message.
+2. Weights: ``mass ** gamma`` (flodl's realized-work rule; ``gamma = 0`` weighs
+   every rank that worked equally), and 0 for a rank that did no work whatever
+   ``gamma`` is. If every weight is 0 the merge is skipped on every rank (nothing
+   moved; parameters stay untouched).
+3. The merge: one ``average_(..., weight=w)`` over the parameters (or their
+   pseudo-gradients) and the floating-point buffers, so idle ranks take part but
+   add nothing, then the subclass applies the result.
+4. Bookkeeping from the gathered masses (identical on all ranks): cumulative
+   masses, the global batch count, whether training is over, the next window.
+
+Cadence:
+
+* ``sync_every=H`` (lockstep): every rank syncs after H of its own steps. With
+  ``begin(total_steps)`` the last step also syncs (the remainder window), so the
+  run ends with identical parameters and no extra collective.
+* ``sync_every_seconds=S`` (time-based): a window closes on each rank when S
+  seconds have passed on *its own* monotonic clock since the previous sync
+  returned (collectives return at nearly the same moment everywhere, so the
+  deadlines agree without comparing clocks across hosts, which DESIGN §7
+  forbids); the sync then completes when the slowest rank arrives, so a fast rank
+  trains more batches per window than a slow one. With ``begin(total_steps)`` the
+  run is a global budget of ``total_steps * world_size`` batches (the samples the
+  per-step baseline would see): after each sync every rank computes, from the
+  cumulative masses, each rank's quota of the remaining batches (largest-remainder
+  apportionment, exact integers, so every rank computes the same quotas and they
+  sum to exactly what remains). A rank closes its window early when it reaches
+  its quota; a rank whose quota is 0 joins the next sync at once with zero mass.
+  Training ends at the sync after which the budget is spent, on every rank at
+  once.
+* ``finish`` keeps joining syncs (with zero mass, voting "done") until every rank
+  has voted done, so a rank that runs out of data early never leaves the others
+  waiting on a collective it will not call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..errors import ConfigError
+from .base import Strategy, float_buffers, norm
+
+__all__ = ["PeriodicStrategy", "apportion"]
+
+
+class PeriodicStrategy(Strategy):
+    """Base of strategies that let ranks drift between syncs.
+
+    Args:
+        sync_every: synchronise after every H optimizer steps (per rank).
+        sync_every_seconds: instead, synchronise when S seconds have passed since the
+            previous sync (time-based cadence; ranks may then take different numbers
+            of steps). Give at most one of the two; neither means
+            ``sync_every=default_sync_every`` (the subclass's).
+        gamma: a rank's weight in a merge is ``batches ** gamma`` (batches it trained
+            since the last sync); 1.0 weighs by work done, 0 weighs every rank that
+            worked equally. A rank with no batches always weighs 0.
+
+    Raises:
+        ConfigError: on bad settings (before any I/O).
+    """
+
+    replicated = False
+    #: H when neither ``sync_every`` nor ``sync_every_seconds`` is given
+    default_sync_every = 20
+
+    def __init__(self, *, sync_every: int | None = None,
+                 sync_every_seconds: float | None = None, gamma: float = 1.0) -> None:
+        super().__init__()
+        if sync_every is not None and sync_every_seconds is not None:
+            raise ConfigError("give --sync-every H or --sync-every-seconds S, not both",
+                              hint="steps for a fixed cadence, seconds for uneven ranks")
+        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(
+                sync_every, int) or sync_every < 1):
+            raise ConfigError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if sync_every_seconds is not None and not (
+                isinstance(sync_every_seconds, (int, float)) and not isinstance(
+                    sync_every_seconds, bool) and 0 < sync_every_seconds < math.inf):
+            raise ConfigError(f"sync_every_seconds must be a positive number, got "
+                              f"{sync_every_seconds!r}")
+        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (
+                0 <= gamma < math.inf):
+            raise ConfigError(f"gamma must be a finite number >= 0, got {gamma!r}")
+        if sync_every is None and sync_every_seconds is None:
+            sync_every = self.default_sync_every
+        self.sync_every = sync_every
+        self.sync_every_seconds = (float(sync_every_seconds)
+                                   if sync_every_seconds is not None else None)
+        self.gamma = float(gamma)
+        self.lockstep = self.sync_every_seconds is None
+        self._window = 0                 # batches this rank trained since the last sync
+        self._masses: list[int] | None = None   # cumulative batches per rank
+        self._global_batches = 0         # all ranks, all windows
+        self._skipped = 0
+        self._div_sum = 0.0
+        self._last: dict = {}
+        self._all_done = False
+        self._steps_left: int | None = None     # lockstep with begin(): own steps to go
+        self._budget: int | None = None         # time-based with begin(): global batches
+        self._quota: int | None = None          # time-based: batches left in this window
+        self._deadline = 0.0
+        self._buffers: list[torch.Tensor] = []       # floating-point: merged
+        self._int_buffers: list[torch.Tensor] = []   # integer: never merged
+
+    @property
+    def cadence(self) -> str:
+        """``"every 20 steps"`` or ``"every 5 s"``."""
+        if self.lockstep:
+            return f"every {self.sync_every} steps"
+        return f"every {self.sync_every_seconds:g} s"
+
+    # -- the loop's hooks -----------------------------------------------------------
+    def attach(self, model, optimizer, sync) -> None:
+        super().attach(model, optimizer, sync)
+        if not self.lockstep and self.sync_every_seconds * 2 > sync.timeout:
+            raise ConfigError(
+                f"--sync-every-seconds {self.sync_every_seconds:g} is too close to the "
+                f"sync timeout ({sync.timeout:g} s): a rank that reaches a sync early "
+                "waits up to a whole window there", rank=sync.rank,
+                hint="raise --timeout to more than twice the window, or sync more often")
+        if self._masses is None:
+            self._masses = [0] * sync.world_size
+        if len(self._masses) != sync.world_size:
+            raise ConfigError(f"the strategy state is for {len(self._masses)} ranks, this "
+                              f"run has {sync.world_size}", rank=sync.rank)
+        self._buffers = float_buffers(model)
+        self._int_buffers = [b.detach() for b in model.buffers() if not b.is_floating_point()]
+        self._deadline = self._next_deadline()
+
+    def begin(self, total_steps: int, step: int = 0) -> None:
+        if self.lockstep:
+            self._steps_left = total_steps - step
+            self._all_done = self._steps_left <= 0
+        else:
+            self._budget = total_steps * self.sync.world_size
+            self._plan()
+
+    def keep_going(self, step: int, total_steps: int) -> bool:
+        if self.lockstep:
+            return step < total_steps
+        return not self._all_done
+
+    def wants_batch(self) -> bool:
+        return self._quota is None or self._window < self._quota
+
+    def progress(self, step: int) -> int:
+        if self.lockstep:
+            return step
+        return self._global_batches // self.sync.world_size
+
+    def step(self, model, optimizer) -> dict:
+        optimizer.step()
+        self._window += 1
+        if self._steps_left is not None:
+            self._steps_left -= 1
+        if self._due():
+            return self.synchronize(model, optimizer)
+        return {"synced": False, "sync_s": 0.0}
+
+    def _due(self) -> bool:
+        if self._steps_left is not None and self._steps_left <= 0:
+            return True  # the last step: merge the remainder window
+        if self.lockstep:
+            return self._window >= self.sync_every
+        if self._quota is not None and self._window >= self._quota:
+            return True
+        return time.monotonic() >= self._deadline
+
+    def synchronize(self, model, optimizer, *, done: bool = False) -> dict:
+        """Collective: merge now, weighting each rank by the batches it trained since
+        the last sync (a rank that trained none takes part with weight 0).
+
+        Every rank calls it at the same point of the collective sequence (``step``
+        does when the cadence says so; call it directly to force a merge, or when
+        ``wants_batch()`` is False). ``done=True`` votes to end: ``finish`` returns
+        once every rank has voted. Blocks until the merge is applied. Returns the
+        sync's telemetry (see ``TELEMETRY_KEYS``).
+        """
+        done = done or (self._steps_left is not None and self._steps_left <= 0)
+        with self._measured({"synced": True}) as telemetry:
+            record = torch.tensor([float(self._window), float(done)], dtype=torch.float64)
+            gathered = self.sync.all_gather(record)
+            masses = [int(g[0]) for g in gathered]
+            weights = [float(m) ** self.gamma if m > 0 else 0.0 for m in masses]
+            telemetry["masses"] = masses
+            telemetry["skipped"] = not any(weights)
+            if telemetry["skipped"]:
+                self._skipped += 1  # every rank idle: nothing to merge, nothing moves
+                telemetry.update(divergence=0.0, pre_norm=None, post_norm=None)
+            else:
+                params = [p.detach() for p in model.parameters()]
+                pre_norm = norm(params)
+                distance, post_norm = self._merge(params, weights[self.sync.rank])
+                divergence = distance / post_norm if post_norm > 0 else 0.0
+                self._div_sum += divergence
+                telemetry.update(divergence=divergence, pre_norm=pre_norm,
+                                 post_norm=post_norm)
+        self._syncs += 1
+        self._window = 0
+        self._masses = [a + m for a, m in zip(self._masses, masses)]
+        self._global_batches += sum(masses)
+        self._all_done = all(bool(g[1]) for g in gathered)
+        self._plan()
+        self._deadline = self._next_deadline()
+        self._last = dict(telemetry)
+        return telemetry
+
+    def finish(self, model, optimizer) -> None:
+        while not self._all_done:  # leave no rank waiting on a sync we would skip
+            self.synchronize(model, optimizer, done=True)
+        if not self.lockstep and self._int_buffers:
+            # integer buffers (BatchNorm's num_batches_tracked) are never averaged;
+            # ranks that took different numbers of steps end with rank 0's
+            self.sync.broadcast_(self._int_buffers, src=0)
+
+    # -- merging (subclasses) -------------------------------------------------------
+    def _merge(self, params: list[torch.Tensor], weight: float) -> tuple[float, float]:
+        """Collective: average this rank's contribution with weight ``weight`` and
+        apply the result to ``params`` and ``self._buffers``.
+
+        Returns ``(||pre - post||, ||post||)`` over the parameters, where pre is
+        this rank's parameters before the merge.
+        """
+        raise NotImplementedError
+
+    # -- planning -------------------------------------------------------------------
+    def _plan(self) -> None:
+        """Time-based cadence with a budget: the end, and this rank's next quota."""
+        if self.lockstep or self._budget is None:
+            return
+        remaining = self._budget - self._global_batches
+        if remaining <= 0:
+            self._all_done, self._quota = True, 0
+            return
+        self._quota = apportion(remaining, self._masses)[self.sync.rank]
+
+    def _next_deadline(self) -> float:
+        if self.lockstep:
+            return math.inf
+        return time.monotonic() + self.sync_every_seconds
+
+    # -- checkpoints and reporting --------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "cadence": self.cadence,
+            "gamma": self.gamma,
+            "window": self._window,
+            "masses": list(self._masses or []),
+            "global_batches": self._global_batches,
+            "syncs": self._syncs,
+            "skipped": self._skipped,
+            "divergence_sum": self._div_sum,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["cadence"] != self.cadence or state["gamma"] != self.gamma:
+            raise ValueError(f"the checkpoint synced {state['cadence']} with gamma "
+                             f"{state['gamma']}, this run {self.cadence} with gamma "
+                             f"{self.gamma}")
+        super().load_state_dict(state)
+        self._window = int(state["window"])
+        self._masses = [int(m) for m in state["masses"]] or None
+        self._global_batches = int(state["global_batches"])
+        self._syncs = int(state["syncs"])
+        self._skipped = int(state["skipped"])
+        self._div_sum = float(state["divergence_sum"])
+
+    @property
+    def stats(self) -> dict:
+        """Running totals and the last sync's telemetry (``last``: divergence,
+        pre_norm, post_norm, sync_bytes, masses, skipped, sync_s)."""
+        return {**super().stats, "skipped": self._skipped,
+                "masses": list(self._masses or []), "last": dict(self._last)}
+
+    def summary(self) -> dict:
+        merged = self._syncs - self._skipped
+        return {
+            **super().summary(),
+            "sync_every": self.sync_every,
+            "sync_every_seconds": self.sync_every_seconds,
+            "gamma": self.gamma,
+            "skipped_syncs": self._skipped,
+            "divergence": self._last.get("divergence"),
+            "divergence_mean": self._div_sum / merged if merged else None,
+            "pre_norm": self._last.get("pre_norm"),
+            "post_norm": self._last.get("post_norm"),
+            "masses": list(self._masses or []),  # identical on every rank
+        }
+
+
+def apportion(total: int, shares: list[int]) -> list[int]:
+    """Split ``total`` items in proportion to ``shares`` (non-negative ints), exactly.
+
+    Largest-remainder method in integer arithmetic (ties go to the lower rank), so
+    every rank computes the same split and it sums to ``total``. All-zero shares
+    split evenly.
+    """
+    if not any(shares):
+        shares = [1] * len(shares)
+    whole = sum(shares)
+    quotas = [total * s // whole for s in shares]
+    remainders = sorted(range(len(shares)), key=lambda r: (-(total * shares[r] % whole), r))
+    for r in remainders[: total - sum(quotas)]:
+        quotas[r] += 1
+    return quotas

@@ -1,0 +1,195 @@
+"""Compare grad, local-sgd and diloco: final accuracy, wall time, bytes written per rank.
+
+    python tools/bench_strategies.py                              # the demo at 2 and 4 ranks
+    python tools/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 --seeds 0 1 2
+    python tools/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
+        --train-arg=--epochs=5 --train-arg=--lr=0.1
+
+Every run is a real ``python -m ferrosync.train --nproc N ... --no-progress`` through a
+fresh temporary sync directory, so the numbers include everything a user pays
+(attach broadcast, heartbeats, the final digest exchange). For each number of ranks
+the per-step baseline (grad) runs first; every other row is compared with it: bytes
+written to storage per rank (and how many times fewer than grad) and the accuracy
+difference in percentage points, for the same number of samples (every strategy
+takes the same optimizer steps per rank). With several ``--seeds`` each row is the
+mean over the seeds (the JSON keeps every run). Prints a table and the command that
+produced it, and saves both as JSON (``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the issue's target: diloco with H >= 20 moves >= 20x fewer bytes, within 1 point
+TARGET_H, TARGET_RATIO, TARGET_PP = 20, 20.0, 1.0
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
+                   help="numbers of local ranks to run (default: 2 4)")
+    p.add_argument("--strategies", nargs="+", default=["grad", "local-sgd", "diloco"],
+                   choices=["grad", "local-sgd", "diloco"],
+                   help="strategies to compare (grad always runs: it is the baseline)")
+    p.add_argument("--sync-every", type=int, nargs="+", default=[20, 30, 50], metavar="H",
+                   help="H values for local-sgd and diloco (default: 20 30 50)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], metavar="S",
+                   help="--seed values to run each configuration with; rows are means "
+                   "(default: 0)")
+    p.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="passed to the trainer (default: the demo MLP)")
+    p.add_argument("--data", metavar="MODULE:FACTORY",
+                   help="passed to the trainer (default: the demo data)")
+    p.add_argument("--train-arg", action="append", default=[], metavar="FLAG",
+                   help="extra trainer flag for every run, e.g. --train-arg=--epochs=5 "
+                   "(repeatable)")
+    p.add_argument("--json", default="bench_strategies.json", metavar="PATH",
+                   help="where to save the results (default: bench_strategies.json)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="seconds one training run may take (default 600)")
+    return p.parse_args(argv)
+
+
+def train_command(ranks: int, strategy: str, h: int | None, seed: int, args) -> list[str]:
+    cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", str(ranks), "--strategy",
+           strategy, "--seed", str(seed), "--no-progress"]
+    if h is not None:
+        cmd += ["--sync-every", str(h)]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.data:
+        cmd += ["--data", args.data]
+    return cmd + args.train_arg
+
+
+def run_one(cmd: list[str], timeout: float) -> dict:
+    """One training run; returns its FINAL record plus the whole command's wall time."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.getcwd(),
+                                                      env.get("PYTHONPATH")]))
+    with tempfile.TemporaryDirectory(prefix="bench-strategies-") as sync_dir:
+        start = time.perf_counter()
+        proc = subprocess.run([*cmd, "--sync", os.path.join(sync_dir, "sync")], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        command_s = time.perf_counter() - start
+    lines = proc.stdout.rstrip("\n").splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
+        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}: {tail}")
+    final = json.loads(lines[-1][len("FINAL "):])
+    final["command_s"] = command_s
+    return final
+
+
+def row(ranks: int, strategy: str, h: int | None, finals: list[dict],
+        grad: dict | None) -> dict:
+    """One configuration's results, averaged over its seeds, compared with ``grad``."""
+    def mean(key):
+        values = [f[key] for f in finals]
+        return None if None in values else sum(values) / len(values)
+
+    per_rank = mean("bytes_written") / ranks
+    out = {
+        "ranks": ranks, "strategy": strategy, "sync_every": h,
+        "seeds": [f["seed"] for f in finals], "accuracy": mean("accuracy"),
+        "accuracy_per_seed": [f["accuracy"] for f in finals],
+        "samples": finals[0].get("samples"), "steps": finals[0]["steps"],
+        "syncs": finals[0].get("syncs"), "train_wall_s": mean("wall_s"),
+        "command_wall_s": mean("command_s"), "bytes_written_per_rank": per_rank,
+        "bytes_read_per_rank": mean("bytes_read") / ranks, "requests": mean("requests"),
+        "ranks_agree": all(f["ranks_agree"] for f in finals),
+    }
+    if grad is not None:
+        out["bytes_vs_grad"] = grad["bytes_written_per_rank"] / per_rank if per_rank else None
+        if out["accuracy"] is not None and grad["accuracy"] is not None:
+            out["accuracy_vs_grad_pp"] = 100 * (out["accuracy"] - grad["accuracy"])
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("ranks", "strategy", "H", "accuracy", "vs grad", "train s", "command s",
+              "written/rank", "grad/this", "syncs")
+    lines = [header]
+    for r in rows:
+        acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
+        delta = r.get("accuracy_vs_grad_pp")
+        ratio = r.get("bytes_vs_grad")
+        h = "-" if r["sync_every"] is None else str(r["sync_every"])
+        lines.append((
+            str(r["ranks"]), r["strategy"], h,
+            acc, "-" if delta is None else f"{delta:+.2f} pp", f"{r['train_wall_s']:.2f}",
+            f"{r['command_wall_s']:.1f}", f"{r['bytes_written_per_rank'] / 1e6:.2f} MB",
+            "-" if ratio is None else f"{ratio:.1f}x", str(r["syncs"]),
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """The issue's target, checked on every diloco row with H >= 20."""
+    out = []
+    for r in rows:
+        if r["strategy"] != "diloco" or (r["sync_every"] or 0) < TARGET_H:
+            continue
+        ratio, delta = r.get("bytes_vs_grad"), r.get("accuracy_vs_grad_pp")
+        ok = ratio is not None and ratio >= TARGET_RATIO and delta is not None \
+            and delta >= -TARGET_PP
+        if ratio is None or delta is None:
+            out.append(f"diloco H={r['sync_every']} at {r['ranks']} ranks: no accuracy "
+                       "to compare (give --data an eval set)")
+            continue
+        out.append(f"diloco H={r['sync_every']} at {r['ranks']} ranks: "
+                   f"{ratio:.1f}x fewer bytes, {delta:+.2f} pp -> "
+                   f"{'meets' if ok else 'MISSES'} the target (>= {TARGET_RATIO:g}x, "
+                   f">= -{TARGET_PP:g} pp)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    command = shlex.join(["python", "tools/bench_strategies.py",
+                          *(sys.argv[1:] if argv is None else argv)])
+    rows = []
+    for ranks in args.ranks:
+        plan = [("grad", None)] + [(s, h) for s in args.strategies if s != "grad"
+                                   for h in args.sync_every]
+        grad = None
+        for strategy, h in plan:
+            finals = []
+            for seed in args.seeds:
+                cmd = train_command(ranks, strategy, h, seed, args)
+                print(f"running: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
+                finals.append(run_one(cmd, args.timeout) | {"seed": seed})
+            r = row(ranks, strategy, h, finals, grad)
+            grad = r if strategy == "grad" else grad
+            rows.append(r)
+    table = format_table(rows)
+    notes = verdicts(rows)
+    print(table)
+    for note in notes:
+        print(note)
+    print(f"command: {command}")
+    report = {"command": command, "rows": rows, "target": notes,
+              "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                          "platform": platform.platform()}}
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    print(f"saved: {args.json}")
+    disagree = [r for r in rows if not r["ranks_agree"]]
+    for r in disagree:
+        print(f"{r['strategy']} H={r['sync_every']} at {r['ranks']} ranks: ranks ended with "
+              "DIFFERENT parameters", file=sys.stderr)
+    return 1 if disagree else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
