@@ -150,7 +150,11 @@ class GradSync:
 
     def barrier(self) -> None:
         """Collective: returns once every rank has entered."""
-        self._collective("barrier", [], self._barrier)
+        def body():
+            (_bucket, digest, layout), = self._buckets("barrier", [])
+            self._barrier(digest, layout)
+
+        self._collective("barrier", [], body)
 
     def close(self) -> None:
         """Release storage handles and threads. Idempotent; never waits on peers and
@@ -273,7 +277,7 @@ class GradSync:
         """Every rank's ``flat`` (new tensors, indexed by rank)."""
         raise NotImplementedError
 
-    def _barrier(self) -> None:
+    def _barrier(self, digest: bytes, layout: dict) -> None:
         raise NotImplementedError
 
     def _publish_abort(self, exc: BaseException) -> None:

@@ -83,7 +83,6 @@ from ..wire import (
     PayloadCheck,
     decode_record,
     encode_record,
-    layout_digest,
     parse_header,
     seal,
 )
@@ -582,9 +581,7 @@ class FileSync(GradSync):
             return self._average_sharded(s, flat, weight, digest, codec)
         return self._average_root(s, flat, weight, digest, codec)
 
-    def _barrier(self):
-        layout = {"op": "barrier", "bucket": "0/1", "tensors": []}
-        digest = layout_digest(json.dumps(layout, sort_keys=True))
+    def _barrier(self, digest, layout):
         self._average_flat(torch.empty(0), 1.0, digest, layout)
 
     def _accumulate(self, acc: torch.Tensor, values: torch.Tensor, weight: float, first: bool):
@@ -792,6 +789,28 @@ class FileSync(GradSync):
         self._after_gather.append(self._key_of(result_name))
         return total
 
+    # exact copies (broadcast, all-gather) ---------------------------------------------------
+    def _publish_copy(self, name: str, flat: torch.Tensor, digest: bytes) -> None:
+        """Publish ``flat`` byte for byte (raw, whatever ``wire_dtype``)."""
+        codec = RawCodec(flat.dtype)
+        with self._stats.phase("write_s"):
+            payload = self._encode(flat, codec, None)
+            header = self._header(KIND_BROADCAST, flat.dtype, codec, count=flat.numel(),
+                                  offset=0, total=flat.numel(), weight=1.0, digest=digest,
+                                  nbytes=payload.numel())
+            self._put(name, header, [payload.numpy()])
+
+    def _receive_copy(self, name: str, src: int, wait_on, what: str, out: torch.Tensor,
+                      digest: bytes) -> None:
+        """Wait for rank ``src``'s ``_publish_copy`` of ``name`` and read it into ``out``."""
+        codec = RawCodec(out.dtype)
+        reader, header, raw = self._wait_open(name, wait_on, what)
+        path = self._storage.path_of(self._key_of(name))
+        with reader:
+            self._check_header(header, path, kind=KIND_BROADCAST, src=src, digest=digest,
+                               codec=codec, dtype=out.dtype, count=out.numel(), offset=0)
+            self._receive_into(reader, header, raw, codec, out, path)
+
     # broadcast ----------------------------------------------------------------------------
     def _broadcast_flat(self, flat, src, digest, layout):
         s = self._begin("broadcast")
@@ -799,21 +818,10 @@ class FileSync(GradSync):
             return
         self._ensure_layout(digest, layout)
         name = f"c{s}.out"
-        codec = RawCodec(flat.dtype)  # a broadcast is an exact copy, whatever wire_dtype
         if self.rank == src:
-            with self._stats.phase("write_s"):
-                payload = self._encode(flat, codec, None)
-                header = self._header(KIND_BROADCAST, flat.dtype, codec, count=flat.numel(),
-                                      offset=0, total=flat.numel(), weight=1.0, digest=digest,
-                                      nbytes=payload.numel())
-                self._put(name, header, [payload.numpy()])
+            self._publish_copy(name, flat, digest)
         else:
-            reader, header, raw = self._wait_open(name, [src], f"the broadcast from rank {src}")
-            path = self._storage.path_of(self._key_of(name))
-            with reader:
-                self._check_header(header, path, kind=KIND_BROADCAST, src=src, digest=digest,
-                                   codec=codec, dtype=flat.dtype, count=flat.numel(), offset=0)
-                self._receive_into(reader, header, raw, codec, flat, path)
+            self._receive_copy(name, src, [src], f"the broadcast from rank {src}", flat, digest)
         if self.rank == 0:
             # rank 0 deletes it once every rank has shown up for a later gather
             self._after_gather.append(self._key_of(name))
@@ -826,26 +834,14 @@ class FileSync(GradSync):
         if self.world_size == 1:
             return out
         self._ensure_layout(digest, layout)
-        codec = RawCodec(flat.dtype)
         mine = f"c{s}.r{self.rank}"
-        with self._stats.phase("write_s"):
-            payload = self._encode(flat, codec, None)
-            header = self._header(KIND_BROADCAST, flat.dtype, codec, count=flat.numel(),
-                                  offset=0, total=flat.numel(), weight=1.0, digest=digest,
-                                  nbytes=payload.numel())
-            self._put(mine, header, [payload.numpy()])
+        self._publish_copy(mine, flat, digest)
         names = {k: f"c{s}.r{k}" for k in range(self.world_size)}
         self._gathering = names
         for k in range(self.world_size):
-            if k == self.rank:
-                continue
-            reader, header, raw = self._wait_open(names[k], range(k, self.world_size),
-                                                  f"the contribution of rank {k}")
-            path = self._storage.path_of(self._key_of(names[k]))
-            with reader:
-                self._check_header(header, path, kind=KIND_BROADCAST, src=k, digest=digest,
-                                   codec=codec, dtype=flat.dtype, count=flat.numel(), offset=0)
-                self._receive_into(reader, header, raw, codec, out[k], path)
+            if k != self.rank:
+                self._receive_copy(names[k], k, range(k, self.world_size),
+                                   f"the contribution of rank {k}", out[k], digest)
         self._gathering = None
         # every rank wrote for s, so every rank finished the collectives before it
         self._after_gather_done([self._key_of(mine)])

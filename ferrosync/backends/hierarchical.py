@@ -47,7 +47,6 @@ from ..codecs import accumulator_dtype
 from ..env import Identity
 from ..errors import ConfigError, FerrosyncError, error_class
 from ..storage import Counters
-from ..wire import layout_digest
 from .files import FileSync
 from .torchdist import _translate, check_layouts
 
@@ -381,10 +380,9 @@ class HierarchicalSync(GradSync):
         self._local_broadcast(full if flat.dtype != torch.bool else full.view(torch.uint8))
         return list(full.unbind(0))
 
-    def _barrier(self):
-        layout = {"op": "barrier", "bucket": "0/1", "tensors": []}
+    def _barrier(self, digest, layout):
         # the layout exchange is itself a node-wide all-gather every local rank enters
-        self._check_layout(layout_digest(json.dumps(layout, sort_keys=True)), layout)
+        self._check_layout(digest, layout)
         if self.local_rank == 0:
             self._leader_step(self._inter.barrier)
             self._tell_node_ok()

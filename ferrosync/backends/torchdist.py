@@ -58,7 +58,6 @@ from ..codecs import (
 )
 from ..errors import ConfigError, LayoutMismatch, PeerFailed, SyncTimeout
 from ..storage import Counters
-from ..wire import layout_digest
 from .files import OPTIONS as STORAGE_OPTIONS
 from .files import describe_mismatch
 
@@ -312,10 +311,9 @@ class TorchDistSync(GradSync):
         self._counters.add(written=nbytes, read=nbytes * (self.world_size - 1))
         return out
 
-    def _barrier(self):
-        layout = {"op": "barrier", "bucket": "0/1", "tensors": []}
+    def _barrier(self, digest, layout):
         # the layout exchange is itself an all-gather every rank must enter
-        self._check_layout("barrier", layout_digest(json.dumps(layout, sort_keys=True)), layout)
+        self._check_layout("barrier", digest, layout)
 
     def _shutdown(self, failure):
         self._ef.clear()
