@@ -296,8 +296,12 @@ def w_loop_until(rank, world, url, options, stop, started):
     with ferrosync.connect(url, rank=rank, world_size=world, timeout=60, **options) as sync:
         open(f"{started}.{rank}", "w").close()
         steps = 0
-        while not os.path.exists(stop):
-            sync.barrier()
+        go_on = torch.ones(1)
+        while go_on.item():
+            # rank 0 alone looks at the stop file and tells the others, so every rank
+            # leaves the loop after the same collective
+            go_on.fill_(0.0 if rank == 0 and os.path.exists(stop) else 1.0)
+            sync.broadcast_(go_on, src=0)
             steps += 1
         return steps
 
