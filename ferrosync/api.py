@@ -11,11 +11,35 @@ detected (each object carries a layout digest) and raised as ``LayoutMismatch``
 on every rank, never silently averaged. A collective that raises leaves this
 ``GradSync`` unusable (the ranks no longer agree on where they are): close it
 and reconnect, which starts a new generation.
+
+**Threads.** A collective may be called from any thread (torch DCP's ``async_save``
+calls from a worker thread), but two threads' calls on one ``GradSync`` must not
+*overlap*. A collective is identified across ranks by its position in this
+GradSync's sequence only, so when two threads call at once, which call is
+collective *n* depends on the scheduler of each rank: a lock would serialise them,
+in one order on one rank and in the other order on another, and the ranks would
+silently average one thread's tensors with the other thread's (layouts being
+equal, nothing could tell). So a thread that calls while another thread is inside
+a collective on the same GradSync gets ``ConfigError``, and the GradSync is failed
+(peers get a typed error instead of a crossed result); the thread that was inside
+raises the same ``ConfigError`` when its collective ends, since the ranks may have
+matched it with the other thread's call. Calls that do not overlap but whose order
+differs between ranks cannot be detected: order them yourself (join the thread,
+``handle.wait()``). The async runner (``async_op=True``) is this library's own
+thread: a call from another thread first waits for the submitted collectives.
+
+**Processes.** A GradSync belongs to the process that connected. A forked child
+inherits the object but not its threads, and its storage handles and files are the
+parent's: in the child every collective raises ``ConfigError`` without any I/O,
+``close()`` only marks the child's copy closed, and the exit and exception hooks
+below ignore it, so a child that exits (or dies) never tells the parent's peers
+that the parent's rank closed or failed.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import math
 import os
@@ -86,6 +110,10 @@ class GradSync:
             whose ``wait()`` returns it.
         """
         tensors = as_tensor_list(tensors)
+        return self._average_call(tensors, weight, async_op, _stream("average", tensors))
+
+    def _average_call(self, tensors: list, weight, async_op: bool, stream: str):
+        """``average_`` for one kind of data: ``stream`` keys the codec's state."""
         weight = _check_weight(weight)
         for i, t in enumerate(tensors):
             if t.dtype not in _FLOAT_DTYPES:
@@ -97,7 +125,7 @@ class GradSync:
             if t.is_sparse:
                 raise ConfigError(f"tensors[{i}] is sparse; average_ takes dense tensors",
                                   rank=self.rank)
-        body = lambda: self._average(tensors, weight)  # noqa: E731
+        body = lambda: self._average(tensors, weight, stream)  # noqa: E731
         if async_op:
             return self._submit("average", tensors, body)
         return self._collective("average", tensors, body)
@@ -110,14 +138,17 @@ class GradSync:
         one rank but not another is a ``LayoutMismatch``; zero its grad instead).
         With ``async_op=True``, call ``handle.wait()`` before ``optimizer.step()``.
         """
-        grads = [p.grad for p in _parameters(module_or_params) if p.grad is not None]
-        return self.average_(grads, weight=weight, async_op=async_op)
+        params = [p for p in _parameters(module_or_params) if p.grad is not None]
+        # keyed by the parameters: zero_grad(set_to_none=True) makes new grad tensors
+        return self._average_call([p.grad for p in params], weight, async_op,
+                                  _stream("gradients", params))
 
     def average_parameters(self, module_or_params, *, weight: float = 1.0,
                            async_op: bool = False):
         """Collective: ``average_`` over the parameters' data (Local SGD, model averaging)."""
-        params = [p.detach() for p in _parameters(module_or_params)]
-        return self.average_(params, weight=weight, async_op=async_op)
+        params = _parameters(module_or_params)
+        return self._average_call([p.detach() for p in params], weight, async_op,
+                                  _stream("parameters", params))
 
     def broadcast_(self, tensors, *, src: int = 0) -> None:
         """Collective: in place, every rank's tensors become rank ``src``'s (any dtype).
@@ -240,10 +271,12 @@ class GradSync:
             out.append((bucket, layout_digest(json.dumps(layout, sort_keys=True)), layout))
         return out
 
-    def _average(self, tensors: list[torch.Tensor], weight: float) -> float:
+    def _average(self, tensors: list[torch.Tensor], weight: float, stream: str) -> float:
         total = 0.0
         with torch.no_grad():
             for bucket, digest, layout in self._buckets("average", tensors):
+                # which data this is, for codec state; local to this rank, not in the digest
+                layout["stream"] = stream
                 flat, is_copy = bucket.flat(self._pool)
                 total = self._average_flat(flat, weight, digest, layout)
                 if is_copy and total > 0:
@@ -352,6 +385,18 @@ class _AsyncRunner:
                 handle._finish(value=fn())
             except BaseException as exc:  # noqa: BLE001 - delivered by handle.wait()
                 handle._finish(error=exc)
+
+
+def _stream(kind: str, tensors: list) -> str:
+    """A name for "this kind of call on these very tensors", e.g. a model's gradients.
+
+    Lossy codecs keep state per stream (int8 error feedback): a model's parameters
+    and its gradients have one layout but are different data, and their residuals
+    must never mix. Identity is the Python objects' (stable across steps for
+    parameters), so the name only means something inside this process.
+    """
+    ids = ",".join(str(id(t)) for t in tensors)
+    return f"{kind}:{hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()}"
 
 
 def _check_weight(weight) -> float:

@@ -160,7 +160,13 @@ def check_wire_dtype(value) -> str | None:
 
 
 class ErrorFeedback:
-    """Residuals of a lossy codec, one per key (layout digest + slice).
+    """Residuals of a lossy codec, one per key (stream, layout digest, slot).
+
+    The key names what the data is (a model's gradients, its parameters, a given
+    list of tensors: see ``api._stream``), not only its shape: two kinds of data with
+    one layout must never share a residual. At most ``max_keys`` residuals are kept
+    (least recently used dropped first), so a caller that passes new tensors every
+    call cannot grow memory without bound.
 
     ``compensate(key, x)`` returns ``x + residual`` (a new tensor), and
     ``remember(key, sent, decoded)`` keeps ``sent - decoded`` for the next call,
@@ -168,12 +174,15 @@ class ErrorFeedback:
     et al. 2019). Memory: one float32 vector per key, the size of the payload.
     """
 
-    def __init__(self) -> None:
-        self._residual: dict[object, torch.Tensor] = {}
+    def __init__(self, max_keys: int = 256) -> None:
+        self._residual: dict[object, torch.Tensor] = {}  # insertion order = recency
+        self._max_keys = max_keys
 
     def compensate(self, key, x: torch.Tensor) -> torch.Tensor:
         acc = x.to(torch.float32, copy=True)
-        residual = self._residual.get(key)
+        residual = self._residual.pop(key, None)
+        if residual is not None:
+            self._residual[key] = residual  # most recently used last
         if residual is not None and residual.shape == acc.shape:
             acc.add_(residual)
         return acc
@@ -183,6 +192,8 @@ class ErrorFeedback:
         if residual is None or residual.shape != sent.shape:
             residual = torch.empty_like(sent, dtype=torch.float32)
             self._residual[key] = residual
+            while len(self._residual) > self._max_keys:
+                del self._residual[next(iter(self._residual))]
         torch.sub(sent, decoded, out=residual)
         # a non-finite step (AMP overflow) must not poison every later step
         residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)

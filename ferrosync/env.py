@@ -8,7 +8,9 @@ rank 0 of a world of 1, so a script runs unchanged on a laptop.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -24,6 +26,12 @@ ENV_SLURM_RANK = "SLURM_PROCID"
 ENV_SLURM_WORLD_SIZE = "SLURM_NTASKS"
 ENV_SLURM_LOCAL_RANK = "SLURM_LOCALID"
 ENV_SLURM_LOCAL_WORLD_SIZE = "SLURM_NTASKS_PER_NODE"
+ENV_JOB = "FERROSYNC_JOB"
+ENV_SLURM_JOB = "SLURM_JOB_ID"
+ENV_TORCHELASTIC_RUN = "TORCHELASTIC_RUN_ID"
+
+#: how a job id may be spelled: it names a folder/prefix on the shared storage
+_JOB_ALPHABET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -104,3 +112,39 @@ def discover(
         local_rank, local_world = 0, local_world or 1
     local_world = local_world or max(local_rank + 1, 1)
     return Identity(rank, world_size, local_rank, local_world, source)
+
+
+def check_job(job, *, source: str = "job") -> str:
+    """Validate an explicit job id (``connect(job=...)``, ``$FERROSYNC_JOB``)."""
+    if isinstance(job, bool) or not isinstance(job, str) or not _JOB_ALPHABET.fullmatch(job):
+        raise ConfigError(
+            f"{source} must be 1-64 characters of letters, digits, '.', '_' or '-' "
+            f"(starting with a letter or digit), got {job!r}",
+            hint="the job id names a folder on the shared storage",
+        )
+    return job
+
+
+def discover_job(job: str | None = None, *, env: Mapping[str, str] | None = None) -> str | None:
+    """The job id: ``job``, else ``$FERROSYNC_JOB``, else the scheduler's job id.
+
+    Ranks of one job must agree on it, and two jobs on one URL must differ: SLURM's
+    ``SLURM_JOB_ID`` and torchelastic's ``TORCHELASTIC_RUN_ID`` (``torchrun
+    --rdzv-id``; its default value "none" is no id) are both. ``python -m
+    ferrosync.train`` generates one for its ranks. None when nothing is known: the
+    job is then anonymous and connect waits a short claim window instead (see
+    ``ferrosync.rendezvous``).
+    """
+    env = os.environ if env is None else env
+    if job is not None:
+        return check_job(job)
+    if env.get(ENV_JOB):
+        return check_job(env[ENV_JOB], source=ENV_JOB)
+    for name in (ENV_SLURM_JOB, ENV_TORCHELASTIC_RUN):
+        value = (env.get(name) or "").strip()
+        if value and value.lower() != "none":
+            # scheduler ids are not ours to validate: anything else is hashed to a safe name
+            if _JOB_ALPHABET.fullmatch(value):
+                return value
+            return "h" + hashlib.blake2b(value.encode(), digest_size=8).hexdigest()
+    return None

@@ -10,10 +10,11 @@ A fault is a dict::
      "collective": 3,         # at which collective number (default: any)
      "object": "contrib",     # "contrib" (c<s>.r<k>...), "result" (c<s>.out...), "any"
      "phase": "write",        # write | publish | read | reduce (see below)
-     "action": "kill",        # kill | raise | delay | corrupt | truncate | delete
+     "action": "kill",        # kill | raise | delay | corrupt | truncate | delete | replay
      "errno": "ENOSPC",       # with "raise": the OS error to raise (ENOSPC, EACCES, EIO...)
      "seconds": 2.0,          # with "delay"
      "offset": 123,           # with "corrupt"/"truncate": byte offset (default: middle)
+     "from_rank": 0,          # with "replay": whose object of the same collective
      "times": 1}              # how often it fires (default once; 0 = every time)
 
 Phases: ``write`` fires inside a put, after half of the bytes reached the temporary
@@ -25,6 +26,9 @@ published, so every reader sees them; ``bit`` picks the flipped bit, default 0);
 ``read`` before opening an object; ``reduce`` after an object was read, while its
 data is being reduced.
 ``kill`` is SIGKILL (no cleanup, no abort marker: peers must notice the silence).
+``replay`` (``write`` phase) publishes, instead of this rank's object, a byte-for-byte
+copy of ``from_rank``'s object of the same name pattern and collective — what a
+tenant who can copy objects but holds no secret can do.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from .storage import Reader, Storage, _storage_error, _write_file
 
 ENV_FAULTS = "FERROSYNC_FAULTS"
 PHASES = ("write", "publish", "read", "reduce")
-ACTIONS = ("kill", "raise", "delay", "corrupt", "truncate", "delete")
+ACTIONS = ("kill", "raise", "delay", "corrupt", "truncate", "delete", "replay")
+_REPLAY_WAIT_S = 60.0  # the copied object is another rank's: bounded wait for it
 _COLLECTIVE = re.compile(r"(?:^|/)c(\d+)\.(r\d+|out)")
 
 
@@ -137,6 +142,17 @@ class FaultyStorage(Storage):
         self._inner.delete([key])
         self._inner.put(key, [bytes(damaged)])
 
+    def _copy_of(self, key: str, rank: int) -> bytes:
+        """The bytes of ``rank``'s object named like ``key`` (waits for it, bounded)."""
+        source = re.sub(r"(?<=\.)r\d+(?=\.|$)", f"r{rank}", key, count=1)
+        deadline = time.monotonic() + _REPLAY_WAIT_S
+        while (data := self._inner.read(source)) is None:
+            if time.monotonic() > deadline:
+                raise ConfigError(f"replay fault: {source} never appeared",
+                                  path=self.path_of(source))
+            time.sleep(0.005)  # polling another process's file: there is nothing to wait on
+        return data
+
     # -- the interface -----------------------------------------------------------------------
     def put(self, key, parts, *, exclusive=False, reuse=None):
         fault = self._match("write", key)
@@ -150,6 +166,8 @@ class FaultyStorage(Storage):
             else:
                 del data[pos:]
             parts, fault = [bytes(data)], None
+        elif fault is not None and fault["action"] == "replay":
+            parts, fault = [self._copy_of(key, int(fault.get("from_rank", 0)))], None
         if fault is not None:
             if fault["action"] == "kill" and hasattr(self._inner, "_path"):
                 # leave half of the bytes in a temporary file, as a real crash would

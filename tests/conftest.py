@@ -23,6 +23,12 @@ os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
 os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.pop("AWS_PROFILE", None)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every test's ranks belong to one named job (each test has its own directory or
+# bucket prefix), as under SLURM, torchrun or the launcher. A job without an id waits
+# a 3 s claim window at connect; the tests of that case clear this variable.
+os.environ["FERROSYNC_JOB"] = "tests"
+for _scheduler_id in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+    os.environ.pop(_scheduler_id, None)
 
 BUCKET = "ferrosync-tests"
 

@@ -33,6 +33,7 @@ Deletes are deferred to the next wait, where they cost no latency.
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import os
@@ -52,7 +53,7 @@ from ..codecs import (
     check_wire_dtype,
     codec_for,
 )
-from ..env import ENV_SECRET
+from ..env import ENV_JOB, ENV_SECRET, discover_job
 from ..errors import (
     ConfigError,
     LayoutMismatch,
@@ -95,6 +96,11 @@ OPTIONS = {
     "reduce": ("auto", "'root', 'sharded' or 'auto' (sharded for large payloads)"),
     "wire_dtype": (None, "payload encoding: None (native), float32, bfloat16, float16, int8"),
     "secret": (None, f"shared key for authenticated objects (default ${ENV_SECRET})"),
+    "job": (None, f"job id: jobs with different ids never meet on one URL (default "
+                  f"${ENV_JOB}, then SLURM_JOB_ID, TORCHELASTIC_RUN_ID)"),
+    "claim_window": (None, "seconds each rank waits before its first collective so a second "
+                           "job claiming the same ranks is seen (default 3 without a job id, "
+                           "else 0)"),
     "storage_options": (None, "dict passed to the fsspec filesystem"),
     "poll_initial": (None, "first polling sleep, seconds (default per store)"),
     "poll_max": (None, "longest polling sleep, seconds (default per store)"),
@@ -108,7 +114,7 @@ OPTIONS = {
     "sharded_min_bytes": (1 << 20, "with reduce='auto': shard payloads at least this large"),
 }
 # Options that change what goes on the wire: every rank must agree (checked at rendezvous).
-_SHARED_SETTINGS = ("reduce", "wire_dtype", "sharded_min_bytes")
+_SHARED_SETTINGS = ("reduce", "wire_dtype", "sharded_min_bytes", "bucket_bytes")
 
 
 def _positive(name, value, *, integer=False, allow_none=True):
@@ -121,6 +127,21 @@ def _positive(name, value, *, integer=False, allow_none=True):
         raise ConfigError(f"{name} must be a positive {'int' if integer else 'number'}, "
                           f"got {value!r}")
     return value
+
+
+def _non_negative(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        0 <= value < math.inf
+    ):
+        raise ConfigError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def job_key(secret: bytes | None, job: str | None) -> bytes | None:
+    """The MAC key of one job: objects of another job (same secret) never verify."""
+    if secret is None:
+        return None
+    return hmac.new(secret, b"ferrosync job:" + (job or "").encode(), "sha256").digest()
 
 
 class FileSync(GradSync):
@@ -146,6 +167,9 @@ class FileSync(GradSync):
                 raise ConfigError("secret must be a non-empty str or bytes")
             secret = bytes(secret)
         out["secret"] = secret
+        out["job"] = discover_job(out["job"])
+        if out["claim_window"] is not None:
+            out["claim_window"] = _non_negative("claim_window", out["claim_window"])
         if out["storage_options"] is not None and not isinstance(out["storage_options"], dict):
             raise ConfigError("storage_options must be a dict")
         for name in ("poll_initial", "poll_max", "heartbeat_interval"):
@@ -183,7 +207,8 @@ class FileSync(GradSync):
         super().__init__(url, identity, timeout, storage.counters, options["bucket_bytes"])
         self._storage = storage
         self._opts = options
-        self._key: bytes | None = options["secret"]
+        self._key: bytes | None = job_key(options["secret"], options["job"])
+        self.job: str | None = options["job"]
         self._poll = (
             options["poll_initial"] or storage.poll_initial,
             options["poll_max"] or storage.poll_max,
@@ -195,6 +220,7 @@ class FileSync(GradSync):
                 f"the heartbeat interval ({interval:g} s)")
         self._codecs: dict[torch.dtype, Codec] = {}
         self._ef = ErrorFeedback()
+        self._codec_key: tuple = (None, b"")  # codec-state key of the running collective
         self._layouts: dict[bytes, dict] = {}
         self._seq = 0
         self._op = ""
@@ -216,6 +242,7 @@ class FileSync(GradSync):
             self._generation = rendezvous(
                 storage, self.rank, self.world_size, settings, key=self._key,
                 timeout=timeout, poll=self._poll, heartbeat_interval=interval, url=url,
+                job=self.job, claim_window=options["claim_window"],
             )
         except BaseException:
             self._closed = True
@@ -455,7 +482,22 @@ class FileSync(GradSync):
 
     def _check_header(self, header: Header, path: str, *, kind: int, src: int, digest: bytes,
                       codec: Codec, dtype: torch.dtype, count: int, offset: int,
-                      slice_: int = 0, nslices: int = 1) -> None:
+                      slice_: int = 0, nslices: int = 1, total: int | None = None) -> None:
+        """Compare every field of ``header`` with what this rank expects at ``path``.
+
+        The generation token and collective number were checked when the object was
+        opened; here the writer's rank (an object copied onto another rank's name is a
+        replay), kind, layout, encoding, size and slice. With a secret the header is
+        authenticated, so a forger cannot edit these fields, only move whole objects.
+        """
+        if header.rank != src:
+            raise ShardCorrupt(
+                f"object was written by rank {header.rank} but lies under rank {src}'s name "
+                "(a copied or replayed object)", rank=self.rank, collective=self._seq,
+                path=path,
+                hint="something else writes under this URL: give each job its own URL, "
+                "and set a secret if the storage is shared with others",
+            )
         if header.kind != kind:
             raise ShardCorrupt(
                 f"expected a {KIND_NAMES[kind]} object, found a {KIND_NAMES[header.kind]}",
@@ -464,12 +506,14 @@ class FileSync(GradSync):
             )
         if header.layout != digest:
             raise self._mismatch(src, header.layout, digest, path)
-        expect = (DTYPE_CODES[dtype], codec.code, count, offset, slice_, nslices, self.world_size)
-        got = (header.dtype, header.codec, header.count, header.offset, header.slice,
-               header.nslices, header.world_size)
+        expect = (DTYPE_CODES[dtype], codec.code, count, offset,
+                  count if total is None else total, slice_, nslices, self.world_size)
+        got = (header.dtype, header.codec, header.count, header.offset, header.total,
+               header.slice, header.nslices, header.world_size)
         if got != expect:
             raise ShardCorrupt(
-                f"header fields (dtype, codec, count, offset, slice, nslices, world) = {got}, "
+                "header fields (dtype, codec, count, offset, total, slice, nslices, world) = "
+                f"{got}, "
                 f"expected {expect}", rank=self.rank, collective=self._seq, path=path,
                 hint="ranks must use the same options (wire_dtype, reduce) and ferrosync "
                 "version",
@@ -572,6 +616,8 @@ class FileSync(GradSync):
     # -- primitives ------------------------------------------------------------------------
     def _average_flat(self, flat, weight, digest, layout):
         s = self._begin(layout["op"])
+        # codec state (int8 error feedback) belongs to what the data is, not its shape
+        self._codec_key = (layout.get("stream"), digest)
         if self.world_size == 1:
             return weight
         self._ensure_layout(digest, layout)
@@ -598,10 +644,13 @@ class FileSync(GradSync):
             acc.add_(values, alpha=weight)
 
     def _reduce_from(self, acc, own: torch.Tensor, own_weight: float, digest, codec, names,
-                     *, offset: int, slice_: int, nslices: int) -> list[float]:
+                     *, dtype: torch.dtype, offset: int, full: int, slice_: int,
+                     nslices: int) -> list[float]:
         """Sum every rank's contribution to ``acc`` in rank order; return the weights.
 
-        ``names[k]`` is rank k's object name (``own`` stands for this rank's slot).
+        ``names[k]`` is rank k's object name; ``own`` stands for this rank's slot and
+        has been through the codec like every other rank's payload. ``dtype`` is the
+        callers' tensor dtype, which every header must name.
         """
         weights = []
         first = True
@@ -621,8 +670,8 @@ class FileSync(GradSync):
             path = self._storage.path_of(self._key_of(names[k]))
             with reader:
                 self._check_header(header, path, kind=KIND_CONTRIB, src=k, digest=digest,
-                                   codec=codec, dtype=own.dtype, count=count, offset=offset,
-                                   slice_=slice_, nslices=nslices)
+                                   codec=codec, dtype=dtype, count=count, offset=offset,
+                                   slice_=slice_, nslices=nslices, total=full)
                 w = header.weight
                 if w > 0:
                     for values, lo, hi in self._stream(reader, header, raw, codec,
@@ -650,7 +699,7 @@ class FileSync(GradSync):
             else:
                 acc.div_(total)
                 result = acc if acc.dtype == dtype else acc.to(dtype)
-                payload = self._encode(result, codec, (digest, "result", slice_))
+                payload = self._encode(result, codec, (*self._codec_key, "result", slice_))
                 parts, flags = [payload.numpy()], 0
         header = self._header(KIND_RESULT, dtype, codec, count=acc.numel(), offset=offset,
                               total=full, weight=total, digest=digest,
@@ -674,7 +723,7 @@ class FileSync(GradSync):
         result_name = f"c{s}.out"
         if self.rank != 0:
             with self._stats.phase("write_s"):
-                payload = self._encode(flat, codec, (digest, 0)) if weight > 0 else None
+                payload = self._encode(flat, codec, (*self._codec_key, 0)) if weight > 0 else None
                 parts = [payload.numpy()] if payload is not None else []
                 header = self._header(KIND_CONTRIB, flat.dtype, codec, count=n, offset=0,
                                       total=n, weight=weight, digest=digest,
@@ -696,9 +745,14 @@ class FileSync(GradSync):
 
         acc = self._pool.get("acc", n, accumulator_dtype(flat.dtype), self._reduce_device(flat))
         names = {k: f"c{s}.r{k}" for k in range(self.world_size)}
+        own = flat
+        if weight > 0 and not codec.raw:
+            # rank 0's contribution goes through the same encoding as every other rank's
+            payload = self._encode(flat, codec, (*self._codec_key, 0))
+            own = codec.decode(payload.to(acc.device), n)
         try:
-            weights = self._reduce_from(acc, flat, weight, digest, codec, names,
-                                        offset=0, slice_=0, nslices=1)
+            weights = self._reduce_from(acc, own, weight, digest, codec, names,
+                                        dtype=flat.dtype, offset=0, full=n, slice_=0, nslices=1)
         except BaseException as exc:
             self._publish_error(result_name, exc)
             raise
@@ -732,7 +786,7 @@ class FileSync(GradSync):
         bounds = self._slices(n, codec)
         me = self.rank
         with self._stats.phase("write_s"):
-            payload = self._encode(flat, codec, (digest, 0)) if weight > 0 else None
+            payload = self._encode(flat, codec, (*self._codec_key, 0)) if weight > 0 else None
             for j, (lo, hi) in enumerate(bounds):
                 if j == me:
                     continue
@@ -753,9 +807,15 @@ class FileSync(GradSync):
                              self._reduce_device(flat))
         names = {k: f"c{s}.r{k}.s{me}" for k in range(self.world_size)}
         result_name = f"c{s}.out.s{me}"
+        own = flat[lo:hi]
+        if payload is not None and not codec.raw:
+            # our own slice goes through the same encoding as every other rank's
+            fb, fe = codec.frame_bytes, codec.frame_elems
+            part = payload[lo // fe * fb : lo // fe * fb + codec.nbytes(hi - lo)]
+            own = codec.decode(part.to(acc.device), hi - lo)
         try:
-            weights = self._reduce_from(acc, flat[lo:hi], weight, digest, codec, names,
-                                        offset=lo, slice_=me, nslices=len(bounds))
+            weights = self._reduce_from(acc, own, weight, digest, codec, names,
+                                        dtype=flat.dtype, offset=lo, full=n, slice_=me, nslices=len(bounds))
         except BaseException as exc:
             self._publish_error(result_name, exc)
             raise
@@ -776,7 +836,7 @@ class FileSync(GradSync):
             with reader:
                 self._check_header(header, path, kind=KIND_RESULT, src=j, digest=digest,
                                    codec=codec, dtype=flat.dtype, count=jhi - jlo, offset=jlo,
-                                   slice_=j, nslices=len(bounds))
+                                   slice_=j, nslices=len(bounds), total=n)
                 if header.weight != total:
                     raise ShardCorrupt(
                         f"rank {j} computed total weight {header.weight}, this rank {total}",
@@ -861,6 +921,8 @@ class FileSync(GradSync):
             if self._heartbeat is not None:
                 self._heartbeat.stop("aborted" if failure is not None else "closed")
                 self._heartbeat = None
+            if self._generation.claim is not None:
+                self._generation.claim.release()
             if failure is None:
                 self._flush_garbage()
                 self._storage.delete([key for _, key in self._spares])

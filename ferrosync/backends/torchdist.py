@@ -212,7 +212,9 @@ class TorchDistSync(GradSync):
         if self._opts["wire_dtype"] is not None and flat.dtype.is_floating_point:
             codec = codec_for(flat.dtype, self._opts["wire_dtype"])
             if not codec.raw:
-                return self._average_encoded(flat, weight, codec, digest, group)
+                # codec state belongs to what the data is (see api._stream), not its shape
+                return self._average_encoded(flat, weight, codec,
+                                             (layout.get("stream"), digest), group)
         n = flat.numel()
         acc_dtype = accumulator_dtype(flat.dtype)
         with self._stats.phase("reduce_s"):
@@ -233,7 +235,7 @@ class TorchDistSync(GradSync):
                 torch.div(buf[:n], total, out=flat)  # one pass: divide and narrow to dtype
         return total
 
-    def _average_encoded(self, flat, weight, codec, digest, group):
+    def _average_encoded(self, flat, weight, codec, ef_key, group):
         """wire_dtype path: all-gather encoded payloads, sum them in rank order locally."""
         n = flat.numel()
         nbytes = codec.nbytes(n)
@@ -244,9 +246,9 @@ class TorchDistSync(GradSync):
             if weight > 0:
                 x = flat.to(torch.float32)
                 if isinstance(codec, Int8Codec) and self._opts["error_feedback"]:
-                    sent = self._ef.compensate(digest, x)
+                    sent = self._ef.compensate(ef_key, x)
                     codec.encode(sent, frame[8 : 8 + nbytes])
-                    self._ef.remember(digest, sent, codec.decode(frame[8 : 8 + nbytes], n))
+                    self._ef.remember(ef_key, sent, codec.decode(frame[8 : 8 + nbytes], n))
                 else:
                     codec.encode(x, frame[8 : 8 + nbytes])
             else:

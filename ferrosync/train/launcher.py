@@ -31,8 +31,10 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 
 from ..env import (
+    ENV_JOB,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     ENV_RANK,
@@ -64,19 +66,35 @@ def launch(args, argv: list[str]) -> int:
             check_sync_url(url, args.sync_options)
         commands, envs = [], []
         per_node = args.nproc // (args.nnodes_sim or 1)
+        job = launch_job_id()
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
-            envs.append(_rank_env(rank, args.nproc, url, per_node))
+            envs.append(_rank_env(rank, args.nproc, url, per_node, job))
         return Supervisor(commands, envs, url=url).run()
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
 
 
-def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None) -> dict:
+def launch_job_id() -> str:
+    """The job id every rank of this launch shares: ``$FERROSYNC_JOB`` or a new one.
+
+    The launcher starts every rank of its job, so it can name the job: two launches
+    on one ``--sync`` URL then never meet, and no rank waits the claim window of a
+    job without an id. A job id the user set (for a restart that must find its
+    earlier generations under the same name) is kept. SLURM's and torchrun's ids are
+    not used here: one allocation may run several launches.
+    """
+    return os.environ.get(ENV_JOB) or f"launch-{uuid.uuid4().hex[:16]}"
+
+
+def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None,
+              job: str | None = None) -> dict:
     """A rank's environment; ``per_node`` < world_size simulates several nodes."""
     per_node = per_node or world_size
     env = dict(os.environ)
+    if job is not None:
+        env[ENV_JOB] = job
     env.update({
         ENV_RANK: str(rank),
         ENV_WORLD_SIZE: str(world_size),
