@@ -313,7 +313,7 @@ def rendezvous(storage: Storage, rank: int, world_size: int, settings: dict, *,
     storage.makedirs(plan.ns)
     deadline = time.monotonic() + timeout
     claim = Claim(storage, plan.ns, rank, key, {
-        "rank": rank, "world_size": world_size, "settings": settings,
+        "job": job, "rank": rank, "world_size": world_size, "settings": settings,
         "token": secrets.token_hex(8), "host": socket.gethostname(), "pid": os.getpid(),
         "wall_time": time.time(),
     })
@@ -428,7 +428,7 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
         backoff.sleep(deadline)
     token = secrets.token_hex(8)
     record = {
-        "generation": g, "token": token, "world_size": plan.world_size,
+        "job": plan.ns, "generation": g, "token": token, "world_size": plan.world_size,
         "settings": plan.settings, "joins": joins, "error": "; ".join(problems) or None,
         "host": socket.gethostname(), "pid": os.getpid(), "wall_time": time.time(),
     }

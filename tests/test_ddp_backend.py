@@ -46,7 +46,7 @@ def test_stock_ddp_matches_gloo_two_ranks(tmp_path, kind):
     # the data went where docs/ddp.md says (beside torch's store file for file-store)
     location = {"dir-new": tmp_path / "run" / "not-yet",
                 "file-store": tmp_path / "store.ferrosync"}.get(kind, tmp_path / "run")
-    assert (location / "rdzv").is_dir()
+    assert (location / f"rdzv.{os.environ['FERROSYNC_JOB']}").is_dir()
 
 
 def test_stock_ddp_matches_gloo_three_ranks_unused_parameters(tmp_path):

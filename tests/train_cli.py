@@ -10,14 +10,15 @@ import sys
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
-#: required keys of every metrics line (DESIGN.md §6)
+#: required keys of every metrics line (docs/design.md#metrics-lines)
 METRIC_KEYS = {"step", "epoch", "loss", "lr", "compute_s", "sync_s", "bytes", "requests"}
 
 
 def cli_env(**extra) -> dict:
     env = dict(os.environ)
+    # FERROSYNC_JOB too: the launcher names each launch's job, as it does for a user
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "FERROSYNC_URL", "SLURM_PROCID",
-                 "SLURM_NTASKS"):
+                 "SLURM_NTASKS", "FERROSYNC_JOB"):
         env.pop(name, None)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS])
     env["OMP_NUM_THREADS"] = "1"

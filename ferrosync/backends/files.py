@@ -1,16 +1,18 @@
 """``FileSync``: collectives through a shared directory or an fsspec object store.
 
-Objects of generation ``g`` (all below ``g{g}/``; ``s`` is the collective number)::
+Objects of generation ``g`` (all below ``g{g}.{token}/``; ``s`` is the collective number)::
 
     c{s}.r{k}          rank k's contribution                       (root reduce)
     c{s}.out           the average, published by rank 0            (root reduce)
     c{s}.r{k}.s{j}     slice j of rank k's contribution            (sharded reduce)
     c{s}.out.s{j}      slice j of the average, published by rank j (sharded reduce)
     c{s}.out           a broadcast, published by its source
+    c{s}.r{k}          rank k's copy in an all-gather
+    c{s}.out[.s{j}]    an error record, where the peers wait, when a reducer fails
     layout.{d}.r{k}    rank k's description of layout digest d (for mismatch errors)
     hb.r{k}, abort.r{k}  liveness (see liveness.py)
 
-**Root reduce** (DESIGN.md's strategy): ranks k > 0 publish their contribution;
+**Root reduce** (docs/design.md#root-reduce): ranks k > 0 publish their contribution;
 rank 0 streams them *in rank order* into one accumulator (float32 for half types,
 on the tensors' device), divides once by the total weight, publishes the result,
 and every rank (rank 0 included) decodes the same published bytes, so results are
@@ -33,7 +35,6 @@ Deletes are deferred to the next wait, where they cost no latency.
 
 from __future__ import annotations
 
-import hmac
 import json
 import math
 import os
@@ -137,13 +138,6 @@ def _non_negative(name, value):
     return float(value)
 
 
-def job_key(secret: bytes | None, job: str | None) -> bytes | None:
-    """The MAC key of one job: objects of another job (same secret) never verify."""
-    if secret is None:
-        return None
-    return hmac.new(secret, b"ferrosync job:" + (job or "").encode(), "sha256").digest()
-
-
 class FileSync(GradSync):
     """GradSync over a shared directory (local, NFS) or an fsspec object store."""
 
@@ -207,7 +201,9 @@ class FileSync(GradSync):
         super().__init__(url, identity, timeout, storage.counters, options["bucket_bytes"])
         self._storage = storage
         self._opts = options
-        self._key: bytes | None = job_key(options["secret"], options["job"])
+        # objects are bound to their job through the generation token in every header
+        # (covered by the MAC): a generation is announced in exactly one job's namespace
+        self._key: bytes | None = options["secret"]
         self.job: str | None = options["job"]
         self._poll = (
             options["poll_initial"] or storage.poll_initial,
@@ -815,7 +811,8 @@ class FileSync(GradSync):
             own = codec.decode(part.to(acc.device), hi - lo)
         try:
             weights = self._reduce_from(acc, own, weight, digest, codec, names,
-                                        dtype=flat.dtype, offset=lo, full=n, slice_=me, nslices=len(bounds))
+                                        dtype=flat.dtype, offset=lo, full=n, slice_=me,
+                                        nslices=len(bounds))
         except BaseException as exc:
             self._publish_error(result_name, exc)
             raise

@@ -1,0 +1,157 @@
+"""The repository stands on its own: every document a file cites is in the repository.
+
+Scans every ``*.py`` and ``*.md`` file (outside ``.git`` and build output) for
+citations of documents and scripts (``docs/*.md``, ``tools/*.py``, ``examples/*.py``,
+relative Markdown links, and the retired external design document) and checks that
+each cited file exists, and that every ``#anchor`` a citation names is a heading of
+the cited Markdown file (GitHub's rule: lowercase, punctuation removed, spaces to
+hyphens). ``docs/design.md`` must exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = "docs/design.md"
+_SKIP_DIRS = {".git", "__pycache__", "build", "dist", ".venv", "venv", "node_modules",
+              ".pytest_cache", ".ruff_cache", ".hypothesis"}
+
+#: a repository path cited from anywhere (a Markdown file under docs, a script under tools
+#: or examples), with an optional #anchor; not part of a longer path such as /tmp/docs/x.md
+_CITED_PATH = re.compile(
+    r"(?<![\w/.-])((?:docs/[\w.-]+\.md)|(?:tools|examples)/[\w.-]+\.py)(?:#([\w-]+))?")
+#: the external design document that used to be cited, by file name or as "... §N"
+#: (spelt "[D]ESIGN" so that grepping the repository for citations does not find this line)
+_EXTERNAL_DOC = re.compile(r"\b[D]ESIGN(?:\.md\b|\s*§)")
+#: a Markdown link target: [text](target) with a relative .md target and optional anchor,
+#: or a same-file anchor (#anchor)
+_MD_LINK = re.compile(r"\]\((?!\w+://|mailto:)([^)\s#]*\.md)?(?:#([^)\s]*))?\)")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def _repo_files(*suffixes: str) -> list[str]:
+    found = []
+    for directory, subdirs, files in os.walk(ROOT):
+        subdirs[:] = sorted(d for d in subdirs
+                            if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
+        for name in sorted(files):
+            if name.endswith(suffixes):
+                found.append(os.path.relpath(os.path.join(directory, name), ROOT))
+    return found
+
+
+def _read(rel: str) -> str:
+    with open(os.path.join(ROOT, rel), encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def github_anchor(heading: str) -> str:
+    """GitHub's anchor for a heading's text: markup dropped, lowercased, punctuation
+    removed (letters, digits, spaces, hyphens and underscores stay), spaces to hyphens."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # [text](link) -> text
+    text = re.sub(r"<[^>]+>", "", text)  # inline HTML
+    text = text.strip().lower()
+    text = "".join(c for c in text if c.isalnum() or c in " -_")
+    return text.replace(" ", "-")
+
+
+def anchors_of(markdown: str) -> set[str]:
+    """Every heading anchor of a Markdown text (``-1``, ``-2``... for repeated ones),
+    ignoring ``#`` lines inside fenced code blocks."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    fenced = False
+    for line in markdown.splitlines():
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        m = None if fenced else re.match(r"^ {0,3}#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if not m:
+            continue
+        base = github_anchor(m.group(1))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        anchors.add(base if n == 0 else f"{base}-{n}")
+    return anchors
+
+
+def _citations() -> list[tuple[str, int, str, str | None]]:
+    """(citing file, line, cited repository path, anchor or None) for every citation."""
+    out = []
+    for rel in _repo_files(".py", ".md"):
+        text = _read(rel)
+        for m in _CITED_PATH.finditer(text):
+            out.append((rel, _line_of(text, m.start()), m.group(1), m.group(2)))
+        if rel.endswith(".md"):
+            here = os.path.dirname(rel)
+            for m in _MD_LINK.finditer(text):
+                target, anchor = m.group(1), m.group(2)
+                if target is None and anchor is None:
+                    continue
+                path = rel if target is None else os.path.normpath(os.path.join(here, target))
+                out.append((rel, _line_of(text, m.start()), path.replace(os.sep, "/"),
+                            anchor or None))
+    return out
+
+
+def test_design_document_exists():
+    assert os.path.isfile(os.path.join(ROOT, DOC)), f"{DOC} is missing"
+    anchors = anchors_of(_read(DOC))
+    # the sections the code links to most; more are checked through the citations
+    for anchor in ("storage-rules", "atomic-publish", "exact-name-polling",
+                   "no-cross-host-clocks", "final-line", "metrics-lines"):
+        assert anchor in anchors, f"{DOC} has no heading for #{anchor}"
+
+
+def test_no_citation_of_the_external_design_document():
+    offenders = []
+    for rel in _repo_files(".py", ".md"):
+        text = _read(rel)
+        for m in _EXTERNAL_DOC.finditer(text):
+            line = _line_of(text, m.start())
+            offenders.append(f"{rel}:{line}: {text.splitlines()[line - 1].strip()}")
+    assert not offenders, ("these lines cite a design document outside the repository; "
+                           f"link the matching section of {DOC} instead:\n"
+                           + "\n".join(offenders))
+
+
+def test_cited_files_exist():
+    missing = sorted({f"{rel}:{line}: {path}" for rel, line, path, _ in _citations()
+                      if not os.path.exists(os.path.join(ROOT, path))})
+    assert not missing, "cited files that are not in the repository:\n" + "\n".join(missing)
+
+
+def test_cited_anchors_exist():
+    cache: dict[str, set[str]] = {}
+    broken = []
+    for rel, line, path, anchor in _citations():
+        if anchor is None or not path.endswith(".md"):
+            continue
+        full = os.path.join(ROOT, path)
+        if not os.path.isfile(full):
+            continue  # reported by test_cited_files_exist
+        if path not in cache:
+            cache[path] = anchors_of(_read(path))
+        if anchor not in cache[path]:
+            broken.append(f"{rel}:{line}: {path}#{anchor}")
+    assert not broken, "links to headings that do not exist:\n" + "\n".join(sorted(set(broken)))
+
+
+@pytest.mark.parametrize("heading, anchor", [
+    ("Storage rules", "storage-rules"),
+    ("Exact-name polling", "exact-name-polling"),
+    ("FINAL line", "final-line"),
+    ("Broadcast, all-gather and barrier", "broadcast-all-gather-and-barrier"),
+    ("`ferrosync inspect URL`", "ferrosync-inspect-url"),
+    ("Training with `python -m ferrosync.train`", "training-with-python--m-ferrosynctrain"),
+])
+def test_github_anchor_rule(heading, anchor):
+    assert github_anchor(heading) == anchor
