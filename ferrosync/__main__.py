@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     common(p, secret=True)
     watch(p)
     p.add_argument("--keep", type=_count(0), default=0, metavar="N",
-                   help="keep the N newest finished generations (default 0)")
+                   help="keep each job's N newest finished generations (default 0)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 

@@ -22,10 +22,12 @@ import torch
 
 import ferrosync
 from ferrosync.__main__ import main
+from ferrosync.errors import DuplicateRank
 from ferrosync.ops.doctor import nfs_problems
 from ranks import RankFailure, collect, run_ranks, start_ranks
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
+NS = f"rdzv.{os.environ['FERROSYNC_JOB']}"  # the suite's job id (tests/conftest.py)
 WATCH = "2"  # seconds: two periods of the library's default 1 s heartbeat
 DEAD_PID = (1 << 22) + 12345  # above Linux's largest pid_max: never a live process
 
@@ -122,9 +124,9 @@ def by_number(report: dict) -> dict[int, dict]:
     return {g["generation"]: g for g in report["generations"] if g["announced"]}
 
 
-def start_live(tmp_path, url, options=FAST):
-    stop, started = str(tmp_path / "stop"), str(tmp_path / "started")
-    procs, q = start_ranks(w_live, 2, url, options, stop, started)
+def start_live(tmp_path, url, options=FAST, env=None, name="live"):
+    stop, started = str(tmp_path / f"{name}-stop"), str(tmp_path / f"{name}-started")
+    procs, q = start_ranks(w_live, 2, url, options, stop, started, env=env)
     wait_until(lambda: all(os.path.exists(f"{started}.{r}") for r in range(2)), "ranks started")
     return procs, q, stop
 
@@ -141,7 +143,7 @@ def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
     try:
         live_dir = next(d for d in generation_dirs(url) if d.startswith("g2."))
         orphan = os.path.join(url, live_dir, f".c99.r1.{DEAD_PID}.deadbeef.tmp")
-        rdzv_orphan = os.path.join(url, "rdzv", f".join.r1.9.{DEAD_PID}.0badf00d.tmp")
+        rdzv_orphan = os.path.join(url, NS, f".join.r1.9.{DEAD_PID}.0badf00d.tmp")
         for path in (orphan, rdzv_orphan):
             with open(path, "wb") as f:
                 f.write(b"half a write")
@@ -162,8 +164,17 @@ def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
             assert r["state"] == "live" and r["beat_changed"], r
             assert r["collective"] >= 1 and r["op"] == "average"
         assert gens[2]["temp_files"] == [f"{live_dir}/.c99.r1.{DEAD_PID}.deadbeef.tmp"]
-        assert report["orphan_temp_files"] == [f"rdzv/.join.r1.9.{DEAD_PID}.0badf00d.tmp"]
+        assert report["orphan_temp_files"] == [f"{NS}/.join.r1.9.{DEAD_PID}.0badf00d.tmp"]
+        # claims of every rank, and end markers: the rendezvous's, never "foreign"
         assert report["foreign_objects"] == ["notes.txt"]
+        (job,) = report["jobs"]
+        assert job["namespace"] == NS and job["job"] == "tests"
+        assert job["announcements"] == [0, 1, 2] and job["newest"] == 2
+        assert job["newest_prefix"] == live_dir and job["unconsumed_joins"] == {}
+        assert job["end_records"] == 4  # both finished runs' ranks closed their claims
+        assert job["open_claims"] == {"0": 2, "1": 2}  # the live run's
+        assert {(g["job"], g["namespace"]) for g in gens.values()} == {("tests", NS)}
+        assert [g["newest_of_job"] for _, g in sorted(gens.items())] == [False, False, True]
         assert all(g["bytes"] > 0 for g in gens.values())
         # one listing: the total is every generation, rdzv/ and the loose files
         loose = len(b"half a write") + len("not ferrosync's: left alone")
@@ -182,6 +193,10 @@ def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
             return [f for f in files_under(url) if not f.startswith(live_dir + "/")]
 
         before = settled()
+        records = {f for f in before if f.startswith(NS + "/")} - {
+            os.path.relpath(rdzv_orphan, url)}
+        assert {f"{NS}/gen.{g}" for g in range(3)} | {
+            f"{NS}/join.r{r}.{n}" for r in range(2) for n in range(3)} <= records, records
         plan = tool_json(capsys, "gc", url, "--dry-run", "--watch", WATCH)
         assert settled() == before  # a dry run deletes (and creates) nothing
         assert os.path.exists(orphan)
@@ -197,9 +212,7 @@ def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
         assert not os.path.exists(orphan) and not os.path.exists(rdzv_orphan)
         assert os.path.exists(os.path.join(url, live_dir, "hb.r0"))
         assert os.path.exists(os.path.join(url, "notes.txt"))
-        assert {f for f in files_under(url) if f.startswith("rdzv/")} == {
-            "rdzv/gen.0", "rdzv/gen.1", "rdzv/gen.2", "rdzv/join.r1.0", "rdzv/join.r1.1",
-            "rdzv/join.r1.2"}
+        assert {f for f in files_under(url) if f.startswith("rdzv")} == records  # all kept
     finally:
         open(stop, "w").close()
         out = collect(procs, q, timeout=60)
@@ -209,7 +222,7 @@ def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
     assert generation_dirs(url) == []  # the live one finished: now it may go, newest or not
     assert any(d["target"].startswith("g2.") and d["action"] == "remove"
                for d in done["decisions"])
-    # rdzv/ survived, so the next job still gets a fresh generation number
+    # rdzv.tests/ survived, so the next job still gets a fresh generation number
     assert run_ranks(w_steps, 2, url, FAST, 1, str(tmp_path / "done-c")) == [3, 3]
 
 
@@ -241,6 +254,119 @@ def test_gc_keeps_the_newest_dead_generation_and_unannounced_ones(tmp_path, caps
     reasons = {d["target"]: d["reason"] for d in done["decisions"] if d["action"] == "remove"}
     assert reasons[dead_dir].startswith("dead"), reasons
     assert generation_dirs(url) == ["g5.0123456789abcdef"]
+
+
+def w_duplicate(rank, world, url, options):
+    """A second process claiming a rank a running job holds: it must fail."""
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=30, **options):
+        return "connected"
+
+
+def test_two_jobs_with_ids_each_with_generation_0(tmp_path, capsys):
+    url = str(tmp_path / "run")
+    job_a, job_b = {"FERROSYNC_JOB": "job-a"}, {"FERROSYNC_JOB": "job-b"}
+    for n in range(2):  # job-a: generations 0 and 1, finished
+        assert run_ranks(w_steps, 2, url, FAST, 2, str(tmp_path / f"done-a{n}"),
+                         env=job_a) == [n, n]
+    a_dirs = generation_dirs(url)
+    procs, q, stop = start_live(tmp_path, url, env=job_b, name="b")  # job-b: generation 0
+    try:
+        (b_dir,) = sorted(set(generation_dirs(url)) - set(a_dirs))
+        assert b_dir.startswith("g0.")
+        # the newcomer is objected to by the running rank 1 of job-b, and fails
+        (dup,) = run_ranks(w_duplicate, 2, url, FAST, ranks=[1], env=job_b,
+                           expect_errors=True)
+        assert isinstance(dup, RankFailure) and isinstance(dup.error, DuplicateRank), dup
+        # job-a's number 1 has another directory, but job-b may still announce a 1:
+        # kept; every job announced a 0 with another directory: an orphan
+        maybe_b = os.path.join(url, "g1.0123456789abcdef")
+        loser = os.path.join(url, "g0.fedcba9876543210")
+        os.makedirs(maybe_b)
+        os.makedirs(loser)
+
+        report = tool_json(capsys, "inspect", url, "--watch", "10")
+        assert report["foreign_objects"] == []  # dup.*, end.* are the rendezvous's
+        jobs = {j["job"]: j for j in report["jobs"]}
+        assert sorted(jobs) == ["job-a", "job-b"]
+        assert jobs["job-a"]["namespace"] == "rdzv.job-a"
+        assert jobs["job-a"]["announcements"] == [0, 1] and jobs["job-b"]["announcements"] == [0]
+        assert jobs["job-a"]["newest_prefix"] == next(d for d in a_dirs if d.startswith("g1."))
+        assert jobs["job-b"]["newest_prefix"] == b_dir
+        assert jobs["job-a"]["objections"] == [] and jobs["job-a"]["unconsumed_joins"] == {}
+        (objection,) = jobs["job-b"]["objections"]
+        assert (objection["rank"], objection["attempt"], objection["by_attempt"]) == (1, 1, 0)
+        assert jobs["job-b"]["unconsumed_joins"] == {"1": 1}  # the newcomer's claim
+        gens = {g["prefix"]: g for g in report["generations"]}
+        assert sorted(gens) == sorted([*a_dirs, b_dir, "g1.0123456789abcdef",
+                                       "g0.fedcba9876543210"])
+        for d in a_dirs:
+            assert (gens[d]["job"], gens[d]["status"]) == ("job-a", "finished"), gens[d]
+        assert (gens[b_dir]["job"], gens[b_dir]["status"]) == ("job-b", "live")
+        assert gens[b_dir]["newest_of_job"] is True
+        assert gens["g1.0123456789abcdef"]["status"] == "creating"
+        assert gens["g0.fedcba9876543210"]["status"] == "orphan"
+        assert gens["g0.fedcba9876543210"]["job"] is None
+        code, text = tool(capsys, "inspect", url, "--watch", "0")
+        assert code == 0 and "job job-a (rdzv.job-a/)" in text and "job job-b" in text
+        assert "OBJECTION rank 1 claim 1 by claim 0" in text
+
+        records = {f for f in files_under(url) if f.startswith("rdzv")}
+        assert {"rdzv.job-b/dup.r1.1", "rdzv.job-b/end.r1.1", "rdzv.job-a/end.r0.1"} <= records
+        done = tool_json(capsys, "gc", url, "--watch", WATCH)
+        removed = {d["target"]: d for d in done["decisions"] if d["action"] == "remove"}
+        assert sorted(removed) == sorted([*a_dirs, "g0.fedcba9876543210"]), done["decisions"]
+        assert {removed[d]["namespace"] for d in a_dirs} == {"rdzv.job-a"}
+        assert generation_dirs(url) == sorted([b_dir, "g1.0123456789abcdef"])
+        assert os.path.exists(os.path.join(url, b_dir, "hb.r0"))
+        assert {f for f in files_under(url) if f.startswith("rdzv")} == records
+    finally:
+        open(stop, "w").close()
+        out = collect(procs, q, timeout=60)
+    assert all(isinstance(v, int) and v > 0 for v in out.values()), out  # undisturbed
+
+
+def test_gc_keeps_each_jobs_newest_generation(tmp_path, capsys):
+    """A job killed in generation 0 keeps it (it may be restarting), though another
+    job on the location has announced higher numbers."""
+    url = str(tmp_path / "run")
+    procs, q, stop = start_live(tmp_path, url)  # job "tests", generation 0
+    for p in procs.values():
+        os.kill(p.pid, signal.SIGKILL)
+    collect(procs, q, timeout=30)
+    (dead_dir,) = generation_dirs(url)
+    other = {"FERROSYNC_JOB": "other"}
+    for n in range(2):
+        assert run_ranks(w_steps, 2, url, FAST, 1, str(tmp_path / f"done{n}"),
+                         env=other) == [n, n]
+    done = tool_json(capsys, "gc", url, "--watch", WATCH)
+    decisions = {d["target"]: d for d in done["decisions"]}
+    assert decisions[dead_dir]["action"] == "keep", decisions[dead_dir]
+    assert "newest generation of job tests" in decisions[dead_dir]["reason"]
+    assert generation_dirs(url) == [dead_dir]  # the other job's two finished ones went
+    report = tool_json(capsys, "inspect", url, "--watch", "0")
+    jobs = {j["job"]: j for j in report["jobs"]}
+    assert jobs["tests"]["open_claims"] == {"0": 0, "1": 0}  # killed: no end markers
+    assert jobs["other"]["announced_without_data"] == [0, 1]
+
+
+def test_rendezvous_records_of_every_namespace_are_classified():
+    from ferrosync.ops.layout import classify
+
+    kinds = {key: (o.kind, o.namespace, o.rank, o.number) for key in (
+        "rdzv/join.r1.2", "rdzv/gen.3", "rdzv.job-a/dup.r1.4", "rdzv.job-a/end.r0.5",
+        "rdzv.launch-0123456789abcdef/gen.0", "rdzv.job-a/notes", "rdzv.-bad/gen.0",
+        "rdzv.job-a/sub/gen.0") if (o := classify(key, 1))}
+    assert kinds == {
+        "rdzv/join.r1.2": ("join", "rdzv", 1, 2),
+        "rdzv/gen.3": ("announcement", "rdzv", None, 3),
+        "rdzv.job-a/dup.r1.4": ("objection", "rdzv.job-a", 1, 4),
+        "rdzv.job-a/end.r0.5": ("end", "rdzv.job-a", 0, 5),
+        "rdzv.launch-0123456789abcdef/gen.0": (
+            "announcement", "rdzv.launch-0123456789abcdef", None, 0),
+        "rdzv.job-a/notes": ("foreign", None, None, None),
+        "rdzv.-bad/gen.0": ("foreign", None, None, None),  # not a job id
+        "rdzv.job-a/sub/gen.0": ("foreign", None, None, None),
+    }
 
 
 def test_inspect_names_the_straggler(tmp_path, capsys):
@@ -279,7 +405,10 @@ def test_inspect_shows_join_records_no_announcement_consumed(tmp_path, capsys):
     (gave_up,) = run_ranks(w_join_only, 2, url, FAST, ranks=[1], expect_errors=True)
     assert isinstance(gave_up, RankFailure)  # rank 0 never came: SyncTimeout
     report = tool_json(capsys, "inspect", url, "--watch", "0")
-    assert report["rdzv"]["unconsumed_joins"] == {"1": 1}  # attempt 0 went into gen 0
+    (job,) = report["jobs"]
+    assert job["unconsumed_joins"] == {"1": 1}  # attempt 0 went into gen 0
+    assert job["open_claims"] == {}  # every claim ended: closed, or gave up
+    assert report["foreign_objects"] == []
 
 
 def w_secret(rank, world, url, options, done):
@@ -396,5 +525,67 @@ def test_s3_smoke_inspect_gc_doctor(s3_transport, capsys, tmp_path):
     tool_json(capsys, "gc", url, "--storage-options", so, "--watch", "1")
     after = tool_json(capsys, "inspect", url, "--storage-options", so, "--watch", "0")
     assert after["generations"] == []  # the finished generation is gone ...
-    assert after["rdzv"]["announced_without_data"] == [0]  # ... its announcement stays
+    (job,) = after["jobs"]
+    assert job["announced_without_data"] == [0]  # ... its announcement stays
+    assert job["namespace"] == NS and after["foreign_objects"] == []
     assert not [k for k in after["leftover_probes"]]  # doctor cleaned up after itself
+
+
+# -- doctor: exclusive create and atomic rename, tried on the location -----------------------
+
+def test_doctor_finds_exclusive_create_and_atomic_rename_on_a_directory(tmp_path, capsys):
+    url = str(tmp_path / "loc")
+    report = tool_json(capsys, "doctor", url, "--size-mib", "0", "--samples", "3")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["capabilities"] == {"exclusive_create": True, "atomic_rename": True}
+    assert checks["exclusive create"]["status"] == "ok", checks["exclusive create"]
+    assert checks["atomic rename"]["status"] == "ok", checks["atomic rename"]
+    assert "same inode" in checks["atomic rename"]["summary"]
+    assert "publish safety" not in checks
+    assert os.listdir(url) == []  # the rename probes went with the rest
+    code, text = tool(capsys, "doctor", url, "--size-mib", "0", "--samples", "3")
+    assert "[ok  ] atomic rename" in text and "[ok  ] exclusive create" in text
+
+
+def test_rename_probe_leaves_nothing_behind(tmp_path):
+    from ferrosync.ops.doctor import probe_rename
+
+    assert probe_rename(str(tmp_path)) == []
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError):
+        probe_rename(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("exclusive, rename, warned", [
+    (False, False, True), (True, False, False), (False, True, False), (True, True, False)])
+def test_doctor_warns_only_when_neither_holds(tmp_path, exclusive, rename, warned):
+    from ferrosync.ops.doctor import Doctor
+    from ferrosync.storage import open_storage
+
+    url = str(tmp_path / "loc")
+    doctor = Doctor(open_storage(url), url, None, size_mib=0, samples=3)
+    doctor.capabilities.update(exclusive_create=exclusive, atomic_rename=rename)
+    doctor.check_safety()
+    found = [c for c in doctor.checks if c.name == "publish safety"]
+    assert bool(found) == warned
+    if warned:
+        assert found[0].status == "warn"
+        assert "neither exclusive create nor atomic rename" in found[0].summary
+
+
+def test_doctor_on_both_s3_servers(any_s3_transport, capsys):
+    """moto and SeaweedFS both honour If-None-Match: the conditional PUT is enforced."""
+    url, opts = any_s3_transport.url, any_s3_transport.options
+    so = json.dumps(opts["storage_options"])
+    report = tool_json(capsys, "doctor", url, "--storage-options", so, "--size-mib", "1",
+                       "--samples", "3")
+    checks = {c["name"]: c for c in report["checks"]}
+    assert report["capabilities"] == {"exclusive_create": True, "atomic_rename": None}
+    assert checks["exclusive create"]["status"] == "ok", checks["exclusive create"]
+    assert "If-None-Match" in checks["exclusive create"]["summary"]
+    assert checks["atomic rename"]["status"] == "info"
+    assert "publish safety" not in checks
+    assert not [c for c in report["checks"] if c["status"] == "fail"], report["checks"]
+    from ferrosync.storage import open_storage
+
+    assert open_storage(url, opts["storage_options"]).list() == []  # cleaned up

@@ -6,5 +6,5 @@
 
 Nothing here is imported by ``import ferrosync``: the CLI (``ferrosync/__main__.py``)
 imports one tool module when it runs. The tools may list the store; the listing ban
-of DESIGN.md §4.2 applies to the collective path only.
+(docs/design.md#exact-name-polling) applies to the collective path only.
 """

@@ -17,6 +17,11 @@ Checks (each ok / warn / fail / info; see docs/operations.md):
   PUT on object stores), and no temp file left behind;
 * exclusive create: a second create-if-absent of one name must fail (``os.link``
   locally, ``If-None-Match`` on object stores): rendezvous relies on it;
+* atomic rename (file systems): a probe renamed within its directory, to a new name
+  and over an existing one, must stay the same file (its inode) with nothing left
+  under the old name; FUSE drivers known to rename by copy then delete (s3fs,
+  goofys, rclone, gcsfuse, blobfuse) are named. A location with neither exclusive
+  create nor atomic rename gets a warning (the JSON report's ``capabilities``);
 * visibility: how long until a second handle sees a new object, polled by exact
   name after a miss (negative caches), and an overwritten one (heartbeats);
 * permissions: modes of what ferrosync creates, the umask, world access;
@@ -42,7 +47,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError, StorageError
 from ..storage import Backoff, LocalStorage, Storage, open_storage
-from .layout import DOCTOR_PREFIX, human_bytes
+from .layout import DOCTOR_PREFIX, human_bytes, namespace_names
 
 MiB = 1 << 20
 VISIBILITY_LIMIT = 30.0  # seconds: an object not visible by then fails the check
@@ -95,6 +100,9 @@ class Doctor:
         self.checks: list[Check] = []
         self.measured: dict = {}
         self.mount: dict | None = None
+        #: what the probes found: True / False, None where not applicable or not run
+        self.capabilities: dict[str, bool | None] = {"exclusive_create": None,
+                                                     "atomic_rename": None}
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -116,13 +124,14 @@ class Doctor:
                 self.storage.makedirs(self.prefix)
                 if self.local:
                     self.check_filesystem()
-                for check in (self.check_atomic, self.check_exclusive, self.check_visibility,
-                              self.check_permissions, self.check_latency,
-                              self.check_throughput):
+                for check in (self.check_atomic, self.check_exclusive, self.check_rename,
+                              self.check_visibility, self.check_permissions,
+                              self.check_latency, self.check_throughput):
                     try:
                         check()
                     except (StorageError, OSError) as exc:
                         self.add(check.__name__[6:], "fail", f"storage failed: {exc}")
+                self.check_safety()
             finally:
                 self.cleanup()
                 self.second.close()
@@ -130,6 +139,7 @@ class Doctor:
             "url": self.storage.url,
             "checks": [c.__dict__ for c in self.checks],
             "measured": self.measured,
+            "capabilities": self.capabilities,
             "recommended": self.recommend() if "latency" in self.measured else None,
         }
 
@@ -163,10 +173,12 @@ class Doctor:
                     return False
             self.add("location", "ok", "bucket created now" if created else "bucket reachable",
                      created=created)
-        existing = [k for k, _ in storage.list("rdzv") if "/gen." in k]
+        spaces = namespace_names(storage)  # one per job id (rdzv/: jobs without one)
+        existing = [k for ns in spaces for k, _ in storage.list(ns) if "/gen." in k]
         if existing:
-            self.add("existing jobs", "info", f"{len(existing)} generation(s) announced here "
-                     "already (see `ferrosync inspect`); a new job gets a fresh one")
+            self.add("existing jobs", "info", f"{len(existing)} generation(s) of "
+                     f"{len(spaces)} job namespace(s) announced here already (see "
+                     "`ferrosync inspect`); a new job gets a fresh one")
         return True
 
     def check_filesystem(self) -> None:
@@ -248,11 +260,13 @@ class Doctor:
 
     def check_exclusive(self) -> None:
         key = self.key("exclusive")
-        self.storage.put(key, [b"first"], exclusive=True)
         how = "os.link" if self.local else "conditional PUT (If-None-Match)"
+        self.capabilities["exclusive_create"] = False
         try:
+            self.storage.put(key, [b"first"], exclusive=True)
             self.storage.put(key, [b"second"], exclusive=True)
         except FileExistsError:
+            self.capabilities["exclusive_create"] = True
             self.add("exclusive create", "ok", f"{how}: a second create of one name fails")
             return
         except StorageError as exc:
@@ -262,6 +276,48 @@ class Doctor:
         self.add("exclusive create", "warn", f"{how} is not enforced (the second create "
                  "overwrote the first): two jobs sharing this URL are not detected at "
                  "rendezvous; give every job its own URL")
+
+    def check_rename(self) -> None:
+        """Rename a probe within its directory, as a local publish does (file systems)."""
+        if not self.local:
+            self.add("atomic rename", "info", "object store: nothing is renamed, one PUT "
+                     "publishes an object whole (see atomic publish)")
+            return
+        self.capabilities["atomic_rename"] = False
+        directory = os.path.join(self.storage.root, self.prefix)
+        try:
+            problems = probe_rename(directory)
+        except OSError as exc:
+            self.add("atomic rename", "fail", f"renaming within {directory} failed "
+                     f"({type(exc).__name__}: {exc}): ferrosync publishes by rename; use "
+                     "another filesystem or an object-store URL", errno=exc.errno)
+            return
+        driver = (self.mount or {}).get("fstype", "")
+        if problems:
+            self.add("atomic rename", "fail", "a rename within a directory did not move "
+                     f"the file: {'; '.join(problems)}. Readers could see partial or "
+                     "doubled objects: use another filesystem or an object-store URL",
+                     problems=problems)
+        elif driver in COPY_RENAME_FUSE:
+            self.add("atomic rename", "warn", f"{driver} renames by copying then deleting "
+                     "(only this host's kernel makes it look atomic; other hosts can see "
+                     "both names, or none): use the object store's own URL (s3://, gs://, "
+                     "az://) instead of the mount", driver=driver)
+        else:
+            self.capabilities["atomic_rename"] = True
+            note = (f"; {driver} is a FUSE driver: other hosts see what it makes of "
+                    "rename" if driver.startswith("fuse") else "")
+            self.add("atomic rename", "ok", "os.rename/os.replace within a directory keep "
+                     f"the file (same inode), the old name gone{note}")
+
+    def check_safety(self) -> None:
+        """Warn where neither exclusive create nor atomic rename holds (file systems)."""
+        caps = self.capabilities
+        if self.local and caps["exclusive_create"] is False and caps["atomic_rename"] is False:
+            self.add("publish safety", "warn", "this location has neither exclusive create "
+                     "nor atomic rename: readers can see partial objects and two jobs sharing "
+                     "it are not detected. Use the object store's URL (s3://...) rather than "
+                     "a FUSE mount of it, or a local or NFS directory")
 
     def check_visibility(self) -> None:
         trials = max(3, min(10, self.samples))
@@ -304,10 +360,11 @@ class Doctor:
         root = self.storage.root
         key = self.key("mode")
         self.storage.put(key, [b"x"])
+        # lstat below the root: what ferrosync made there, never a link's target
         modes = {
             "location": stat.S_IMODE(os.stat(root).st_mode),
-            "created_dir": stat.S_IMODE(os.stat(os.path.join(root, self.prefix)).st_mode),
-            "created_file": stat.S_IMODE(os.stat(os.path.join(root, key)).st_mode),
+            "created_dir": stat.S_IMODE(os.lstat(os.path.join(root, self.prefix)).st_mode),
+            "created_file": stat.S_IMODE(os.lstat(os.path.join(root, key)).st_mode),
         }
         umask = current_umask()
         data = {k: f"{v:04o}" for k, v in modes.items()}
@@ -375,10 +432,7 @@ class Doctor:
         keys = [k for k, _ in self.storage.list(self.prefix)]
         self.storage.delete(keys)
         if self.local:
-            try:
-                os.rmdir(os.path.join(self.storage.root, self.prefix))
-            except FileNotFoundError:
-                pass
+            self.storage.remove_empty_dirs(self.prefix)  # never through a link
         left = self.storage.list(self.prefix)
         if left:
             self.add("cleanup", "warn", f"{len(left)} probe objects could not be removed "
@@ -427,6 +481,77 @@ def _version_of(data: bytes | None, size: int) -> int | None:
     if data.count(fill, 8) != size - 8:
         return None
     return version
+
+
+# -- rename probe -----------------------------------------------------------------------------
+
+#: FUSE drivers whose rename is a copy then a delete (object stores have no rename)
+COPY_RENAME_FUSE = {"fuse.s3fs", "fuse.goofys", "fuse.rclone", "fuse.gcsfuse",
+                    "fuse.blobfuse", "fuse.blobfuse2", "fuse.geesefs"}
+_PROBE_DIR_FLAGS = (os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0)
+                    | getattr(os, "O_CLOEXEC", 0))
+_PROBE_FILE_FLAGS = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_CLOEXEC", 0))
+
+
+def probe_rename(directory: str) -> list[str]:
+    """Rename within ``directory`` the two ways a local publish does; return what went
+    wrong (empty: the renames behaved atomically, as far as one host can tell).
+
+    A rename must move the file itself: the same inode under the new name, nothing
+    left under the old one, and ``os.replace`` onto an existing name must put the
+    source file there. A copy then delete makes a new file instead. The probe files
+    are created here (never following a link) and removed before returning.
+    """
+    names = ("rename.a", "rename.b", "rename.c")
+    dfd = os.open(directory, _PROBE_DIR_FLAGS)
+    problems = []
+    try:
+        first = _probe_file(dfd, names[0], b"A" * 4096)
+        os.rename(names[0], names[1], src_dir_fd=dfd, dst_dir_fd=dfd)
+        problems += _moved(dfd, names[0], names[1], first, b"A" * 4096, "to a new name")
+        second = _probe_file(dfd, names[2], b"C" * 4096)
+        os.replace(names[2], names[1], src_dir_fd=dfd, dst_dir_fd=dfd)
+        problems += _moved(dfd, names[2], names[1], second, b"C" * 4096,
+                           "onto an existing name")
+    finally:
+        for name in names:
+            try:
+                os.unlink(name, dir_fd=dfd)
+            except OSError:
+                pass
+        os.close(dfd)
+    return problems
+
+
+def _probe_file(dfd: int, name: str, data: bytes) -> os.stat_result:
+    fd = os.open(name, _PROBE_FILE_FLAGS, 0o600, dir_fd=dfd)
+    try:
+        os.write(fd, data)
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def _moved(dfd: int, old: str, new: str, before: os.stat_result, data: bytes,
+           how: str) -> list[str]:
+    problems = []
+    try:
+        os.stat(old, dir_fd=dfd, follow_symlinks=False)
+        problems.append(f"renaming {how} left the old name behind")
+    except FileNotFoundError:
+        pass
+    after = os.stat(new, dir_fd=dfd, follow_symlinks=False)
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        problems.append(f"renaming {how} made a new file (inode {before.st_ino} became "
+                        f"{after.st_ino}): a copy, not a rename")
+    fd = os.open(new, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0), dir_fd=dfd)
+    try:
+        if os.read(fd, len(data) + 1) != data:
+            problems.append(f"after renaming {how} the new name holds other bytes")
+    finally:
+        os.close(fd)
+    return problems
 
 
 # -- mount table ------------------------------------------------------------------------------
@@ -526,4 +651,4 @@ def run(storage: Storage, url: str, storage_options: dict | None, *, size_mib: i
     return 1 if strict and failed else 0
 
 
-__all__ = ["Doctor", "run", "render", "mount_of", "nfs_problems"]
+__all__ = ["Doctor", "run", "render", "mount_of", "nfs_problems", "probe_rename"]

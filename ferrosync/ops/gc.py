@@ -3,7 +3,7 @@
 Run it (exit 0 whatever it finds; 2 on bad usage)::
 
     ferrosync gc /mnt/nfs/exp7 --dry-run       # the plan, and why
-    ferrosync gc /mnt/nfs/exp7 --keep 2        # keep the two newest finished generations
+    ferrosync gc /mnt/nfs/exp7 --keep 2        # each job keeps its two newest finished ones
     ferrosync gc s3://bucket/exp7 --storage-options '{"profile": "ops"}' --secret "$KEY"
 
 What goes, and why it is safe:
@@ -12,28 +12,37 @@ What goes, and why it is safe:
   closed or aborted, or it left an abort marker) or **dead** (no rank's heartbeat
   counter changed during the watch window, at least two heartbeat periods of this
   process's monotonic clock). A live generation is never removed.
-* The **newest** generation is removed only when finished: a job that has just been
-  announced may not have written its first heartbeat yet. A generation directory
-  without an announcement and numbered above the newest announcement is a rank 0
-  between creating it and announcing it: left alone.
-* ``rdzv/`` records are kept: they number future generations and let a restart skip
-  consumed join records (a few hundred bytes each).
+* Several jobs may share a location, each with its own rendezvous namespace
+  (``rdzv/`` or ``rdzv.{job}/``) and its own generation numbers; a generation belongs
+  to the job whose announcement names its directory ``g{g}.{token}``.
+* Each job's **newest** generation is removed only when finished: a job that has just
+  been announced may not have written its first heartbeat yet. A generation
+  directory without an announcement is a rank 0 between creating it and announcing
+  it, and left alone, unless *every* job here has a trusted announcement of its
+  number naming another directory (then it is an orphan: its rank 0 lost the race).
+* ``rdzv*/`` records are kept: they number future generations and let a restart skip
+  consumed claims (a few hundred bytes each).
 * A temp file ``.{name}.{pid}.{hex}.tmp`` goes with its generation, or on its own
   when it outlived the watch window and its pid is none of its generation's running
   ranks (and, on a local directory, no live process here).
 * Records that cannot be verified (a MAC and no ``--secret``, or a bad MAC) are never
   acted upon: their generation is kept and the reason printed.
 * On a local or NFS directory one ``gc`` at a time holds ``.ferrosync-gc.lock``
-  (filelock); jobs never take it, they are protected by liveness.
+  (an ``flock``); jobs never take it, they are protected by liveness.
+* Nothing is followed: links, FIFOs, sockets and devices (which ferrosync never
+  writes) are reported and left alone, a link's target is never touched, and a
+  generation directory is removed only when it is empty.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
 from dataclasses import dataclass, field
 
+from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
 from .layout import DOCTOR_PREFIX, GC_LOCK, Generation, Obj, human_bytes, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
@@ -51,6 +60,8 @@ class Decision:
     keys: list[str] = field(default_factory=list)
     bytes: int = 0
     directory: str | None = None  # local: remove this directory once empty
+    #: a generation's rendezvous namespace ("rdzv" or "rdzv.{job}"; None: unannounced)
+    namespace: str | None = None
 
 
 def plan(storage: Storage, secret: bytes | None, window: float, keep: int) -> list[Decision]:
@@ -59,19 +70,21 @@ def plan(storage: Storage, secret: bytes | None, window: float, keep: int) -> li
     found = scan(storage, secret)
     gens = found.ordered()
     views = judge(storage, gens, secret, window)
-    # a job being started may be in the newest announced generation before its first
-    # heartbeat: that one is removed only when finished
-    newest = found.newest_announced
+    # a job being started may be in its namespace's newest announced generation before
+    # its first heartbeat: each job's newest is removed only when finished
+    newest = found.newest_prefixes
     decisions: list[Decision] = []
-    kept_finished = 0
+    kept_finished: dict[str | None, int] = {}  # per job namespace (None: unannounced)
     running_pids: dict[str, set[int]] = {}
-    for gen in gens:  # newest first, so --keep keeps the newest
-        status = generation_status(gen, views[gen.prefix], newest)
+    for gen in gens:  # newest first, so --keep keeps each job's newest
+        status = generation_status(gen, views[gen.prefix], found)
         running_pids[gen.prefix] = _running_pids(views[gen.prefix])
         decision = _decide(gen, status, views[gen.prefix], newest)
-        if decision.action == "remove" and status in ("finished", "dead") and kept_finished < keep:
-            kept_finished += 1
-            decision = Decision(gen.prefix, "keep", f"{status}; kept by --keep {keep}")
+        if decision.action == "remove" and status in ("finished", "dead") and \
+                kept_finished.get(gen.namespace, 0) < keep:
+            kept_finished[gen.namespace] = kept_finished.get(gen.namespace, 0) + 1
+            decision = Decision(gen.prefix, "keep", f"{status}; kept by --keep {keep}",
+                                namespace=gen.namespace)
         decisions.append(decision)
         if decision.action == "keep":
             decisions.extend(_loose_temps(storage, gen.temps, running_pids[gen.prefix],
@@ -79,7 +92,20 @@ def plan(storage: Storage, secret: bytes | None, window: float, keep: int) -> li
     everyone = set().union(*running_pids.values()) if running_pids else set()
     decisions.extend(_loose_temps(storage, found.temps + found.probes, everyone,
                                   "temp files and probes outside generations", window, since))
+    if found.irregular:
+        decisions.append(_irregular_decision(found.irregular))
     return decisions
+
+
+def _irregular_decision(entries: list[tuple[str, str]]) -> Decision:
+    """Links, FIFOs, sockets, devices: never followed, never removed, but named."""
+    shown = ", ".join(f"{key} ({what})" for key, what in entries[:10])
+    more = f" and {len(entries) - 10} more" if len(entries) > 10 else ""
+    return Decision(
+        "entries that are not regular files", "keep",
+        f"{shown}{more}: ferrosync never writes links, FIFOs, sockets or devices, so someone "
+        "planted them; gc never follows or removes them: find out who, then remove them "
+        "by hand", [key for key, _ in entries])
 
 
 def _running_pids(views: list[RankView]) -> set[int]:
@@ -93,30 +119,39 @@ def _running_pids(views: list[RankView]) -> set[int]:
     return pids
 
 
-def _decide(gen: Generation, status: str, views: list[RankView], newest: int | None,
+def _decide(gen: Generation, status: str, views: list[RankView], newest: set[str],
             ) -> Decision:
     keys = [o.key for o in gen.objects] + [t.key for t in gen.temps]
     if status not in REMOVABLE:
         why = {
             "live": "live: heartbeat counters are moving (ranks "
                     f"{[v.rank for v in views if v.state == 'live']})",
-            "creating": "being created: rank 0 has made it and not announced it yet",
+            "creating": "being created: no announcement names it yet, and a job here may "
+                        "still announce its number (rank 0 makes the directory just before)",
         }.get(status) or _unknown_reason(views)
-        return Decision(gen.prefix, "keep", why)
-    if gen.announced and gen.number == newest and status != "finished":
+        return Decision(gen.prefix, "keep", why, namespace=gen.namespace)
+    if gen.announced and gen.prefix in newest and status != "finished":
         return Decision(gen.prefix, "keep",
-                        f"{status}, but the newest generation is removed only when finished "
-                        "(a job being started may not have heartbeated yet)")
+                        f"{status}, but the newest generation of {_job_name(gen)} is removed "
+                        "only when finished (a job being started may not have heartbeated "
+                        "yet)", namespace=gen.namespace)
     why = {
         "finished": "finished: every rank closed or aborted",
         "dead": "dead: no heartbeat counter moved while watched (ranks "
                 f"{[v.rank for v in views if v.state == 'stale']} stale)",
-        "empty": "empty and not the newest generation",
-        "orphan": "an empty, unannounced directory below the newest announcement (its "
+        "empty": f"empty and not the newest generation of {_job_name(gen)}",
+        "orphan": "an empty, unannounced directory whose number every job here has "
+                  "announced with another directory (its "
                   "rank 0 lost the race for that number, or was killed)",
     }[status]
     return Decision(gen.prefix, "remove", why, keys, gen.bytes,
-                    gen.prefix if gen.has_dir or gen.objects else None)
+                    gen.prefix if gen.has_dir or gen.objects else None, gen.namespace)
+
+
+def _job_name(gen: Generation) -> str:
+    if gen.namespace is None:
+        return "its job"
+    return f"job {gen.job}" if gen.job is not None else "the job without an id"
 
 
 def _unknown_reason(views: list[RankView]) -> str:
@@ -138,7 +173,7 @@ def _loose_temps(storage: Storage, objs: list[Obj], running: set[int], what: str
             kept.append(obj)
         elif window <= 0:
             kept.append(obj)
-        elif obj.kind == "probe-dir" or object_exists(storage, obj.key):
+        elif obj.kind == "probe-dir" or _still_there(storage, obj.key):
             gone.append(obj)
     out = []
     files = [o for o in gone if o.kind != "probe-dir"]
@@ -155,6 +190,15 @@ def _loose_temps(storage: Storage, objs: list[Obj], running: set[int], what: str
                f"their writer may still be running (pids {sorted({o.pid for o in kept})})")
         out.append(Decision(what, "keep", why, [o.key for o in kept]))
     return out
+
+
+def _still_there(storage: Storage, key: str) -> bool:
+    """The candidate still exists as an object; something the store refuses to open
+    (planted at its name since the listing) is not removed."""
+    try:
+        return object_exists(storage, key)
+    except StorageError:
+        return False
 
 
 def _alive_here(storage: Storage, pid: int) -> bool:
@@ -183,29 +227,45 @@ def apply(storage: Storage, decisions: list[Decision]) -> tuple[int, int]:
         objects += len(keys)
         nbytes += d.bytes
         if d.directory and isinstance(storage, LocalStorage):
-            _remove_empty_dirs(os.path.join(storage.root, d.directory))
+            # empty ones only, children first, never through a link
+            storage.remove_empty_dirs(d.directory)
     return objects, nbytes
 
 
-def _remove_empty_dirs(path: str) -> None:
-    for dirpath, _dirs, _files in os.walk(path, topdown=False):  # children first
+class _GcLock:
+    """One gc at a time on a local/NFS directory: an exclusive ``flock`` on
+    ``.ferrosync-gc.lock`` (the lock filelock takes too), whose file is opened
+    without following links: a link planted at its name is refused, never truncated
+    or written through."""
+
+    def __init__(self, storage: LocalStorage) -> None:
+        self._storage = storage
+        self._fd: int | None = None
+        self.lock_file = storage.path_of(GC_LOCK)
+
+    def acquire(self) -> bool:
+        """Take the lock without waiting; False when another gc holds it."""
+        fd = self._storage.open_lock(GC_LOCK)
         try:
-            os.rmdir(dirpath)
-        except OSError:
-            pass  # not empty: something new appeared there; leave it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
 
 
-def _locked(storage: Storage):
+def _locked(storage: Storage) -> _GcLock | None:
     """One gc at a time on a local/NFS directory; object stores have no lock."""
-    if not isinstance(storage, LocalStorage):
-        return None
-    import filelock
-
-    path = os.path.join(storage.root, GC_LOCK)
-    try:
-        return filelock.FileLock(path, timeout=0, mode=0o660)
-    except TypeError:  # filelock < 3.10 has no mode argument
-        return filelock.FileLock(path, timeout=0)
+    return _GcLock(storage) if isinstance(storage, LocalStorage) else None
 
 
 def run(storage: Storage, secret: bytes | None, window: float, *, keep: int, dry_run: bool,
@@ -214,14 +274,9 @@ def run(storage: Storage, secret: bytes | None, window: float, *, keep: int, dry
         print(f"nothing to collect: {storage.root} does not exist")
         return 0
     lock = None if dry_run else _locked(storage)
-    if lock is not None:
-        import filelock
-
-        try:
-            lock.acquire()
-        except filelock.Timeout:
-            print(f"another `ferrosync gc` holds {lock.lock_file}; try again when it is done")
-            return 1
+    if lock is not None and not lock.acquire():
+        print(f"another `ferrosync gc` holds {lock.lock_file}; try again when it is done")
+        return 1
     try:
         decisions = plan(storage, secret, window, keep)
         removed = (0, 0) if dry_run else apply(storage, decisions)
@@ -246,5 +301,5 @@ def run(storage: Storage, secret: bytes | None, window: float, *, keep: int, dry
     total = sum(len(d.keys) for d in decisions if d.action == "remove")
     total_bytes = sum(d.bytes for d in decisions if d.action == "remove")
     print(f"{'would remove' if dry_run else 'removed'} {total} objects, "
-          f"{human_bytes(total_bytes)}; rdzv/ records kept")
+          f"{human_bytes(total_bytes)}; rdzv*/ records kept")
     return 0

@@ -10,7 +10,7 @@ For every generation: its status (live, finished, dead, ...), the ranks seen wit
 their state, heartbeat counter, last collective and operation, stragglers, abort
 markers with the failing rank's error, and the bytes it holds. Liveness comes from
 heartbeat counters changing during ``--watch`` seconds of this process's monotonic
-clock (DESIGN.md §7); wall-clock ages are printed for information only.
+clock (docs/design.md#no-cross-host-clocks); wall-clock ages are printed for information only.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import time
 
+from ..errors import StorageError
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
-from .layout import Generation, Scan, human_bytes, scan
+from .layout import Generation, Namespace, Scan, human_bytes, read_record, scan
 from .watch import RankView, generation_status, judge, progress, stragglers
 
 
@@ -54,15 +55,21 @@ def _wall_age(wall) -> float | None:
 
 
 def generation_report(storage: Storage, gen: Generation, views: list[RankView],
-                      newest: int | None, objects: bool) -> dict:
+                      found: Scan, objects: bool) -> dict:
     ann = gen.announcement
     out = {
         "generation": gen.number,
         "token": gen.token,
         "prefix": gen.prefix,
         "path": storage.path_of(gen.prefix),
-        "status": generation_status(gen, views, newest),
+        "status": generation_status(gen, views, found),
         "announced": gen.announced,
+        # the job whose announcement names this directory (namespace None: none does;
+        # job None in namespace "rdzv": a job without an id)
+        "namespace": gen.namespace,
+        "job": gen.job,
+        "newest_of_job": gen.prefix in found.newest_prefixes,
+        "also_named_by": list(gen.also_named_by),
         "world_size": gen.world_size,
         "objects": len(gen.objects),
         "bytes": gen.bytes,
@@ -91,7 +98,11 @@ def object_report(storage: Storage, key: str, size: int, kind: str) -> dict:
     out = {"key": key, "size": size, "kind": kind}
     if kind not in ("contribution", "result"):
         return out
-    reader = storage.open(key)
+    try:
+        reader = storage.open(key)
+    except StorageError as exc:  # something planted at the name since the listing
+        out["header"] = f"unreadable: {exc}"
+        return out
     if reader is None:
         out["header"] = "gone (deleted since the listing)"
         return out
@@ -118,21 +129,62 @@ def object_report(storage: Storage, key: str, size: int, kind: str) -> dict:
     return out
 
 
-def unconsumed_joins(found: Scan) -> dict[str, int]:
-    """{rank: attempt} of join records newer than the newest announcement's: ranks
-    waiting for rank 0 to announce (or that gave up waiting)."""
-    newest = found.newest_announced
-    consumed = {}
-    if newest is not None and found.announcements[newest].data:
-        joins = found.announcements[newest].get("joins") or {}
-        consumed = {str(r): v[0] for r, v in joins.items() if isinstance(v, list) and v}
+def _latest(objs) -> dict[str, int]:
+    """{rank: newest attempt} of claim-numbered records (join, end, dup)."""
     latest: dict[str, int] = {}
-    for obj in found.rdzv:
-        if obj.kind == "join":
-            attempt = int(obj.key.rsplit(".", 1)[1])
-            latest[str(obj.rank)] = max(attempt, latest.get(str(obj.rank), -1))
-    return {r: n for r, n in sorted(latest.items(), key=lambda kv: int(kv[0]))
-            if n > consumed.get(r, -1)}
+    for obj in objs:
+        latest[str(obj.rank)] = max(obj.number, latest.get(str(obj.rank), -1))
+    return dict(sorted(latest.items(), key=lambda kv: int(kv[0])))
+
+
+def unconsumed_joins(ns: Namespace) -> dict[str, int]:
+    """{rank: attempt} of a namespace's claims newer than every claim its announcements
+    took (the newest's, or an earlier one's for a rank the newest lacks): ranks waiting
+    for rank 0 to announce (or that gave up waiting)."""
+    consumed: dict[str, int] = {}
+    for record in ns.announcements.values():
+        joins = record.get("joins")
+        for r, v in (joins.items() if isinstance(joins, dict) else ()):
+            if isinstance(v, list) and v and isinstance(v[0], int):
+                consumed[str(r)] = max(v[0], consumed.get(str(r), -1))
+    return {r: n for r, n in _latest(ns.of_kind("join")).items() if n > consumed.get(r, -1)}
+
+
+def objection_report(storage: Storage, obj, secret: bytes | None) -> dict:
+    """A ``dup`` record: a live holder of an earlier claim objected to claim ``attempt``."""
+    record = read_record(storage, obj.key, secret)
+    out = {"rank": obj.rank, "attempt": obj.number, "key": obj.key}
+    if record is None:
+        return out | {"trust": None, "problem": "gone (deleted since the listing)"}
+    return out | {"by_attempt": record.get("attempt"), "host": record.get("host"),
+                  "pid": record.get("pid"), "trust": record.trust, "problem": record.problem}
+
+
+def job_report(storage: Storage, ns: Namespace, found: Scan, secret: bytes | None) -> dict:
+    """One job's rendezvous namespace: announcements, waiting claims, objections."""
+    announced = sorted(o.number for o in ns.of_kind("announcement"))
+    ended = {(o.rank, o.number) for o in ns.of_kind("end")}
+    return {
+        "namespace": ns.name,
+        "job": ns.job,
+        "announcements": announced,
+        "newest": ns.newest,
+        "newest_prefix": ns.newest_prefix,
+        "unconsumed_joins": unconsumed_joins(ns),
+        # each rank's newest claim without an end marker: running, or killed
+        "open_claims": {r: n for r, n in _latest(ns.of_kind("join")).items()
+                        if (int(r), n) not in ended},
+        "objections": [objection_report(storage, o, secret) for o in
+                       sorted(ns.of_kind("objection"), key=lambda o: (o.rank, o.number))],
+        "announced_without_data": [n for n in announced if (p := ns.prefix_of(n)) is not None
+                                   and p not in found.generations],
+        "untrusted_announcements": sorted(n for n, r in ns.announcements.items()
+                                          if not r.usable),
+        "join_records": len(ns.of_kind("join")),
+        "end_records": len(ended),
+        "records": len(ns.records),
+        "bytes": ns.bytes,
+    }
 
 
 def build_report(storage: Storage, secret: bytes | None, window: float,
@@ -141,26 +193,29 @@ def build_report(storage: Storage, secret: bytes | None, window: float,
     found: Scan = scan(storage, secret)
     gens = found.ordered()
     views = judge(storage, gens, secret, window)
-    reports = [generation_report(storage, g, views[g.prefix], found.newest_announced, objects)
-               for g in gens]
-    rdzv_bytes = sum(o.size for o in found.rdzv)
+    reports = [generation_report(storage, g, views[g.prefix], found, objects) for g in gens]
+    jobs = [job_report(storage, ns, found, secret)
+            for _, ns in sorted(found.namespaces.items())]
     return {
         "url": storage.url,
         "watch_s": window,
         "total_bytes": found.total_bytes,
         "total_objects": len(found.objects),
-        "rdzv": {"announcements": len(found.announcements),
-                 "unconsumed_joins": unconsumed_joins(found),
-                 "announced_without_data": sorted(
-                     set(found.announcements) - {g.number for g in gens if g.announced}),
+        # every namespace together; per job in "jobs"
+        "rdzv": {"namespaces": len(jobs),
+                 "announcements": sum(len(j["announcements"]) for j in jobs),
                  "join_records": sum(o.kind == "join" for o in found.rdzv),
-                 "bytes": rdzv_bytes},
+                 "records": len(found.rdzv),
+                 "bytes": sum(o.size for o in found.rdzv)},
+        "jobs": jobs,
         "generations": reports,
         "orphan_temp_files": [o.key for o in found.temps],
         "leftover_probes": [o.key for o in found.probes],
         "foreign_objects": [o.key for o in found.foreign],
+        "irregular_entries": [{"key": key, "kind": what} for key, what in found.irregular],
         "untrusted_announcements": sorted(
-            n for n, r in found.announcements.items() if not r.usable),
+            r.key for ns in found.namespaces.values() for r in ns.announcements.values()
+            if not r.usable),
     }
 
 
@@ -174,17 +229,12 @@ def render(report: dict) -> str:
     lines.append(
         f"storage: {len(gens)} generation(s), {report['total_objects']} objects, "
         f"{human_bytes(report['total_bytes'])} in all; rdzv: "
+        f"{report['rdzv']['namespaces']} job(s), "
         f"{report['rdzv']['announcements']} announcements, "
         f"{report['rdzv']['join_records']} join records, "
         f"{human_bytes(report['rdzv']['bytes'])}")
-    waiting = report["rdzv"]["unconsumed_joins"]
-    if waiting:
-        lines.append(f"join records newer than the newest announcement (ranks waiting for "
-                     f"rank 0 to announce, or that gave up): ranks {sorted(map(int, waiting))}")
-    bare = report["rdzv"]["announced_without_data"]
-    if bare:
-        lines.append(f"announced generations with no data left (collected, or a world of "
-                     f"one): {_ranges(bare)}")
+    for job in report["jobs"]:
+        lines.extend(_render_job(job))
     if not gens and not report["total_objects"]:
         lines.append("nothing here yet (no ferrosync job has used this location)")
     for gen in gens:
@@ -199,17 +249,65 @@ def render(report: dict) -> str:
             lines.extend(f"  {k}" for k in report[key][:20])
             if len(report[key]) > 20:
                 lines.append(f"  ... and {len(report[key]) - 20} more (see --json)")
+    lines.extend(_render_irregular(report["irregular_entries"]))
     lines.append("")
     lines.append("hb age: the writer's wall clock against this host's; informational only. "
                  "live/stale come from the beat counter changing while watched.")
     return "\n".join(lines)
 
 
+def _job_name(job: str | None) -> str:
+    return f"job {job}" if job is not None else "the job without an id"
+
+
+def _render_job(job: dict) -> list[str]:
+    """One job namespace: its announcements, waiting claims and objections."""
+    newest = f" (newest {job['newest']})" if job["newest"] is not None else ""
+    lines = [f"{_job_name(job['job'])} ({job['namespace']}/): "
+             f"{len(job['announcements'])} announcement(s){newest}, "
+             f"{job['join_records']} claims, {human_bytes(job['bytes'])}"]
+    waiting = job["unconsumed_joins"]
+    if waiting:
+        lines.append(f"  claims newer than its newest announcement (ranks waiting for "
+                     f"rank 0 to announce, or that gave up): ranks {sorted(map(int, waiting))}")
+    for o in job["objections"]:
+        by = (f" by claim {o['by_attempt']} (pid {o.get('pid')} on {o.get('host')})"
+              if o.get("by_attempt") is not None else "")
+        lines.append(f"  OBJECTION rank {o['rank']} claim {o['attempt']}{by}: two processes "
+                     "claimed this rank" + (f"  [{o['trust']}: {o['problem']}]"
+                                            if o.get("problem") else ""))
+    bare = job["announced_without_data"]
+    if bare:
+        lines.append(f"  announced generations with no data left (collected, or a world of "
+                     f"one): {_ranges(bare)}")
+    if job["untrusted_announcements"]:
+        lines.append(f"  announcements that cannot be verified: "
+                     f"{_ranges(job['untrusted_announcements'])}")
+    return lines
+
+
+def _render_irregular(entries: list[dict]) -> list[str]:
+    """Links, FIFOs, sockets, devices: ferrosync never writes them, so someone planted
+    them; the operator should know, and remove them by hand."""
+    if not entries:
+        return []
+    lines = ["", f"NOT REGULAR FILES (never followed or opened; left alone by every tool, "
+             f"remove them by hand after finding out who put them there): {len(entries)}"]
+    lines.extend(f"  {e['key']}  ({e['kind']})" for e in entries[:20])
+    if len(entries) > 20:
+        lines.append(f"  ... and {len(entries) - 20} more (see --json)")
+    return lines
+
+
 def _render_generation(gen: dict) -> list[str]:
     lines = [f"generation {gen['generation']}  {gen['prefix']}  {gen['status'].upper()}  "
-             f"world {gen['world_size']}  {gen['objects']} objects  "
+             + (f"{_job_name(gen['job'])}  " if gen["namespace"] else "")
+             + f"world {gen['world_size']}  {gen['objects']} objects  "
              f"{human_bytes(gen['bytes'])}"
              + ("" if gen["announced"] else "  (no announcement)")]
+    if gen["also_named_by"]:
+        lines.append(f"  ALSO NAMED by announcements in {', '.join(gen['also_named_by'])} "
+                     "(copied or forged records)")
     ann = gen.get("announcement")
     if ann:
         age = f", {ann['wall_age_s']:g} s ago by its clock" if ann["wall_age_s"] is not None \

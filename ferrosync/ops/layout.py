@@ -2,9 +2,15 @@
 
 What a job leaves under its URL (README, "How the storage backend works")::
 
-    rdzv/join.r{rank}.{n}   JSON: rank's n-th attempt to join
-    rdzv/gen.{g}            JSON: rank 0's announcement of generation g (its token)
-    g{g}.{token}/           the generation's objects:
+    {ns}/                   a job's rendezvous namespace: ``rdzv`` (a job without an
+                            id) or ``rdzv.{job}`` (ferrosync.rendezvous)
+        join.r{rank}.{n}    JSON: a process's n-th claim on ``rank`` (every rank)
+        gen.{g}             JSON: rank 0's announcement of generation g (its token)
+        dup.r{rank}.{n}     JSON: a live holder's objection to claim n
+        end.r{rank}.{n}     JSON: the holder of claim n has closed
+    g{g}.{token}/           the generation's objects (at the root: generation numbers
+                            count per namespace, the random token tells two jobs'
+                            generation 0 apart; an announcement names its directory):
         c{s}.r{k}[.s{j}]    contributions (binary, 112-byte header)
         c{s}.out[.s{j}]     results and broadcasts (binary)
         layout.{d}.r{k}     JSON layout descriptions
@@ -16,6 +22,17 @@ What a job leaves under its URL (README, "How the storage backend works")::
 and reads the announcements, heartbeats and abort markers by exact name. Control
 records are parsed as JSON only, never unpickled, and their MAC is checked when a
 secret is given: a record that cannot be verified is shown but never acted upon.
+
+Every namespace is read on its own (``Scan.namespaces``): its announcements, its
+newest one (which may belong to a job still starting: ``Scan.newest_prefixes``),
+and its claims. A generation directory belongs to the namespace whose announcement
+names it (``g{g}.{token}``); one no announcement names is told apart by its number
+against every namespace's newest announcement (``Scan.may_be_announced``).
+
+The location is untrusted input: on a directory, links, FIFOs, sockets and devices
+are listed as ``irregular`` (from lstat, never followed or opened) and left alone by
+every tool; a record that turns out unreadable (something was planted at its name
+after the listing) is shown as "bad", never acted upon, and never stops the tool.
 """
 
 from __future__ import annotations
@@ -26,14 +43,24 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from ..storage import LocalStorage, Storage
+from ..errors import StorageError
+from ..storage import FsspecStorage, LocalStorage, Storage
 
 RDZV = "rdzv"
 GC_LOCK = ".ferrosync-gc.lock"
 DOCTOR_PREFIX = ".doctor."
 
-_JOIN = re.compile(r"rdzv/join\.r(\d+)\.(\d+)")
-_GEN = re.compile(r"rdzv/gen\.(\d+)")
+# a rendezvous namespace: "rdzv" or "rdzv.{job}" (job ids as ferrosync.env checks them)
+_NAMESPACE = re.compile(r"rdzv(?:\.([A-Za-z0-9][A-Za-z0-9._-]{0,63}))?")
+# records inside a namespace -> kind; group 1 is the rank (claims) or the generation
+_IN_NAMESPACE = (
+    ("join", re.compile(r"join\.r(\d+)\.(\d+)")),
+    ("announcement", re.compile(r"gen\.(\d+)")),
+    ("objection", re.compile(r"dup\.r(\d+)\.(\d+)")),
+    ("end", re.compile(r"end\.r(\d+)\.(\d+)")),
+)
+#: kinds of rendezvous records (kept by gc: they number future generations)
+RDZV_KINDS = tuple(kind for kind, _ in _IN_NAMESPACE)
 _GEN_DIR = re.compile(r"g(\d+)\.([0-9a-f]{16})")
 _TEMP = re.compile(r"\.(.+)\.(\d+)\.([0-9a-f]{8})\.tmp")
 _DOCTOR_DIR = re.compile(r"\.doctor\.(\d+)\.[0-9a-f]+(?:/|$)")
@@ -59,10 +86,14 @@ class Obj:
 
     key: str
     size: int
-    kind: str  # join, announcement, contribution, result, layout, heartbeat, abort, temp, ...
+    # join, announcement, objection, end, contribution, result, layout, heartbeat, abort,
+    # temp, ...
+    kind: str
     rank: int | None = None
     collective: int | None = None
     pid: int | None = None  # temp files: the writer's process id
+    namespace: str | None = None  # rendezvous records: "rdzv" or "rdzv.{job}"
+    number: int | None = None  # rendezvous records: the claim's attempt or the generation
 
     @property
     def name(self) -> str:
@@ -96,10 +127,19 @@ class Generation:
     objects: list[Obj] = field(default_factory=list)  # temps excluded
     temps: list[Obj] = field(default_factory=list)
     has_dir: bool = False  # a directory exists (local stores; object stores have none)
+    #: the namespace whose announcement names this directory (None: none does)
+    namespace: str | None = None
+    #: other namespaces whose announcements name it too (copied or forged records)
+    also_named_by: list[str] = field(default_factory=list)
 
     @property
     def prefix(self) -> str:
         return f"g{self.number}.{self.token}"
+
+    @property
+    def job(self) -> str | None:
+        """The job id of its namespace (None: a job without an id, or unannounced)."""
+        return job_of(self.namespace) if self.namespace is not None else None
 
     @property
     def announced(self) -> bool:
@@ -128,6 +168,64 @@ class Generation:
         return max(found) if found else None
 
 
+def job_of(namespace: str) -> str | None:
+    """``rdzv`` -> None (a job without an id), ``rdzv.{job}`` -> ``job``."""
+    return namespace.split(".", 1)[1] if "." in namespace else None
+
+
+def _token(record: Record | None) -> str | None:
+    """The generation token an announcement names, if it names a valid one."""
+    token = record.get("token") if record is not None else None
+    return token if isinstance(token, str) and re.fullmatch(r"[0-9a-f]{16}", token) else None
+
+
+@dataclass
+class Namespace:
+    """One job's rendezvous records: ``rdzv`` (a job without an id) or ``rdzv.{job}``.
+
+    Generation numbers count per namespace: two jobs both have a generation 0.
+    """
+
+    name: str
+    records: list[Obj] = field(default_factory=list)  # join, announcement, objection, end
+    announcements: dict[int, Record] = field(default_factory=dict)  # by number, as read
+
+    @property
+    def job(self) -> str | None:
+        return job_of(self.name)
+
+    @property
+    def bytes(self) -> int:
+        return sum(o.size for o in self.records)
+
+    def of_kind(self, kind: str) -> list[Obj]:
+        return [o for o in self.records if o.kind == kind]
+
+    @property
+    def newest(self) -> int | None:
+        """The newest announced generation number listed here (read or not)."""
+        listed = [o.number for o in self.of_kind("announcement")]
+        return max(listed) if listed else None
+
+    def prefix_of(self, number: int) -> str | None:
+        """The data prefix announcement ``number`` names (None: missing or unreadable)."""
+        token = _token(self.announcements.get(number))
+        return f"g{number}.{token}" if token is not None else None
+
+    @property
+    def newest_prefix(self) -> str | None:
+        newest = self.newest
+        return self.prefix_of(newest) if newest is not None else None
+
+    def settled(self, number: int) -> bool:
+        """True when this namespace can never announce another directory numbered
+        ``number``: its announcement of that number is here, trusted, and names its
+        own directory. (Numbers are taken in order, so a later rank 0 of this job
+        takes a higher one; a missing or untrusted record settles nothing.)"""
+        record = self.announcements.get(number)
+        return record is not None and record.usable and _token(record) is not None
+
+
 @dataclass
 class Scan:
     """Everything ``scan`` found under one URL."""
@@ -135,19 +233,36 @@ class Scan:
     url: str
     objects: list[Obj]
     generations: dict[str, Generation]  # by prefix ("g3.0123abcd...")
-    announcements: dict[int, Record]  # by generation number
-    rdzv: list[Obj]  # join records and announcements
+    #: every rendezvous namespace seen (records, or a directory), by name
+    namespaces: dict[str, Namespace]
+    rdzv: list[Obj]  # rendezvous records of every namespace
     temps: list[Obj]  # temporary files outside generation directories
     probes: list[Obj]  # leftover connect probes and doctor directories
     foreign: list[Obj]  # names ferrosync never writes: left alone
+    #: (key, what it is) of links, FIFOs, sockets, devices (local stores): left alone
+    irregular: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
         return sum(o.size for o in self.objects)
 
     @property
-    def newest_announced(self) -> int | None:
-        return max(self.announcements) if self.announcements else None
+    def newest_prefixes(self) -> set[str]:
+        """The directories of each namespace's newest announced generation: a job that
+        was just announced may not have heartbeated yet, so each is protected."""
+        return {p for ns in self.namespaces.values() if (p := ns.newest_prefix) is not None}
+
+    def may_be_announced(self, gen: Generation) -> bool:
+        """Could some job still announce this unannounced directory (or has it, in a
+        record that cannot be read)? False only when every namespace here has a
+        trusted announcement of its number naming another directory: then its
+        rank 0 lost the race for that number, or died before announcing. With no
+        namespace at all (records deleted) nothing is known: True."""
+        if gen.announced:
+            return False
+        if not self.namespaces:
+            return True
+        return not all(ns.settled(gen.number) for ns in self.namespaces.values())
 
     def ordered(self) -> list[Generation]:
         """Generations, newest first (by number, then announced before unannounced)."""
@@ -186,8 +301,15 @@ def decode_lenient(raw: bytes, key: str, secret: bytes | None) -> Record:
 
 
 def read_record(storage: Storage, key: str, secret: bytes | None) -> Record | None:
-    """The record at ``key`` (exact name), or None when it does not exist."""
-    raw = storage.read(key)
+    """The record at ``key`` (exact name), or None when it does not exist.
+
+    A name the store refuses to read (a link or FIFO planted there, an I/O error)
+    gives a "bad" record: the tool shows it and goes on, and nothing acts on it.
+    """
+    try:
+        raw = storage.read(key)
+    except StorageError as exc:
+        return Record(key, None, "bad", f"unreadable: {exc}")
     if raw is None:
         return None
     return decode_lenient(raw, key, secret)
@@ -198,10 +320,14 @@ def classify(key: str, size: int) -> Obj:
     name = key.rsplit("/", 1)[-1]
     if m := _TEMP.fullmatch(name):
         return Obj(key, size, "temp", pid=int(m.group(2)))
-    if m := _JOIN.fullmatch(key):
-        return Obj(key, size, "join", rank=int(m.group(1)))
-    if _GEN.fullmatch(key):
-        return Obj(key, size, "announcement")
+    if _NAMESPACE.fullmatch(ns := key.rsplit("/", 1)[0] if "/" in key else ""):
+        for kind, pattern in _IN_NAMESPACE:
+            if m := pattern.fullmatch(name):
+                if kind == "announcement":
+                    return Obj(key, size, kind, namespace=ns, number=int(m.group(1)))
+                return Obj(key, size, kind, rank=int(m.group(1)), namespace=ns,
+                           number=int(m.group(2)))
+        return Obj(key, size, "foreign")  # nothing ferrosync writes there
     if "/" not in key and (_PROBE.fullmatch(key) or key == GC_LOCK):
         return Obj(key, size, "probe" if key != GC_LOCK else "lock")
     if key.startswith(DOCTOR_PREFIX):
@@ -243,7 +369,7 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
             (gen.temps if obj.kind == "temp" else gen.objects).append(obj)
         elif obj.kind == "temp":
             temps.append(obj)
-        elif obj.kind in ("join", "announcement"):
+        elif obj.kind in RDZV_KINDS:
             rdzv.append(obj)
         elif obj.kind == "probe":
             probes.append(obj)
@@ -255,21 +381,38 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
         elif name.startswith(DOCTOR_PREFIX) and not any(
                 p.key.startswith(name + "/") for p in probes):
             probes.append(Obj(name, 0, "probe-dir", pid=doctor_pid(name)))  # doctor's, empty
-    announcements: dict[int, Record] = {}
+    namespaces: dict[str, Namespace] = {}
     for obj in rdzv:
+        ns = namespaces.setdefault(obj.namespace, Namespace(obj.namespace))
+        ns.records.append(obj)
         if obj.kind == "announcement":
-            number = int(obj.key.rsplit(".", 1)[1])
             record = read_record(storage, obj.key, secret)
-            if record is None:
-                continue  # deleted since the listing
-            announcements[number] = record
-    for number, record in announcements.items():
-        prefix = f"g{number}.{record.get('token')}"
-        # an announced generation with nothing stored was collected already, ran as a
-        # world of one, or is starting (no heartbeat yet): it has no Generation entry
-        if prefix in generations:
-            generations[prefix].announcement = record
-    return Scan(storage.url, objects, generations, announcements, rdzv, temps, probes, foreign)
+            if record is not None:  # else deleted since the listing
+                ns.announcements[obj.number] = record
+    for ns in sorted(namespaces.values(), key=lambda n: n.name):
+        for number, record in sorted(ns.announcements.items()):
+            # matched by number *and* token: two jobs' generation 0 never mix. An
+            # announced generation with nothing stored was collected already, ran as a
+            # world of one, or is starting (no heartbeat yet): it has no Generation entry
+            gen = generations.get(ns.prefix_of(number) or "")
+            if gen is None:
+                continue
+            if gen.announcement is None:
+                gen.announcement, gen.namespace = record, ns.name
+            elif record.usable and not gen.announcement.usable:
+                gen.also_named_by.append(gen.namespace)
+                gen.announcement, gen.namespace = record, ns.name
+            else:
+                gen.also_named_by.append(ns.name)
+    # a job that started during the listing: its namespace directory existed before
+    # any generation directory it made, so a scan of the root made after the one
+    # that found the directories sees it (it settles nothing: see may_be_announced)
+    for name in _local_subdirs(storage):
+        if _NAMESPACE.fullmatch(name):
+            namespaces.setdefault(name, Namespace(name))
+    irregular = storage.irregular("") if isinstance(storage, LocalStorage) else []
+    return Scan(storage.url, objects, generations, namespaces, rdzv, temps, probes, foreign,
+                irregular)
 
 
 def _local_subdirs(storage: Storage) -> list[str]:
@@ -282,6 +425,23 @@ def _local_subdirs(storage: Storage) -> list[str]:
             return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
         return []
+
+
+def namespace_names(storage: Storage) -> list[str]:
+    """The rendezvous namespaces (``rdzv``, ``rdzv.{job}``) at the top of the location,
+    without listing everything below it."""
+    if isinstance(storage, LocalStorage):
+        names = _local_subdirs(storage)
+    elif isinstance(storage, FsspecStorage):
+        storage.fs.invalidate_cache()
+        try:
+            found = storage.fs.ls(storage.root, detail=False)
+        except FileNotFoundError:
+            found = []
+        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+    else:
+        names = [key.split("/", 1)[0] for key, _ in storage.list("") if "/" in key]
+    return sorted({n for n in names if _NAMESPACE.fullmatch(n)})
 
 
 def read_markers(storage: Storage, gen: Generation, kind: str,

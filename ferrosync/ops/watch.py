@@ -1,7 +1,8 @@
 """Liveness as the tools judge it: does a rank's heartbeat *counter* change?
 
-DESIGN.md §7: a peer is alive when the ``beat`` in its ``hb.r{k}`` record changes,
-timed with this process's own monotonic clock. Another host's wall clock and file
+docs/design.md#no-cross-host-clocks: a peer is alive when the ``beat`` in its
+``hb.r{k}`` record changes, timed with this process's own monotonic clock. Another
+host's wall clock and file
 mtimes are never compared (clocks differ between nodes; NFS attribute caches lie),
 so the record's ``wall_time`` is shown as information only.
 
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from ..storage import FsspecStorage, LocalStorage, Storage
-from .layout import Generation, Record, read_markers, read_record
+from .layout import Generation, Record, Scan, read_markers, read_record
 
 FINAL_STATES = ("closed", "aborted")
 
@@ -155,14 +156,20 @@ def _rank_view(rank: int, obs: Observation | None, abort: Record | None,
                     f"({period:g} s each): use a longer --watch")
 
 
-def generation_status(gen: Generation, views: list[RankView], newest: int | None) -> str:
-    """live | finished | dead | empty | creating | orphan | unknown (see docs/operations.md)."""
+def generation_status(gen: Generation, views: list[RankView], found: Scan) -> str:
+    """live | finished | dead | empty | creating | orphan | unknown (see docs/operations.md).
+
+    ``found`` is the scan ``gen`` comes from: an unannounced directory is judged
+    against the newest announcement of every job namespace it could belong to.
+    """
     states = [v.state for v in views]
     if "live" in states:
         return "live"
     if not gen.announced:
-        if newest is None or gen.number > newest:
-            return "creating"  # rank 0 makes the directory just before announcing
+        if found.may_be_announced(gen):
+            # rank 0 makes the directory just before announcing; with several jobs on
+            # one location any of them may be about to announce this number
+            return "creating"
         if not gen.objects and not gen.temps:
             return "orphan"  # a rank 0 that lost the race for this number, or was killed
         # otherwise its announcement is gone: judge it by its heartbeats like any other
