@@ -1,5 +1,9 @@
 """The S3 endpoint goes away mid-run: every rank gets a clear error after bounded
-retries; once it is back, a new run under the same URL works."""
+retries; once it is back, a new run under the same URL works.
+
+On both servers: moto (stopped in this process; its objects stay in memory) and
+SeaweedFS (killed with SIGKILL, as a crash would; restarted on the same ports and
+data directory, as a real server comes back)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import pytest
 import torch
 
 import ferrosync
-from conftest import free_port, s3_storage_options
+from conftest import free_port, s3_storage_options, start_seaweed
 from ferrosync.errors import PeerFailed, StorageError, SyncTimeout
 from ranks import RankFailure, collect, start_ranks
 
@@ -25,6 +29,46 @@ def start_server(port):
     boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}",
                  region_name="us-east-1").create_bucket(Bucket="outage")  # idempotent
     return server
+
+
+class Moto:
+    """moto's server: goes away and comes back in this process."""
+
+    def __init__(self, tmp_path) -> None:
+        pytest.importorskip("moto.server")
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.server = start_server(self.port)
+
+    def down(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def up(self) -> None:
+        self.server = start_server(self.port)
+
+
+class Seaweed:
+    """A SeaweedFS of this test's own (the session's one stays up): killed, restarted."""
+
+    def __init__(self, tmp_path) -> None:
+        self.server = start_seaweed(tmp_path / "seaweed", bucket="outage")
+        self.endpoint = self.server.endpoint
+
+    def down(self) -> None:
+        self.server.stop(kill=True)
+
+    def up(self) -> None:
+        self.server.start()
+
+
+@pytest.fixture(params=["moto", "seaweed"])
+def outage_server(request, tmp_path):
+    pytest.importorskip("s3fs")
+    server = (Moto if request.param == "moto" else Seaweed)(tmp_path)
+    yield server
+    server.down()
 
 
 def w_until_failure(rank, world, url, options, progress):
@@ -52,12 +96,10 @@ def w_short_run(rank, world, url, options):
 
 
 @pytest.mark.timeout(240)
-def test_s3_outage_then_recovery(tmp_path):
-    pytest.importorskip("s3fs")
-    port = free_port()
-    server = start_server(port)
+def test_s3_outage_then_recovery(tmp_path, outage_server):
+    server = outage_server
     url = "s3://outage/run"
-    storage_options = s3_storage_options(f"http://127.0.0.1:{port}")
+    storage_options = s3_storage_options(server.endpoint)
     # still retried (botocore, 3 attempts), just not for as long as the defaults
     storage_options["config_kwargs"] = {"retries": {"mode": "standard", "max_attempts": 3},
                                         "connect_timeout": 2}
@@ -71,7 +113,7 @@ def test_s3_outage_then_recovery(tmp_path):
             assert time.monotonic() < deadline, "ranks never made progress"
             time.sleep(0.01)
     finally:
-        server.stop()
+        server.down()
     out = collect(procs, q, timeout=150)
     for rank in range(2):
         res = out[rank]
@@ -82,13 +124,10 @@ def test_s3_outage_then_recovery(tmp_path):
         if kind == "StorageError":
             assert "127.0.0.1" in message and "after retries" in message, message
         assert seconds < 90, res  # bounded retries, not the 120 s collective timeout
-    # the endpoint comes back (moto keeps its objects in this process): a new run
-    # works, in a new generation of its own
-    server = start_server(port)
-    try:
-        results = collect(*start_ranks(w_short_run, 2, url, options), timeout=120)
-    finally:
-        server.stop()
+    # the endpoint comes back with its objects: a new run works, in a new generation
+    # of its own
+    server.up()
+    results = collect(*start_ranks(w_short_run, 2, url, options), timeout=120)
     generations = set()
     for rank in range(2):
         x, generation = results[rank]
