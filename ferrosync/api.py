@@ -20,11 +20,14 @@ collective *n* depends on the scheduler of each rank: a lock would serialise the
 in one order on one rank and in the other order on another, and the ranks would
 silently average one thread's tensors with the other thread's (layouts being
 equal, nothing could tell). So a thread that calls while another thread is inside
-a collective on the same GradSync gets ``ConfigError``, and the GradSync is failed
-(peers get a typed error instead of a crossed result); the thread that was inside
-raises the same ``ConfigError`` when its collective ends, since the ranks may have
-matched it with the other thread's call. Calls that do not overlap but whose order
-differs between ranks cannot be detected: order them yourself (join the thread,
+a collective on the same GradSync gets ``ConfigError`` before any I/O, and the
+GradSync is failed: its abort marker gives the peers a typed error instead of a
+crossed result, and the thread that was inside raises ``ConfigError`` too when its
+collective ends (even if it completed: the ranks may have paired it with the other
+thread's call, and its tensors hold whatever arrived). What cannot be detected are
+calls that do not overlap on a rank but come in a different order on different
+ranks (one thread's call ended before the other's began), including on a peer whose
+threads happened not to overlap: order such calls yourself (join the thread,
 ``handle.wait()``). The async runner (``async_op=True``) is this library's own
 thread: a call from another thread first waits for the submitted collectives.
 
@@ -51,10 +54,17 @@ import weakref
 import torch
 
 from .env import ENV_URL, Identity, discover
-from .errors import ConfigError, SyncClosed
-from .flat import Bucket, BufferPool, as_tensor_list, layout_signature, plan_buckets
+from .errors import ConfigError, FerrosyncError, SyncClosed
+from .flat import (
+    Bucket,
+    BufferPool,
+    as_tensor_list,
+    check_tensors,
+    layout_signature,
+    plan_buckets,
+)
 from .stats import StatsBook
-from .wire import layout_digest
+from .wire import DTYPE_CODES, layout_digest
 
 __all__ = ["connect", "GradSync", "SyncHandle"]
 
@@ -86,7 +96,19 @@ class GradSync:
         self._closed = False
         self._failure: BaseException | None = None
         self._failed_at: int | None = None
-        self._lock = threading.RLock()  # one collective at a time per GradSync
+        # the process that connected: a forked child inherits this object, not the right
+        # to use it (see the module docstring)
+        self._pid = os.getpid()
+        # held by a running collective so that close() from another thread waits for it;
+        # never contended between collectives, which _enter keeps from overlapping
+        self._lock = threading.RLock()
+        # protects _owner/_depth/_failure transitions; held for a few instructions only,
+        # never across I/O, so a thread checking for overlap never blocks
+        self._guard = threading.Lock()
+        self._owner: threading.Thread | None = None  # the thread inside a collective
+        self._owner_op: str | None = None
+        self._depth = 0  # nested calls by the owner (average_gradients -> average_)
+        self._overlap: ConfigError | None = None  # the overlap that failed this GradSync
         self._runner: _AsyncRunner | None = None
         _LIVE.add(self)
 
@@ -105,26 +127,28 @@ class GradSync:
         read or written until ``handle.wait()`` returns. Collectives still run in call
         order: a later collective on this GradSync first waits for earlier ones.
 
+        Every tensor is checked before any I/O: dense (strided), holding data (not on
+        the ``meta`` device), of a float dtype, and without elements that share memory
+        (an ``expand``-ed tensor cannot be written in place). A bad one is a
+        ``ConfigError`` naming it; nothing was sent and this GradSync stays usable.
+
         Returns:
             ``Σ_r w_r``, the total weight (identical on every rank), or a ``SyncHandle``
             whose ``wait()`` returns it.
         """
         tensors = as_tensor_list(tensors)
-        return self._average_call(tensors, weight, async_op, _stream("average", tensors))
+        return self._average_call(tensors, weight, async_op, _stream("average", tensors),
+                                  "average_")
 
-    def _average_call(self, tensors: list, weight, async_op: bool, stream: str):
-        """``average_`` for one kind of data: ``stream`` keys the codec's state."""
-        weight = _check_weight(weight)
-        for i, t in enumerate(tensors):
-            if t.dtype not in _FLOAT_DTYPES:
-                raise ConfigError(
-                    f"tensors[{i}] has dtype {t.dtype}; average_ takes float32, float16, "
-                    "bfloat16 or float64", rank=self.rank,
-                    hint="cast it, or use broadcast_ for integer tensors",
-                )
-            if t.is_sparse:
-                raise ConfigError(f"tensors[{i}] is sparse; average_ takes dense tensors",
-                                  rank=self.rank)
+    def _average_call(self, tensors: list, weight, async_op: bool, stream: str, caller: str,
+                      names: list[str] | None = None):
+        """``average_`` for one kind of data: ``stream`` keys the codec's state;
+        ``caller`` and ``names`` (one per tensor) word the validation errors."""
+        weight = _check_weight(weight, self.rank)
+        check_tensors(tensors, op=caller, rank=self.rank, path=self.url, names=names,
+                      in_place=True,
+                      dtypes=_FLOAT_DTYPES,
+                      dtype_hint="cast it, or use broadcast_ for integer tensors")
         body = lambda: self._average(tensors, weight, stream)  # noqa: E731
         if async_op:
             return self._submit("average", tensors, body)
@@ -138,39 +162,54 @@ class GradSync:
         one rank but not another is a ``LayoutMismatch``; zero its grad instead).
         With ``async_op=True``, call ``handle.wait()`` before ``optimizer.step()``.
         """
-        params = [p for p in _parameters(module_or_params) if p.grad is not None]
+        named = [(name, p) for name, p in _named_parameters(module_or_params)
+                 if p.grad is not None]
+        params = [p for _, p in named]
         # keyed by the parameters: zero_grad(set_to_none=True) makes new grad tensors
         return self._average_call([p.grad for p in params], weight, async_op,
-                                  _stream("gradients", params))
+                                  _stream("gradients", params), "average_gradients",
+                                  [f"{name}.grad" for name, _ in named])
 
     def average_parameters(self, module_or_params, *, weight: float = 1.0,
                            async_op: bool = False):
         """Collective: ``average_`` over the parameters' data (Local SGD, model averaging)."""
-        params = _parameters(module_or_params)
+        named = _named_parameters(module_or_params)
+        params = [p for _, p in named]
         return self._average_call([p.detach() for p in params], weight, async_op,
-                                  _stream("parameters", params))
+                                  _stream("parameters", params), "average_parameters",
+                                  [name for name, _ in named])
 
     def broadcast_(self, tensors, *, src: int = 0) -> None:
         """Collective: in place, every rank's tensors become rank ``src``'s (any dtype).
 
         Every rank passes tensors of the same dtypes and shapes; blocks until done.
+        The tensors are checked before any I/O as in ``average_`` (any dtype ferrosync
+        can put on the wire), on the source too: every rank refuses alike.
         """
         tensors = as_tensor_list(tensors)
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ConfigError(f"src must be a rank in [0, {self.world_size}), got {src!r}",
                               rank=self.rank)
+        check_tensors(tensors, op="broadcast_", rank=self.rank, path=self.url, in_place=True,
+                      dtypes=tuple(DTYPE_CODES))
         self._collective("broadcast", tensors, lambda: self._broadcast(tensors, src))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Collective: every rank's ``tensor`` (any dtype), as a list indexed by rank.
 
         Every rank passes a tensor of the same dtype and shape; blocks until all have
-        arrived. The returned tensors are new (this rank's entry is a copy).
+        arrived. The returned tensors are new (this rank's entry is a copy). The tensor
+        is only read: an expanded or conjugate view is fine; sparse, ``meta`` and
+        unsupported dtypes are a ``ConfigError`` before any I/O.
         """
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"all_gather takes one tensor, got {type(tensor).__name__}",
                               rank=self.rank)
-        source = tensor.detach().contiguous()
+        check_tensors([tensor], op="all_gather", rank=self.rank, path=self.url,
+                      names=["tensor"], in_place=False, dtypes=tuple(DTYPE_CODES))
+        # plain values in one block: contiguous() copies an expanded view, resolve_*()
+        # applies a pending conjugation or negation (a flag on the view, not in memory)
+        source = tensor.detach().resolve_conj().resolve_neg().contiguous()
 
         def body():
             (bucket, digest, layout), = self._buckets("all_gather", [source])
@@ -189,7 +228,16 @@ class GradSync:
 
     def close(self) -> None:
         """Release storage handles and threads. Idempotent; never waits on peers and
-        never raises because a peer failed (pending async collectives are cancelled)."""
+        never raises because a peer failed (pending async collectives are cancelled).
+
+        Called from another thread while a collective runs, it waits for that
+        collective (bounded by its ``timeout``). In a forked child it only marks the
+        child's copy closed: the handles, threads and objects are the parent's.
+        """
+        if os.getpid() != self._pid:
+            self._closed = True
+            _LIVE.discard(self)
+            return
         if self._runner is not None:
             self._runner.stop()
         with self._lock:
@@ -226,18 +274,100 @@ class GradSync:
         return self._runner.submit(lambda: self._collective(op, tensors, body))
 
     def _collective(self, op: str, tensors: list, body):
+        """Run ``body`` as this GradSync's next collective, on the calling thread.
+
+        Refuses a forked child and a second thread (see the module docstring) before
+        any I/O; fails the GradSync (abort marker for the peers) if ``body`` raises.
+        """
+        self._check_process(op)
         if self._runner is not None and not self._runner.is_worker():
             self._runner.drain()  # earlier async collectives first: call order is the contract
-        with self._lock:
-            self._check_usable()
-            with self._stats.collective():
-                try:
-                    return body()
-                except BaseException as exc:
-                    self._fail(exc)
-                    raise
+        self._enter(op)
+        try:
+            with self._lock:
+                self._check_usable()
+                with self._stats.collective():
+                    try:
+                        value = body()
+                    except BaseException as exc:
+                        if self._failure is not None and not isinstance(exc, FerrosyncError):
+                            # another thread failed this GradSync meanwhile and this is
+                            # the fallout (state torn down under us): say so, typed
+                            raise self._failed_meanwhile(op) from exc
+                        self._fail(exc)
+                        raise
+                    if self._failure is not None:
+                        # failed by another thread while body ran: the ranks may have
+                        # paired this call with another thread's, so the value is suspect
+                        raise self._failed_meanwhile(op)
+                    return value
+        finally:
+            self._leave()
+
+    def _enter(self, op: str) -> None:
+        """Make the calling thread the one inside a collective, or fail: a second thread
+        must not wait for its turn, because its turn would differ between ranks."""
+        me = threading.current_thread()
+        with self._guard:
+            owner = self._owner
+            if owner is None or owner is me:
+                if owner is None:
+                    self._owner, self._owner_op = me, op
+                self._depth += 1
+                return
+            inside = self._owner_op
+        error = ConfigError(
+            f"thread {me.name!r} called {op} while thread {owner.name!r} is inside {inside} "
+            "on the same GradSync; collectives from two threads must not overlap (each "
+            "rank would order them its own way and average one thread's tensors with "
+            "another's)",
+            rank=self.rank, path=self.url,
+            hint="call the collectives from one thread, or let a call return (join the "
+            "thread, handle.wait()) before the next starts; this GradSync is now failed: "
+            "close it and connect again (all ranks)",
+        )
+        with self._guard:
+            if self._overlap is None:
+                self._overlap = error
+        self._fail(error)
+        raise error
+
+    def _leave(self) -> None:
+        with self._guard:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = self._owner_op = None
+
+    def _failed_meanwhile(self, op: str) -> FerrosyncError:
+        failure = self._failure
+        if failure is self._overlap and isinstance(failure, ConfigError):
+            return ConfigError(
+                f"{op} on thread {threading.current_thread().name!r} ran while another "
+                f"thread called a collective on the same GradSync ({failure.what}); its "
+                "result is discarded (the tensors hold undefined values)",
+                rank=self.rank, path=self.url, hint=failure.hint,
+            )
+        return SyncClosed(
+            f"this GradSync was failed from another thread while {op} ran "
+            f"({type(failure).__name__}: {failure}); its result is discarded (the tensors "
+            "hold undefined values)",
+            rank=self.rank, path=self.url,
+            hint="close this GradSync and connect again (all ranks)",
+        )
+
+    def _check_process(self, op: str) -> None:
+        if os.getpid() != self._pid:
+            raise ConfigError(
+                f"this GradSync belongs to pid {self._pid}; this is pid {os.getpid()}, a "
+                f"forked child, which cannot run {op} on it (its storage handles, threads "
+                "and collective sequence are the parent's)",
+                rank=self.rank, path=self.url,
+                hint="connect again in the child (ferrosync.connect(...) with the child's "
+                "own rank and URL), or fork before connecting",
+            )
 
     def _check_usable(self) -> None:
+        self._check_process("a collective")
         if self._closed:
             raise SyncClosed("this GradSync is closed", rank=self.rank, path=self.url,
                              hint="connect again to start a new generation")
@@ -249,7 +379,14 @@ class GradSync:
             )
 
     def _fail(self, exc: BaseException) -> None:
-        self._failure = exc
+        """Record the first failure and tell the peers (abort marker); later calls and
+        calls in a forked child do nothing (the child must not speak for the parent)."""
+        if os.getpid() != self._pid:
+            return
+        with self._guard:
+            if self._failure is not None:
+                return
+            self._failure = exc
         try:
             self._publish_abort(exc)
         except Exception:  # never mask the original error
@@ -399,34 +536,40 @@ def _stream(kind: str, tensors: list) -> str:
     return f"{kind}:{hashlib.blake2b(ids.encode(), digest_size=8).hexdigest()}"
 
 
-def _check_weight(weight) -> float:
+def _check_weight(weight, rank: int | None = None) -> float:
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1:
             raise ConfigError(
-                f"weight must be a number, got a tensor of shape {list(weight.shape)}")
+                f"weight must be a number, got a tensor of shape {list(weight.shape)}",
+                rank=rank, hint="pass a Python float or a one-element tensor")
         weight = weight.item()
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise ConfigError(f"weight must be a number, got {type(weight).__name__}")
+        raise ConfigError(f"weight must be a number, got {type(weight).__name__}", rank=rank)
     weight = float(weight)
     if not math.isfinite(weight) or weight < 0:
-        raise ConfigError(f"weight must be finite and >= 0, got {weight}")
+        raise ConfigError(f"weight must be finite and >= 0, got {weight}", rank=rank,
+                          hint="use weight=0 for a rank that contributes nothing")
     return weight
 
 
-def _parameters(module_or_params) -> list[torch.nn.Parameter]:
+def _named_parameters(module_or_params) -> list[tuple[str, torch.Tensor]]:
+    """(name for error messages, parameter): the module's own names, else ``params[i]``.
+
+    Sparse or otherwise unusable gradients are reported by ``check_tensors`` under
+    these names (``embed.weight.grad``), before any I/O.
+    """
     if isinstance(module_or_params, torch.nn.Module):
-        return list(module_or_params.parameters())
+        return list(module_or_params.named_parameters())
     if isinstance(module_or_params, torch.Tensor):
-        return [module_or_params]
+        return [("params[0]", module_or_params)]
     params = list(module_or_params)
-    for p in params:
+    for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
             raise ConfigError(
-                f"expected an nn.Module or an iterable of parameters, found {type(p).__name__}"
+                f"expected an nn.Module or an iterable of parameters, found "
+                f"{type(p).__name__} at params[{i}]"
             )
-        if p.grad is not None and p.grad.is_sparse:
-            raise ConfigError("sparse gradients are not supported; use dense embeddings")
-    return params
+    return [(f"params[{i}]", p) for i, p in enumerate(params)]
 
 
 # -- connect ------------------------------------------------------------------------------
@@ -484,14 +627,19 @@ _previous_excepthook = sys.excepthook
 
 
 def _excepthook(exc_type, exc, tb):
+    pid = os.getpid()
     for sync in list(_LIVE):
-        if sync._failure is None and not sync._closed:
+        # a forked child's copies are the parent's: the child's death is not the parent's
+        if sync._pid == pid and sync._failure is None and not sync._closed:
             sync._fail(exc)
     _previous_excepthook(exc_type, exc, tb)
 
 
 def _close_all() -> None:
+    pid = os.getpid()
     for sync in list(_LIVE):
+        if sync._pid != pid:
+            continue  # a forked child exiting must not publish "closed" for the parent
         try:
             sync.close()
         except Exception:

@@ -8,7 +8,7 @@ A backend needs five things from storage, and this module gives exactly those:
 * ``makedirs(prefix)``: make a "directory" where the store has them;
 * ``list(prefix)``: for operator tools only, never on the collective path.
 
-Rules kept here (DESIGN.md §4):
+Rules kept here (docs/design.md#storage-rules):
 
 * **Atomic publish.** Locally (and on NFS) the bytes go to a temporary file *in the
   same directory*, then ``os.replace`` renames it onto the final name; a rename
@@ -24,6 +24,14 @@ Rules kept here (DESIGN.md §4):
   so a cached "no such file" does not hide a new file.
 * **Counting.** Every request is counted (``requests``) with the bytes moved, so
   users see what a run costs on a billed object store.
+* **The directory is untrusted input.** Anyone who can write to a shared directory
+  can plant a symbolic link, a hard link, a FIFO or a directory at a name a rank
+  will open. Below the root, LocalStorage never follows a link (``O_NOFOLLOW``, and
+  directories are opened with ``O_DIRECTORY|O_NOFOLLOW`` and used through
+  ``dir_fd``), never blocks in ``open`` (``O_NONBLOCK``; a FIFO would wait for a
+  writer past every timeout), refuses anything but a regular file with a
+  ``StorageError``, and rewrites a parked spare only when it is a regular file of
+  this uid with one link. Links in the path *to* the root are the user's business.
 """
 
 from __future__ import annotations
@@ -60,6 +68,15 @@ _PERMANENT_HINTS = {
     errno.EPERM: "operation not permitted: check the directory's owner and mode",
     errno.EROFS: "the filesystem is read-only: mount it read-write",
 }
+# errno values that mean "something other than a regular file (or a directory, for a
+# key's directory) occupies this name": ELOOP from O_NOFOLLOW on a link (EMLINK and
+# EFTYPE on the BSDs), ENXIO from a socket or a FIFO without a reader, EISDIR and
+# ENOTDIR from a directory where a file belongs or the reverse
+_OCCUPIED_ERRNOS = {errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EISDIR, errno.ENOTDIR,
+                    getattr(errno, "EFTYPE", errno.ELOOP)}
+_OCCUPIED_HINT = ("ferrosync never follows links or opens special files inside its "
+                  "directory: remove it, find out who or what put it there, and give every "
+                  "job a directory only its own user (or group) can write")
 
 
 def check_key(key: str) -> str:
@@ -125,11 +142,11 @@ class Reader:
 
 
 class _FdReader(Reader):
-    def __init__(self, fd: int, path: str, counters: Counters) -> None:
+    def __init__(self, fd: int, path: str, counters: Counters, size: int) -> None:
         self._fd = fd
         self._path = path
         self._counters = counters
-        self.size = os.fstat(fd).st_size
+        self.size = size  # from the fstat that checked the file is regular
 
     def readinto(self, buf) -> int:
         view = memoryview(buf).cast("B")
@@ -241,26 +258,32 @@ class Storage:
         pass
 
     # -- shared helpers ------------------------------------------------------------
-    def _retry(self, what: str, key: str, fn, *args):
+    def _retry(self, what: str, key: str, fn, *args, **kwargs):
         """Run ``fn``; retry transient failures with bounded exponential back-off.
 
         "Not found" (FileNotFoundError) and FileExistsError are answers, not failures,
         and pass straight through; so do permanent errors, wrapped with the path
-        and a hint so the caller can say what to do.
+        and a hint so the caller can say what to do (a StorageError ``fn`` raised
+        itself already says it).
         """
         delay = 0.05
         for attempt in range(self.retries + 1):
             try:
-                return fn(*args)
-            except (FileNotFoundError, FileExistsError):
+                return fn(*args, **kwargs)
+            except (FileNotFoundError, FileExistsError, StorageError):
                 raise
             except Exception as exc:  # botocore/aiohttp errors are not all OSErrors
                 transient = _is_transient(exc)
                 if not transient or attempt == self.retries:
                     raise _storage_error(what, self.path_of(key), exc, transient) from exc
+                self._recover()
                 time.sleep(delay)
                 delay = min(delay * 4, 2.0)
         raise AssertionError("unreachable")
+
+    def _recover(self) -> None:
+        """Before retrying a transient failure: drop state the failure may have made
+        stale (LocalStorage: directory handles of removed directories)."""
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -300,8 +323,66 @@ def _storage_error(what: str, path: str, exc: BaseException, transient: bool) ->
     return StorageError(f"{what} failed ({cause})", path=path, hint=hint)
 
 
+# How LocalStorage opens names below its root (see "The directory is untrusted input").
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+#: a directory handle used only as ``dir_fd``: O_PATH (Linux) needs search permission
+#: only, as the path lookups it replaces did, not read permission
+_HANDLE = getattr(os, "O_PATH", os.O_RDONLY)
+#: the root itself: links on the user's path to it are followed
+_ROOT_FLAGS = _HANDLE | _O_DIRECTORY | _CLOEXEC
+#: a directory below the root: a link there is refused (ENOTDIR)
+_DIR_FLAGS = _HANDLE | _O_DIRECTORY | _NOFOLLOW | _CLOEXEC
+#: a directory to list (scandir reads it), below or at the root: no link either
+_LIST_FLAGS = os.O_RDONLY | _O_DIRECTORY | _NOFOLLOW | _CLOEXEC
+#: an object to read: no link, and no waiting in open() for a FIFO's writer; fstat
+#: then refuses whatever is not a regular file
+_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+#: a temporary file: created now, so never an existing name or a link's target
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+#: a parked spare to rewrite, and the gc lock: checked with fstat once open
+_REUSE_FLAGS = os.O_WRONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+#: how often (s) a miss checks whether a cached directory was removed meanwhile
+_GONE_CHECK_PERIOD = 1.0
+
+
+class _Dir:
+    """An open directory below (or at) the root.
+
+    The descriptor closes when the last user lets go of this object, so a handle one
+    thread drops from the cache is never closed (and its number reused for another
+    file) under an operation another thread is running with it.
+    """
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def gone(self) -> bool:
+        """True once the directory was removed (or its NFS handle went stale)."""
+        try:
+            return os.fstat(self.fd).st_nlink == 0
+        except OSError:
+            return True
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except Exception:  # noqa: BLE001 - at interpreter exit even ``os`` may be gone
+            pass
+
+
 class LocalStorage(Storage):
-    """A directory on a local or network (NFS) filesystem."""
+    """A directory on a local or network (NFS) filesystem.
+
+    Every name below the root is reached through an open handle of its directory
+    (``dir_fd``), opened once without following links and then kept: a link planted
+    in place of ``rdzv`` or a generation directory is refused, and the data path
+    makes no more system calls than plain paths would (fewer lookups, in fact).
+    """
 
     poll_initial = 20e-6
     poll_max = 0.01
@@ -313,6 +394,9 @@ class LocalStorage(Storage):
         super().__init__(root)
         self.root = root
         self._made: set[str] = set()
+        self._dirs: dict[str, _Dir] = {}
+        self._dirs_lock = threading.Lock()
+        self._next_gone_check = 0.0
         # Rewriting a consumed file in place skips the kernel zeroing fresh page-cache
         # pages (32 MiB: 5 ms instead of 15 ms on tmpfs). Only on local filesystems: an
         # NFS client may hold cached pages of the old contents under the same inode.
@@ -321,97 +405,409 @@ class LocalStorage(Storage):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, check_key(key)) if key else self.root
 
+    # -- directory handles ---------------------------------------------------------------
+    def _dir(self, directory: str) -> _Dir:
+        """The handle of ``directory`` ("" is the root), opened on first use.
+
+        FileNotFoundError when it does not exist (yet); StorageError when a link, a
+        file or anything else but a directory holds its name.
+        """
+        handle = self._dirs.get(directory)
+        if handle is None:
+            handle = self._open_dir(directory)
+        return handle
+
+    def _open_dir(self, directory: str) -> _Dir:
+        if directory:
+            parent, _, name = directory.rpartition("/")
+            parent_fd = self._dir(parent).fd
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            except OSError as exc:
+                if exc.errno in _OCCUPIED_ERRNOS:
+                    raise _occupied(self._path(directory), parent_fd, name,
+                                    expected="a directory") from None
+                raise
+        else:
+            try:
+                fd = os.open(self.root, _ROOT_FLAGS)
+            except NotADirectoryError:
+                raise StorageError("the storage location is not a directory", path=self.root,
+                                   hint="pass a directory (or a path to create) as the URL"
+                                   ) from None
+        handle = _Dir(fd)
+        with self._dirs_lock:
+            # a racing thread's handle wins; ours closes when dropped
+            return self._dirs.setdefault(directory, handle)
+
+    def _locate(self, key: str) -> tuple[_Dir, str]:
+        """(handle of ``key``'s directory, the last part of ``key``)."""
+        directory, _, name = check_key(key).rpartition("/")
+        return self._dir(directory), name
+
+    def _forget_gone(self, force: bool = True) -> bool:
+        """Drop the handles of directories removed since they were opened (deleted,
+        or deleted and made again: the next use then opens the new one by name).
+        Returns whether any was dropped. Unforced, it runs at most once a period: a
+        reader polling for a missing object must not stat every directory each time.
+        """
+        now = time.monotonic()
+        if not force and now < self._next_gone_check:
+            return False
+        self._next_gone_check = now + _GONE_CHECK_PERIOD
+        with self._dirs_lock:
+            gone = [d for d, handle in self._dirs.items() if handle.gone()]
+            for directory in gone:
+                del self._dirs[directory]
+                self._made.discard(directory)
+        return bool(gone)
+
+    def _recover(self) -> None:
+        self._forget_gone()
+
+    def close(self) -> None:
+        with self._dirs_lock:
+            self._dirs.clear()  # each descriptor closes once no operation holds it
+
+    # -- the interface -------------------------------------------------------------------
     def makedirs(self, prefix: str) -> None:
-        path = self._path(prefix)
-        if path in self._made:
+        if prefix in self._made:
             return
-        self._retry("creating the directory", prefix, os.makedirs, path, DIR_MODE, True)
-        self._made.add(path)
+        if "" not in self._made:
+            # the root and its parents by path: links on the way there are the user's
+            try:
+                self._retry("creating the directory", "", os.makedirs, self.root, DIR_MODE,
+                            True)
+            except FileExistsError:
+                raise StorageError("the storage location is not a directory", path=self.root,
+                                   hint="pass a directory (or a path to create) as the URL"
+                                   ) from None
+            self._dir("")
+            self._made.add("")
+        parent = ""
+        for part in check_key(prefix).split("/") if prefix else ():
+            here = f"{parent}/{part}" if parent else part
+            self._retry("creating the directory", here, _mkdir_at, part, self._dir(parent).fd)
+            self._dir(here)  # refuses a link or a file found at the name
+            parent = here
+        self._made.add(prefix)
 
     def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
             reuse: str | None = None) -> int:
-        final = self._path(key)
-        directory, name = os.path.split(final)
+        try:
+            return self._put(key, parts, exclusive, reuse)
+        except FileNotFoundError as exc:
+            if not self._forget_gone():
+                raise self._vanished(key) from exc
+        try:  # the directory was removed, and perhaps made again: once more, by name
+            return self._put(key, parts, exclusive, reuse)
+        except FileNotFoundError as exc:
+            raise self._vanished(key) from exc
+
+    def _put(self, key: str, parts: Sequence, exclusive: bool, reuse: str | None) -> int:
+        handle, name = self._locate(key)
         # The temporary name lives in the *same directory* so the rename is atomic;
         # the leading dot and ".tmp" mark it for `gc` if this process dies here.
-        tmp = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        recycled = False
+        tmp = _temp_name(name)
+        spare = [None]
         if reuse is not None and self.can_recycle:
-            old = self._path(reuse)
-            if os.path.dirname(old) == directory:
-                try:
-                    os.rename(old, tmp)  # the old name vanishes atomically, as a delete would
-                    recycled = True
-                except FileNotFoundError:
-                    pass
-            self.counters.add(requests=1)
-        nbytes = self._retry("writing", key, _write_file, tmp, parts, recycled)
+            spare[0] = self._adopt_spare(handle, key, reuse, tmp)
+            if spare[0] is None:
+                tmp = _temp_name(name)  # whatever held the spare's name may still hold tmp
+
+        def write() -> int:
+            fd, spare[0] = spare[0], None  # a retry after a failure writes a fresh file
+            return _write_file(tmp, parts, dir_fd=handle.fd, fd=fd)
+
+        nbytes = self._retry("writing", key, write)
         try:
-            if exclusive:
-                # link() fails if the name exists: an atomic create-if-absent that
-                # also holds on NFS (the classic lock-file idiom).
-                self._retry("publishing", key, os.link, tmp, final)
-                os.unlink(tmp)
-            else:
-                self._retry("publishing", key, os.replace, tmp, final)
+            self._retry("publishing", key, self._publish, handle, tmp, name, key, exclusive)
         except BaseException:
-            _unlink_quietly(tmp)
+            _unlink_quietly(tmp, handle.fd)
             raise
         self.counters.add(requests=1, written=nbytes)
         return nbytes
 
-    def open(self, key: str) -> Reader | None:
-        path = self._path(key)
+    def _adopt_spare(self, handle: _Dir, key: str, reuse: str, tmp: str) -> int | None:
+        """Rename the parked spare ``reuse`` to ``tmp`` and open it for rewriting; None
+        means "write a fresh file instead".
+
+        Only a regular file of this uid with one link is rewritten. Anything else found
+        under the spare's name (a planted link, a FIFO, a hard link to someone's file)
+        is removed from the directory, never written through: its target is untouched.
+        """
+        directory, _, spare = check_key(reuse).rpartition("/")
+        if directory != key.rpartition("/")[0]:
+            return None
         self.counters.add(requests=1)
         try:
-            fd = self._retry("opening", key, os.open, path, os.O_RDONLY)
+            # the old name vanishes atomically, as a delete would
+            os.rename(spare, tmp, src_dir_fd=handle.fd, dst_dir_fd=handle.fd)
+        except OSError:
+            return None  # gone already, or unmovable: a fresh file does the job
+        try:
+            # lstat first: a planted device is never even opened
+            if stat.S_ISREG(os.stat(tmp, dir_fd=handle.fd, follow_symlinks=False).st_mode):
+                fd = os.open(tmp, _REUSE_FLAGS, dir_fd=handle.fd)
+                if _is_own_plain_file(os.fstat(fd)):
+                    return fd
+                os.close(fd)
+        except OSError:
+            pass
+        _unlink_quietly(tmp, handle.fd)
+        return None
+
+    def _publish(self, handle: _Dir, tmp: str, name: str, key: str, exclusive: bool) -> None:
+        """Give the written temp file its final name: atomically replacing what is there,
+        or (``exclusive``) only if nothing is. A link at the name is replaced or
+        refused, never followed."""
+        try:
+            if exclusive:
+                # link() fails if the name exists: an atomic create-if-absent that
+                # also holds on NFS (the classic lock-file idiom)
+                os.link(tmp, name, src_dir_fd=handle.fd, dst_dir_fd=handle.fd,
+                        follow_symlinks=False)
+                os.unlink(tmp, dir_fd=handle.fd)
+            else:
+                os.replace(tmp, name, src_dir_fd=handle.fd, dst_dir_fd=handle.fd)
+        except FileExistsError:
+            # taken: by an object (the answer the caller wants), or by something else
+            _require_regular(self._path(key), handle.fd, name)
+            raise
+        except OSError as exc:
+            if exc.errno in _OCCUPIED_ERRNOS:
+                raise _occupied(self._path(key), handle.fd, name) from None
+            raise
+
+    def _vanished(self, key: str) -> StorageError:
+        path = self._path(key)
+        where = ("the run directory" if not os.path.isdir(self.root)
+                 else f"its directory {os.path.dirname(path)}")
+        return StorageError(
+            f"cannot publish: {where} does not exist (any more)", path=path,
+            hint="was the run directory deleted? restart the job (in a fresh directory if "
+            "it was removed on purpose)",
+        )
+
+    def open(self, key: str) -> Reader | None:
+        self.counters.add(requests=1)
+        try:
+            fd, size = self._retry("opening", key, self._open_regular, key)
         except FileNotFoundError:
-            return None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            # "not yet", unless a cached directory was removed (and made again) meanwhile
+            if not self._forget_gone(force=False):
+                return None
+            try:
+                fd, size = self._retry("opening", key, self._open_regular, key)
+            except FileNotFoundError:
+                return None
+        return _FdReader(fd, f"{self.root}/{key}", self.counters, size)
+
+    def _open_regular(self, key: str, flags: int = _READ_FLAGS) -> tuple[int, int]:
+        """(fd, size) of ``key`` opened with ``flags``: never through a link, never
+        waiting for a FIFO's writer, and only when it is a regular file."""
+        handle, name = self._locate(key)
+        try:
+            fd = os.open(name, flags, FILE_MODE, dir_fd=handle.fd)
+        except OSError as exc:
+            if exc.errno in _OCCUPIED_ERRNOS:
+                raise _occupied(self._path(key), handle.fd, name) from None
+            raise
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise StorageError("not a regular file", path=path,
-                               hint="something else occupies this name: give the run its own URL")
-        return _FdReader(fd, path, self.counters)
+            raise _occupied(self._path(key), handle.fd, name, mode=info.st_mode)
+        return fd, info.st_size
 
     def park(self, key: str) -> str | None:
         if not self.can_recycle:
             return None
-        directory = os.path.dirname(key)
-        spare = f"{directory}/.spare.{os.getpid()}.{secrets.token_hex(4)}".lstrip("/")
+        spare = f".spare.{os.getpid()}.{secrets.token_hex(4)}"
         self.counters.add(requests=1)
         try:
-            os.rename(self._path(key), self._path(spare))
+            handle, name = self._locate(key)
+            self._retry("parking", key, os.rename, name, spare, src_dir_fd=handle.fd,
+                        dst_dir_fd=handle.fd)
         except FileNotFoundError:
             return None
-        return spare
+        directory = key.rpartition("/")[0]
+        return f"{directory}/{spare}" if directory else spare
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
             self.counters.add(requests=1)
             try:
-                self._retry("deleting", key, os.unlink, self._path(key))
+                handle, name = self._locate(key)
+                self._retry("deleting", key, self._unlink, handle, name, key)
             except FileNotFoundError:
                 pass
 
+    def _unlink(self, handle: _Dir, name: str, key: str) -> None:
+        """unlink() removes a link itself, never its target; a directory is refused."""
+        try:
+            os.unlink(name, dir_fd=handle.fd)
+        except IsADirectoryError:
+            raise _occupied(self._path(key), handle.fd, name) from None
+
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
-        base = self._path(prefix)
-        out = []
-        for dirpath, _dirs, files in os.walk(base):
-            for name in files:
-                full = os.path.join(dirpath, name)
+        """Regular files only: a link, FIFO or socket is no object (see ``irregular``)."""
+        return sorted((key, size) for key, mode, size in self._entries(prefix)
+                      if stat.S_ISREG(mode))
+
+    def irregular(self, prefix: str = "") -> list[tuple[str, str]]:
+        """(key, what it is) of every entry below ``prefix`` that is neither a regular
+        file nor a directory: links, FIFOs, sockets, devices. ferrosync never writes
+        them; the operator tools report them and leave them alone."""
+        return sorted((key, file_kind(mode)) for key, mode, _ in self._entries(prefix)
+                      if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)))
+
+    def _entries(self, prefix: str) -> list[tuple[str, int, int]]:
+        """(key, mode, size) of everything below ``prefix``, from lstat: links are
+        listed, never followed, and a directory is entered only through a handle
+        opened without following links."""
+        try:
+            top = self._dir(check_key(prefix) if prefix else "")
+            fd = os.open(".", _LIST_FLAGS, dir_fd=top.fd)  # readable, and scandir's own
+        except FileNotFoundError:
+            return []
+        out: list[tuple[str, int, int]] = []
+        _walk(fd, prefix, out)
+        return out
+
+    def remove_empty_dirs(self, prefix: str) -> None:
+        """Remove directory ``prefix`` and the empty directories below it, children
+        first. Nothing is followed: a link at ``prefix`` or below is left alone, and
+        so is a directory something new appeared in."""
+        directory, _, name = check_key(prefix).rpartition("/")
+        try:
+            parent = self._dir(directory)
+            fd = os.open(name, _LIST_FLAGS, dir_fd=parent.fd)
+        except (OSError, StorageError):
+            return  # gone, or not a directory (a link): nothing of ours to remove
+        _remove_empty_below(fd)
+        try:
+            os.rmdir(name, dir_fd=parent.fd)  # rmdir() of a link fails: never followed
+        except OSError:
+            pass
+        self._forget_gone()
+
+    def open_lock(self, key: str) -> int:
+        """A read-write descriptor of ``key`` (created if missing) to hold an fcntl
+        lock on; only a regular file, never through a link (a lock file opened with
+        O_TRUNC through a planted link would empty the link's target)."""
+        self.counters.add(requests=1)
+        return self._retry("opening the lock file", key, self._open_regular, key,
+                           _LOCK_FLAGS)[0]
+
+
+def _temp_name(name: str) -> str:
+    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _is_own_plain_file(info: os.stat_result) -> bool:
+    """A file safe to rewrite in place: regular, ours, and reachable by one name only
+    (a second link could be someone's file planted as our spare)."""
+    return (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()
+            and info.st_nlink == 1)
+
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISREG, "a regular file"))
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words, for messages."""
+    for test, what in _KINDS:
+        if test(mode):
+            return what
+    return "something that is not a regular file"
+
+
+def _occupied(path: str, dir_fd: int, name: str, *, mode: int | None = None,
+              expected: str = "a regular file") -> StorageError:
+    """The error for a name held by something ferrosync refuses to open or replace."""
+    if mode is None:
+        try:
+            mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+        except OSError:
+            mode = 0
+    return StorageError(f"{file_kind(mode)} occupies this name where ferrosync expects "
+                        f"{expected}; refused", path=path, hint=_OCCUPIED_HINT)
+
+
+def _require_regular(path: str, dir_fd: int, name: str) -> None:
+    """Raise ``_occupied`` unless ``name`` is a regular file (by lstat) or gone."""
+    try:
+        mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise _occupied(path, dir_fd, name, mode=mode)
+
+
+def _mkdir_at(name: str, dir_fd: int) -> None:
+    try:
+        os.mkdir(name, DIR_MODE, dir_fd=dir_fd)
+    except FileExistsError:
+        pass  # made by another rank, or something else: opening it will tell
+
+
+def _walk(fd: int, base: str, out: list) -> None:
+    """Append (key, mode, size) of everything in the directory ``fd`` (closed here)
+    and below it to ``out``; lstat only, and directories opened with O_NOFOLLOW."""
+    try:
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                key = f"{base}/{entry.name}" if base else entry.name
                 try:
-                    size = os.stat(full).st_size
+                    info = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
-                    continue
-                out.append((os.path.relpath(full, self.root).replace(os.sep, "/"), size))
-        return sorted(out)
+                    continue  # removed since the directory was read
+                out.append((key, info.st_mode, info.st_size))
+                if stat.S_ISDIR(info.st_mode):
+                    try:
+                        sub = os.open(entry.name, _LIST_FLAGS, dir_fd=fd)
+                    except OSError:
+                        continue  # removed, or replaced by a link since: not entered
+                    _walk(sub, key, out)
+    finally:
+        os.close(fd)
 
 
-def _write_file(path: str, parts: Sequence, existing: bool = False) -> int:
-    """Write ``parts`` to a new file (or over an ``existing`` one, then cut it to
-    size); on any failure the file is removed."""
-    flags = os.O_WRONLY if existing else os.O_WRONLY | os.O_CREAT | os.O_EXCL
-    fd = os.open(path, flags, FILE_MODE)
+def _remove_empty_below(fd: int) -> None:
+    """rmdir every empty directory below the directory ``fd`` (closed here), children
+    first; links are not followed and non-empty directories stay."""
+    try:
+        with os.scandir(fd) as entries:
+            subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        for name in subdirs:
+            try:
+                sub = os.open(name, _LIST_FLAGS, dir_fd=fd)
+            except OSError:
+                continue
+            _remove_empty_below(sub)
+            try:
+                os.rmdir(name, dir_fd=fd)
+            except OSError:
+                pass  # not empty: something new appeared there; leave it
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, parts: Sequence, *, dir_fd: int | None = None,
+                fd: int | None = None) -> int:
+    """Write ``parts`` to ``path`` (relative to ``dir_fd`` if given) and return the
+    bytes written; on any failure the file is removed.
+
+    Without ``fd`` the file is created here (O_EXCL|O_NOFOLLOW: never an existing
+    name, never a link's target); with ``fd``, an already checked spare open as
+    ``path``, the old bytes are overwritten and the file is cut to size.
+    """
+    existing = fd is not None
+    if fd is None:
+        fd = os.open(path, _CREATE_FLAGS, FILE_MODE, dir_fd=dir_fd)
     try:
         try:
             views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
@@ -430,14 +826,14 @@ def _write_file(path: str, parts: Sequence, existing: bool = False) -> int:
         finally:
             os.close(fd)  # on NFS close() flushes, and may be where ENOSPC shows
     except BaseException:
-        _unlink_quietly(path)
+        _unlink_quietly(path, dir_fd)
         raise
     return total
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str, dir_fd: int | None = None) -> None:
     try:
-        os.unlink(path)
+        os.unlink(path, dir_fd=dir_fd)
     except OSError:
         pass
 
@@ -458,6 +854,8 @@ class FsspecStorage(Storage):
             # in-process dictionary: polling it costs nothing
             self.poll_initial, self.poll_max, self.heartbeat_interval = 20e-6, 0.005, 1.0
             self.cheap_deletes = True
+        #: s3fs: ``put(exclusive=True)`` is one conditional PUT (``If-None-Match: *``)
+        self._s3 = proto in ("s3", "s3a") and hasattr(fs, "call_s3")
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}" if key else self.root
@@ -468,21 +866,122 @@ class FsspecStorage(Storage):
             self.delete([reuse])  # an object store has nothing to recycle
         views = [memoryview(p).cast("B") for p in parts]
         data = views[0].tobytes() if len(views) == 1 else b"".join(views)
-        mode = "create" if exclusive else "overwrite"
-        self._retry("writing", key, self._pipe, self._path(key), data, mode)
+        path = self._path(key)
+        if exclusive and self._s3:
+            self._retry("creating", key, self._s3_create, key, path, data)
+        else:
+            mode = "create" if exclusive else "overwrite"
+            self._retry("writing", key, self._pipe, key, path, data, mode)
         self.counters.add(requests=1, written=len(data))
         return len(data)
 
-    def _pipe(self, path: str, data: bytes, mode: str) -> None:
+    def _pipe(self, key: str, path: str, data: bytes, mode: str) -> None:
         try:
             self.fs.pipe_file(path, data, mode=mode)
         except TypeError:
-            # an implementation without the ``mode`` keyword: plain overwrite
+            # an implementation without the ``mode`` keyword: plain overwrite (so no
+            # exclusive create: `ferrosync doctor` reports that)
             self.fs.pipe_file(path, data)
         except Exception as exc:
-            if "PreconditionFailed" in str(exc) or "412" in str(exc):
-                raise FileExistsError(path) from exc
+            if mode == "create" and self._precondition_failed(exc):
+                raise FileExistsError(errno.EEXIST, "the object exists already",
+                                      self.path_of(key)) from exc
             raise
+
+    def _s3_create(self, key: str, path: str, data: bytes) -> None:
+        """Create ``path`` only if absent: one PUT with ``If-None-Match: *``.
+
+        The server answers 412 Precondition Failed when the key exists (AWS S3 since
+        2024-08, MinIO, SeaweedFS, moto); that is ``FileExistsError``. AWS answers 409
+        ConditionalRequestConflict while a concurrent conditional write of the key is
+        in flight: retried here, a few times. A 412 after botocore retried our own PUT
+        (its first attempt may have landed, the answer lost) is checked by reading the
+        object back: our bytes there mean the create was ours.
+
+        Called through s3fs's ``call_s3`` rather than ``pipe_file(mode="create")``:
+        the same request on every s3fs version, and s3fs's own translation maps a 412
+        without AWS's ``Condition`` field (SeaweedFS, MinIO) to EINVAL, not EEXIST.
+        """
+        if not self._botocore_has_if_none_match():
+            raise StorageError(
+                "exclusive create needs conditional writes (If-None-Match), which this "
+                "botocore cannot send", path=self.path_of(key),
+                hint="upgrade botocore to 1.35.20 or newer (pip install -U s3fs botocore)")
+        bucket, name, _ = self.fs.split_path(path)
+        delay = 0.05
+        for attempt in range(self._CONFLICT_RETRIES + 1):
+            try:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data,
+                                IfNoneMatch="*")
+                return
+            except Exception as exc:  # s3fs translates ClientError: look at the cause
+                response = self._s3_response(exc)
+                if self._precondition_failed(exc):
+                    retried = (response or {}).get("ResponseMetadata", {}).get(
+                        "RetryAttempts", 0)
+                    if (retried or getattr(self.fs, "retries", 1) > 1) and (
+                            self._holds(path, data)):
+                        return  # our earlier attempt created it
+                    raise FileExistsError(errno.EEXIST, "the object exists already",
+                                          self.path_of(key)) from None
+                code = (response or {}).get("Error", {}).get("Code")
+                if code != "ConditionalRequestConflict" or attempt == self._CONFLICT_RETRIES:
+                    raise
+                time.sleep(delay)
+                delay *= 2
+            finally:
+                self.fs.invalidate_cache(path)
+
+    # -- conditional writes (s3fs) -------------------------------------------------------
+    #: retries of a conditional PUT that AWS answered 409 ConditionalRequestConflict
+    _CONFLICT_RETRIES = 4
+    _if_none_match: bool | None = None  # whether botocore can send it (checked once)
+
+    @staticmethod
+    def _s3_response(exc: BaseException) -> dict | None:
+        """The botocore response dict behind ``exc`` (s3fs keeps the ClientError as the
+        cause of the OSError it raises), or None."""
+        for _ in range(8):
+            if exc is None:
+                break
+            response = getattr(exc, "response", None)
+            if isinstance(response, dict):
+                return response
+            exc = exc.__cause__ or exc.__context__
+        return None
+
+    @classmethod
+    def _precondition_failed(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` is an HTTP 412 (PreconditionFailed) from a conditional write."""
+        response = cls._s3_response(exc)
+        if response is not None:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return status == 412 or response.get("Error", {}).get("Code") == "PreconditionFailed"
+        return isinstance(exc, FileExistsError) or "PreconditionFailed" in str(exc)
+
+    @classmethod
+    def _botocore_has_if_none_match(cls) -> bool:
+        """Whether the installed botocore knows PutObject's IfNoneMatch (1.35.20+): s3fs
+        silently drops parameters its botocore does not know, which would turn an
+        exclusive create into an overwrite."""
+        if cls._if_none_match is None:
+            try:
+                import botocore.session
+
+                model = botocore.session.get_session().get_service_model("s3")
+                members = model.operation_model("PutObject").input_shape.members
+                FsspecStorage._if_none_match = "IfNoneMatch" in members
+            except Exception:  # noqa: BLE001 - no botocore model: treat as unsupported
+                FsspecStorage._if_none_match = False
+        return bool(cls._if_none_match)
+
+    def _holds(self, path: str, data: bytes) -> bool:
+        """Whether the object at ``path`` holds exactly ``data``."""
+        self.counters.add(requests=1)
+        try:
+            return self._cat(path) == data
+        except FileNotFoundError:
+            return False
 
     def open(self, key: str) -> Reader | None:
         self.counters.add(requests=1)
@@ -500,16 +999,19 @@ class FsspecStorage(Storage):
         return self.fs.cat_file(path, start=0)
 
     def delete(self, keys: Iterable[str]) -> None:
-        paths = [self._path(k) for k in keys]
-        if not paths:
+        keys = list(keys)
+        if not keys:
             return
+        paths = [self._path(k) for k in keys]
         self.counters.add(requests=1 + len(paths) // 1000)
+        # errors name the key (``_retry`` makes the full URL of it), never the fs path
+        what = "deleting" if len(keys) == 1 else f"deleting {len(keys)} objects"
         try:
-            self._retry("deleting", paths[0], self.fs.rm, paths)
+            self._retry(what, keys[0], self.fs.rm, paths)
         except FileNotFoundError:
-            for path in paths:  # some backends stop at the first missing one
+            for key, path in zip(keys, paths):  # some backends stop at the first missing one
                 try:
-                    self.fs.rm_file(path)
+                    self._retry("deleting", key, self.fs.rm_file, path)
                 except FileNotFoundError:
                     pass
 
@@ -517,11 +1019,15 @@ class FsspecStorage(Storage):
         base = self._path(prefix)
         self.fs.invalidate_cache()
         try:
-            found = self.fs.find(base, detail=True)
+            found = self._retry("listing", prefix, self.fs.find, base, detail=True)
         except FileNotFoundError:
             return []
         strip = len(self.root) + 1
-        return sorted((p[strip:], int(info.get("size") or 0)) for p, info in found.items())
+        # objects only: stores with real directories (SeaweedFS keeps an emptied
+        # "folder" for a while) and directory markers make s3fs report directories,
+        # the searched prefix itself among them
+        return sorted((p[strip:], int(info.get("size") or 0)) for p, info in found.items()
+                      if info.get("type") != "directory" and len(p) > strip)
 
     def probe_bucket(self) -> None:
         """Fail early when the bucket (or container) is missing or unreadable."""

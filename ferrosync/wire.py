@@ -38,9 +38,9 @@ With a secret, a keyed HMAC-SHA256 over the header and the payload follows the
 header, so a forged or altered object is rejected (``ShardCorrupt``) without
 trusting a single byte of it.
 
-Checksums: xxh3-64 runs at ~30 GB/s here against ~4 GB/s for zlib.crc32, so
-integrity checking costs almost nothing next to the I/O (measured with
-``python tools/bench_checksum.py``).
+Checksums: xxh3-64 hashed 30.9 GB/s against 4.3 GB/s for zlib.crc32 on the 2-core
+development machine, so integrity checking costs almost nothing next to the I/O
+(docs/design.md#measured-facts).
 """
 
 from __future__ import annotations

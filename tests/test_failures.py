@@ -22,6 +22,7 @@ import ferrosync
 from ferrosync.errors import (
     ConfigError,
     DuplicateRank,
+    FerrosyncError,
     LayoutMismatch,
     PeerFailed,
     ShardCorrupt,
@@ -329,8 +330,9 @@ def test_two_processes_claiming_one_rank_at_once(dir_transport):
     # processes 1 and 2 both claim rank 1 of a world of 2; rank 0 starts once both
     # have asked to join, so the collision is certain, not a race
     procs, q = start_ranks(w_dup_rank, 3, dir_transport.url, ranks=[1, 2])
-    wait_for_path(os.path.join(dir_transport.url, "rdzv", "join.r1.0"))
-    second = os.path.join(dir_transport.url, "rdzv", "join.r1.1")
+    rdzv = os.path.join(dir_transport.url, "rdzv." + os.environ["FERROSYNC_JOB"])
+    wait_for_path(os.path.join(rdzv, "join.r1.0"))
+    second = os.path.join(rdzv, "join.r1.1")
     deadline = time.monotonic() + 30
     # either both joined (attempts 0 and 1), or they collided on attempt 0 and the
     # loser already failed
@@ -340,11 +342,13 @@ def test_two_processes_claiming_one_rank_at_once(dir_transport):
     procs0, q0 = start_ranks(w_dup_rank, 3, dir_transport.url, ranks=[0])
     out = collect(procs, q, timeout=60)
     out.update(collect(procs0, q0, timeout=60))
-    failures = [r for r in (out[1], out[2]) if isinstance(r, RankFailure)]
-    assert len(failures) == 1, out
-    assert isinstance(failures[0].error, DuplicateRank), failures[0].error
-    assert "as rank 1" in str(failures[0].error)
-    assert torch.equal(out[0], torch.ones(3)), out[0]
+    # neither claimant can tell which of them belongs with rank 0: both are refused,
+    # and rank 0 fails with a typed error instead of averaging with either
+    for res in (out[1], out[2]):
+        assert isinstance(res, RankFailure) and isinstance(res.error, DuplicateRank), out
+        assert "rank 1" in str(res.error)
+    assert isinstance(out[0], RankFailure), out[0]
+    assert isinstance(out[0].error, FerrosyncError), out[0].error
 
 
 def w_dup_rank(rank, world, url):

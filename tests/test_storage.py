@@ -57,15 +57,39 @@ def test_errors_other_than_not_found_propagate(tmp_path):
 
 def test_writing_into_a_missing_directory_names_the_path(tmp_path):
     st = LocalStorage(str(tmp_path))
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(StorageError) as info:
         st.put("no/such/dir/x", [b"a"])
+    assert not isinstance(info.value, FileNotFoundError)  # never "not there yet"
+    assert str(tmp_path / "no" / "such" / "dir" / "x") in str(info.value)
+    assert "was the run directory deleted? restart the job" in str(info.value)
+
+
+def test_a_deleted_run_directory_is_named_when_publishing(tmp_path):
+    root = tmp_path / "run"
+    st = LocalStorage(str(root))
+    st.makedirs("g1.0123456789abcdef")
+    st.put("g1.0123456789abcdef/hb.r0", [b"beat"])
+    for name in os.listdir(root / "g1.0123456789abcdef"):  # rm -rf by hand, mid-run
+        os.unlink(root / "g1.0123456789abcdef" / name)
+    os.rmdir(root / "g1.0123456789abcdef")
+    os.rmdir(root)
+    with pytest.raises(StorageError) as info:
+        st.put("g1.0123456789abcdef/hb.r0", [b"beat"])
+    assert "the run directory does not exist" in str(info.value)
+    assert str(root / "g1.0123456789abcdef" / "hb.r0") in str(info.value)
+    assert "restart the job" in str(info.value)
+    assert st.open("g1.0123456789abcdef/hb.r0") is None  # readers: simply not there
+    # made again by hand: the store finds the new directory by name
+    os.makedirs(root / "g1.0123456789abcdef")
+    st.put("g1.0123456789abcdef/hb.r0", [b"again"])
+    assert st.read("g1.0123456789abcdef/hb.r0") == b"again"
 
 
 def w_blocked_writer(rank, world, root, ready):
     # fault injection in this process only: stop between writing and publishing
     import threading
 
-    def stall(src, dst):
+    def stall(src, dst, **dir_fds):
         open(ready, "w").close()
         threading.Event().wait()
 

@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import stat
 from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
 
 from ..env import discover
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
+from ..storage import DIR_MODE, file_kind
 
 #: torch's FileStore inside a directory init_method (ferrosync's own files sit beside it)
 STORE_FILE = "c10d.store"
@@ -152,8 +154,28 @@ def _identity(query: str, url: str):
 
 
 def _directory_store(path: str, world_size: int) -> dist.FileStore:
-    os.makedirs(path, exist_ok=True)
-    return dist.FileStore(os.path.join(path, STORE_FILE), world_size)
+    """torch's FileStore inside ``path``, which is made owner-and-group only (DIR_MODE),
+    like every directory ferrosync creates."""
+    os.makedirs(path, DIR_MODE, exist_ok=True)
+    store_file = os.path.join(path, STORE_FILE)
+    _refuse_special(store_file)
+    return dist.FileStore(store_file, world_size)
+
+
+def _refuse_special(path: str) -> None:
+    """torch opens the store file itself, following links: refuse a link or special
+    file planted at its name first (a best effort: torch's own open is not ours)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise StorageError(
+            f"{file_kind(mode)} occupies the store file's name where a regular file (or "
+            "nothing) belongs; refused", path=path,
+            hint="remove it, find out who put it there, and give the job a directory "
+            "only its own user (or group) can write",
+        )
 
 
 def _local_handler(url: str, **kwargs):

@@ -26,9 +26,10 @@ Cadence:
 * ``sync_every_seconds=S`` (time-based): a window closes on each rank when S
   seconds have passed on *its own* monotonic clock since the previous sync
   returned (collectives return at nearly the same moment everywhere, so the
-  deadlines agree without comparing clocks across hosts, which DESIGN §7
-  forbids); the sync then completes when the slowest rank arrives, so a fast rank
-  trains more batches per window than a slow one. With ``begin(total_steps)`` the
+  deadlines agree without comparing clocks across hosts, which
+  docs/design.md#no-cross-host-clocks forbids); the sync then completes when the
+  slowest rank arrives, so a fast rank trains more batches per window than a slow
+  one. With ``begin(total_steps)`` the
   run is a global budget of ``total_steps * world_size`` batches (the samples the
   per-step baseline would see): after each sync every rank computes, from the
   cumulative masses, each rank's quota of the remaining batches (largest-remainder

@@ -22,10 +22,11 @@ import hashlib
 import json
 import math
 import os
+import secrets
 
 import torch
 
-#: keys the FINAL line always carries (DESIGN.md §6)
+#: keys the FINAL line always carries (docs/design.md#final-line)
 FINAL_KEYS = ("steps", "loss", "accuracy", "param_digest", "ranks_agree", "bytes_written",
               "bytes_read", "requests")
 
@@ -51,9 +52,13 @@ class MetricsWriter:
                             kept.append(line if line.endswith("\n") else line + "\n")
                     except (ValueError, KeyError, TypeError):
                         continue  # a torn last line from a killed run
-        # replace atomically, so a crash now leaves the old file or the new one
-        tmp = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        # replace atomically, so a crash now leaves the old file or the new one; the
+        # temp file is created here and now (O_EXCL|O_NOFOLLOW, an unguessable name),
+        # so a link planted in a shared directory is never written through
+        tmp = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}."
+                           f"{secrets.token_hex(4)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        with open(os.open(tmp, flags, 0o666), "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, self.path)
         self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
