@@ -1,0 +1,431 @@
+"""Heartbeats, abort markers and the peer checks that turn a hang into an error.
+
+Each rank of a generation owns two control objects in the generation's prefix:
+
+* ``hb.r{rank}``: rewritten every ``interval`` seconds by a background thread with
+  an increasing ``beat`` counter and where the rank is (collective, operation). It
+  is the one key ferrosync overwrites: readers only ever ask "did the counter
+  change?", which tolerates a stale read of one period.
+* ``abort.r{rank}``: written once when the rank fails (an exception inside a
+  collective, or an uncaught exception ending the process), carrying the error.
+
+A waiting rank calls ``PeerMonitor.maybe_check`` from its polling loop; at most once
+per interval it reads the abort markers and heartbeats of the ranks it waits on. A
+peer is dead when its counter has not changed for ``timeout`` seconds *of the
+reader's own monotonic clock*: another host's wall clock or a file's mtime is never
+compared (clocks differ between nodes).
+
+**Time this process was frozen is not the peer's silence.** When a whole job is
+suspended (SLURM ``scontrol suspend``, SIGSTOP, a paused VM whose clock catches up
+on resume) the monotonic clock keeps running while no thread of the process runs.
+On resuming, a waiting rank would read a peer counter that last moved before the
+pause and blame the peer for the pause's length, although the peer was frozen too
+and has had no chance to beat yet. Two ways to tell were considered:
+
+* compare the peer's heartbeat progress with this process's own (blame a peer only
+  if this rank's counter advanced by ``timeout`` worth of beats while the peer's
+  did not): the same question asked through storage, so it adds write latency and
+  stale reads, and it still needs a rule for when this rank's own counter should
+  have advanced, which is the bound below;
+* notice gaps in this process's own timeline: chosen. Every thread that runs
+  periodically ticks one process-wide ``ProcessClock``: the heartbeat thread
+  before and after each write, the waiting thread at every poll. While the process
+  runs, consecutive ticks are at most about one heartbeat interval apart (the
+  heartbeat thread runs during compute too), so a gap longer than
+  ``freeze_bound`` (1.5 intervals, at least 0.25 s) means the process was frozen
+  during it (or so starved that it could not look either). After such a freeze
+  every peer's silence clock is re-armed at the moment this process resumed: the
+  peer then has a full ``timeout`` to show a new beat, which a live peer (frozen
+  with us, or never frozen) does within an interval. The gap is measured locally,
+  by one monotonic clock, so no two hosts' timers are compared, and which rank
+  resumes first does not matter (as long as the others follow within ``timeout``).
+
+  A real death is still caught in time: a SIGKILLed peer stops beating while this
+  process keeps ticking, so it is reported ``timeout`` (+ one check interval)
+  after its last beat. A freeze shorter than ``freeze_bound`` is not detected and
+  counts as silence; ``timeout`` must leave room for it on top of the two intervals
+  a beat can take to be seen (``timeout > 2 intervals + freeze_bound``, e.g. 3.5
+  intervals; the defaults have far more). A process that keeps
+  freezing for longer than ``freeze_bound`` more often than every ``timeout``
+  re-arms forever and relies on the collective ``timeout`` instead (a process that
+  sick cannot tell its own stalls from its peers' deaths).
+
+**A heartbeat that cannot be written** (storage full, credentials expired) makes
+peers declare this rank dead after ``timeout``, while this rank, seeing nothing
+wrong, keeps waiting. ``Heartbeat`` therefore records its failures
+(``last_error``, ``failing_since``), and ``PeerMonitor.check`` raises
+``StorageError`` naming the write error once this rank's own heartbeat has failed
+for longer than ``timeout``; a ``PeerFailed`` raised while the own heartbeat is
+failing says so too (shared storage trouble, not a dead peer). The monitor finds
+the heartbeat of the same (storage, prefix, rank) through a registry that
+``Heartbeat.start``/``stop`` maintain, so the backend need not wire them together.
+
+A forked child inherits none of the threads (so none of the ticks) and possibly a
+held lock; the process clock is reset in the child (``os.register_at_fork``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import weakref
+
+from .errors import LayoutMismatch, PeerFailed, ShardCorrupt, StorageError, error_class
+from .storage import Storage
+from .wire import decode_record, encode_record
+
+#: the shortest gap in the process's timeline that counts as a freeze: scheduling
+#: jitter on a loaded machine reaches tens of milliseconds, and re-arming on jitter
+#: would postpone the detection of a dead peer for nothing
+MIN_FREEZE_S = 0.25
+
+
+def heartbeat_key(prefix: str, rank: int) -> str:
+    return f"{prefix}/hb.r{rank}"
+
+
+def abort_key(prefix: str, rank: int) -> str:
+    return f"{prefix}/abort.r{rank}"
+
+
+def freeze_bound(interval: float) -> float:
+    """The longest gap between two ticks of a running process with heartbeats every
+    ``interval`` s, plus slack for scheduling; a longer gap is a freeze."""
+    return max(1.5 * interval, MIN_FREEZE_S)
+
+
+class ProcessClock:
+    """When this process was last seen running, and when it last resumed from a freeze.
+
+    ``tick`` is called by any thread that runs periodically (heartbeat thread, polling
+    loops); it is cheap (one lock, no I/O). Monitors ``watch`` the clock with their own
+    bound: a gap between consecutive ticks longer than a watcher's bound sets that
+    watcher's ``resumed_at`` to the tick that ended the gap. One instance per process
+    (``PROCESS_CLOCK``); tests make their own with a fake ``time_fn``.
+    """
+
+    def __init__(self, time_fn=time.monotonic) -> None:
+        self._time = time_fn
+        self._lock = threading.Lock()
+        self._last: float | None = None
+        self._watchers: weakref.WeakSet = weakref.WeakSet()
+
+    def now(self) -> float:
+        return self._time()
+
+    def tick(self) -> float:
+        """Record that this process runs now; returns the time read."""
+        now = self._time()
+        with self._lock:
+            last = self._last
+            # a thread that read the time just before another one ticked carries a
+            # slightly older time: not a gap, and it must not move `_last` back
+            if last is None or now > last:
+                self._last = now
+                # every watcher's bound is at least MIN_FREEZE_S: shorter gaps, i.e.
+                # nearly every tick, need no look at the watchers
+                if last is not None and now - last > MIN_FREEZE_S:
+                    gap = now - last
+                    for watcher in self._watchers:
+                        if gap > watcher.freeze_bound:
+                            watcher.resumed_at = now
+        return now
+
+    def watch(self, watcher) -> None:
+        """``watcher`` has ``freeze_bound`` and a writable ``resumed_at``."""
+        with self._lock:
+            self._watchers.add(watcher)
+
+    def _after_fork_in_child(self) -> None:
+        # the parent's ticking threads do not exist here, and a thread may have held
+        # the lock at the fork: start over
+        self._lock = threading.Lock()
+        self._last = None
+
+
+PROCESS_CLOCK = ProcessClock()
+
+# (id(storage), prefix, rank) -> the Heartbeat writing hb.r{rank} there; lets the
+# monitor of the same rank read its own heartbeat's failures
+_HEARTBEATS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _heartbeat_of(storage: Storage, prefix: str, rank: int) -> Heartbeat | None:
+    return _HEARTBEATS.get((id(storage), prefix, rank))
+
+
+def _after_fork_in_child() -> None:
+    PROCESS_CLOCK._after_fork_in_child()
+    _HEARTBEATS.clear()  # the parent's: their threads do not exist here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Heartbeat:
+    """Rewrites ``hb.r{rank}`` every ``interval`` seconds from a daemon thread.
+
+    ``set_position`` is called by the collective code (cheap: it only stores the
+    position, the next beat publishes it). ``stop`` joins the thread and writes a
+    final beat with state "closed" or "aborted".
+
+    A failed write is retried at the next beat, never raised from the thread: the
+    error is kept in ``last_error`` and the start of the current run of failures in
+    ``failing_since`` (monotonic; None while writes succeed), which ``PeerMonitor``
+    reports (see ``failure``).
+    """
+
+    def __init__(self, storage: Storage, prefix: str, rank: int, interval: float,
+                 key: bytes | None, generation: int, *, clock: ProcessClock | None = None
+                 ) -> None:
+        self._storage = storage
+        self._prefix = prefix
+        self._key = heartbeat_key(prefix, rank)
+        self._secret = key
+        self._interval = interval
+        self._clock = clock or PROCESS_CLOCK
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._record = {
+            "beat": 0,
+            "state": "running",
+            "rank": rank,
+            "generation": generation,
+            "collective": 0,
+            "op": None,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "wall_time": time.time(),  # for `inspect` only; never used for liveness
+            "interval": interval,  # lets tools size their watch window
+        }
+        self._thread: threading.Thread | None = None
+        self.last_error: BaseException | None = None
+        self.failing_since: float | None = None
+        self.failures = 0  # failed writes in the current run of failures
+
+    @property
+    def path(self) -> str:
+        return self._storage.path_of(self._key)
+
+    def start(self) -> None:
+        _HEARTBEATS[(id(self._storage), self._prefix, self._record["rank"])] = self
+        self._beat()  # the first beat is synchronous: peers see us at once
+        self._thread = threading.Thread(
+            target=self._run, name=f"ferrosync-heartbeat-r{self._record['rank']}", daemon=True
+        )
+        self._thread.start()
+
+    def set_position(self, collective: int, op: str | None) -> None:
+        with self._lock:
+            self._record["collective"] = collective
+            self._record["op"] = op
+
+    def failure(self, now: float) -> tuple[float, BaseException] | None:
+        """(seconds the writes have been failing, last error), or None if they work."""
+        since, error = self.failing_since, self.last_error
+        if since is None or error is None:
+            return None
+        return now - since, error
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._beat()
+
+    def _beat(self, state: str | None = None) -> None:
+        # ticks on both sides of the write: a slow write is a gap in this thread's
+        # timeline, which must not look like a freeze (see the module docstring)
+        now = self._clock.tick()
+        with self._lock:
+            self._record["beat"] += 1
+            self._record["wall_time"] = time.time()
+            if state is not None:
+                self._record["state"] = state
+            data = encode_record(self._record, self._secret)
+        try:
+            self._storage.put(self._key, [data])
+        except Exception as exc:  # retried at the next beat; PeerMonitor reports it
+            self.last_error = exc
+            self.failures += 1
+            if self.failing_since is None:
+                self.failing_since = now
+        else:
+            self.failing_since = None
+            self.failures = 0
+        self._clock.tick()
+
+    def stop(self, state: str = "closed") -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self._interval))
+        self._thread = None
+        key = (id(self._storage), self._prefix, self._record["rank"])
+        if _HEARTBEATS.get(key) is self:
+            del _HEARTBEATS[key]
+        self._beat(state)
+
+
+def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,
+                  collective: int | None, key: bytes | None) -> None:
+    """Write ``abort.r{rank}`` once; best effort (we are already failing)."""
+    record = {
+        "rank": rank,
+        "collective": collective,
+        "type": type(exc).__name__,
+        "message": str(exc)[:4000],
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    try:
+        storage.put(abort_key(prefix, rank), [encode_record(record, key)], exclusive=True)
+    except Exception:
+        pass
+
+
+class PeerMonitor:
+    """Checks the ranks a collective waits on; raises instead of letting it hang.
+
+    Called by the waiting thread only (``maybe_check`` from every poll iteration of
+    a wait); it never blocks beyond the storage reads of one check. Raises
+    ``PeerFailed`` (a peer aborted, closed early or stopped beating), the peer's own
+    error class when its abort marker names one, ``LayoutMismatch`` (the peer's
+    heartbeat shows another operation at this collective), or ``StorageError`` (this
+    rank's own heartbeat has not been written for ``timeout``).
+    """
+
+    def __init__(self, storage: Storage, prefix: str, rank: int, interval: float,
+                 timeout: float, key: bytes | None, url: str, *,
+                 clock: ProcessClock | None = None) -> None:
+        self._storage = storage
+        self._prefix = prefix
+        self._rank = rank
+        self._interval = interval
+        self._timeout = timeout
+        self._key = key
+        self._url = url
+        self._clock = clock or PROCESS_CLOCK
+        # peer -> (last beat seen, when it was first seen), on this process's clock
+        self._seen: dict[int, tuple[object, float]] = {}
+        self._next_check = 0.0
+        #: read by the clock: a gap in this process's ticks longer than this is a freeze
+        self.freeze_bound = freeze_bound(interval)
+        #: set by the clock to the end of the latest freeze (0: none yet)
+        self.resumed_at = 0.0
+        self._clock.watch(self)
+
+    def maybe_check(self, ranks, collective: int, op: str) -> None:
+        """``check`` at most once per interval (call it from every poll iteration)."""
+        now = self._clock.tick()
+        if now < self._next_check:
+            return
+        if self._next_check == 0.0:
+            # the first poll of the run only arms the timer: most waits are short
+            self._next_check = now + self._interval
+            return
+        self._next_check = now + self._interval
+        self.check(ranks, collective, op)
+
+    def check(self, ranks, collective: int, op: str) -> None:
+        now = self._clock.tick()
+        self._check_own_heartbeat(collective, now)
+        # silence is only counted from the moment this process last resumed: a peer
+        # is not to blame for time during which this process could not look
+        resumed = self.resumed_at
+        for peer in ranks:
+            if peer == self._rank:
+                continue
+            abort_path = abort_key(self._prefix, peer)
+            data = self._storage.read(abort_path)
+            if data is not None:
+                raise self._peer_error(peer, abort_path, data, collective, now)
+            hb_path = heartbeat_key(self._prefix, peer)
+            raw = self._storage.read(hb_path)
+            beat = None
+            if raw is not None:
+                try:
+                    record = decode_record(raw, self._key, path=self._storage.path_of(hb_path),
+                                           rank=self._rank)
+                except ShardCorrupt:
+                    record = {}
+                beat = record.get("beat")
+                state = record.get("state")
+                closed_at = record.get("collective")
+                # a peer that closed *after* entering this collective finished it (it
+                # published what we wait for, the next poll will see it): not a failure
+                if state == "closed" and isinstance(closed_at, int) and closed_at < collective:
+                    raise PeerFailed(
+                        f"rank {peer} closed its connection (after collective "
+                        f"{record.get('collective')}) while this rank waits for it",
+                        rank=self._rank, collective=collective, path=self._url,
+                        hint="every rank must call the same collectives in the same order "
+                        "(one rank ran fewer steps or batches)",
+                    )
+                peer_op = record.get("op")
+                if record.get("collective") == collective and peer_op and peer_op != op:
+                    raise LayoutMismatch(
+                        f"rank {self._rank} called {op}, rank {peer} called {peer_op} "
+                        "(seen in its heartbeat)",
+                        rank=self._rank, collective=collective, path=self._url,
+                        hint="every rank must call the same collectives in the same order",
+                    )
+            last = self._seen.get(peer)
+            if last is None or last[0] != beat:
+                self._seen[peer] = (beat, now)
+                continue
+            silent = now - max(last[1], resumed)
+            if silent > self._timeout:
+                what = "no heartbeat" if beat is None else f"heartbeat stuck at {beat}"
+                raise PeerFailed(
+                    f"rank {peer} looks dead: {what} for {silent:.1f} s "
+                    f"(heartbeat_timeout={self._timeout:g} s)" + self._own_trouble(now),
+                    rank=self._rank, collective=collective,
+                    path=self._storage.path_of(hb_path),
+                    hint="the process was killed, ran out of memory, or its node is down; "
+                    "check that rank's log, then restart the job",
+                )
+
+    def _check_own_heartbeat(self, collective: int, now: float) -> None:
+        """Raise once this rank's own heartbeat writes have failed for ``timeout``:
+        by then every peer takes this rank for dead, so waiting on is pointless."""
+        heartbeat = _heartbeat_of(self._storage, self._prefix, self._rank)
+        failing = heartbeat.failure(now) if heartbeat is not None else None
+        if failing is None or failing[0] <= self._timeout:
+            return
+        seconds, error = failing
+        raise StorageError(
+            f"this rank's heartbeat could not be written for {seconds:.1f} s "
+            f"({heartbeat.failures} failed writes; last: {type(error).__name__}: {error}); "
+            "its peers now take it for dead",
+            rank=self._rank, collective=collective, path=heartbeat.path,
+            hint="fix the storage error above (space, permissions, credentials, "
+            "network), then restart the job",
+        ) from error
+
+    def _own_trouble(self, now: float) -> str:
+        heartbeat = _heartbeat_of(self._storage, self._prefix, self._rank)
+        failing = heartbeat.failure(now) if heartbeat is not None else None
+        if failing is None:
+            return ""
+        seconds, error = failing
+        return (f"; this rank's own heartbeat writes have been failing for {seconds:.1f} s "
+                f"too ({type(error).__name__}: {error}): the shared storage may be the "
+                "problem, not the peer")
+
+    def _peer_error(self, peer: int, path: str, data: bytes, collective: int, now: float):
+        cls = PeerFailed
+        try:
+            record = decode_record(data, self._key, path=self._storage.path_of(path),
+                                   rank=self._rank)
+            what = f"{record.get('type')}: {record.get('message')}"
+            where = record.get("collective")
+            cls = error_class(str(record.get("type")))
+        except ShardCorrupt as exc:
+            what, where = f"(unreadable abort marker: {exc})", None
+        return cls(
+            f"rank {peer} failed" + (f" at collective {where}" if where is not None else "")
+            + f" with {what}" + self._own_trouble(now),
+            rank=self._rank, collective=collective, path=self._storage.path_of(path),
+            hint=f"see rank {peer}'s log for the cause, fix it, and restart the job",
+        )
