@@ -301,8 +301,9 @@ class FileSync(GradSync):
         self._seq += 1
         self._op = op
         self._deadline = time.monotonic() + self.timeout
-        if self._heartbeat is not None:
-            self._heartbeat.set_position(self._seq, op)
+        heartbeat = self._heartbeat  # read once: another thread's abort may clear it
+        if heartbeat is not None:
+            heartbeat.set_position(self._seq, op)
         return self._seq
 
     def _codec(self, dtype: torch.dtype) -> Codec:
@@ -332,8 +333,15 @@ class FileSync(GradSync):
         )
 
     def _put(self, name: str, header: Header, parts: list) -> None:
-        head = seal(header, parts, self._key)
         key = self._key_of(name)
+        if self._failure is not None:
+            # another thread failed this GradSync (overlapping calls): publish nothing
+            # more that peers could pair with the wrong call
+            raise ConfigError("calls on one GradSync from two threads must not overlap, and "
+                              "another thread's call failed it", rank=self.rank,
+                             collective=self._seq, path=self._storage.path_of(key),
+                             hint="call collectives of one GradSync from one thread at a time")
+        head = seal(header, parts, self._key)
         nbytes = len(head) + header.payload_nbytes
         self._storage.put(key, [head, *parts], reuse=self._take_spare(nbytes))
         # collective data objects only (not heartbeats or layout records): what a
@@ -395,6 +403,10 @@ class FileSync(GradSync):
                 self._flush_garbage()
                 backoff = Backoff(*self._poll)
                 while (reader := storage.open(key)) is None:
+                    # time this process spent stopped (SIGSTOP, a VM pause) is nobody's
+                    # delay: the collective's own timeout restarts when it resumes
+                    self._deadline = max(self._deadline,
+                                         self._monitor.resumed_at + self.timeout)
                     if time.monotonic() >= self._deadline:
                         raise self._timeout_error(wait_on, what)
                     self._monitor.maybe_check(wait_on, self._seq, self._op)
