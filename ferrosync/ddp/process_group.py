@@ -29,6 +29,13 @@ Reductions:
   ``BAND``, ``BOR``, ``BXOR``): ``all_gather`` and a local reduce in rank order,
   identical on every rank. It reads every rank's tensor, so it suits the small
   tensors (flags, counters, metrics) these ops are used for.
+* ``AVG`` on integers: NCCL's meaning, the rank-ordered sum divided by W with
+  truncation toward zero (``torch.div(..., rounding_mode="trunc")``); Lightning's
+  ``sync_dist=True`` sends it for counters. ``AVG`` on bool is a ``ConfigError``.
+
+To torch the group looks like a built-in one (``_device_types``, ``group_name``), so
+DeviceMesh, DTensor, functional collectives, FSDP2 and DCP accept it: see
+``_attach_placeholders``.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import datetime
 import json
 import os
 import re
+import warnings
 from functools import reduce
 
 import torch
@@ -65,6 +73,7 @@ _COMBINE = {
     _Op.BXOR: torch.bitwise_xor,
 }
 _BITWISE = (_Op.BAND, _Op.BOR, _Op.BXOR)
+_INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _UNSUPPORTED_HINT = (
     "ferrosync's process group implements allreduce, broadcast, allgather, "
     "reduce_scatter, reduce, gather, scatter and barrier; use backend 'gloo' or 'nccl' "
@@ -139,8 +148,12 @@ class SyncProcessGroup(dist.ProcessGroup):
                 raise self._error(f"tensors[{i}] is a {type(t).__name__}, not a tensor")
             if t.is_sparse:
                 raise self._error(f"tensors[{i}] is sparse; only dense tensors are supported")
-            if op == _Op.AVG and not (t.dtype in _AVERAGED or t.is_complex()):
-                raise self._error(f"AVG needs floating-point tensors, tensors[{i}] is {t.dtype}",
+            if op == _Op.AVG and t.dtype == torch.bool:
+                raise self._error(f"AVG is undefined for bool tensors[{i}]",
+                                  hint="use SUM, MAX or BOR, or cast to an integer dtype")
+            if op == _Op.AVG and not (t.dtype in _AVERAGED or t.dtype in _INTEGER
+                                      or t.is_complex()):
+                raise self._error(f"AVG is not supported for tensors[{i}] of {t.dtype}",
                                   hint="use SUM and divide, or cast to float32")
             if op in _BITWISE and (t.is_floating_point() or t.is_complex()):
                 raise self._error(f"{op.name} needs integer or bool tensors, tensors[{i}] is "
@@ -172,7 +185,11 @@ class SyncProcessGroup(dist.ProcessGroup):
             self._average(floats, scale=op == _Op.SUM)
         for t in others:
             parts = self.sync.all_gather(t)
-            t.copy_(reduce(_COMBINE[op], parts))
+            if op == _Op.AVG:  # integers: NCCL's meaning, the sum divided toward zero
+                t.copy_(torch.div(reduce(torch.add, parts), self.sync.world_size,
+                                  rounding_mode="trunc"))
+            else:
+                t.copy_(reduce(_COMBINE[op], parts))
 
     def _average(self, tensors: list[torch.Tensor], *, scale: bool) -> None:
         world = self.sync.world_size
@@ -315,6 +332,14 @@ class SyncProcessGroup(dist.ProcessGroup):
             out.copy_(rows[self.sync.rank].view(out.shape))
         return _Done(output_tensors)
 
+    # dist._coalescing_manager(device=...): every collective here completes when called,
+    # so there is nothing to batch (without these, torch would ask the placeholder backend)
+    def _start_coalescing(self, device=None) -> None:
+        pass
+
+    def _end_coalescing(self, device=None):
+        return _Done([])
+
     def barrier(self, opts=None):
         self.sync.barrier()
         return _Done([])
@@ -354,6 +379,57 @@ class SyncProcessGroup(dist.ProcessGroup):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+# -- looking like a real torch group ---------------------------------------------------------
+
+#: torch versions on which ``_attach_placeholders`` is tested (tests/test_pg_torch_features.py)
+PLACEHOLDER_TESTED_TORCH = ("2.13",)
+
+
+def _attach_placeholders(pg: SyncProcessGroup, group_name: str) -> bool:
+    """Register a placeholder c10d ``Backend`` per device on ``pg`` (private torch API).
+
+    torch keeps a group's device types and its name in its C++ backends
+    (``ProcessGroup::setBackend``, ``getGroupName``), and a Python ``ProcessGroup``
+    has none, so ``pg._device_types`` is empty and ``group_name`` raises: DeviceMesh,
+    functional collectives, FSDP2 and DCP then refuse the group. A Python class cannot
+    subclass ``torch._C._distributed_c10d.Backend``, so the placeholder is torch's
+    ``FakeProcessGroup`` with ``error_on_collective=True``: every collective that would
+    reach it raises instead of silently doing nothing. The real collectives stay
+    ``SyncProcessGroup``'s methods, which torch's C++ reaches through the Python
+    ProcessGroup trampoline (``torch/csrc/distributed/c10d/PyProcessGroup.hpp``), or
+    directly from Python. The trampoline does not forward every method (e.g.
+    ``recvAnysource``, coalescing); those are reached from Python only, where
+    ``SyncProcessGroup`` defines them, and ``FakeProcessGroup``'s send/recv, which
+    ignore ``error_on_collective``, are shadowed by ours. tests/test_pg_torch_features.py
+    checks that no collective reaches the placeholder.
+
+    Private API used: ``torch._C._distributed_c10d.FakeProcessGroup._create_internal``
+    and ``.Options.error_on_collective``, ``ProcessGroup._register_backend``,
+    ``ProcessGroup.BackendType.CUSTOM``, ``ProcessGroup._set_group_name`` (torch's own
+    ``_new_process_group_helper`` sets the same name again after the factory returns).
+    Tested on the torch versions in ``PLACEHOLDER_TESTED_TORCH``. Returns False, with
+    a ``RuntimeWarning``, where this torch lacks the API; the group then works as a
+    plain Python group (DDP and ``torch.distributed`` calls, not the above).
+    """
+    try:
+        fake = torch._C._distributed_c10d.FakeProcessGroup
+        options = fake.Options()
+        options.error_on_collective = True
+        placeholder = fake._create_internal(pg.rank(), pg.size(), options)
+        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM,
+                                 placeholder)
+        pg._set_group_name(str(group_name))
+    except Exception as exc:  # an API change in a torch we are not tested on
+        warnings.warn(f"ferrosync could not give its process group device types and a name "
+                      f"on torch {torch.__version__} ({type(exc).__name__}: {exc}); "
+                      "DeviceMesh, functional collectives, FSDP2 and DCP will refuse it",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    pg._placeholder = placeholder
+    return True
 
 
 # -- the backend factory -------------------------------------------------------------------
@@ -414,4 +490,6 @@ def create_backend(backend_opts, pg_options) -> SyncProcessGroup:
         url = url.rstrip("/") + "/" + _group_suffix(backend_opts.group_id)
     sync = connect(url, rank=backend_opts.group_rank, world_size=backend_opts.group_size,
                    timeout=backend_opts.timeout.total_seconds(), **options)
-    return SyncProcessGroup(sync, owns_sync=True)
+    pg = SyncProcessGroup(sync, owns_sync=True)
+    _attach_placeholders(pg, backend_opts.group_id)
+    return pg
