@@ -150,3 +150,19 @@ def collect(procs, results, timeout: float = 90.0) -> dict:
                 p.kill()
                 p.join()
     return out
+
+
+def wait_until(predicate, what: str, timeout: float = 60.0):
+    """Poll ``predicate`` until it returns something true; that value, or an
+    AssertionError naming ``what`` after ``timeout`` s. For watching what another
+    process does (a file it writes, a state it reaches): there is nothing to block on,
+    so a short poll is the synchronisation, and the timeout keeps a test from hanging.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.01)

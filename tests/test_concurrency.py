@@ -22,7 +22,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import warnings
 
 import pytest
@@ -31,20 +30,11 @@ import torch
 import ferrosync
 from ferrosync.errors import ConfigError, FerrosyncError, PeerFailed, SyncClosed
 from ferrosync.wire import decode_record
-from ranks import run_ranks
+from ranks import run_ranks, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
 
 
-def wait_until(predicate, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.01)
 
 
 def read_heartbeat(gen_dir: str, rank: int) -> dict | None:

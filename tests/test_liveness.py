@@ -27,7 +27,7 @@ from ferrosync.liveness import (
     heartbeat_key,
 )
 from ferrosync.wire import decode_record, encode_record
-from ranks import collect, start_ranks
+from ranks import collect, start_ranks, wait_until
 
 PREFIX = "g0.test"
 
@@ -179,15 +179,6 @@ HB = {"heartbeat_interval": 0.5, "heartbeat_timeout": 3.0}
 PAUSE_S = 6.0  # longer than heartbeat_timeout
 
 
-def wait_until(predicate, what: str, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.01)
 
 
 def read_text(path: str) -> str | None:

@@ -24,7 +24,7 @@ import ferrosync
 from ferrosync.__main__ import main
 from ferrosync.errors import DuplicateRank
 from ferrosync.ops.doctor import nfs_problems
-from ranks import RankFailure, collect, run_ranks, start_ranks
+from ranks import RankFailure, collect, run_ranks, start_ranks, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
 NS = f"rdzv.{os.environ['FERROSYNC_JOB']}"  # the suite's job id (tests/conftest.py)
@@ -32,12 +32,6 @@ WATCH = "2"  # seconds: two periods of the library's default 1 s heartbeat
 DEAD_PID = (1 << 22) + 12345  # above Linux's largest pid_max: never a live process
 
 
-def wait_until(predicate, what: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.01)
 
 
 # -- workers ---------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 import ferrosync
 from ferrosync.errors import ConfigError, FerrosyncError, StorageError
 from ferrosync.storage import LocalStorage, object_exists
-from ranks import RankFailure, collect, run_ranks, start_ranks
+from ranks import RankFailure, collect, run_ranks, start_ranks, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
 GEN = "g3.0123456789abcdef"  # a generation directory name, as the library makes them
@@ -39,12 +39,6 @@ SECRET_BYTES = b"precious bytes that live outside the run directory\n" * 100
 
 # -- helpers -------------------------------------------------------------------------------
 
-def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        time.sleep(0.01)
 
 
 def bounded(fn, timeout: float = BOUND):
