@@ -67,6 +67,7 @@ _CRC_SPAN = 104  # header bytes covered by the header crc32
 FLAG_AUTH = 1  # a MAC follows the header
 FLAG_EMPTY = 2  # no payload: the writer's weight is zero (or a barrier)
 FLAG_UNCHANGED = 4  # result: total weight was zero; every rank keeps its tensors
+_KNOWN_FLAGS = FLAG_AUTH | FLAG_EMPTY | FLAG_UNCHANGED
 
 KIND_CONTRIB = 1
 KIND_RESULT = 2
@@ -221,6 +222,14 @@ def parse_header(raw, *, path: str, rank: int | None = None, key: bytes | None =
     ) = fields
     if kind not in KIND_NAMES:
         raise ShardCorrupt(f"unknown object kind {kind}", rank=rank, path=path, hint=_CORRUPT_HINT)
+    if flags & ~_KNOWN_FLAGS:
+        raise ShardCorrupt(f"unknown header flags {flags:#x}", rank=rank, path=path,
+                           hint="run the same ferrosync version on every rank")
+    expected_checksum = CHECKSUM_HMAC if flags & FLAG_AUTH else CHECKSUM_XXH3
+    if checksum_kind != expected_checksum:
+        raise ShardCorrupt(
+            f"checksum kind {checksum_kind} does not match the authentication flag",
+            rank=rank, path=path, hint=_CORRUPT_HINT)
     return Header(
         kind=kind, dtype=dtype, codec=codec, rank=wrank, world_size=world,
         generation=generation, collective=collective, count=count, offset=offset,

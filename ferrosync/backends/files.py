@@ -514,14 +514,15 @@ class FileSync(GradSync):
             )
         if header.layout != digest:
             raise self._mismatch(src, header.layout, digest, path)
-        expect = (DTYPE_CODES[dtype], codec.code, count, offset,
+        block = codec.frame_elems if isinstance(codec, Int8Codec) else 0
+        expect = (DTYPE_CODES[dtype], codec.code, block, count, offset,
                   count if total is None else total, slice_, nslices, self.world_size)
-        got = (header.dtype, header.codec, header.count, header.offset, header.total,
-               header.slice, header.nslices, header.world_size)
+        got = (header.dtype, header.codec, header.block, header.count, header.offset,
+               header.total, header.slice, header.nslices, header.world_size)
         if got != expect:
             raise ShardCorrupt(
-                "header fields (dtype, codec, count, offset, total, slice, nslices, world) = "
-                f"{got}, "
+                "header fields (dtype, codec, block, count, offset, total, slice, nslices, "
+                f"world) = {got}, "
                 f"expected {expect}", rank=self.rank, collective=self._seq, path=path,
                 hint="ranks must use the same options (wire_dtype, reduce) and ferrosync "
                 "version",

@@ -13,10 +13,18 @@ no key-value store at all (its own rendezvous runs in storage), only the storage
 * ``s3://bucket/run`` (any scheme in ``OBJECT_SCHEMES``, or added with
   ``register_scheme``): a process-local ``UrlStore`` that carries the URL; data in
   ``s3://bucket/run``.
+* ``env://`` (torch's default when no init_method is given): torch's own handler
+  (a TCPStore at ``MASTER_ADDR:MASTER_PORT``, as torchrun and ``python -m
+  ferrosync.train`` set them). Only when ``MASTER_ADDR`` is unset, where torch
+  would fail, and ``FERROSYNC_URL`` is set: a process-local ``EnvStore`` naming no
+  location, so the backend takes its location from ``pg_options["url"]`` or
+  ``$FERROSYNC_URL`` as for any store without one. No TCP port is needed; gloo and
+  nccl cannot use it (they need a shared store) and get a ``ConfigError`` saying so.
 
 Only cases torch itself rejects are taken over: a bare path has no handler in
-torch, and ``file://`` naming a directory fails there ("Is a directory"). A
-``file://`` URL naming a file keeps torch's behaviour exactly. Local stores are
+torch, ``file://`` naming a directory fails there ("Is a directory"), and so does
+``env://`` without ``MASTER_ADDR``. A ``file://`` URL naming a file, and ``env://``
+with ``MASTER_ADDR``, keep torch's behaviour exactly. Local stores are
 real ``FileStore``s, so ``backend="gloo"`` works with the same URLs; an object-store
 URL has no store shared between hosts, so only the ferrosync backend can use it
 (anything that asks its ``UrlStore`` for a peer's key gets a ``ConfigError``).
@@ -24,7 +32,9 @@ URL has no store shared between hosts, so only the ferrosync backend can use it
 Rank and world size come from the URL query that torch appends
 (``init_process_group(rank=, world_size=)``), else from the environment
 (torchrun, SLURM; see ``ferrosync.env``). Registering the handlers imports nothing
-beyond torch: fsspec loads when the backend first touches storage.
+beyond torch: fsspec loads when the backend first touches storage. ``import torch``
+registers them too, through the ``ferrosync_autoload`` entry point (lazy wrappers
+around the handlers here; ``register_handlers`` then leaves them in place).
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
 
-from ..env import discover
+from ..env import ENV_URL, discover
 from ..errors import ConfigError, StorageError
 from ..storage import DIR_MODE, file_kind
 
@@ -48,33 +58,39 @@ FILE_DATA_SUFFIX = ".ferrosync"
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci",
                   "hdfs", "webhdfs")
 
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+
 _IDENTITY_KEYS = ("rank", "world_size")
 # torch keeps only the C++ half of a Python store alive; without this reference the
 # UrlStore (and its URL) would be collected while its process group still uses it
-_LIVE_URL_STORES: list[UrlStore] = []
+_LIVE_URL_STORES: list[_LocalStore] = []
 
 
-class UrlStore(dist.Store):
-    """The "store" behind an object-store init_method: it only carries the URL.
+class _LocalStore(dist.Store):
+    """A store shared with no other rank, for init_methods whose ranks meet in storage.
 
     Keys set in this process can be read back (torch sets a few of its own); a key
     that would have to come from another rank raises ``ConfigError`` at once
     instead of waiting out a timeout, because nothing is shared between hosts.
     """
 
-    def __init__(self, url: str, rank: int) -> None:
+    def __init__(self, rank: int) -> None:
         super().__init__()
-        self.url = url
         self.rank = rank
         self._data: dict[str, bytes] = {}
 
+    def _what(self) -> str:
+        raise NotImplementedError
+
+    def _hint(self) -> str:
+        raise NotImplementedError
+
     def _missing(self, keys) -> ConfigError:
         return ConfigError(
-            f"init_method {self.url!r} has no key-value store shared between ranks, but "
+            f"{self._what()} has no key-value store shared between ranks, but "
             f"{list(keys)} was asked for (another backend, or TORCH_DIST_INIT_BARRIER=1?)",
-            rank=self.rank,
-            hint="use an object-store init_method only with backend='ferrosync'; for gloo or "
-            "nccl use tcp://, env:// or a shared directory",
+            rank=self.rank, hint=self._hint(),
         )
 
     def set(self, key, value) -> None:
@@ -109,6 +125,37 @@ class UrlStore(dist.Store):
 
     def num_keys(self) -> int:
         return len(self._data)
+
+
+class UrlStore(_LocalStore):
+    """The "store" behind an object-store init_method: it only carries the URL."""
+
+    def __init__(self, url: str, rank: int) -> None:
+        super().__init__(rank)
+        self.url = url
+
+    def _what(self) -> str:
+        return f"init_method {self.url!r}"
+
+    def _hint(self) -> str:
+        return ("use an object-store init_method only with backend='ferrosync'; for gloo or "
+                "nccl use tcp://, env:// or a shared directory")
+
+
+class EnvStore(_LocalStore):
+    """The "store" behind ``env://`` without ``MASTER_ADDR`` but with ``$FERROSYNC_URL``.
+
+    It names no location (``location_of`` returns None), so the backend finds its
+    location where it would for ``env://`` with a TCPStore: ``pg_options["url"]``,
+    else ``$FERROSYNC_URL``.
+    """
+
+    def _what(self) -> str:
+        return f"env:// without {ENV_MASTER_ADDR} (ranks meeting through ${ENV_URL})"
+
+    def _hint(self) -> str:
+        return (f"set {ENV_MASTER_ADDR} and {ENV_MASTER_PORT} (torchrun and python -m "
+                "ferrosync.train do) for backends other than 'ferrosync'")
 
 
 def location_of(store) -> str | None:
@@ -208,6 +255,27 @@ def _file_handler(torch_handler):
     return handler
 
 
+def _env_handler(torch_handler):
+    """torch's ``env://`` handler; without ``MASTER_ADDR`` but with ``$FERROSYNC_URL``,
+    a process-local ``EnvStore`` (see the module docstring)."""
+
+    def handler(url: str, **kwargs):
+        if os.environ.get(ENV_MASTER_ADDR) or not os.environ.get(ENV_URL, "").strip():
+            yield from torch_handler(url, **kwargs)
+            return
+        parts = urlsplit(url)
+        # torch's own env:// query parameter; meaningless without a TCPStore
+        query = "&".join(p for p in parts.query.split("&") if not p.startswith("use_libuv="))
+        rank, world_size = _identity(query, url)
+        store = EnvStore(rank)
+        _LIVE_URL_STORES.append(store)
+        yield store, rank, world_size
+        raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
+
+    handler.ferrosync_wraps = torch_handler
+    return handler
+
+
 def _object_store_handler(url: str, **kwargs):
     parts = urlsplit(url)
     rank, world_size = _identity(parts.query, url)
@@ -246,9 +314,11 @@ def register_handlers() -> None:
         pass
     for scheme in OBJECT_SCHEMES:
         register_scheme(scheme)
-    # torch refuses to register a second "file" handler, so the wrapper replaces the
-    # entry in its table; it only changes URLs that torch itself would reject.
+    # torch refuses to register a second "file" or "env" handler, so the wrappers
+    # replace the entries in its table; they only change what torch itself would
+    # reject. A wrapper already there (ferrosync_autoload's) is kept.
     table = getattr(rendezvous, "_rendezvous_handlers", None)
-    current = table.get("file") if isinstance(table, dict) else None
-    if current is not None and not hasattr(current, "ferrosync_wraps"):
-        table["file"] = _file_handler(current)
+    for scheme, wrap in (("file", _file_handler), ("env", _env_handler)):
+        current = table.get(scheme) if isinstance(table, dict) else None
+        if current is not None and not hasattr(current, "ferrosync_wraps"):
+            table[scheme] = wrap(current)

@@ -4,12 +4,15 @@ A small subprocess supervisor (``torch.distributed.elastic.multiprocessing`` doe
 more, such as restarts and log files, but buries a failing rank's message and
 needs a rendezvous store we do not use):
 
-* each rank is ``python -m ferrosync.train <same flags>`` with ``RANK``,
-  ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``FERROSYNC_URL`` in its
-  environment, in its own process group (so Ctrl-C reaches the launcher, which
-  stops the ranks in order, and a rank's own children are stopped with it), and
-  with a parent-death signal, so a launcher killed with SIGKILL takes its ranks
-  along;
+* each rank is ``python -m ferrosync.train <same flags>`` with ``FERROSYNC_URL``,
+  ``FERROSYNC_JOB`` and everything torchrun gives a worker in its environment
+  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+  ``GROUP_WORLD_SIZE``, ``ROLE_*``, ``MASTER_ADDR``/``MASTER_PORT`` (loopback and a
+  free port, so ``env://`` works for any backend), ``TORCHELASTIC_*``, ...: see
+  ``torchrun_env``), so a torchrun-style script runs unchanged; in its own process
+  group (so Ctrl-C reaches the launcher, which stops the ranks in order, and a
+  rank's own children are stopped with it), and with a parent-death signal, so a
+  launcher killed with SIGKILL takes its ranks along;
 * every line of output is forwarded with a ``[rank k]`` prefix; rank 0's
   ``FINAL {json}`` line is held back and printed last, unprefixed, so the
   launcher's last line of stdout is the trainer's summary;
@@ -26,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +50,8 @@ from ..env import (
 ENV_CHILD = "FERROSYNC_TRAIN_CHILD"
 #: set when the launcher's stderr is a terminal, so rank 0 redraws its bar often
 ENV_TTY = "FERROSYNC_TTY"
+#: MASTER_ADDR for the ranks: they all run on this host
+LOOPBACK = "127.0.0.1"
 GRACE_S = 5.0
 POLL_S = 0.05
 _DELIMITER = re.compile(rb"[\r\n]")
@@ -67,9 +73,10 @@ def launch(args, argv: list[str]) -> int:
         commands, envs = [], []
         per_node = args.nproc // (args.nnodes_sim or 1)
         job = launch_job_id()
+        port = free_port()
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
-            envs.append(_rank_env(rank, args.nproc, url, per_node, job))
+            envs.append(_rank_env(rank, args.nproc, url, per_node, job, port))
         return Supervisor(commands, envs, url=url).run()
     finally:
         if created is not None:
@@ -88,19 +95,59 @@ def launch_job_id() -> str:
     return os.environ.get(ENV_JOB) or f"launch-{uuid.uuid4().hex[:16]}"
 
 
-def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None,
-              job: str | None = None) -> dict:
-    """A rank's environment; ``per_node`` < world_size simulates several nodes."""
-    per_node = per_node or world_size
-    env = dict(os.environ)
-    if job is not None:
-        env[ENV_JOB] = job
-    env.update({
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on ``host`` that nothing listens on now (torchrun --standalone picks
+    its port the same way; another program could still take it before rank 0 does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_env(rank: int, world_size: int, per_node: int, job: str, port: int) -> dict:
+    """What torchrun (``LocalElasticAgent``) puts in a worker's environment, for one
+    launch of ``world_size`` ranks on this host, ``per_node`` per simulated node.
+
+    ``MASTER_ADDR``/``MASTER_PORT`` make ``env://`` (``init_process_group`` without
+    init_method) work for every backend; ``TORCHELASTIC_RUN_ID`` is the launch's job
+    id; there are no restarts. ``TORCHELASTIC_USE_AGENT_STORE`` is False: no agent
+    runs a store for the ranks, so ``env://`` makes rank 0 start the TCPStore (an
+    inherited True from an outer torchrun would make every rank a client of a store
+    that is not there).
+    """
+    return {
         ENV_RANK: str(rank),
         ENV_WORLD_SIZE: str(world_size),
         ENV_LOCAL_RANK: str(rank % per_node),
         ENV_LOCAL_WORLD_SIZE: str(per_node),
-        "GROUP_RANK": str(rank // per_node),  # torchrun's name for the node index
+        "GROUP_RANK": str(rank // per_node),  # the node index
+        "GROUP_WORLD_SIZE": str(world_size // per_node),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": LOOPBACK,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RUN_ID": job,
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING",
+                                                          "1"),
+    }
+
+
+def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None,
+              job: str | None = None, port: int | None = None) -> dict:
+    """A rank's environment; ``per_node`` < world_size simulates several nodes.
+
+    Every rank of a launch must get the same ``job`` and ``port`` (``launch`` passes
+    them); the defaults suit a single call."""
+    per_node = per_node or world_size
+    env = dict(os.environ)
+    job = job or launch_job_id()
+    port = port or free_port()
+    env.update(torchrun_env(rank, world_size, per_node, job, port))
+    env.update({
+        ENV_JOB: job,
         ENV_URL: url,
         ENV_CHILD: "1",
         "PYTHONUNBUFFERED": "1",  # output reaches the launcher as it is written
