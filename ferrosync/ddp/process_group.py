@@ -9,13 +9,34 @@ Contract: the same as every ``torch.distributed`` backend. Every rank of the gro
 calls the same collectives in the same order with tensors of the same dtypes and
 shapes; a violation is detected (layout digests) and raised as ``LayoutMismatch``.
 
-Every collective runs **synchronously**: when the call returns, the result is in
-place and the returned ``Work`` is already complete. Failures are therefore
-raised by the call itself, as the GradSync's typed exception (``PeerFailed``,
-``SyncTimeout``, ...). This is deliberate: a Work that completes *with an error*
-under DDP's built-in reducer hook can crash the process (seen on torch 2.13), and a
-completed Work can never report an error late. The cost is that DDP does not
-overlap gradient communication with the rest of the backward pass.
+``allreduce`` runs **asynchronously** (``overlap=True``, the default): it returns
+at once with a ``Work`` while the GradSync's async thread (the one behind
+``average_(..., async_op=True)``) reduces the tensors, so DDP overlaps each gradient
+bucket's storage round trip with the rest of the backward pass. Collectives still
+run in call order: every other collective first waits for the allreduces before it
+(``_settle``), and the async thread runs them one at a time in submission order.
+Every other collective is synchronous: when the call returns, the result is in place
+and the returned ``Work`` is already complete.
+
+Errors stay typed and never crash the process (``_Pending``):
+
+* ``Work.wait()`` raises the GradSync's typed exception (``PeerFailed``,
+  ``SyncTimeout``, ``LayoutMismatch``, ...), and so does ``get_future().wait()`` /
+  ``.value()`` from Python.
+* The future always completes *successfully* as torch's C++ sees it. torch's own
+  ``Future.set_exception`` stores the exception object as the future's value, and
+  DDP's built-in reducer, which reads that value as tensors, then crashes the process
+  (SIGSEGV on torch 2.13). Here the error is raised by the future's Python unwrap
+  function instead (``Future._set_unwrap_func``, the private hook ``set_exception``
+  itself uses), so C++ sees the bucket's tensors and Python sees the exception.
+* An allreduce started inside a backward pass (DDP's reducer, or a comm hook) queues
+  one autograd final callback per backward (``_settle``): it waits for every pending
+  allreduce and raises the first failure, typed, from ``backward()``. It runs before
+  DDP's reducer finishes the backward, so a failed bucket never reaches the gradients.
+* A failure that is known when the next collective is called is raised by that call.
+
+With ``overlap=False`` (``pg_options={"overlap": False}``) allreduce is synchronous too:
+failures are raised by the call itself and the Work is complete when returned.
 
 Reductions:
 
@@ -44,6 +65,7 @@ import datetime
 import json
 import os
 import re
+import threading
 import warnings
 from functools import reduce
 
@@ -51,9 +73,9 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..api import GradSync, connect
+from ..api import GradSync, _AsyncRunner, connect
 from ..env import ENV_URL
-from ..errors import ConfigError
+from ..errors import ConfigError, SyncTimeout
 from . import BACKEND_NAME, ENV_PG_OPTIONS
 from .init_methods import location_of
 
@@ -82,7 +104,8 @@ _UNSUPPORTED_HINT = (
 
 
 class _Done(dist._Work):
-    """A Work that is complete when it is created (every collective here is synchronous)."""
+    """A Work that is complete when it is created (every collective but ``allreduce``
+    is synchronous)."""
 
     def __init__(self, result) -> None:
         super().__init__()
@@ -103,6 +126,71 @@ class _Done(dist._Work):
         return self._future
 
 
+class _Pending(dist._Work):
+    """An allreduce running on the GradSync's async thread.
+
+    ``wait()`` blocks until it finished and raises its typed error. The future
+    completes from the async thread, always with the tensors as far as torch's C++
+    is concerned (DDP's reducer reads the value as tensors, and crashes on an
+    exception object); on failure its Python unwrap function raises the error, so
+    ``get_future().wait()`` / ``.value()`` and ``then`` callbacks see it, typed.
+    """
+
+    def __init__(self, result, rank: int, url: str) -> None:
+        super().__init__()
+        self._result = result
+        self._rank, self._url = rank, url
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self._future = Future()
+
+    def _finish(self, error: BaseException | None) -> None:
+        """On the async thread: record the outcome, then complete the future."""
+        self._error = error
+        if error is not None:
+            def raise_error(_value, error=error):
+                raise error
+
+            self._future._set_unwrap_func(raise_error)
+        self._event.set()
+        self._future.set_result(self._result)
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        seconds = timeout.total_seconds() if timeout else 0.0
+        if not self._event.wait(seconds if seconds > 0 else None):
+            raise SyncTimeout(f"allreduce did not finish within the wait's {seconds} s "
+                              "timeout (it keeps running)", rank=self._rank, path=self._url)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def is_success(self) -> bool:
+        return self._event.is_set() and self._error is None
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+#: torch versions on which the async allreduce's private API is tested
+#: (``Future._set_unwrap_func``, ``torch._C._current_graph_task_id``,
+#: ``Variable._execution_engine.queue_callback``)
+OVERLAP_TESTED_TORCH = ("2.13",)
+
+
+def _overlap_supported() -> bool:
+    engine = getattr(torch.autograd.Variable, "_execution_engine", None)
+    return (hasattr(Future, "_set_unwrap_func")
+            and hasattr(torch._C, "_current_graph_task_id")
+            and hasattr(engine, "queue_callback"))
+
+
 def _reduce_op(opts) -> _Op:
     if opts is None:
         return _Op.SUM
@@ -119,15 +207,31 @@ class SyncProcessGroup(dist.ProcessGroup):
         sync: any connected ``GradSync`` (storage, gloo, nccl).
         owns_sync: close ``sync`` when the group shuts down (``destroy_process_group``).
             ``init_process_group`` sets it; ``wrap`` leaves the caller's sync open.
+        overlap: run ``allreduce`` on the GradSync's async thread (see the module
+            docstring); False makes it synchronous. Falls back to False, with a
+            ``RuntimeWarning``, on a torch without the private API it needs.
     """
 
-    def __init__(self, sync: GradSync, *, owns_sync: bool = False) -> None:
+    def __init__(self, sync: GradSync, *, owns_sync: bool = False,
+                 overlap: bool = True) -> None:
         if not isinstance(sync, GradSync):
             raise ConfigError(f"SyncProcessGroup needs a GradSync, got {type(sync).__name__}",
                               hint="create one with ferrosync.connect(url)")
+        if not isinstance(overlap, bool):
+            raise ConfigError(f"overlap must be True or False, got {overlap!r}",
+                              rank=sync.rank)
         super().__init__(sync.rank, sync.world_size)
         self.sync = sync
         self._owns_sync = owns_sync
+        if overlap and not _overlap_supported():
+            warnings.warn(f"ferrosync cannot run allreduce asynchronously on torch "
+                          f"{torch.__version__} (private API missing); DDP will not overlap "
+                          "communication with the backward pass", RuntimeWarning, stacklevel=2)
+            overlap = False
+        self.overlap = overlap
+        self._pending: list[_Pending] = []  # async allreduces not yet settled
+        self._pending_lock = threading.Lock()
+        self._settle_task: int | None = None  # the backward whose final callback is queued
 
     def getBackendName(self) -> str:  # torch's name for it
         return BACKEND_NAME
@@ -210,20 +314,81 @@ class SyncProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         op = _reduce_op(opts)
         self._check_op(op, tensors)
+        tensors = list(tensors)
+        if self.overlap:
+            return self._start(lambda: self._allreduce(tensors, op), tensors)
+        self._settle()
         with torch.no_grad():
-            self._allreduce(list(tensors), op)
+            self._allreduce(tensors, op)
         return _Done(tensors)
+
+    # -- the async allreduce ------------------------------------------------------------------
+    def _start(self, body, result) -> _Pending:
+        """Run ``body`` (after ``_check_op``) as the next collective on the GradSync's
+        async thread; return its ``Work``."""
+        self._raise_failed()
+        sync = self.sync
+        sync._check_usable()  # before any I/O: a closed or failed GradSync raises here
+        work = _Pending(result, sync.rank, sync.url)
+
+        def job() -> None:
+            try:
+                with torch.no_grad():
+                    sync._collective("allreduce", result, body)
+            except BaseException as exc:  # noqa: BLE001 - delivered by the Work
+                work._finish(exc)
+            else:
+                work._finish(None)
+
+        with self._pending_lock:
+            self._pending.append(work)
+        if sync._runner is None:
+            sync._runner = _AsyncRunner(f"ferrosync-async-r{sync.rank}")
+        sync._runner.submit(job)
+        self._settle_at_end_of_backward()
+        return work
+
+    def _settle_at_end_of_backward(self) -> None:
+        """Inside a backward pass, queue ``_settle`` as an autograd final callback (once
+        per backward): ``backward()`` then raises a failed allreduce's typed error
+        before DDP's reducer copies the bucket into the gradients."""
+        task = torch._C._current_graph_task_id()
+        if task < 0 or task == self._settle_task:
+            return
+        self._settle_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._settle)
+
+    def _raise_failed(self) -> None:
+        """Raise the error of an async allreduce that already failed (typed, once)."""
+        with self._pending_lock:
+            failed = next((w for w in self._pending if w.is_completed() and w._error), None)
+            self._pending = [w for w in self._pending if not w.is_completed()]
+        if failed is not None:
+            raise failed._error
+
+    def _settle(self) -> None:
+        """Wait for every async allreduce started so far; raise the first failure."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        error = None
+        for work in pending:
+            work._event.wait()  # each collective is bounded by the GradSync's timeout
+            error = error or work._error
+        if error is not None:
+            raise error
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors, opts=None):
+        self._settle()
         src = 0 if opts is None else opts.rootRank
         with torch.no_grad():
             self.sync.broadcast_(list(tensors), src=src)
         return _Done(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        self._settle()
         if len(output_tensors) != len(input_tensors):
             raise self._error(f"allgather got {len(output_tensors)} output lists for "
                               f"{len(input_tensors)} inputs")
@@ -247,6 +412,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         return _Done(outputs)
 
     def _allgather_base(self, output, input, opts=None):
+        self._settle()
         self._check_world_times("all_gather_into_tensor output", output, input)
         with torch.no_grad():
             parts = self.sync.all_gather(input)
@@ -261,6 +427,7 @@ class SyncProcessGroup(dist.ProcessGroup):
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        self._settle()
         op = _reduce_op(opts)
         world = self.sync.world_size
         for out, ins in zip(output_tensors, input_tensors):
@@ -274,6 +441,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         return _Done(output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
+        self._settle()
         op = _reduce_op(opts)
         self._check_world_times("reduce_scatter_tensor input", input, output)
         self._check_op(op, [output, input])
@@ -295,6 +463,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         out.copy_(flat[self.sync.rank * n:(self.sync.rank + 1) * n].view(out.shape))
 
     def reduce(self, tensors, opts=None):
+        self._settle()
         op = _reduce_op(opts)
         self._check_op(op, tensors)
         root = 0 if opts is None else opts.rootRank
@@ -305,6 +474,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         return _Done(tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        self._settle()
         root = 0 if opts is None else opts.rootRank
         (inp,) = input_tensors
         if self.sync.rank == root:
@@ -318,6 +488,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         return _Done(output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        self._settle()
         root = 0 if opts is None else opts.rootRank
         (out,) = output_tensors
         world = self.sync.world_size
@@ -332,15 +503,17 @@ class SyncProcessGroup(dist.ProcessGroup):
             out.copy_(rows[self.sync.rank].view(out.shape))
         return _Done(output_tensors)
 
-    # dist._coalescing_manager(device=...): every collective here completes when called,
-    # so there is nothing to batch (without these, torch would ask the placeholder backend)
+    # dist._coalescing_manager(device=...): nothing to batch; the end waits for the
+    # allreduces started inside (without these, torch would ask the placeholder backend)
     def _start_coalescing(self, device=None) -> None:
         pass
 
     def _end_coalescing(self, device=None):
+        self._settle()
         return _Done([])
 
     def barrier(self, opts=None):
+        self._settle()
         self.sync.barrier()
         return _Done([])
 
@@ -373,9 +546,12 @@ class SyncProcessGroup(dist.ProcessGroup):
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Called by ``destroy_process_group``: closes an owned GradSync (never waits on
-        peers, never raises because a peer failed)."""
+        peers, never raises because a peer failed) and joins its async thread."""
         if self._owns_sync:
             self.sync.close()
+            runner = self.sync._runner
+            if runner is not None:  # close() told it to stop; queued work fails fast
+                runner._thread.join(timeout=10.0)
 
     def abort(self) -> None:
         self.shutdown()
@@ -467,8 +643,9 @@ def create_backend(backend_opts, pg_options) -> SyncProcessGroup:
     named by the init_method (see ``init_methods``), or by ``pg_options["url"]`` /
     ``$FERROSYNC_URL`` when the init_method names none (``env://``, ``tcp://``).
     The world group uses the location itself, a subgroup ``<location>/group.<name>``.
-    The init timeout bounds every wait. Raises ``ConfigError`` (bad options, no
-    location) or ``SyncTimeout`` (peers missing).
+    The init timeout bounds every wait. Option ``overlap`` (default true) is the
+    group's, not ``connect``'s (see ``SyncProcessGroup``). Raises ``ConfigError`` (bad
+    options, no location) or ``SyncTimeout`` (peers missing).
     """
     options = _options(pg_options)
     url = options.pop("url", None)
@@ -488,8 +665,12 @@ def create_backend(backend_opts, pg_options) -> SyncProcessGroup:
         )
     if list(backend_opts.global_ranks_in_group):  # a subgroup (the world group has [])
         url = url.rstrip("/") + "/" + _group_suffix(backend_opts.group_id)
+    overlap = options.pop("overlap", True)
+    if not isinstance(overlap, bool):
+        raise ConfigError(f"option overlap must be true or false, got {overlap!r}",
+                          rank=backend_opts.group_rank)
     sync = connect(url, rank=backend_opts.group_rank, world_size=backend_opts.group_size,
                    timeout=backend_opts.timeout.total_seconds(), **options)
-    pg = SyncProcessGroup(sync, owns_sync=True)
+    pg = SyncProcessGroup(sync, owns_sync=True, overlap=overlap)
     _attach_placeholders(pg, backend_opts.group_id)
     return pg
