@@ -2,9 +2,10 @@
 
 Two routes, both over the same storage layer and wire format as ``ferrosync.connect``:
 
-1. The ``"ferrosync"`` torch.distributed backend, registered by ``import ferrosync``::
+1. The ``"ferrosync"`` torch.distributed backend, registered on ``import torch`` by the
+   ``torch.backends`` entry point (``ferrosync_autoload``; off with
+   ``FERROSYNC_AUTOLOAD=0``) and again, idempotently, by ``import ferrosync``::
 
-       import ferrosync  # registers the backend
        dist.init_process_group("ferrosync", init_method="/shared/run", rank=r, world_size=w)
        model = DistributedDataParallel(model)           # unchanged from here on
 
