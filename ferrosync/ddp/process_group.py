@@ -32,11 +32,16 @@ Errors stay typed and never crash the process (``_Pending``):
 * An allreduce started inside a backward pass (DDP's reducer, or a comm hook) queues
   one autograd final callback per backward (``_settle``): it waits for every pending
   allreduce and raises the first failure, typed, from ``backward()``. It runs before
-  DDP's reducer finishes the backward, so a failed bucket never reaches the gradients.
+  DDP's reducer finishes the backward, so a failed bucket never reaches the gradients
+  (except where DDP itself starts the allreduces from a final callback, as in a
+  ``static_graph`` model's first step: then it runs after, and ``backward()`` still
+  raises before the optimizer can step).
 * A failure that is known when the next collective is called is raised by that call.
 
 With ``overlap=False`` (``pg_options={"overlap": False}``) allreduce is synchronous too:
-failures are raised by the call itself and the Work is complete when returned.
+failures are raised by the call itself and the Work is complete when returned. An
+allreduce of CUDA tensors is synchronous either way: the async thread's CUDA streams
+and current device have not been tested against the reducer's.
 
 Reductions:
 
@@ -207,8 +212,8 @@ class SyncProcessGroup(dist.ProcessGroup):
         sync: any connected ``GradSync`` (storage, gloo, nccl).
         owns_sync: close ``sync`` when the group shuts down (``destroy_process_group``).
             ``init_process_group`` sets it; ``wrap`` leaves the caller's sync open.
-        overlap: run ``allreduce`` on the GradSync's async thread (see the module
-            docstring); False makes it synchronous. Falls back to False, with a
+        overlap: run ``allreduce`` of CPU tensors on the GradSync's async thread (see
+            the module docstring); False makes it synchronous. Falls back to False, with a
             ``RuntimeWarning``, on a torch without the private API it needs.
     """
 
@@ -315,7 +320,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         self._check_op(op, tensors)
         tensors = list(tensors)
-        if self.overlap:
+        if self.overlap and all(t.device.type == "cpu" for t in tensors):
             return self._start(lambda: self._allreduce(tensors, op), tensors)
         self._settle()
         with torch.no_grad():
