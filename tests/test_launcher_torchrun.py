@@ -28,7 +28,7 @@ TORCHRUN_KEYS = {
 #: a torchrun-style script: init_process_group(backend) with no init_method (env://);
 #: ``BACKEND --spawn LOCATION`` runs it through mp.spawn with init_method=LOCATION instead
 SCRIPT = textwrap.dedent("""
-    import json, os, sys
+    import gc, json, os, sys
     import torch
     import torch.distributed as dist
 
@@ -51,6 +51,11 @@ SCRIPT = textwrap.dedent("""
                           "sum": t.item(), "env": {k: os.environ.get(k) for k in keys},
                           "params": [p.detach().flatten().tolist()
                                      for p in model.parameters()]}), flush=True)
+        # drop DDP (it holds the group) before destroying the group: a gloo group still
+        # referenced at interpreter exit can abort the process (SIGABRT, "terminate
+        # called without an active exception"; pytorch/pytorch#179291)
+        del ddp, opt, model
+        gc.collect()
         dist.destroy_process_group()
 
     def spawned(rank, backend, location):
