@@ -166,3 +166,15 @@ def wait_until(predicate, what: str, timeout: float = 60.0):
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not happen within {timeout} s")
         time.sleep(0.01)
+
+
+def read_heartbeat(gen_dir: str, rank: int) -> dict | None:
+    """Rank ``rank``'s heartbeat record in a generation directory, or None while it is
+    missing or being replaced (tests only: no secret)."""
+    from ferrosync.wire import decode_record
+
+    try:
+        with open(os.path.join(gen_dir, f"hb.r{rank}"), "rb") as f:
+            return decode_record(f.read(), None, path="hb")
+    except (OSError, ValueError):
+        return None

@@ -29,20 +29,11 @@ import torch
 
 import ferrosync
 from ferrosync.errors import ConfigError, FerrosyncError, PeerFailed, SyncClosed
-from ferrosync.wire import decode_record
-from ranks import run_ranks, wait_until
+from ranks import read_heartbeat, run_ranks, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
 
 
-
-
-def read_heartbeat(gen_dir: str, rank: int) -> dict | None:
-    try:
-        with open(os.path.join(gen_dir, f"hb.r{rank}"), "rb") as f:
-            return decode_record(f.read(), None, path="hb")
-    except (OSError, ValueError):
-        return None
 
 
 # -- threads ----------------------------------------------------------------------------------

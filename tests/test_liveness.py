@@ -26,8 +26,8 @@ from ferrosync.liveness import (
     freeze_bound,
     heartbeat_key,
 )
-from ferrosync.wire import decode_record, encode_record
-from ranks import collect, start_ranks, wait_until
+from ferrosync.wire import encode_record
+from ranks import collect, read_heartbeat, start_ranks, wait_until
 
 PREFIX = "g0.test"
 
@@ -186,14 +186,6 @@ def read_text(path: str) -> str | None:
         with open(path) as f:
             return f.read() or None
     except OSError:
-        return None
-
-
-def read_heartbeat(gen_dir: str, rank: int) -> dict | None:
-    try:
-        with open(os.path.join(gen_dir, f"hb.r{rank}"), "rb") as f:
-            return decode_record(f.read(), None, path="hb")
-    except (OSError, ValueError):
         return None
 
 
