@@ -238,17 +238,22 @@ class GradSync:
             self._closed = True
             _LIVE.discard(self)
             return
-        if self._runner is not None:
-            self._runner.stop()
+        runner = self._runner
+        if runner is not None:
+            runner.stop()
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            _LIVE.discard(self)
-            try:
-                self._shutdown(self._failure)
-            finally:
-                self._pool.clear()
+            if not self._closed:
+                self._closed = True
+                _LIVE.discard(self)
+                try:
+                    self._shutdown(self._failure)
+                finally:
+                    self._pool.clear()
+        if runner is not None and not runner.is_worker():
+            # queued collectives fail fast once closed; joining matters at exit: a
+            # daemon thread still inside a torch op when the interpreter finalizes is
+            # killed by a forced unwind through C++ and the process aborts (SIGABRT)
+            runner.join(_RUNNER_JOIN_TIMEOUT)
 
     def __enter__(self) -> GradSync:
         return self
@@ -484,6 +489,10 @@ class SyncHandle:
         return self._value
 
 
+#: how long close() waits for the async thread to finish its queue (seconds)
+_RUNNER_JOIN_TIMEOUT = 10.0
+
+
 class _AsyncRunner:
     """One daemon thread running submitted collectives in order.
 
@@ -514,6 +523,10 @@ class _AsyncRunner:
 
     def stop(self) -> None:
         self._queue.put(None)
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the thread to finish (after ``stop``)."""
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -202,6 +202,18 @@ def test_sequential_use_from_other_threads_and_async_runner(tmp_path):
     assert out[0] == want and out[1] == want, out
 
 
+def test_close_ends_the_async_thread(tmp_path):
+    """At exit a daemon thread still inside a torch op aborts the whole process
+    (forced unwind through C++, "terminate called without an active exception"), so
+    close(), which the exit hook calls, returns only once the async thread is gone."""
+    sync = ferrosync.connect(str(tmp_path / "run"), rank=0, world_size=1, timeout=30)
+    handles = [sync.average_(torch.ones(1000), async_op=True) for _ in range(5)]
+    thread = sync._runner._thread
+    sync.close()
+    assert not thread.is_alive()
+    assert all(h.done() for h in handles)
+
+
 # -- fork -------------------------------------------------------------------------------------
 
 FORK_SCRIPT = textwrap.dedent("""

@@ -553,10 +553,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         """Called by ``destroy_process_group``: closes an owned GradSync (never waits on
         peers, never raises because a peer failed) and joins its async thread."""
         if self._owns_sync:
-            self.sync.close()
-            runner = self.sync._runner
-            if runner is not None:  # close() told it to stop; queued work fails fast
-                runner._thread.join(timeout=10.0)
+            self.sync.close()  # also joins the async thread: queued work fails fast
 
     def abort(self) -> None:
         self.shutdown()
