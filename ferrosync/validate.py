@@ -1,0 +1,97 @@
+"""Checks for user-supplied values: one wording for every ``ConfigError`` about a value.
+
+Every public entry point (``connect`` options, ``Trainer`` arguments, strategies,
+``shard_indices``, the CLIs) validates its arguments with these before any I/O, so a
+bad value fails at once, on every rank, with the same message. ``bool`` is refused
+wherever a number is expected: ``True`` is an ``int`` to Python, never to a user.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Iterable
+
+from .errors import ConfigError
+
+
+def _refuse(name: str, wanted: str, value, rank: int | None, hint: str | None):
+    raise ConfigError(f"{name} must be {wanted}, got {value!r}", rank=rank, hint=hint)
+
+
+def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
+            allow_none: bool = False, rank: int | None = None,
+            hint: str | None = None) -> int | None:
+    """``value`` as an int in ``[minimum, maximum]`` (either bound optional)."""
+    if value is None and allow_none:
+        return None
+    if minimum == 1 and maximum is None:
+        wanted = "a positive int"
+    elif minimum is not None and maximum is not None:
+        wanted = f"an int in [{minimum}, {maximum}]"
+    elif minimum is not None:
+        wanted = f"an int >= {minimum}"
+    elif maximum is not None:
+        wanted = f"an int <= {maximum}"
+    else:
+        wanted = "an int"
+    if isinstance(value, bool) or not isinstance(value, int) or (
+        minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        _refuse(name, wanted, value, rank, hint)
+    return value
+
+
+def number(name: str, value, *, positive: bool = False, minimum: float | None = None,
+           maximum: float | None = None, allow_none: bool = False, unit: str = "",
+           rank: int | None = None, hint: str | None = None) -> float | None:
+    """``value`` as a finite float; ``positive`` means ``> 0``, ``minimum`` ``>=``."""
+    if value is None and allow_none:
+        return None
+    what = f"a number{' of ' + unit if unit else ''}"
+    if positive:
+        wanted = f"a positive {what[2:]}"
+    elif minimum is not None and maximum is not None:
+        wanted = f"{what} in [{minimum:g}, {maximum:g}]"
+    elif minimum is not None:
+        wanted = f"{what} >= {minimum:g}"
+    else:
+        wanted = f"a finite {what[2:]}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(
+        value
+    ) or (positive and not value > 0) or (minimum is not None and value < minimum) or (
+        maximum is not None and value > maximum
+    ):
+        _refuse(name, wanted, value, rank, hint)
+    return float(value)
+
+
+def boolean(name: str, value, *, rank: int | None = None) -> bool:
+    if not isinstance(value, bool):
+        _refuse(name, "True or False", value, rank, None)
+    return value
+
+
+def choice(name: str, value, choices: Iterable, *, rank: int | None = None):
+    choices = tuple(choices)
+    if value not in choices:
+        _refuse(name, "one of " + ", ".join(repr(c) for c in choices), value, rank, None)
+    return value
+
+
+def cli_number(kind: type = float, *, positive: bool = False,
+               minimum: float | None = None) -> Callable[[str], float]:
+    """An ``argparse`` ``type=`` that parses ``kind`` and applies the same bounds."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if (kind is float and not math.isfinite(value)) or (positive and not value > 0) or (
+            minimum is not None and value < minimum
+        ):
+            bound = "> 0" if positive else f">= {minimum:g}"
+            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
