@@ -639,12 +639,23 @@ _LIVE: weakref.WeakSet[GradSync] = weakref.WeakSet()
 _previous_excepthook = sys.excepthook
 
 
-def _excepthook(exc_type, exc, tb):
+def fail_open_syncs(exc: BaseException) -> None:
+    """Fail every open GradSync of this process with ``exc``: each publishes its abort
+    marker, so its peers raise ``PeerFailed`` now instead of waiting out a timeout.
+
+    For code that ends the process on an exception it handles itself (the launcher's
+    script runner prints a one-line error and exits 1): an uncaught exception does
+    this through ``sys.excepthook``. A forked child's copies are the parent's and are
+    left alone.
+    """
     pid = os.getpid()
     for sync in list(_LIVE):
-        # a forked child's copies are the parent's: the child's death is not the parent's
         if sync._pid == pid and sync._failure is None and not sync._closed:
             sync._fail(exc)
+
+
+def _excepthook(exc_type, exc, tb):
+    fail_open_syncs(exc)
     _previous_excepthook(exc_type, exc, tb)
 
 
