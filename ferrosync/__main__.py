@@ -23,30 +23,9 @@ import sys
 
 from .env import ENV_SECRET
 from .errors import ConfigError, StorageError
+from .validate import cli_number
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
-    return value
-
-
-def _count(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-    return parse
 
 
 def _json_object(text: str) -> dict:
@@ -80,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"${ENV_SECRET}; '' for none)")
 
     def watch(sub: argparse.ArgumentParser) -> None:
-        sub.add_argument("--watch", type=_non_negative_float, default=None, metavar="SECONDS",
+        sub.add_argument("--watch", type=cli_number(minimum=0), default=None, metavar="SECONDS",
                          help="watch heartbeat counters this long to tell live ranks from "
                          "stale ones (default 3 s locally, 5 s on object stores; 0 skips)")
 
@@ -98,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "temp files; never live ones.")
     common(p, secret=True)
     watch(p)
-    p.add_argument("--keep", type=_count(0), default=0, metavar="N",
+    p.add_argument("--keep", type=cli_number(int, minimum=0), default=0, metavar="N",
                    help="keep each job's N newest finished generations (default 0)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, delete nothing")
     p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -107,14 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Check URL (created if missing) for atomicity, "
                         "visibility, permissions, latency and throughput; print settings.")
     common(p, secret=False)
-    p.add_argument("--size-mib", type=_count(0), default=64, metavar="N",
+    p.add_argument("--size-mib", type=cli_number(int, minimum=0), default=64, metavar="N",
                    help="object size for the throughput check, MiB (default 64; 0 skips)")
-    p.add_argument("--samples", type=_count(1), default=30, metavar="N",
+    p.add_argument("--samples", type=cli_number(int, minimum=1), default=30, metavar="N",
                    help="round trips per latency measurement (default 30)")
-    p.add_argument("--payload-mib", type=_count(1), default=100, metavar="N",
+    p.add_argument("--payload-mib", type=cli_number(int, minimum=1), default=100, metavar="N",
                    help="your per-collective payload, MiB, for the timeout advice "
                    "(default 100)")
-    p.add_argument("--world-size", type=_count(1), default=8, metavar="N",
+    p.add_argument("--world-size", type=cli_number(int, minimum=1), default=8, metavar="N",
                    help="ranks in your job, for the timeout advice (default 8)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--strict", action="store_true", help="exit 1 if any check fails")
@@ -158,10 +137,11 @@ def _dispatch(args) -> int:
 
 def _check_reachable(storage) -> None:
     """A missing bucket is bad usage (exit 2); a missing directory is merely empty."""
-    probe = getattr(storage, "probe_bucket", None)
-    if probe is not None:
-        probe()
-    elif os.path.exists(storage.url) and not os.path.isdir(storage.url):
+    from .storage import LocalStorage
+
+    storage.probe_bucket()
+    if isinstance(storage, LocalStorage) and os.path.exists(storage.url) and not (
+            os.path.isdir(storage.url)):
         raise ConfigError("not a directory", path=storage.url,
                           hint="pass the directory the job was given as its URL")
 

@@ -1,9 +1,11 @@
 """``connect`` and ``GradSync``: the public collectives, written once for every backend.
 
 ``GradSync`` validates arguments, groups tensors into flat dtype-homogeneous
-buckets, times phases and keeps ``stats``; a backend implements four private
-primitives that move bytes (``_average_flat``, ``_broadcast_flat``, ``_barrier``,
-``_shutdown``) plus ``_publish_abort``.
+buckets, times phases and keeps ``stats``. It is an abstract base: a backend
+(docs/design.md#backend-contract) implements ``check_options`` and the primitives
+that move bytes (``_average_flat``, ``_broadcast_flat``, ``_all_gather_flat``,
+``_barrier``, ``_shutdown``), may override ``_publish_abort``, and is registered for
+its URL schemes in ``registry.py``; ``tests/test_contract.py`` then runs it.
 
 The collective contract (as with NCCL): every rank calls the same collectives in
 the same order, with tensors of the same dtypes and shapes. A violation is
@@ -41,9 +43,12 @@ that the parent's rank closed or failed.
 
 from __future__ import annotations
 
+import abc
 import atexit
+import concurrent.futures
 import hashlib
 import json
+import logging
 import math
 import os
 import queue
@@ -53,6 +58,7 @@ import weakref
 
 import torch
 
+from .codecs import FLOAT_DTYPES
 from .env import ENV_URL, Identity, discover
 from .errors import ConfigError, FerrosyncError, SyncClosed
 from .flat import (
@@ -68,10 +74,11 @@ from .wire import DTYPE_CODES, layout_digest
 
 __all__ = ["connect", "GradSync", "SyncHandle"]
 
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+_log = logging.getLogger(__name__)
 
 
-class GradSync:
+class GradSync(abc.ABC):
     """Averages tensors across ranks. Create with ``ferrosync.connect``.
 
     Attributes:
@@ -110,7 +117,16 @@ class GradSync:
         self._depth = 0  # nested calls by the owner (average_gradients -> average_)
         self._overlap: ConfigError | None = None  # the overlap that failed this GradSync
         self._runner: _AsyncRunner | None = None
+        self.counters = counters
         _LIVE.add(self)
+
+    @classmethod
+    @abc.abstractmethod
+    def check_options(cls, options: dict):
+        """Validate ``connect``'s keyword options before any I/O and return them typed
+        (``backends/options.py``); a ``ConfigError`` names the first bad one. Called by
+        ``connect`` with every option the user passed; the result is handed to
+        ``__init__(url, identity, timeout, options)``."""
 
     # -- public collectives ------------------------------------------------------------
     def average_(self, tensors, *, weight: float = 1.0, async_op: bool = False):
@@ -147,7 +163,7 @@ class GradSync:
         weight = _check_weight(weight, self.rank)
         check_tensors(tensors, op=caller, rank=self.rank, path=self.url, names=names,
                       in_place=True,
-                      dtypes=_FLOAT_DTYPES,
+                      dtypes=FLOAT_DTYPES,
                       dtype_hint="cast it, or use broadcast_ for integer tensors")
         body = lambda: self._average(tensors, weight, stream)  # noqa: E731
         if async_op:
@@ -274,9 +290,15 @@ class GradSync:
     # -- shared machinery --------------------------------------------------------------
     def _submit(self, op: str, tensors: list, body) -> SyncHandle:
         self._check_usable()
+        return self._run_async(lambda: self._collective(op, tensors, body))
+
+    def _run_async(self, fn) -> SyncHandle:
+        """Queue ``fn`` on this GradSync's async thread (started on first use), after
+        every earlier submission; ``fn`` runs its collective through ``_collective``.
+        For this module and the DDP process group's async allreduce."""
         if self._runner is None:
             self._runner = _AsyncRunner(f"ferrosync-async-r{self.rank}")
-        return self._runner.submit(lambda: self._collective(op, tensors, body))
+        return self._runner.submit(fn)
 
     def _collective(self, op: str, tensors: list, body):
         """Run ``body`` as this GradSync's next collective, on the calling thread.
@@ -394,8 +416,9 @@ class GradSync:
             self._failure = exc
         try:
             self._publish_abort(exc)
-        except Exception:  # never mask the original error
-            pass
+        except Exception:  # noqa: BLE001 - never mask the original error with this one
+            _log.warning("rank %d: could not tell the peers this rank failed", self.rank,
+                         exc_info=True)
 
     def _buckets(self, op: str, tensors: list[torch.Tensor]) -> list[tuple[Bucket, bytes, dict]]:
         """Plan the buckets, each with its layout record and that record's digest.
@@ -434,59 +457,71 @@ class GradSync:
                     bucket.scatter(flat)
 
     # -- backend primitives --------------------------------------------------------------
+    # Called by the collectives above, inside ``_collective`` (one thread at a time, in
+    # call order); every rank calls the same primitive with the same ``digest``. A
+    # primitive that raises fails this GradSync (``_fail`` publishes the abort).
+
+    @abc.abstractmethod
     def _average_flat(self, flat: torch.Tensor, weight: float, digest: bytes,
                       layout: dict) -> float:
-        """In place: ``flat`` becomes the weighted average (unchanged if Σw = 0).
+        """In place: ``flat`` becomes ``Σ w·flat / Σ w`` over the ranks (unchanged if
+        Σw = 0), bit-identical on every rank; returns Σw.
 
-        ``layout`` ({"op", "bucket", "tensors"}) describes the call for error messages;
-        ``digest`` is its fingerprint, which every rank must match.
+        ``layout`` ({"op", "bucket", "tensors", "stream"}) describes the call for error
+        messages (and, ``stream``, for codec state); ``digest`` is its fingerprint,
+        which every rank must match, else ``LayoutMismatch`` on every rank.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _broadcast_flat(self, flat: torch.Tensor, src: int, digest: bytes,
                         layout: dict) -> None:
-        raise NotImplementedError
+        """In place: ``flat`` becomes rank ``src``'s bytes."""
 
+    @abc.abstractmethod
     def _all_gather_flat(self, flat: torch.Tensor, digest: bytes,
                          layout: dict) -> list[torch.Tensor]:
         """Every rank's ``flat`` (new tensors, indexed by rank)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _barrier(self, digest: bytes, layout: dict) -> None:
-        raise NotImplementedError
+        """Return once every rank has entered."""
 
+    @abc.abstractmethod
     def _publish_abort(self, exc: BaseException) -> None:
-        """Tell peers this rank failed (best effort, must not raise)."""
+        """Tell peers this rank failed, so they raise now instead of at their timeout
+        (best effort, must not raise)."""
 
+    @abc.abstractmethod
     def _shutdown(self, failure: BaseException | None) -> None:
-        """Stop threads and release handles; must not wait on peers."""
+        """Stop threads and release handles; must not wait on peers or raise."""
 
 
-class SyncHandle:
-    """The pending result of a collective started with ``async_op=True``."""
+class SyncHandle(concurrent.futures.Future):
+    """The pending result of a collective started with ``async_op=True``: a
+    ``concurrent.futures.Future`` (``done()``, ``result()``, ``exception()``,
+    ``add_done_callback``, ``concurrent.futures.wait``) plus ``wait()``.
 
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._value = None
-        self._error: BaseException | None = None
+    It cannot be cancelled: the peers run the collective whatever this rank wants, so
+    skipping it would pair every later call with the wrong one (``cancel()`` returns
+    False).
+    """
 
-    def _finish(self, value=None, error: BaseException | None = None) -> None:
-        self._value, self._error = value, error
-        self._event.set()
-
-    def done(self) -> bool:
-        return self._event.is_set()
+    def cancel(self) -> bool:
+        return False
 
     def wait(self, timeout: float | None = None):
         """Block until the collective finished; return its value or raise its error.
 
-        ``timeout`` bounds this wait only (the collective keeps its own timeout).
+        ``timeout`` bounds this wait only (the collective keeps its own timeout); past
+        it, ``TimeoutError``.
         """
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"the async collective did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._value
+        try:
+            return self.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self.done():
+                raise  # the collective itself raised a TimeoutError
+            raise TimeoutError(
+                f"the async collective did not finish within {timeout} s") from None
 
 
 #: how long close() waits for the async thread to finish its queue (seconds)
@@ -517,8 +552,7 @@ class _AsyncRunner:
 
     def drain(self) -> None:
         """Wait for every submitted collective (errors stay with their handles)."""
-        for handle in self._pending:
-            handle._event.wait()
+        concurrent.futures.wait(self._pending)
         self._pending = [h for h in self._pending if not h.done()]
 
     def stop(self) -> None:
@@ -531,10 +565,11 @@ class _AsyncRunner:
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
             fn, handle = item
+            handle.set_running_or_notify_cancel()  # never cancelled (SyncHandle.cancel)
             try:
-                handle._finish(value=fn())
+                handle.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - delivered by handle.wait()
-                handle._finish(error=exc)
+                handle.set_exception(exc)
 
 
 def _stream(kind: str, tensors: list) -> str:
@@ -666,8 +701,8 @@ def _close_all() -> None:
             continue  # a forked child exiting must not publish "closed" for the parent
         try:
             sync.close()
-        except Exception:
-            pass
+        except Exception:  # noqa: BLE001 - at exit: one sync must not stop the others
+            _log.warning("could not close %r at exit", sync, exc_info=True)
 
 
 sys.excepthook = _excepthook

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from .errors import ConfigError
+from .names import JOB_ID
+from .validate import integer
 
 ENV_URL = "FERROSYNC_URL"
 ENV_SECRET = "FERROSYNC_SECRET"
@@ -31,7 +33,7 @@ ENV_SLURM_JOB = "SLURM_JOB_ID"
 ENV_TORCHELASTIC_RUN = "TORCHELASTIC_RUN_ID"
 
 #: how a job id may be spelled: it names a folder/prefix on the shared storage
-_JOB_ALPHABET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_JOB_ALPHABET = re.compile(JOB_ID)  # job ids name a rendezvous namespace (names.py)
 
 
 @dataclass(frozen=True)
@@ -92,9 +94,9 @@ def discover(
             rank = 0 if rank is None else rank
             world_size = 1 if world_size is None else world_size
 
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{name} must be an int, got {value!r}")
+    # the type here, the ranges below: their messages name where the values came from
+    integer("rank", rank)
+    integer("world_size", world_size)
     if world_size < 1:
         raise ConfigError(f"world_size must be >= 1, got {world_size} (from {source})")
     if not 0 <= rank < world_size:
@@ -116,7 +118,7 @@ def discover(
 
 def check_job(job, *, source: str = "job") -> str:
     """Validate an explicit job id (``connect(job=...)``, ``$FERROSYNC_JOB``)."""
-    if isinstance(job, bool) or not isinstance(job, str) or not _JOB_ALPHABET.fullmatch(job):
+    if not isinstance(job, str) or not _JOB_ALPHABET.fullmatch(job):
         raise ConfigError(
             f"{source} must be 1-64 characters of letters, digits, '.', '_' or '-' "
             f"(starting with a letter or digit), got {job!r}",

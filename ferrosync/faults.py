@@ -36,10 +36,10 @@ from __future__ import annotations
 import errno as errno_mod
 import json
 import os
-import re
 import signal
 import time
 
+from . import names, validate
 from .errors import ConfigError
 from .storage import Reader, Storage, _storage_error, _write_file
 
@@ -47,7 +47,6 @@ ENV_FAULTS = "FERROSYNC_FAULTS"
 PHASES = ("write", "publish", "read", "reduce")
 ACTIONS = ("kill", "raise", "delay", "corrupt", "truncate", "delete", "replay")
 _REPLAY_WAIT_S = 60.0  # the copied object is another rank's: bounded wait for it
-_COLLECTIVE = re.compile(r"(?:^|/)c(\d+)\.(r\d+|out)")
 
 
 def load_faults(rank: int) -> list[dict]:
@@ -65,9 +64,8 @@ def load_faults(rank: int) -> list[dict]:
     for fault in faults:
         if not isinstance(fault, dict) or "rank" not in fault:
             raise ConfigError(f"{ENV_FAULTS}: every fault needs a 'rank', got {fault!r}")
-        if fault.get("phase", "write") not in PHASES or fault.get("action", "kill") not in ACTIONS:
-            raise ConfigError(f"{ENV_FAULTS}: phase must be one of {PHASES} and action one "
-                              f"of {ACTIONS}, got {fault!r}")
+        validate.choice(f"{ENV_FAULTS}: phase", fault.get("phase", "write"), PHASES)
+        validate.choice(f"{ENV_FAULTS}: action", fault.get("action", "kill"), ACTIONS)
         if fault["rank"] == rank:
             out.append({"phase": "write", "action": "kill", "object": "any", "times": 1,
                         **fault})
@@ -91,12 +89,15 @@ class FaultyStorage(Storage):
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
+    def probe_bucket(self) -> None:
+        self._inner.probe_bucket()
+
     def _match(self, phase: str, key: str) -> dict | None:
-        found = _COLLECTIVE.search(key)
-        if found is None:
+        found = names.parse(key.rpartition("/")[2])
+        if found.kind not in ("contribution", "result"):
             return None  # control records (heartbeats, layouts, rendezvous) are spared
-        collective, what = int(found.group(1)), found.group(2)
-        kind = "result" if what == "out" else "contrib"
+        collective = found.collective
+        kind = "result" if found.kind == "result" else "contrib"
         for fault in self._faults:
             if fault["phase"] != phase or fault.get("times", 1) < 0:
                 continue
@@ -144,7 +145,11 @@ class FaultyStorage(Storage):
 
     def _copy_of(self, key: str, rank: int) -> bytes:
         """The bytes of ``rank``'s object named like ``key`` (waits for it, bounded)."""
-        source = re.sub(r"(?<=\.)r\d+(?=\.|$)", f"r{rank}", key, count=1)
+        directory, _, name = key.rpartition("/")
+        found = names.parse(name)
+        if found.kind == "contribution":
+            name = names.contribution(found.collective, rank, found.slice)
+        source = names.within(directory, name)
         deadline = time.monotonic() + _REPLAY_WAIT_S
         while (data := self._inner.read(source)) is None:
             if time.monotonic() > deadline:
@@ -174,7 +179,7 @@ class FaultyStorage(Storage):
                 data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
                 final = self._inner._path(key)
                 head, name = os.path.split(final)
-                _write_file(os.path.join(head, f".{name}.{os.getpid()}.dead0000.tmp"),
+                _write_file(os.path.join(head, names.temp(name, token="dead0000")),
                             [data[: len(data) // 2]])
             self._act(fault, key)
         n = self._inner.put(key, parts, exclusive=exclusive, reuse=reuse)

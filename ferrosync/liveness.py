@@ -1,13 +1,15 @@
 """Heartbeats, abort markers and the peer checks that turn a hang into an error.
 
-Each rank of a generation owns two control objects in the generation's prefix:
+Each rank of a generation owns two control objects in the generation's prefix
+(named by ``ferrosync.names``):
 
-* ``hb.r{rank}``: rewritten every ``interval`` seconds by a background thread with
-  an increasing ``beat`` counter and where the rank is (collective, operation). It
-  is the one key ferrosync overwrites: readers only ever ask "did the counter
-  change?", which tolerates a stale read of one period.
-* ``abort.r{rank}``: written once when the rank fails (an exception inside a
-  collective, or an uncaught exception ending the process), carrying the error.
+* its heartbeat (``names.heartbeat(rank)``): rewritten every ``interval`` seconds by
+  a background thread with an increasing ``beat`` counter and where the rank is
+  (collective, operation). It is the one key ferrosync overwrites: readers only ever
+  ask "did the counter change?", which tolerates a stale read of one period.
+* its abort marker (``names.abort(rank)``): written once when the rank fails (an
+  exception inside a collective, or an uncaught exception ending the process),
+  carrying the error.
 
 A waiting rank calls ``PeerMonitor.maybe_check`` from its polling loop; at most once
 per interval it reads the abort markers and heartbeats of the ranks it waits on. A
@@ -72,6 +74,7 @@ import threading
 import time
 import weakref
 
+from . import names
 from .errors import LayoutMismatch, PeerFailed, ShardCorrupt, StorageError, error_class
 from .storage import Storage
 from .wire import decode_record, encode_record
@@ -83,11 +86,11 @@ MIN_FREEZE_S = 0.25
 
 
 def heartbeat_key(prefix: str, rank: int) -> str:
-    return f"{prefix}/hb.r{rank}"
+    return names.within(prefix, names.heartbeat(rank))
 
 
 def abort_key(prefix: str, rank: int) -> str:
-    return f"{prefix}/abort.r{rank}"
+    return names.within(prefix, names.abort(rank))
 
 
 def freeze_bound(interval: float) -> float:
@@ -246,7 +249,10 @@ class Heartbeat:
             data = encode_record(self._record, self._secret)
         try:
             self._storage.put(self._key, [data])
-        except Exception as exc:  # retried at the next beat; PeerMonitor reports it
+        # broad on purpose: this runs on the heartbeat thread, which must outlive any
+        # failure (a dead thread would make peers declare this rank dead); the error is
+        # kept in last_error and PeerMonitor raises it once it lasts
+        except Exception as exc:  # noqa: BLE001
             self.last_error = exc
             self.failures += 1
             if self.failing_since is None:
@@ -268,8 +274,13 @@ class Heartbeat:
 
 
 def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,
-                  collective: int | None, key: bytes | None) -> None:
-    """Write ``abort.r{rank}`` once; best effort (we are already failing)."""
+                  collective: int | None, key: bytes | None) -> BaseException | None:
+    """Write this rank's abort marker once; best effort (we are already failing).
+
+    Returns None when the marker was written (or one was there already), else the
+    error that kept it from being written, for a caller that can report it; it is
+    never raised, so it cannot replace the error being published.
+    """
     record = {
         "rank": rank,
         "collective": collective,
@@ -280,8 +291,13 @@ def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,
     }
     try:
         storage.put(abort_key(prefix, rank), [encode_record(record, key)], exclusive=True)
-    except Exception:
-        pass
+    except FileExistsError:
+        return None  # published already (the exception handler and atexit both try)
+    # broad on purpose: called while an error unwinds, whatever the storage raises must
+    # not replace it; peers then learn of the failure from the silence instead
+    except Exception as write_error:  # noqa: BLE001
+        return write_error
+    return None
 
 
 class PeerMonitor:

@@ -1,11 +1,53 @@
 """Every object name ferrosync writes on shared storage: formatted and parsed here only.
 
-(Skeleton: the collective data names. To be completed with the rendezvous, liveness,
-temp, spare and probe names and a parser for each kind.)
+A run's storage location holds::
+
+    rdzv/ or rdzv.{job}/        a job's rendezvous namespace (``namespace``)
+        join.r{k}.{n}           a process's n-th claim on rank k (``join``)
+        gen.{g}                 rank 0's announcement of generation g (``announcement``)
+        dup.r{k}.{n}            a live holder's objection to claim n (``objection``)
+        end.r{k}.{n}            the holder of claim n has closed (``end``)
+    g{g}.{token}/               a generation's objects (``generation_dir``)
+        c{s}.r{k}[.s{j}]        rank k's contribution to collective s (``contribution``)
+        c{s}.out[.s{j}]         its result, a broadcast or an error record (``result``)
+        layout.{d}.r{k}         rank k's description of layout digest d (``layout_record``)
+        hb.r{k}                 rank k's heartbeat (``heartbeat``)
+        abort.r{k}              rank k's abort marker (``abort``)
+    .{name}.{pid}.{8 hex}.tmp   a writer's temporary file, next to ``name`` (``temp``)
+    .spare.{pid}.{8 hex}        a consumed object parked for reuse (``spare``)
+    .probe.r{k}.{8 hex}         a connect probe (``probe``)
+    .doctor.{pid}.{hex}/        ``ferrosync doctor``'s probe directory (``doctor_dir``)
+    .ferrosync-gc.lock          the lock one ``ferrosync gc`` holds (``GC_LOCK``)
+
+The format functions return one path component; ``within`` joins a directory and a
+name into a storage key. ``parse`` reads one component back into a ``Name`` whose
+``kind`` says which function made it (``"unknown"`` for a name ferrosync never
+writes). Names of different kinds never parse as each other, so a tool can tell
+from a listing alone what each object is; where a kind may appear (a claim only in
+a namespace, data only in a generation directory) is the caller's business
+(``ferrosync.ops.scan.classify``). Numbers are decimal without sign; tokens are
+lowercase hex, as ``secrets.token_hex`` makes them.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import secrets
+from dataclasses import dataclass
+
+#: the rendezvous namespace of a job without an id
+RDZV = "rdzv"
+#: the file one ``ferrosync gc`` at a time holds an ``flock`` on (local stores)
+GC_LOCK = ".ferrosync-gc.lock"
+#: how the doctor's probe directories begin (``doctor_dir``)
+DOCTOR_PREFIX = ".doctor."
+_GENERATION_TOKEN = re.compile(r"[0-9a-f]{16}")
+#: a job id as ``ferrosync.env`` accepts it (kept in step with its check)
+JOB_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+
+
+# -- collective data (inside a generation directory) ------------------------------------
 
 def contribution(seq: int, rank: int, slice_: int | None = None) -> str:
     """Rank ``rank``'s contribution to collective ``seq`` (or its slice ``slice_``)."""
@@ -20,3 +62,151 @@ def result(seq: int, slice_: int | None = None) -> str:
 def layout_record(digest: bytes, rank: int) -> str:
     """Rank ``rank``'s description of tensor-layout digest ``digest``."""
     return f"layout.{digest.hex()}.r{rank}"
+
+
+def heartbeat(rank: int) -> str:
+    """Rank ``rank``'s heartbeat record: the one name ferrosync overwrites."""
+    return f"hb.r{rank}"
+
+
+def abort(rank: int) -> str:
+    """Rank ``rank``'s abort marker, written once when it fails."""
+    return f"abort.r{rank}"
+
+
+# -- rendezvous --------------------------------------------------------------------------
+
+def namespace(job: str | None) -> str:
+    """Where a job's rendezvous records live: ``rdzv`` or ``rdzv.{job}``."""
+    return RDZV if job is None else f"{RDZV}.{job}"
+
+
+def join(rank: int, attempt: int) -> str:
+    """A process's ``attempt``-th claim on ``rank``."""
+    return f"join.r{rank}.{attempt}"
+
+
+def announcement(generation: int) -> str:
+    """Rank 0's announcement of generation ``generation``."""
+    return f"gen.{generation}"
+
+
+def objection(rank: int, attempt: int) -> str:
+    """A live holder's objection to claim ``attempt`` of ``rank``."""
+    return f"dup.r{rank}.{attempt}"
+
+
+def end(rank: int, attempt: int) -> str:
+    """The holder of claim ``attempt`` of ``rank`` has closed."""
+    return f"end.r{rank}.{attempt}"
+
+
+def generation_dir(generation: int, token: str) -> str:
+    """The directory of generation ``generation`` announced with ``token`` (16 hex)."""
+    return f"g{generation}.{token}"
+
+
+# -- housekeeping ------------------------------------------------------------------------
+
+def _token(token: str | None) -> str:
+    return secrets.token_hex(4) if token is None else token
+
+
+def temp(name: str, pid: int | None = None, token: str | None = None) -> str:
+    """A temporary file for ``name`` in the same directory (so the rename onto ``name``
+    is atomic). The leading dot hides it, the pid tells ``gc`` whether its writer may
+    still run, and ``.tmp`` marks it for ``gc`` if the writer dies."""
+    return f".{name}.{os.getpid() if pid is None else pid}.{_token(token)}.tmp"
+
+
+def spare(pid: int | None = None, token: str | None = None) -> str:
+    """A consumed object parked under a hidden name for a later rewrite in place."""
+    return f".spare.{os.getpid() if pid is None else pid}.{_token(token)}"
+
+
+def probe(rank: int, token: str | None = None) -> str:
+    """The object a connect-time probe writes, reads back and deletes."""
+    return f".probe.r{rank}.{_token(token)}"
+
+
+def doctor_dir(pid: int | None = None, token: str | None = None) -> str:
+    """The directory ``ferrosync doctor`` works in (removed when it is done)."""
+    return f"{DOCTOR_PREFIX}{os.getpid() if pid is None else pid}.{_token(token)}"
+
+
+def is_generation_token(token) -> bool:
+    """Whether ``token`` is a generation token as rank 0 draws it (16 lowercase hex)."""
+    return isinstance(token, str) and _GENERATION_TOKEN.fullmatch(token) is not None
+
+
+def within(directory: str, name: str) -> str:
+    """The storage key of ``name`` in ``directory`` ("" is the root)."""
+    return f"{directory}/{name}" if directory else name
+
+
+# -- parsing -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Name:
+    """What one path component says about itself; fields that do not apply are None."""
+
+    kind: str  # see KINDS
+    rank: int | None = None
+    collective: int | None = None  # contribution, result
+    slice: int | None = None  # contribution, result: the slice, None when unsliced
+    #: join, objection, end: the claim's attempt; announcement, generation: its number
+    number: int | None = None
+    #: generation: its token; temp, spare, probe, doctor: the random hex
+    token: str | None = None
+    digest: str | None = None  # layout: the digest, hex
+    pid: int | None = None  # temp, spare, doctor: the writer's process id
+    job: str | None = None  # namespace: the job id (None: a job without one)
+    target: str | None = None  # temp: the name the temporary file will be renamed to
+
+
+# a decimal number: ASCII digits only (``\d`` would take any script's), leading zeros
+# accepted as the tools always have
+_N = r"([0-9]+)"
+# (kind, pattern, fields in group order); tried in order, each anchored at both ends.
+# Temporary files come first: ".{name}...tmp" may wrap any other name.
+_PATTERNS = (
+    ("temp", rf"\.(.+)\.{_N}\.([0-9a-f]{{8}})\.tmp", ("target", "pid", "token")),
+    ("spare", rf"\.spare\.{_N}\.([0-9a-f]{{8}})", ("pid", "token")),
+    ("probe", rf"\.probe\.r{_N}\.([0-9a-f]{{8}})", ("rank", "token")),
+    ("doctor", rf"\.doctor\.{_N}\.([0-9a-f]+)", ("pid", "token")),
+    ("lock", re.escape(GC_LOCK), ()),
+    ("contribution", rf"c{_N}\.r{_N}(?:\.s{_N})?", ("collective", "rank", "slice")),
+    ("result", rf"c{_N}\.out(?:\.s{_N})?", ("collective", "slice")),
+    ("layout", rf"layout\.([0-9a-f]+)\.r{_N}", ("digest", "rank")),
+    ("heartbeat", rf"hb\.r{_N}", ("rank",)),
+    ("abort", rf"abort\.r{_N}", ("rank",)),
+    ("namespace", rf"{RDZV}(?:\.({JOB_ID}))?", ("job",)),
+    ("join", rf"join\.r{_N}\.{_N}", ("rank", "number")),
+    ("announcement", rf"gen\.{_N}", ("number",)),
+    ("objection", rf"dup\.r{_N}\.{_N}", ("rank", "number")),
+    ("end", rf"end\.r{_N}\.{_N}", ("rank", "number")),
+    ("generation", rf"g{_N}\.([0-9a-f]{{16}})", ("number", "token")),
+)
+_COMPILED = tuple((kind, re.compile(pattern), fields) for kind, pattern, fields in _PATTERNS)
+_TEXT_FIELDS = {"token", "digest", "job", "target"}
+
+#: every kind ``parse`` can answer
+KINDS = tuple(kind for kind, _, _ in _PATTERNS) + ("unknown",)
+#: rendezvous records (inside a namespace)
+RENDEZVOUS_KINDS = ("join", "announcement", "objection", "end")
+#: objects inside a generation directory
+GENERATION_KINDS = ("contribution", "result", "layout", "heartbeat", "abort")
+
+
+def parse(name: str) -> Name:
+    """What the path component ``name`` is; ``Name("unknown")`` for anything else."""
+    for kind, pattern, fields in _COMPILED:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        values = {}
+        for field_name, value in zip(fields, m.groups()):
+            if value is not None:
+                values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
+        return Name(kind, **values)
+    return Name("unknown")

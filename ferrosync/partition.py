@@ -17,14 +17,9 @@ from typing import Iterator, Sized
 
 import torch
 
-from .errors import ConfigError
+from .validate import integer
 
 __all__ = ["shard_indices", "ShardSampler"]
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def shard_indices(
@@ -52,13 +47,11 @@ def shard_indices(
     Example: ``shard_indices(8, 0, 2) == [0, 2, 4, 6]`` and
     ``shard_indices(8, 1, 2) == [1, 3, 5, 7]``.
     """
-    _check_int("n", n, 0)
-    _check_int("world_size", world_size, 1)
-    _check_int("epoch", epoch, 0)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ConfigError(f"rank must be an int in [0, {world_size}), got {rank!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"seed must be an int, got {seed!r}")
+    integer("n", n, minimum=0)
+    integer("world_size", world_size, minimum=1)
+    integer("epoch", epoch, minimum=0)
+    integer("rank", rank, minimum=0, maximum=world_size - 1)
+    integer("seed", seed)
 
     if shuffle:
         generator = torch.Generator()
@@ -120,7 +113,7 @@ class ShardSampler(torch.utils.data.Sampler):
         shard_indices(self.n, self.rank, self.world_size, seed=seed, drop_last=drop_last)
 
     def set_epoch(self, epoch: int) -> None:
-        _check_int("epoch", epoch, 0)
+        integer("epoch", epoch, minimum=0)
         if epoch != self.epoch:
             self._skip = 0
         self.epoch = epoch

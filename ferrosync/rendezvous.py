@@ -5,14 +5,16 @@ two jobs sharing a URL must never exchange data; two live processes claiming one
 rank must fail loudly. Every run therefore gets a *generation* ``g``, and all its
 data lives below ``g{g}.{token}/``. The protocol uses only objects read by exact
 name, all of them write-once, below the job's namespace ``rdzv/`` (a job without
-an id) or ``rdzv.{job}/`` (see ``ferrosync.env.discover_job``)::
+an id) or ``rdzv.{job}/`` (see ``ferrosync.env.discover_job``), named by
+``ferrosync.names``::
 
-    join.r{rank}.{n}   a process's claim on ``rank``: its n-th attempt (n = 0, 1, ...)
-    gen.{g}            rank 0's announcement of generation g: which claim of each
-                       rank it contains, the world size and the shared settings
-    dup.r{rank}.{n}    an objection to claim n, written by a live holder of an
-                       earlier claim of the same rank
-    end.r{rank}.{n}    the holder of claim n has closed (or aborted)
+    names.join(rank, n)      a process's claim on ``rank``: its n-th attempt (n = 0, 1, ...)
+    names.announcement(g)    rank 0's announcement of generation g (``gen.{g}``): which
+                             claim of each rank it contains, the world size and the
+                             shared settings
+    names.objection(rank, n) an objection to claim n, written by a live holder of an
+                             earlier claim of the same rank
+    names.end(rank, n)       the holder of claim n has closed (or aborted)
 
 1. Every rank (rank 0 included) writes its next claim with an exclusive create
    (``O_EXCL`` on a file system, ``If-None-Match: *`` on S3). Ranks > 0 then wait
@@ -51,44 +53,42 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import names
 from .errors import ConfigError, DuplicateRank, ShardCorrupt, SyncTimeout
 from .liveness import publish_abort
 from .storage import Backoff, Storage, object_exists
 from .wire import decode_record, encode_record
 
-RDZV = "rdzv"
 #: default claim window of a job without an id, seconds (see the module docstring)
 ANONYMOUS_CLAIM_WINDOW = 3.0
 #: give up finding a free claim after this many lost exclusive-create races
 _MAX_CLAIM_RACES = 64
 
-
-def namespace(job: str | None) -> str:
-    """Where a job's rendezvous records live: ``rdzv`` or ``rdzv.{job}``."""
-    return RDZV if job is None else f"{RDZV}.{job}"
+# where a job's records live (``ns`` is ``names.namespace(job)``)
+namespace = names.namespace
 
 
 def join_key(ns: str, rank: int, attempt: int) -> str:
-    return f"{ns}/join.r{rank}.{attempt}"
+    return names.within(ns, names.join(rank, attempt))
 
 
 def gen_key(ns: str, generation: int) -> str:
-    return f"{ns}/gen.{generation}"
+    return names.within(ns, names.announcement(generation))
 
 
 def objection_key(ns: str, rank: int, attempt: int) -> str:
-    return f"{ns}/dup.r{rank}.{attempt}"
+    return names.within(ns, names.objection(rank, attempt))
 
 
 def end_key(ns: str, rank: int, attempt: int) -> str:
-    return f"{ns}/end.r{rank}.{attempt}"
+    return names.within(ns, names.end(rank, attempt))
 
 
 def gen_prefix(generation: int, token: str) -> str:
     """The generation's data prefix. The random token makes it unique even if the
     rendezvous records were deleted and a number is reused: a stale directory of
     an earlier attempt can never be mistaken for the current one."""
-    return f"g{generation}.{token}"
+    return names.generation_dir(generation, token)
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,10 @@ class Claim:
         self._objected: set[int] = set()
         self._stop = threading.Event()
         self._guard: threading.Thread | None = None
+        #: the guard thread's last failure, kept for whoever asks (never raised there)
+        self.guard_error: BaseException | None = None
+        #: why the end marker could not be written at ``release`` (None: it was)
+        self.release_error: BaseException | None = None
 
     def write(self) -> None:
         """Take the next free attempt number with an exclusive create."""
@@ -245,8 +249,10 @@ class Claim:
             while not self._stop.wait(interval):
                 try:
                     self.guard_once()
-                except Exception:  # noqa: BLE001 - storage trouble: the collectives report it
-                    continue
+                # broad on purpose: the guard must outlive storage trouble (the
+                # collectives report it to the user); the cause is kept for them
+                except Exception as exc:  # noqa: BLE001
+                    self.guard_error = exc
 
         self._guard = threading.Thread(target=run, name=f"ferrosync-claim-r{self.rank}",
                                        daemon=True)
@@ -263,8 +269,12 @@ class Claim:
         try:
             self.storage.put(end_key(self.ns, self.rank, self.attempt),
                              [encode_record({"pid": os.getpid()}, self.key)], exclusive=True)
-        except Exception:  # noqa: BLE001 - best effort: a restart then waits one window
-            pass
+        except FileExistsError:
+            pass  # written already: the claim is ended either way
+        # broad on purpose: release runs while closing or while an error unwinds, and a
+        # missing end marker only makes a restart wait one objection window
+        except Exception as exc:  # noqa: BLE001
+            self.release_error = exc
 
     def forget(self) -> None:
         """In a forked child: the claim is the parent's; stop nothing, write nothing."""

@@ -36,8 +36,10 @@ Rules kept here (docs/design.md#storage-rules):
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+import re
 import secrets
 import stat
 import threading
@@ -45,11 +47,12 @@ import time
 from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
+from . import names
 from .errors import ConfigError, StorageError
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
-    "object_exists",
+    "object_exists", "probe_location", "mount_of", "is_local_filesystem", "LOCAL_FILESYSTEMS",
 ]
 
 # File and directory modes: owner and group only, never world-accessible (the
@@ -201,6 +204,10 @@ class Storage:
         self.counters = Counters()
 
     # -- interface -----------------------------------------------------------------
+    def probe_bucket(self) -> None:
+        """Raise ``ConfigError`` if the store's container (an object store's bucket) is
+        missing or unreachable; a directory has none to check."""
+
     #: whether ``put(..., reuse=old_key)`` can recycle an old object's storage
     can_recycle: bool = False
     #: deleting costs microseconds (local files, memory), not a billed round trip
@@ -286,36 +293,101 @@ class Storage:
         stale (LocalStorage: directory handles of removed directories)."""
 
 
+# Object-store answers that mean "busy or hiccuped: the same request may succeed":
+# S3 error codes (botocore ``ClientError.response["Error"]["Code"]``) and HTTP statuses
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
+_TRANSIENT_STATUSES = {500, 503}
+# S3 error codes that mean "these credentials may not do this"
+_DENIED_CODES = {"AccessDenied"}
+
+
+def _client_transient_types() -> tuple[type, ...]:
+    """The object-store clients' connection failures that are not ``OSError``s with a
+    transient errno: botocore's (for s3fs) and aiohttp's (s3fs, gcsfs, http), where
+    installed. Imported lazily: a local-only install has neither."""
+    found: list[type] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
+    try:
+        from botocore.exceptions import (
+            ConnectionClosedError,
+            EndpointConnectionError,
+            ReadTimeoutError,
+        )
+        found += [ConnectionClosedError, EndpointConnectionError, ReadTimeoutError]
+    except ImportError:
+        pass
+    try:
+        from aiohttp import ClientOSError, ServerDisconnectedError
+        found += [ClientOSError, ServerDisconnectedError]
+    except ImportError:
+        pass
+    return tuple(found)
+
+
+_TRANSIENT_TYPES: tuple[type, ...] | None = None
+
+
+def _causes(exc: BaseException | None, depth: int = 8):
+    """``exc`` and what it was raised from or while handling (s3fs and gcsfs raise an
+    ``OSError`` whose cause is the client's error), nearest first."""
+    for _ in range(depth):
+        if exc is None:
+            return
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _s3_response(exc: BaseException) -> dict | None:
+    """The botocore response dict behind ``exc`` (a ``ClientError``'s), or None."""
+    for cause in _causes(exc):
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            return response
+    return None
+
+
+def _s3_code(exc: BaseException) -> str | None:
+    """The S3 error code behind ``exc`` ("SlowDown", "AccessDenied", ...), or None."""
+    code = ((_s3_response(exc) or {}).get("Error") or {}).get("Code")
+    return code if isinstance(code, str) else None
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status behind ``exc``: botocore's response metadata, or the attribute
+    the other clients name it by (aiohttp ``status``, azure ``status_code``, gcsfs
+    ``code``)."""
+    response = _s3_response(exc)
+    if response is not None:
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        return status if isinstance(status, int) else None
+    for cause in _causes(exc):
+        for name in ("status", "status_code", "code"):
+            status = getattr(cause, name, None)
+            if isinstance(status, int) and not isinstance(status, bool):
+                return status
+    return None
+
+
 def _is_transient(exc: BaseException) -> bool:
+    """Whether the same request may succeed if tried again, judged by type, errno,
+    S3 error code and HTTP status only. Messages are never searched: their wording is
+    no contract, and a path or bucket name may contain any word or number."""
+    global _TRANSIENT_TYPES
+    if _TRANSIENT_TYPES is None:
+        _TRANSIENT_TYPES = _client_transient_types()
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
-    if isinstance(exc, (ConnectionError, TimeoutError)):
+    if isinstance(exc, _TRANSIENT_TYPES):
         return True
-    name = type(exc).__name__
-    text = str(exc)
-    return any(
-        marker in name or marker in text
-        for marker in (
-            "SlowDown",
-            "ServiceUnavailable",
-            "InternalError",
-            "RequestTimeout",
-            "EndpointConnectionError",
-            "ConnectionClosed",
-            "ClientOSError",
-            "ServerDisconnected",
-            "ReadTimeout",
-            "503",
-            "500 ",
-        )
-    )
+    # the client's answer behind a translated error (s3fs: an OSError caused by it)
+    return _s3_code(exc) in _TRANSIENT_CODES or _http_status(exc) in _TRANSIENT_STATUSES
 
 
 def _storage_error(what: str, path: str, exc: BaseException, transient: bool) -> StorageError:
     hint = None
     if isinstance(exc, OSError) and exc.errno in _PERMANENT_HINTS:
         hint = _PERMANENT_HINTS[exc.errno]
-    elif isinstance(exc, PermissionError) or "AccessDenied" in str(exc):
+    elif isinstance(exc, PermissionError) or _s3_code(exc) in _DENIED_CODES or (
+            _http_status(exc) == 403):
         hint = "access denied: check the credentials and the bucket policy"
     elif transient:
         hint = "the storage kept failing after retries: check that it is reachable"
@@ -507,13 +579,13 @@ class LocalStorage(Storage):
     def _put(self, key: str, parts: Sequence, exclusive: bool, reuse: str | None) -> int:
         handle, name = self._locate(key)
         # The temporary name lives in the *same directory* so the rename is atomic;
-        # the leading dot and ".tmp" mark it for `gc` if this process dies here.
-        tmp = _temp_name(name)
+        # names.temp hides it and marks it for `gc` if this process dies here.
+        tmp = names.temp(name)
         spare = [None]
         if reuse is not None and self.can_recycle:
             spare[0] = self._adopt_spare(handle, key, reuse, tmp)
             if spare[0] is None:
-                tmp = _temp_name(name)  # whatever held the spare's name may still hold tmp
+                tmp = names.temp(name)  # whatever held the spare's name may still hold tmp
 
         def write() -> int:
             fd, spare[0] = spare[0], None  # a retry after a failure writes a fresh file
@@ -622,7 +694,7 @@ class LocalStorage(Storage):
     def park(self, key: str) -> str | None:
         if not self.can_recycle:
             return None
-        spare = f".spare.{os.getpid()}.{secrets.token_hex(4)}"
+        spare = names.spare()
         self.counters.add(requests=1)
         try:
             handle, name = self._locate(key)
@@ -630,8 +702,7 @@ class LocalStorage(Storage):
                         dst_dir_fd=handle.fd)
         except FileNotFoundError:
             return None
-        directory = key.rpartition("/")[0]
-        return f"{directory}/{spare}" if directory else spare
+        return names.within(key.rpartition("/")[0], spare)
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
@@ -698,10 +769,6 @@ class LocalStorage(Storage):
         self.counters.add(requests=1)
         return self._retry("opening the lock file", key, self._open_regular, key,
                            _LOCK_FLAGS)[0]
-
-
-def _temp_name(name: str) -> str:
-    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
 def _is_own_plain_file(info: os.stat_result) -> bool:
@@ -882,7 +949,7 @@ class FsspecStorage(Storage):
             # an implementation without the ``mode`` keyword: plain overwrite (so no
             # exclusive create: `ferrosync doctor` reports that)
             self.fs.pipe_file(path, data)
-        except Exception as exc:
+        except Exception as exc:  # any driver's error: only a 412 is translated, all re-raise
             if mode == "create" and self._precondition_failed(exc):
                 raise FileExistsError(errno.EEXIST, "the object exists already",
                                       self.path_of(key)) from exc
@@ -914,8 +981,8 @@ class FsspecStorage(Storage):
                 self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=data,
                                 IfNoneMatch="*")
                 return
-            except Exception as exc:  # s3fs translates ClientError: look at the cause
-                response = self._s3_response(exc)
+            except Exception as exc:  # s3fs translates ClientError: look at the cause; re-raised
+                response = _s3_response(exc)
                 if self._precondition_failed(exc):
                     retried = (response or {}).get("ResponseMetadata", {}).get(
                         "RetryAttempts", 0)
@@ -938,26 +1005,12 @@ class FsspecStorage(Storage):
     _if_none_match: bool | None = None  # whether botocore can send it (checked once)
 
     @staticmethod
-    def _s3_response(exc: BaseException) -> dict | None:
-        """The botocore response dict behind ``exc`` (s3fs keeps the ClientError as the
-        cause of the OSError it raises), or None."""
-        for _ in range(8):
-            if exc is None:
-                break
-            response = getattr(exc, "response", None)
-            if isinstance(response, dict):
-                return response
-            exc = exc.__cause__ or exc.__context__
-        return None
-
-    @classmethod
-    def _precondition_failed(cls, exc: BaseException) -> bool:
-        """Whether ``exc`` is an HTTP 412 (PreconditionFailed) from a conditional write."""
-        response = cls._s3_response(exc)
-        if response is not None:
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return status == 412 or response.get("Error", {}).get("Code") == "PreconditionFailed"
-        return isinstance(exc, FileExistsError) or "PreconditionFailed" in str(exc)
+    def _precondition_failed(exc: BaseException) -> bool:
+        """Whether ``exc`` is an HTTP 412 (PreconditionFailed) from a conditional write
+        (or the driver's own ``FileExistsError`` for it)."""
+        if _s3_response(exc) is not None:
+            return _http_status(exc) == 412 or _s3_code(exc) == "PreconditionFailed"
+        return isinstance(exc, FileExistsError) or _http_status(exc) == 412
 
     @classmethod
     def _botocore_has_if_none_match(cls) -> bool:
@@ -965,14 +1018,7 @@ class FsspecStorage(Storage):
         silently drops parameters its botocore does not know, which would turn an
         exclusive create into an overwrite."""
         if cls._if_none_match is None:
-            try:
-                import botocore.session
-
-                model = botocore.session.get_session().get_service_model("s3")
-                members = model.operation_model("PutObject").input_shape.members
-                FsspecStorage._if_none_match = "IfNoneMatch" in members
-            except Exception:  # noqa: BLE001 - no botocore model: treat as unsupported
-                FsspecStorage._if_none_match = False
+            FsspecStorage._if_none_match = _botocore_knows("PutObject", "IfNoneMatch")
         return bool(cls._if_none_match)
 
     def _holds(self, path: str, data: bytes) -> bool:
@@ -1051,6 +1097,24 @@ class FsspecStorage(Storage):
             ) from exc
 
 
+def _botocore_knows(operation: str, parameter: str) -> bool:
+    """Whether the installed botocore's S3 model has ``parameter`` in ``operation``."""
+    try:
+        import botocore.exceptions
+        import botocore.model
+        import botocore.session
+    except ImportError:
+        return False
+    try:
+        model = botocore.session.get_session().get_service_model("s3")
+        members = model.operation_model(operation).input_shape.members
+    except (botocore.exceptions.BotoCoreError, botocore.model.OperationNotFoundError):
+        # no S3 model in this botocore (DataNotFoundError), or no such operation:
+        # treat as unsupported
+        return False
+    return parameter in members
+
+
 def _accepts_refresh(fs) -> bool:
     import inspect
 
@@ -1061,33 +1125,65 @@ def _accepts_refresh(fs) -> bool:
 
 
 # Filesystems whose page cache is the only cache: rewriting a file in place is seen by
-# every reader at once. Network and FUSE filesystems are excluded on purpose.
-_LOCAL_FS = {"tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs",
-             "overlay", "jfs", "reiserfs", "bcachefs"}
+# every reader at once, and ranks on other nodes cannot share them. Network and FUSE
+# filesystems are excluded on purpose.
+LOCAL_FILESYSTEMS = frozenset({
+    "tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "overlay",
+    "jfs", "reiserfs", "bcachefs"})
 
 
-def is_local_filesystem(path: str) -> bool:
-    """True when ``path`` lies on a local filesystem (per /proc/self/mountinfo)."""
+def mount_of(path: str) -> dict | None:
+    """The mount holding ``path`` (the longest mount point that contains it, the later
+    of two at one point): ``{"source", "mountpoint", "fstype", "options"}``, or None
+    where /proc/self/mountinfo cannot be read (not Linux).
+
+    A path that does not exist yet is looked up by its nearest existing parent.
+    ``options`` are the mount's own and its superblock's (where NFS keeps ``nocto``,
+    ``lookupcache``, ``soft``), as /proc/self/mounts would show them.
+    """
     try:
         with open("/proc/self/mountinfo") as f:
-            mounts = f.read().splitlines()
+            lines = f.read().splitlines()
     except OSError:
-        return False  # not Linux: be conservative
+        return None
     path = os.path.realpath(path)
     while not os.path.exists(path):
         path = os.path.dirname(path)
-    best, fstype = "", None
-    for line in mounts:
-        left, _, right = line.partition(" - ")
-        fields = left.split()
-        if len(fields) < 5 or not right:
+    best = None
+    for line in lines:
+        mount = _mountinfo_entry(line)
+        if mount is None:
             continue
-        mount_point = fields[4].replace("\\040", " ")
-        if (path == mount_point or path.startswith(mount_point.rstrip("/") + "/")) and len(
-            mount_point
-        ) >= len(best):
-            best, fstype = mount_point, right.split()[0]
-    return fstype in _LOCAL_FS
+        point = mount["mountpoint"]
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and (best is None or len(point) >= len(best["mountpoint"])):
+            best = mount
+    return best
+
+
+def _mountinfo_entry(line: str) -> dict | None:
+    """One line of /proc/self/mountinfo (proc(5)): ``id parent dev root mountpoint
+    options [optional fields...] - fstype source super-options``."""
+    left, _, right = line.partition(" - ")
+    fields, tail = left.split(), right.split()
+    if len(fields) < 6 or len(tail) < 2:
+        return None
+    options = fields[5].split(",")
+    if len(tail) > 2:
+        options += [o for o in tail[2].split(",") if o not in options]
+    return {"source": _unescape(tail[1]), "mountpoint": _unescape(fields[4]),
+            "fstype": tail[0], "options": [_unescape(o) for o in options]}
+
+
+def _unescape(text: str) -> str:
+    """The kernel writes space, tab, newline and backslash in mount fields as octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
+
+
+def is_local_filesystem(path: str) -> bool:
+    """True when ``path`` lies on a local filesystem (``LOCAL_FILESYSTEMS``)."""
+    mount = mount_of(path)
+    return mount is not None and mount["fstype"] in LOCAL_FILESYSTEMS
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -1182,6 +1278,43 @@ class Backoff:
         remaining = deadline - time.monotonic()
         time.sleep(max(0.0, min(self._delay, remaining)))
         self._delay = min(self._delay * 2, self._cap)
+
+
+def probe_location(storage: Storage, rank: int | None = None, *,
+                   what: str = "this location") -> None:
+    """Fail now, with a ``ConfigError`` naming ``rank`` and the URL, unless ``storage``
+    can be written and read back: a run must never start (and half-write anything)
+    against a location it cannot use.
+
+    Checks the bucket (``probe_bucket``, object stores; its ``ConfigError`` passes
+    through), makes the root, then puts, reads and deletes one small probe object
+    (``names.probe``).
+    ``what`` names the location in the message ("this location", "sync URL", ...).
+    Whoever probes before ranks exist (a launcher) passes ``rank=None``: the probe is
+    then named as rank 0's, which the tools recognise all the same.
+    """
+    storage.probe_bucket()
+    key = names.probe(0 if rank is None else rank)
+    payload = b"ferrosync probe " + secrets.token_bytes(8)
+    try:
+        storage.makedirs("")
+        storage.put(key, [payload])
+        back = storage.read(key)
+        storage.delete([key])
+    except (StorageError, OSError) as exc:
+        detail = exc.what if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
+        hint = exc.hint if isinstance(exc, StorageError) else None
+        raise ConfigError(
+            f"cannot use {what} ({detail})", rank=rank, path=storage.url,
+            hint=hint or "check that the path is a writable directory (or the bucket "
+            "exists) on every node",
+        ) from None
+    if back != payload:
+        raise ConfigError(
+            "read-after-write returned different bytes", rank=rank, path=storage.url,
+            hint="this storage is not consistent enough for ferrosync (see `ferrosync "
+            "doctor`)",
+        )
 
 
 def object_exists(storage: Storage, key: str) -> bool:

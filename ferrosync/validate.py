@@ -80,17 +80,20 @@ def choice(name: str, value, choices: Iterable, *, rank: int | None = None):
 
 def cli_number(kind: type = float, *, positive: bool = False,
                minimum: float | None = None) -> Callable[[str], float]:
-    """An ``argparse`` ``type=`` that parses ``kind`` and applies the same bounds."""
+    """An ``argparse`` ``type=`` that parses ``kind`` (``int`` or ``float``) and applies
+    the same bounds as the API it feeds: ``positive`` means ``> 0``, ``minimum`` ``>=``."""
+    noun = "an integer" if kind is int else "a number"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"must be {noun}, got {text!r}") from None
         if (kind is float and not math.isfinite(value)) or (positive and not value > 0) or (
             minimum is not None and value < minimum
         ):
             bound = "> 0" if positive else f">= {minimum:g}"
-            raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {noun} {bound}, got {text!r}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages

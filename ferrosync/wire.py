@@ -11,7 +11,7 @@ Header fields (``struct`` format ``HEADER``)::
       0   4  magic            b"FSYN"
       4   2  version          1
       6   2  flags            FLAG_AUTH | FLAG_EMPTY | FLAG_UNCHANGED
-      8   1  kind             KIND_* (contribution, result, broadcast, error, barrier)
+      8   1  kind             KIND_* (contribution, result, broadcast, error)
       9   1  dtype            code of the tensors' dtype (DTYPE_CODES)
      10   1  codec            code of the payload encoding (see codecs.py)
      11   1  checksum kind    CHECKSUM_XXH3 or CHECKSUM_HMAC
@@ -65,7 +65,8 @@ MAC_SIZE = 32
 _CRC_SPAN = 104  # header bytes covered by the header crc32
 
 FLAG_AUTH = 1  # a MAC follows the header
-FLAG_EMPTY = 2  # no payload: the writer's weight is zero (or a barrier)
+FLAG_EMPTY = 2  # no payload: the writer's weight is zero (or the tensors are empty,
+               # as in a barrier: an average of no elements)
 FLAG_UNCHANGED = 4  # result: total weight was zero; every rank keeps its tensors
 _KNOWN_FLAGS = FLAG_AUTH | FLAG_EMPTY | FLAG_UNCHANGED
 
@@ -305,8 +306,39 @@ def encode_record(record: dict, key: bytes | None) -> bytes:
     return json.dumps({"v": VERSION, "body": body, "mac": mac}).encode()
 
 
-def decode_record(data: bytes, key: bytes | None, *, path: str, rank: int | None = None) -> dict:
-    """Parse a control record; raise ``ShardCorrupt`` naming ``path`` if it is not one."""
+@dataclass(frozen=True)
+class OpenedRecord:
+    """A control record as ``open_record`` found it; nothing in it is trusted yet.
+
+    ``auth`` says how its MAC relates to the key it was opened with:
+
+    * ``verified``: a key was given and the MAC matches;
+    * ``plain``: no key, and the record carries no MAC;
+    * ``unsigned``: a key was given but the record carries no MAC;
+    * ``unverifiable``: the record carries a MAC but no key was given;
+    * ``forged``: the MAC does not match the key;
+    * ``malformed``: not a control record at all (``problem`` says why).
+
+    ``body`` is the parsed JSON object, or None when it cannot be parsed (then
+    ``problem`` says why); only ``verified`` and ``plain`` bodies may be acted upon.
+    """
+
+    body: dict | None
+    auth: str
+    problem: str | None = None
+
+    @property
+    def trusted(self) -> bool:
+        return self.body is not None and self.auth in ("verified", "plain")
+
+
+def open_record(data: bytes, key: bytes | None) -> OpenedRecord:
+    """Check a control record's size, version and MAC, and parse its body; never raises.
+
+    The one place these checks live: ``decode_record`` (the collective path) refuses
+    anything but a trusted record, the operator tools show every record with how far
+    it can be trusted. The body is JSON only, never unpickled.
+    """
     try:
         if len(data) > _RECORD_LIMIT:
             raise ValueError(f"{len(data)} bytes is too large for a control record")
@@ -314,18 +346,39 @@ def decode_record(data: bytes, key: bytes | None, *, path: str, rank: int | None
         if not isinstance(outer, dict) or outer.get("v") != VERSION:
             raise ValueError("not a version-1 ferrosync record")
         body = outer["body"]
-        if key is not None:
-            mac = hmac.new(key, body.encode(), "sha256").hexdigest()
-            if not hmac.compare_digest(mac, str(outer.get("mac", ""))):
-                raise PermissionError("MAC mismatch (forged, or written without the secret)")
-        elif "mac" in outer:
-            raise PermissionError("record is authenticated but this rank has no secret")
+        if not isinstance(body, str):
+            raise TypeError("record body is not a string")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return OpenedRecord(None, "malformed", str(exc))
+    if key is None:
+        auth = "unverifiable" if "mac" in outer else "plain"
+    elif "mac" not in outer:
+        auth = "unsigned"
+    else:
+        mac = hmac.new(key, body.encode(), "sha256").hexdigest()
+        auth = "verified" if hmac.compare_digest(mac, str(outer["mac"])) else "forged"
+    try:
         record = json.loads(body)
         if not isinstance(record, dict):
             raise ValueError("record body is not an object")
-        return record
-    except (ValueError, KeyError, TypeError, PermissionError, UnicodeDecodeError) as exc:
-        raise ShardCorrupt(
-            f"unreadable control record ({exc})", rank=rank, path=path,
-            hint="set the same secret on every rank, and let nothing else write under this URL",
-        ) from None
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        return OpenedRecord(None, auth, str(exc))
+    return OpenedRecord(record, auth)
+
+
+def decode_record(data: bytes, key: bytes | None, *, path: str, rank: int | None = None) -> dict:
+    """Parse a trusted control record; raise ``ShardCorrupt`` naming ``path`` if it is
+    not one (malformed, or its MAC does not match ``key``)."""
+    opened = open_record(data, key)
+    if opened.auth in ("forged", "unsigned"):
+        problem = "MAC mismatch (forged, or written without the secret)"
+    elif opened.auth == "unverifiable":
+        problem = "record is authenticated but this rank has no secret"
+    else:  # verified, plain, or malformed
+        problem = opened.problem
+    if problem is None:
+        return opened.body
+    raise ShardCorrupt(
+        f"unreadable control record ({problem})", rank=rank, path=path,
+        hint="set the same secret on every rank, and let nothing else write under this URL",
+    )

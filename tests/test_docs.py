@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -155,3 +157,23 @@ def test_cited_anchors_exist():
 ])
 def test_github_anchor_rule(heading, anchor):
     assert github_anchor(heading) == anchor
+
+
+def test_readme_option_tables_match_the_code():
+    """The README's option tables are generated from the options dataclasses: an option
+    added, renamed or re-described in code without regenerating them fails here."""
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "options_table.py"),
+                             "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_option_is_documented_and_validated():
+    import dataclasses
+
+    from ferrosync.backends.options import TABLES
+
+    for cls in TABLES.values():
+        for f in dataclasses.fields(cls):
+            if "doc" not in f.metadata:
+                continue  # composed options (the two-level sync's storage options)
+            assert f.metadata["doc"] and f.metadata["check"] is not None, (cls, f.name)

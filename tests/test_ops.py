@@ -344,7 +344,7 @@ def test_gc_keeps_each_jobs_newest_generation(tmp_path, capsys):
 
 
 def test_rendezvous_records_of_every_namespace_are_classified():
-    from ferrosync.ops.layout import classify
+    from ferrosync.ops.scan import classify
 
     kinds = {key: (o.kind, o.namespace, o.rank, o.number) for key in (
         "rdzv/join.r1.2", "rdzv/gen.3", "rdzv.job-a/dup.r1.4", "rdzv.job-a/end.r0.5",

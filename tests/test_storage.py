@@ -138,3 +138,87 @@ def test_s3_roundtrip_and_single_request_reads(s3_transport):
         st.put("k", [b"again"], exclusive=True)
     st.delete(["k"])
     assert st.open("k") is None
+
+
+# -- error classification and the mount table ------------------------------------------------
+
+def test_transient_errors_are_told_by_type_code_and_status_not_by_text():
+    import errno
+
+    from ferrosync.storage import _is_transient, _storage_error
+
+    botocore = pytest.importorskip("botocore.exceptions")
+
+    def client_error(code: str, status: int):
+        return botocore.ClientError(
+            {"Error": {"Code": code, "Message": "m"},
+             "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+    assert _is_transient(client_error("SlowDown", 503))
+    assert _is_transient(client_error("Whatever", 500))  # by status
+    assert not _is_transient(client_error("NoSuchBucket", 404))
+    # s3fs raises an OSError caused by the ClientError: the cause decides
+    translated = OSError(errno.EREMOTEIO, "We encountered an internal error")
+    translated.__cause__ = client_error("InternalError", 500)
+    assert _is_transient(translated)
+    assert _is_transient(botocore.EndpointConnectionError(endpoint_url="http://nowhere"))
+    assert _is_transient(OSError(errno.ESTALE, "stale"))
+    # words and numbers in a message (a bucket called "svc-503") decide nothing
+    assert not _is_transient(ValueError("bucket svc-503 SlowDown 500 ReadTimeout"))
+
+    class HttpError(Exception):  # gcsfs-style: the status as an attribute
+        def __init__(self, code: int) -> None:
+            super().__init__(f"HTTP {code}")
+            self.code = code
+
+    assert _is_transient(HttpError(503)) and not _is_transient(HttpError(404))
+    denied = _storage_error("reading", "s3://b/k", client_error("AccessDenied", 403), False)
+    assert "access denied" in str(denied)
+    assert "access denied" not in str(
+        _storage_error("reading", "s3://b/k", ValueError("AccessDenied"), False))
+
+
+def test_mountinfo_lines_are_parsed_with_superblock_options_and_escapes():
+    from ferrosync.storage import _mountinfo_entry
+
+    nfs = ("36 25 0:31 / /mnt/my\\040runs rw,relatime shared:1 - nfs4 server:/export "
+           "rw,vers=4.2,hard,lookupcache=pos,nocto")
+    assert _mountinfo_entry(nfs) == {
+        "source": "server:/export", "mountpoint": "/mnt/my runs", "fstype": "nfs4",
+        "options": ["rw", "relatime", "vers=4.2", "hard", "lookupcache=pos", "nocto"]}
+    assert _mountinfo_entry("garbage") is None
+
+
+def test_mount_of_finds_the_longest_mount_point_of_a_path_not_made_yet(tmp_path):
+    from ferrosync.storage import is_local_filesystem, mount_of
+
+    mount = mount_of(str(tmp_path / "not" / "made" / "yet"))
+    if mount is None:
+        pytest.skip("no /proc/self/mountinfo here")
+    assert str(tmp_path).startswith(mount["mountpoint"].rstrip("/") + "/") or \
+        mount["mountpoint"] == "/"
+    assert is_local_filesystem(str(tmp_path)) == (mount["fstype"] in (
+        "tmpfs", "ramfs", "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "overlay",
+        "jfs", "reiserfs", "bcachefs"))
+
+
+def test_probe_location_names_rank_and_url(tmp_path):
+    from ferrosync.storage import probe_location
+
+    probe_location(LocalStorage(str(tmp_path / "fine")), 3)
+    assert os.listdir(tmp_path / "fine") == []  # the probe object is gone again
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory belongs")
+    with pytest.raises(ConfigError, match="cannot use this location") as info:
+        probe_location(LocalStorage(str(blocker)), 3)
+    assert info.value.rank == 3 and info.value.path == str(blocker)
+    with pytest.raises(ConfigError, match="cannot use sync URL") as info:
+        probe_location(LocalStorage(str(blocker)), None, what="sync URL")
+    assert info.value.rank is None
+
+    class Forgetful(LocalStorage):
+        def read(self, key):
+            return b"something else"
+
+    with pytest.raises(ConfigError, match="read-after-write returned different bytes"):
+        probe_location(Forgetful(str(tmp_path / "forgetful")), 0)

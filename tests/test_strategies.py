@@ -15,10 +15,12 @@ import torch
 import ferrosync
 from ferrosync.errors import ConfigError
 from ferrosync.strategies import (
+    STRATEGIES,
     DiLoCo,
     GradAveraging,
     LocalSGD,
     Strategy,
+    known_settings,
     make_strategy,
 )
 from ferrosync.strategies.periodic import apportion
@@ -333,6 +335,30 @@ def test_strategy_registry_and_settings():
     for kwargs, needle in bad:
         with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):
             make_strategy(**kwargs)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_registered_strategy_builds_with_defaults(name):
+    strategy = make_strategy(name)
+    assert type(strategy) is STRATEGIES[name] and strategy.name == name
+    assert set(STRATEGIES[name].settings) <= set(known_settings())
+    # every setting a strategy declares is a keyword its constructor takes
+    for key in STRATEGIES[name].settings:
+        assert isinstance(make_strategy(name, **{key: None}), STRATEGIES[name])
+
+
+def test_a_new_strategy_is_one_registry_entry(monkeypatch):
+    """make_strategy needs nothing but the entry: the class declares its settings."""
+    class Every(LocalSGD):
+        name = "every"
+        settings = ("sync_every",)
+        refuses_because = "only takes --sync-every"
+
+    monkeypatch.setitem(STRATEGIES, Every.name, Every)
+    assert make_strategy("every", sync_every=3).sync_every == 3
+    with pytest.raises(ConfigError, match="--gamma does not apply to --strategy every, "
+                       "which only takes --sync-every"):
+        make_strategy("every", gamma=0.5)
 
 
 # -- BatchNorm under grad -----------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 from train_cli import METRIC_KEYS, final_of, read_metrics, run_cli
 
 from ferrosync.strategies import TELEMETRY_KEYS
+from ferrosync.train.cli import STRATEGY_FLAGS, TRAINER_FLAGS, build_parser
 
 STEPS = 100
 H = 20
@@ -59,3 +60,10 @@ def test_time_based_cadence_end_to_end(tmp_path):
     assert sum(final["masses"]) == 400 and final["rank_steps"] == final["masses"]
     assert final["samples"] == 400 * 32 and final["sync_every_seconds"] == 0.3
     assert final["syncs"] >= 1 and "every 0.3 s" in proc.stdout
+
+
+def test_every_strategy_setting_has_its_flag():
+    """The registry declares the settings; each needs a flag of the same dest."""
+    dests = {action.dest for action in build_parser()._actions}
+    assert set(STRATEGY_FLAGS) <= dests
+    assert set(STRATEGY_FLAGS) <= set(TRAINER_FLAGS)

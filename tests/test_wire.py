@@ -126,3 +126,35 @@ def test_records_roundtrip_and_authenticate():
     tampered = signed.replace(b'\\"a\\":1', b'\\"a\\":2')
     with pytest.raises(ShardCorrupt):
         decode_record(tampered, b"k", path="p")
+
+
+def test_open_record_says_how_far_a_record_can_be_trusted():
+    """One set of checks for both modes: decode_record refuses what is not trusted,
+    the operator tools show everything with its trust."""
+    import json
+
+    from ferrosync.wire import open_record
+
+    record = {"beat": 3}
+    plain, signed = encode_record(record, None), encode_record(record, b"k")
+    cases = [
+        (plain, None, "plain", record),
+        (signed, b"k", "verified", record),
+        (plain, b"k", "unsigned", record),
+        (signed, None, "unverifiable", record),
+        (signed, b"other", "forged", record),
+        (b"not json", None, "malformed", None),
+        (json.dumps({"v": 2, "body": "{}"}).encode(), None, "malformed", None),  # version
+        (b" " * (1 << 20) + plain, None, "malformed", None),  # too large to be ours
+        (json.dumps({"v": 1, "body": 5}).encode(), b"k", "malformed", None),
+        (json.dumps({"v": 1, "body": "[1]"}).encode(), None, "plain", None),  # not an object
+    ]
+    for raw, key, auth, body in cases:
+        opened = open_record(raw, key)
+        assert (opened.auth, opened.body) == (auth, body), raw[:40]
+        assert opened.trusted == (auth in ("plain", "verified") and body is not None)
+        if opened.trusted:
+            assert decode_record(raw, key, path="p") == body
+        else:
+            with pytest.raises(ShardCorrupt, match="unreadable control record"):
+                decode_record(raw, key, path="p")

@@ -95,10 +95,14 @@ def reset_peak_rss() -> None:
 # -- one rank ---------------------------------------------------------------------------------
 
 def rank_main(rank, world, spec, payloads, warmup, iters, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
+    if spec["threads"] == "pinned":
+        # one thread per rank, as with OMP_NUM_THREADS=1 (set before torch loads)
+        os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
-    torch.set_num_threads(1)
+    if spec["threads"] == "pinned":
+        torch.set_num_threads(1)
+    # "default": what a user gets from mp.spawn or a notebook: torch's own thread count
     import ferrosync
 
     kind = spec["kind"]
@@ -227,8 +231,8 @@ def wire_rows(args, tmp):
     for wire in WIRES:
         path = tempfile.mkdtemp(prefix="ferrosync-bench-wire-", dir="/dev/shm")
         tmp.append(path)
-        spec = {"kind": "ferrosync", "url": path, "options": {"wire_dtype": wire,
-                                                               "reduce": "root"}}
+        spec = {"kind": "ferrosync", "url": path, "threads": "pinned",
+                "options": {"wire_dtype": wire, "reduce": "root"}}
         (row,) = run_group(spec, 2, [nbytes], 1, 3)
         row["wire"] = wire
         rows.append(row)
@@ -240,14 +244,15 @@ def wire_rows(args, tmp):
 
 def print_table(rows, command):
     print(f"\n$ {command}")
-    head = (f"{'backend':<15} {'W':>2} {'payload':>9} {'p50 ms':>9} {'p90 ms':>9} "
+    head = (f"{'threads':<8} {'backend':<15} {'W':>2} {'payload':>9} {'p50 ms':>9} {'p90 ms':>9} "
             f"{'GB/s':>6} {'vs gloo':>8} {'rank0 RSS MB':>13} {'(+base)':>8} {'B/rank':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
         ratio = f"{r['vs_gloo']:.2f}x" if r.get("vs_gloo") else "-"
         moved = f"{r['bytes_per_rank']:,}" if r.get("bytes_per_rank") else "-"
-        print(f"{r['backend']:<15} {r['world']:>2} {human(r['payload']):>9} {r['p50_ms']:>9.3f} "
+        print(f"{r['threads']:<8} {r['backend']:<15} {r['world']:>2} {human(r['payload']):>9} "
+              f"{r['p50_ms']:>9.3f} "
               f"{r['p90_ms']:>9.3f} {r['algbw_gbs']:>6.2f} {ratio:>8} "
               f"{r['rank0_peak_rss_mb']:>13.0f} {r['rank0_rss_above_baseline_mb']:>8.0f} "
               f"{moved:>11}")
@@ -296,8 +301,16 @@ def main() -> None:
                         help="skip larger payloads on the moto S3 server")
     parser.add_argument("--wire-payload", default="16MiB", help="payload for the codec table")
     parser.add_argument("--wire-only", action="store_true", help="only the codec byte table")
+    parser.add_argument("--threads", default="default,pinned",
+                        help="threading setups, comma-separated: 'default' (torch's own "
+                        "thread count, as mp.spawn and notebooks run) and/or 'pinned' (one "
+                        "thread per rank, OMP_NUM_THREADS=1); ratios to gloo are per setup")
     parser.add_argument("--out", default="bench-out", help="folder for bench.json/bench.png")
     args = parser.parse_args()
+    args.threads = [t.strip() for t in args.threads.split(",") if t.strip()]
+    for t in args.threads:
+        if t not in ("default", "pinned"):
+            raise SystemExit(f"--threads: unknown setup {t!r}; use default and/or pinned")
     payloads = sorted(parse_size(p) for p in args.payloads.split(","))
     worlds = [int(w) for w in args.world_sizes.split(",")]
     args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -310,18 +323,23 @@ def main() -> None:
         if "s3" in args.backends and not args.wire_only:
             server, args.s3_options = start_moto()
         if not args.wire_only:
-            for world in worlds:
-                for backend, spec in specs(args, world, tmp).items():
-                    sizes = payloads
-                    if backend == "s3":
-                        sizes = [p for p in payloads if p <= parse_size(args.s3_max_bytes)]
-                    print(f"running {backend} with {world} ranks ...", file=sys.stderr)
-                    for row in run_group(spec, world, sizes, args.warmup, args.iters):
-                        row["backend"] = backend
-                        rows.append(row)
-            gloo = {(r["world"], r["payload"]): r["p50_ms"] for r in rows if r["backend"] == "gloo"}
+            for threads in args.threads:
+                for world in worlds:
+                    for backend, spec in specs(args, world, tmp).items():
+                        spec["threads"] = threads
+                        sizes = payloads
+                        if backend == "s3":
+                            sizes = [p for p in payloads if p <= parse_size(args.s3_max_bytes)]
+                        print(f"running {backend} with {world} ranks, {threads} threads ...",
+                              file=sys.stderr)
+                        for row in run_group(spec, world, sizes, args.warmup, args.iters):
+                            row["backend"] = backend
+                            row["threads"] = threads
+                            rows.append(row)
+            gloo = {(r["threads"], r["world"], r["payload"]): r["p50_ms"] for r in rows
+                    if r["backend"] == "gloo"}
             for r in rows:
-                ref = gloo.get((r["world"], r["payload"]))
+                ref = gloo.get((r["threads"], r["world"], r["payload"]))
                 r["vs_gloo"] = r["p50_ms"] / ref if ref else None
             print_table(rows, command)
             plot(rows, os.path.join(args.out, "bench.png"))

@@ -33,41 +33,32 @@ Semantics match the storage backend:
 
 Storage-only options (``reduce``, ``secret``, ``storage_options``, polling and
 heartbeat settings) are accepted with one warning, so switching a script's URL from a
-bucket to ``gloo://`` never breaks it.
+bucket to ``gloo://`` never breaks it (``options.TorchOptions``).
 """
 
 from __future__ import annotations
 
 import datetime
-import json
+import logging
 import os
 import time
-import warnings
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
 
 from ..api import GradSync
-from ..codecs import (
-    ErrorFeedback,
-    Int8Codec,
-    accumulator_dtype,
-    check_wire_dtype,
-    codec_for,
-)
-from ..errors import ConfigError, LayoutMismatch, PeerFailed, SyncTimeout
+from ..codecs import ErrorFeedback, Int8Codec, accumulator_dtype, codec_for
+from ..ddp import BACKEND_NAME
+from ..errors import ConfigError
 from ..storage import Counters
-from .files import OPTIONS as STORAGE_OPTIONS
-from .files import describe_mismatch
+from .common import accumulate, check_layouts, total_weight, weighted_copy
+from .common import translate_torch_error as _translate
+from .options import TorchOptions
 
-OPTIONS = {
-    "bucket_bytes": (25 << 20, "flatten tensors into buckets of at most this many bytes"),
-    "wire_dtype": (None, "None (native), float32, bfloat16, float16 or int8"),
-    "error_feedback": (True, "carry int8 quantisation error to the next call"),
-}
-_STORAGE_ONLY = sorted(set(STORAGE_OPTIONS) - set(OPTIONS))
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT")
+
+_log = logging.getLogger(__name__)
 
 
 class TorchDistSync(GradSync):
@@ -76,32 +67,13 @@ class TorchDistSync(GradSync):
     default_bucket_bytes = 25 << 20
 
     @classmethod
-    def check_options(cls, options: dict) -> dict:
-        unknown = sorted(set(options) - set(OPTIONS) - set(_STORAGE_ONLY))
-        if unknown:
-            raise ConfigError(
-                f"unknown option(s) {unknown} for a torch.distributed URL",
-                hint="valid options: " + ", ".join(sorted(set(OPTIONS) | set(_STORAGE_ONLY))),
-            )
-        ignored = sorted(set(options) & set(_STORAGE_ONLY))
-        if ignored:
-            warnings.warn(
-                f"ferrosync: options {ignored} only apply to storage URLs; the torch "
-                "backend ignores them", stacklevel=3)
-        out = {name: options.get(name, default) for name, (default, _) in OPTIONS.items()}
-        bucket = out["bucket_bytes"]
-        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, int)
-                                   or bucket <= 0):
-            raise ConfigError(f"bucket_bytes must be a positive int, got {bucket!r}")
-        out["wire_dtype"] = check_wire_dtype(out["wire_dtype"])
-        if not isinstance(out["error_feedback"], bool):
-            raise ConfigError("error_feedback must be True or False")
-        return out
+    def check_options(cls, options: dict) -> TorchOptions:
+        return TorchOptions.parse(options)
 
-    def __init__(self, url: str, identity, timeout: float, options: dict) -> None:
+    def __init__(self, url: str, identity, timeout: float, options: TorchOptions) -> None:
         # bytes this rank contributed / received; requests = collective calls
         self._counters = Counters()
-        super().__init__(url, identity, timeout, self._counters, options["bucket_bytes"])
+        super().__init__(url, identity, timeout, self._counters, options.bucket_bytes)
         self._opts = options
         self._ef = ErrorFeedback()
         self._seq = 0
@@ -160,7 +132,9 @@ class TorchDistSync(GradSync):
             raise ConfigError(f"unsupported URL {url!r}")
         backend = str(dist.get_backend()).lower()
         self._backend = backend
-        self._has_gloo = "gloo" in backend
+        # ferrosync's own backend carries CPU tensors like gloo (torch:// over a group
+        # made with init_process_group("ferrosync"))
+        self._has_gloo = "gloo" in backend or backend == BACKEND_NAME
         self._has_nccl = "nccl" in backend
         if not self._has_gloo:
             # CPU tensors and the layout exchange need gloo next to NCCL
@@ -209,8 +183,8 @@ class TorchDistSync(GradSync):
         group = self._group_for(flat.device)
         if self.world_size == 1:
             return weight
-        if self._opts["wire_dtype"] is not None and flat.dtype.is_floating_point:
-            codec = codec_for(flat.dtype, self._opts["wire_dtype"])
+        if self._opts.wire_dtype is not None and flat.dtype.is_floating_point:
+            codec = codec_for(flat.dtype, self._opts.wire_dtype)
             if not codec.raw:
                 # codec state belongs to what the data is (see api._stream), not its shape
                 return self._average_encoded(flat, weight, codec,
@@ -219,12 +193,7 @@ class TorchDistSync(GradSync):
         acc_dtype = accumulator_dtype(flat.dtype)
         with self._stats.phase("reduce_s"):
             buf = self._pool.get("allreduce", n + 1, acc_dtype, flat.device)
-            if weight > 0:
-                buf[:n].copy_(flat)  # widen first, then scale in the accumulator dtype
-                if weight != 1.0:
-                    buf[:n].mul_(weight)
-            else:
-                buf[:n].zero_()  # adds nothing, even where this rank's tensors hold inf/NaN
+            weighted_copy(buf[:n], flat, weight)
             buf[n] = weight
         nbytes = buf.numel() * buf.element_size()
         self._call("average_", dist.all_reduce, buf, group=group)
@@ -245,7 +214,7 @@ class TorchDistSync(GradSync):
             frame[:8].copy_(torch.tensor([weight], dtype=torch.float64).view(torch.uint8))
             if weight > 0:
                 x = flat.to(torch.float32)
-                if isinstance(codec, Int8Codec) and self._opts["error_feedback"]:
+                if isinstance(codec, Int8Codec) and self._opts.error_feedback:
                     sent = self._ef.compensate(ef_key, x)
                     codec.encode(sent, frame[8 : 8 + nbytes])
                     self._ef.remember(ef_key, sent, codec.decode(frame[8 : 8 + nbytes], n))
@@ -260,9 +229,7 @@ class TorchDistSync(GradSync):
         with self._stats.phase("reduce_s"):
             frames = gathered.view(self.world_size, frame.numel())
             weights = [float(f[:8].cpu().clone().view(torch.float64).item()) for f in frames]
-            total = 0.0
-            for w in weights:
-                total += w
+            total = total_weight(weights)
             if total == 0:
                 return 0.0
             acc = self._pool.get("acc", n, accumulator_dtype(flat.dtype), flat.device)
@@ -270,14 +237,8 @@ class TorchDistSync(GradSync):
             for w, f in zip(weights, frames):
                 if w == 0:
                     continue
-                values = codec.decode(f[8 : 8 + nbytes], n)
-                if first:
-                    acc.copy_(values)
-                    if w != 1.0:
-                        acc.mul_(w)
-                    first = False
-                else:
-                    acc.add_(values, alpha=w)
+                accumulate(acc, codec.decode(f[8 : 8 + nbytes], n), w, first=first)
+                first = False
             acc.div_(total)
             # like the storage backend, the result travels (here: is rounded) in the wire
             # encoding, so every rank holds exactly what the others hold
@@ -317,49 +278,17 @@ class TorchDistSync(GradSync):
         # the layout exchange is itself an all-gather every rank must enter
         self._check_layout("barrier", digest, layout)
 
+    def _publish_abort(self, exc):
+        """Nothing to publish: a rank that fails leaves the process group (on exit or
+        close), and the peers' next collective on it fails at once."""
+
     def _shutdown(self, failure):
         self._ef.clear()
         if self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # never raise from close()
-                pass
-
-
-def check_layouts(gather, world_size: int, rank: int, digest: bytes, layout: dict, *,
-                  collective: int, url: str, global_rank=lambda k: k) -> None:
-    """Raise ``LayoutMismatch`` on every rank unless all ranks passed ``digest``.
-
-    ``gather(out_list, tensor)`` all-gathers one tensor per rank (any group). Every
-    rank exchanges the same fixed-size int64 first, so a mismatch can never turn into
-    a size mismatch inside the transport (gloo aborts the process on one); only then
-    are the JSON layout records exchanged, to name the first differing tensor.
-    """
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
-    digests = [torch.empty_like(mine) for _ in range(world_size)]
-    gather(digests, mine)
-    values = [int(t.item()) for t in digests]
-    if len(set(values)) == 1:
-        return
-    other = next(k for k, v in enumerate(values) if v != values[rank])
-    data = torch.frombuffer(bytearray(json.dumps(layout).encode()), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.empty_like(size) for _ in range(world_size)]
-    gather(sizes, size)
-    padded = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    records = [torch.empty_like(padded) for _ in range(world_size)]
-    gather(records, padded)
-    try:
-        theirs = json.loads(bytes(records[other][: int(sizes[other].item())].tolist()).decode())
-    except ValueError:
-        theirs = None
-    raise LayoutMismatch(
-        describe_mismatch(layout, theirs, global_rank(rank), global_rank(other)),
-        rank=global_rank(rank), collective=collective, path=url,
-        hint="every rank must pass the same tensors (count, dtype, shape) to the same "
-        "collective, in the same order",
-    )
+            except (RuntimeError, ValueError):  # never raise from close(); a broken group
+                _log.debug("rank %d: destroy_process_group failed", self.rank, exc_info=True)
 
 
 def _host_port(url: str) -> tuple[str, int]:
@@ -370,23 +299,3 @@ def _host_port(url: str) -> tuple[str, int]:
             hint="write it as gloo://HOST:PORT (rank 0 listens on HOST:PORT)",
         )
     return parts.hostname, parts.port
-
-
-def _translate(exc: BaseException, rank: int, collective: int, url: str, what: str):
-    """Turn a torch.distributed failure into the ferrosync error it really is."""
-    text = str(exc)
-    low = text.lower()
-    if "timed out" in low or "timeout" in low:
-        return SyncTimeout(
-            f"{what} timed out ({text.splitlines()[0][:300]})", rank=rank,
-            collective=collective, path=url,
-            hint="are all ranks running with the same URL and calling the same collectives?",
-        )
-    if "address already in use" in low:
-        return ConfigError(f"{what}: the port is taken ({text.splitlines()[0][:200]})",
-                           rank=rank, path=url, hint="pick a free port for rank 0")
-    return PeerFailed(
-        f"{what} failed: {text.splitlines()[0][:300] if text else type(exc).__name__}",
-        rank=rank, collective=collective, path=url,
-        hint="another rank probably crashed or exited early: check its log",
-    )

@@ -78,7 +78,9 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..api import GradSync, _AsyncRunner, connect
+from .. import validate
+from ..api import GradSync, connect
+from ..codecs import FLOAT_DTYPES
 from ..env import ENV_URL
 from ..errors import ConfigError, SyncTimeout
 from . import BACKEND_NAME, ENV_PG_OPTIONS
@@ -87,7 +89,7 @@ from .init_methods import location_of
 __all__ = ["SyncProcessGroup", "create_backend"]
 
 _Op = dist.ReduceOp.RedOpType
-_AVERAGED = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+_AVERAGED = FLOAT_DTYPES  # the dtypes GradSync.average_ takes
 _HALF = (torch.float16, torch.bfloat16)
 # combine two ranks' tensors; applied left to right in rank order
 _COMBINE = {
@@ -222,9 +224,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         if not isinstance(sync, GradSync):
             raise ConfigError(f"SyncProcessGroup needs a GradSync, got {type(sync).__name__}",
                               hint="create one with ferrosync.connect(url)")
-        if not isinstance(overlap, bool):
-            raise ConfigError(f"overlap must be True or False, got {overlap!r}",
-                              rank=sync.rank)
+        validate.boolean("overlap", overlap, rank=sync.rank)
         super().__init__(sync.rank, sync.world_size)
         self.sync = sync
         self._owns_sync = owns_sync
@@ -347,9 +347,7 @@ class SyncProcessGroup(dist.ProcessGroup):
 
         with self._pending_lock:
             self._pending.append(work)
-        if sync._runner is None:
-            sync._runner = _AsyncRunner(f"ferrosync-async-r{sync.rank}")
-        sync._runner.submit(job)
+        sync._run_async(job)
         self._settle_at_end_of_backward()
         return work
 
@@ -667,10 +665,8 @@ def create_backend(backend_opts, pg_options) -> SyncProcessGroup:
         )
     if list(backend_opts.global_ranks_in_group):  # a subgroup (the world group has [])
         url = url.rstrip("/") + "/" + _group_suffix(backend_opts.group_id)
-    overlap = options.pop("overlap", True)
-    if not isinstance(overlap, bool):
-        raise ConfigError(f"option overlap must be true or false, got {overlap!r}",
-                          rank=backend_opts.group_rank)
+    overlap = validate.boolean("overlap", options.pop("overlap", True),
+                               rank=backend_opts.group_rank)
     sync = connect(url, rank=backend_opts.group_rank, world_size=backend_opts.group_size,
                    timeout=backend_opts.timeout.total_seconds(), **options)
     pg = SyncProcessGroup(sync, owns_sync=True, overlap=overlap)

@@ -38,16 +38,23 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import secrets
 import stat
 import threading
 import time
 from dataclasses import dataclass, field
 
+from .. import names
 from ..errors import ConfigError, StorageError
-from ..storage import Backoff, LocalStorage, Storage, open_storage
-from .layout import DOCTOR_PREFIX, human_bytes, namespace_names
+from ..storage import (
+    LOCAL_FILESYSTEMS,
+    Backoff,
+    LocalStorage,
+    Storage,
+    mount_of,
+    open_storage,
+)
+from .scan import human_bytes, namespace_names
 
 MiB = 1 << 20
 VISIBILITY_LIMIT = 30.0  # seconds: an object not visible by then fails the check
@@ -96,7 +103,7 @@ class Doctor:
         self.payload_mib = payload_mib
         self.world_size = world_size
         self.local = isinstance(storage, LocalStorage)
-        self.prefix = f"{DOCTOR_PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
+        self.prefix = names.doctor_dir()
         self.checks: list[Check] = []
         self.measured: dict = {}
         self.mount: dict | None = None
@@ -160,7 +167,7 @@ class Doctor:
             try:
                 storage.probe_bucket()
             except ConfigError as exc:
-                if "does not exist" not in str(exc):
+                if not isinstance(exc.__cause__, FileNotFoundError):  # a missing bucket
                     self.add("location", "fail", str(exc))
                     return False
                 bucket = storage.root.split("/", 1)[0]
@@ -174,7 +181,8 @@ class Doctor:
             self.add("location", "ok", "bucket created now" if created else "bucket reachable",
                      created=created)
         spaces = namespace_names(storage)  # one per job id (rdzv/: jobs without one)
-        existing = [k for ns in spaces for k, _ in storage.list(ns) if "/gen." in k]
+        existing = [k for ns in spaces for k, _ in storage.list(ns)
+                    if names.parse(k.rpartition("/")[2]).kind == "announcement"]
         if existing:
             self.add("existing jobs", "info", f"{len(existing)} generation(s) of "
                      f"{len(spaces)} job namespace(s) announced here already (see "
@@ -204,7 +212,7 @@ class Doctor:
         elif fstype in ("cifs", "smb3", "smbfs"):
             self.add("filesystem", "warn", f"{where}: SMB; mount with cache=strict and "
                      "check the atomic publish result below", **mount)
-        elif fstype in ("tmpfs", "ext4", "xfs", "btrfs", "zfs", "overlay", "ext3", "f2fs"):
+        elif fstype in LOCAL_FILESYSTEMS:
             self.add("filesystem", "ok", f"{where}: a local filesystem (ranks on other "
                      "nodes cannot share it)", **mount)
         else:
@@ -244,7 +252,8 @@ class Doctor:
             thread.join(timeout=120)
         if errors:
             raise errors[0]
-        temps = [k for k, _ in self.storage.list(self.prefix) if k.endswith(".tmp")]
+        temps = [k for k, _ in self.storage.list(self.prefix)
+                 if names.parse(k.rpartition("/")[2]).kind == "temp"]
         how = "temp file + os.replace" if self.local else "single PUT"
         if bad or temps:
             what = (f"{len(bad)} of {reads} reads were not a whole version "
@@ -503,19 +512,19 @@ def probe_rename(directory: str) -> list[str]:
     source file there. A copy then delete makes a new file instead. The probe files
     are created here (never following a link) and removed before returning.
     """
-    names = ("rename.a", "rename.b", "rename.c")
+    files = ("rename.a", "rename.b", "rename.c")
     dfd = os.open(directory, _PROBE_DIR_FLAGS)
     problems = []
     try:
-        first = _probe_file(dfd, names[0], b"A" * 4096)
-        os.rename(names[0], names[1], src_dir_fd=dfd, dst_dir_fd=dfd)
-        problems += _moved(dfd, names[0], names[1], first, b"A" * 4096, "to a new name")
-        second = _probe_file(dfd, names[2], b"C" * 4096)
-        os.replace(names[2], names[1], src_dir_fd=dfd, dst_dir_fd=dfd)
-        problems += _moved(dfd, names[2], names[1], second, b"C" * 4096,
+        first = _probe_file(dfd, files[0], b"A" * 4096)
+        os.rename(files[0], files[1], src_dir_fd=dfd, dst_dir_fd=dfd)
+        problems += _moved(dfd, files[0], files[1], first, b"A" * 4096, "to a new name")
+        second = _probe_file(dfd, files[2], b"C" * 4096)
+        os.replace(files[2], files[1], src_dir_fd=dfd, dst_dir_fd=dfd)
+        problems += _moved(dfd, files[2], files[1], second, b"C" * 4096,
                            "onto an existing name")
     finally:
-        for name in names:
+        for name in files:
             try:
                 os.unlink(name, dir_fd=dfd)
             except OSError:
@@ -554,32 +563,7 @@ def _moved(dfd: int, old: str, new: str, before: os.stat_result, data: bytes,
     return problems
 
 
-# -- mount table ------------------------------------------------------------------------------
-
-def mount_of(path: str) -> dict | None:
-    """The mount holding ``path`` from /proc/self/mounts (longest mount point wins)."""
-    real = os.path.realpath(path)
-    best = None
-    try:
-        with open("/proc/self/mounts") as f:
-            lines = f.readlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        source, point, fstype, options = (_unescape(p) for p in parts[:4])
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best["mountpoint"])):
-            best = {"source": source, "mountpoint": point, "fstype": fstype,
-                    "options": options.split(",")}
-    return best
-
-
-def _unescape(text: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), text)
-
+# -- mount options (the mount table itself is read by ferrosync.storage.mount_of) ----------
 
 def _opt(options: list[str], name: str) -> str | None:
     for opt in options:
@@ -627,9 +611,9 @@ def render(report: dict) -> str:
     if rec:
         lines.append("")
         lines.append("recommended settings:")
-        names = ("poll_initial", "poll_max", "heartbeat_interval", "heartbeat_timeout",
+        shown = ("poll_initial", "poll_max", "heartbeat_interval", "heartbeat_timeout",
                  "timeout")
-        pairs = [f"{n}={rec[n]:g}" for n in names if n in rec]
+        pairs = [f"{n}={rec[n]:g}" for n in shown if n in rec]
         lines.append("  " + "  ".join(pairs))
         if "timeout_basis" in rec:
             lines.append(f"  (timeout: {rec['timeout_basis']}; scale it with your payload)")

@@ -42,9 +42,10 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from .. import names
 from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
-from .layout import DOCTOR_PREFIX, GC_LOCK, Generation, Obj, human_bytes, scan
+from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
 
 REMOVABLE = ("finished", "dead", "empty", "orphan")
@@ -119,7 +120,7 @@ def _running_pids(views: list[RankView]) -> set[int]:
     return pids
 
 
-def _decide(gen: Generation, status: str, views: list[RankView], newest: set[str],
+def _decide(gen: FoundGeneration, status: str, views: list[RankView], newest: set[str],
             ) -> Decision:
     keys = [o.key for o in gen.objects] + [t.key for t in gen.temps]
     if status not in REMOVABLE:
@@ -148,7 +149,7 @@ def _decide(gen: Generation, status: str, views: list[RankView], newest: set[str
                     gen.prefix if gen.has_dir or gen.objects else None, gen.namespace)
 
 
-def _job_name(gen: Generation) -> str:
+def _job_name(gen: FoundGeneration) -> str:
     if gen.namespace is None:
         return "its job"
     return f"job {gen.job}" if gen.job is not None else "the job without an id"
@@ -222,7 +223,7 @@ def apply(storage: Storage, decisions: list[Decision]) -> tuple[int, int]:
         if d.action != "remove":
             continue
         # heartbeats last: a concurrent `inspect` never sees data without its liveness
-        keys = sorted(d.keys, key=lambda k: k.rsplit("/", 1)[-1].startswith("hb."))
+        keys = sorted(d.keys, key=lambda k: names.parse(k.rpartition("/")[2]).kind == "heartbeat")
         storage.delete(keys)
         objects += len(keys)
         nbytes += d.bytes
@@ -233,10 +234,10 @@ def apply(storage: Storage, decisions: list[Decision]) -> tuple[int, int]:
 
 
 class _GcLock:
-    """One gc at a time on a local/NFS directory: an exclusive ``flock`` on
-    ``.ferrosync-gc.lock`` (the lock filelock takes too), whose file is opened
-    without following links: a link planted at its name is refused, never truncated
-    or written through."""
+    """One gc at a time on a local/NFS directory: an exclusive ``fcntl.flock`` on
+    ``.ferrosync-gc.lock``, taken here rather than through a lock library because the
+    file must be opened without following links (``LocalStorage.open_lock``): a link
+    planted at its name is refused, never truncated or written through."""
 
     def __init__(self, storage: LocalStorage) -> None:
         self._storage = storage

@@ -21,7 +21,7 @@ import time
 from ..errors import StorageError
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
-from .layout import Generation, Namespace, Scan, human_bytes, read_record, scan
+from .scan import FoundGeneration, Namespace, Scan, human_bytes, read_record, scan
 from .watch import RankView, generation_status, judge, progress, stragglers
 
 
@@ -54,7 +54,7 @@ def _wall_age(wall) -> float | None:
     return round(time.time() - wall, 1)
 
 
-def generation_report(storage: Storage, gen: Generation, views: list[RankView],
+def generation_report(storage: Storage, gen: FoundGeneration, views: list[RankView],
                       found: Scan, objects: bool) -> dict:
     ann = gen.announcement
     out = {

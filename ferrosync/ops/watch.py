@@ -18,8 +18,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from .. import names
 from ..storage import FsspecStorage, LocalStorage, Storage
-from .layout import Generation, Record, Scan, read_markers, read_record
+from .scan import FoundGeneration, Record, Scan, read_markers, read_record
 
 FINAL_STATES = ("closed", "aborted")
 
@@ -100,8 +101,8 @@ def observe(storage: Storage, keys: dict[str, Record | None], window: float,
     return {k: Observation(keys[k], last[k], changed[k], watched) for k in keys}
 
 
-def judge(storage: Storage, gens: list[Generation], secret: bytes | None, window: float,
-          ) -> dict[str, list[RankView]]:
+def judge(storage: Storage, gens: list[FoundGeneration], secret: bytes | None,
+          window: float) -> dict[str, list[RankView]]:
     """Rank views of every generation in ``gens``, from one shared watch window."""
     aborts = {g.prefix: read_markers(storage, g, "abort", secret) for g in gens}
     first: dict[str, Record | None] = {}
@@ -115,13 +116,13 @@ def judge(storage: Storage, gens: list[Generation], secret: bytes | None, window
         if world == 1 and not beats:
             continue  # a world of one writes no heartbeats: nothing to watch
         for rank in ranks:
-            first[f"{gen.prefix}/hb.r{rank}"] = beats.get(rank)
+            first[names.within(gen.prefix, names.heartbeat(rank))] = beats.get(rank)
     seen = observe(storage, first, window, secret, poll_period(storage))
     out = {}
     for gen in gens:
         views = []
         for rank in ranks_of[gen.prefix]:
-            obs = seen.get(f"{gen.prefix}/hb.r{rank}")
+            obs = seen.get(names.within(gen.prefix, names.heartbeat(rank)))
             view = _rank_view(rank, obs, aborts[gen.prefix].get(rank),
                               default_interval(storage))
             if gen.world_size == 1 and view.state == "missing":
@@ -156,7 +157,7 @@ def _rank_view(rank: int, obs: Observation | None, abort: Record | None,
                     f"({period:g} s each): use a longer --watch")
 
 
-def generation_status(gen: Generation, views: list[RankView], found: Scan) -> str:
+def generation_status(gen: FoundGeneration, views: list[RankView], found: Scan) -> str:
     """live | finished | dead | empty | creating | orphan | unknown (see docs/operations.md).
 
     ``found`` is the scan ``gen`` comes from: an unannounced directory is judged

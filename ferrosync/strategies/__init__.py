@@ -4,13 +4,16 @@ The trainer (``ferrosync.train``) never calls a collective for the model itself;
 hands that job to a ``Strategy``. A strategy decides *when* and *what* to average
 (gradients every step, parameters every H steps, outer-optimizer deltas, ...) and
 how much each rank counts; the ``GradSync`` it holds decides *how* the bytes move.
-So a new strategy is a new subclass here and a name in ``STRATEGIES``, with no
-change to the trainer loop (see ``base`` for the loop every rank runs).
+So a new strategy is a new subclass here (declaring its ``name`` and the
+``settings`` it takes) and one entry in ``STRATEGIES``, with no change to
+``make_strategy`` or the trainer loop (see ``base`` for the loop every rank runs).
 
 * ``grad`` (``GradAveraging``): the gradients, every step;
 * ``local-sgd`` (``LocalSGD``): the parameters, every H steps or S seconds, work-weighted;
 * ``diloco`` (``DiLoCo``): pseudo-gradients every H steps or S seconds, then an outer
   Nesterov step on a global copy.
+* ``streaming-diloco`` (``StreamingDiLoCo``): DiLoCo one fragment of the parameters at a
+  time on a staggered schedule, each exchange overlapped with the next inner steps.
 
 ``state_dict()``/``load_state_dict()`` travel in checkpoints (rank 0 writes them,
 every rank loads them), so anything a strategy must remember across a restart
@@ -24,28 +27,35 @@ from .base import TELEMETRY_KEYS, GradAveraging, Strategy
 from .diloco import DiLoCo
 from .local_sgd import LocalSGD
 from .periodic import PeriodicStrategy
+from .streaming import StreamingDiLoCo
 
 __all__ = ["Strategy", "GradAveraging", "PeriodicStrategy", "LocalSGD", "DiLoCo",
-           "STRATEGIES", "TELEMETRY_KEYS", "make_strategy"]
+           "StreamingDiLoCo", "STRATEGIES", "TELEMETRY_KEYS", "make_strategy",
+           "known_settings", "flag"]
 
-#: ``--strategy`` name -> class
+#: ``--strategy`` name -> class: the one place a new strategy is registered. Each class
+#: declares its own ``name`` and the ``settings`` it takes (see ``Strategy``).
 STRATEGIES: dict[str, type[Strategy]] = {
-    cls.name: cls for cls in (GradAveraging, LocalSGD, DiLoCo)}
+    cls.name: cls for cls in (GradAveraging, LocalSGD, DiLoCo, StreamingDiLoCo)}
 
-#: make_strategy keyword -> the CLI flag that sets it (for error messages)
-_FLAGS = {"sync_every": "--sync-every", "sync_every_seconds": "--sync-every-seconds",
-          "gamma": "--gamma", "outer_lr": "--outer-lr", "outer_momentum": "--outer-momentum",
-          "outer_device": "--outer-device"}
-_PERIODIC = ("sync_every", "sync_every_seconds", "gamma")
-_OUTER = ("outer_lr", "outer_momentum", "outer_device")
+
+def known_settings() -> tuple[str, ...]:
+    """Every setting some registered strategy takes, in registry order (no repeats)."""
+    return tuple(dict.fromkeys(key for cls in STRATEGIES.values() for key in cls.settings))
+
+
+def flag(setting: str) -> str:
+    """The CLI flag that sets ``setting``: ``sync_every`` -> ``--sync-every``."""
+    return "--" + setting.replace("_", "-")
 
 
 def make_strategy(name: str, **settings) -> Strategy:
     """The strategy called ``name``, built from CLI-style settings (None = default).
 
-    ``settings``: ``sync_every``, ``sync_every_seconds``, ``gamma`` (periodic
-    strategies), ``outer_lr``, ``outer_momentum``, ``outer_device`` (diloco). Validates
-    everything before any I/O.
+    ``settings``: any of ``known_settings()`` (``sync_every``, ``sync_every_seconds``,
+    ``gamma`` for the periodic strategies; ``outer_lr``, ``outer_momentum``,
+    ``outer_device`` for diloco and streaming-diloco; ``fragments``, ``overlap_steps``,
+    ``alpha`` for streaming-diloco). Validates everything before any I/O.
 
     Raises:
         ConfigError: unknown name or setting, a setting that does not apply to this
@@ -55,21 +65,28 @@ def make_strategy(name: str, **settings) -> Strategy:
     if cls is None:
         raise ConfigError(f"unknown strategy {name!r}",
                           hint=f"choose one of: {', '.join(STRATEGIES)}")
-    unknown = sorted(set(settings) - set(_FLAGS))
+    known = known_settings()
+    unknown = sorted(set(settings) - set(known))
     if unknown:
         raise ConfigError(f"make_strategy got unknown settings {unknown}",
-                          hint=f"known: {', '.join(_FLAGS)}")
-    given = {k: v for k, v in settings.items() if v is not None}
-    if cls is GradAveraging and given.get("sync_every") == 1:
-        del given["sync_every"]  # every step is what grad does anyway
-    applicable = {GradAveraging: (), LocalSGD: _PERIODIC, DiLoCo: _PERIODIC + _OUTER}[cls]
-    stray = [_FLAGS[k] for k in _FLAGS if k in given and k not in applicable]
+                          hint=f"known: {', '.join(known)}")
+    given = {k: v for k, v in settings.items()
+             if v is not None and not (k in cls.implied and cls.implied[k] == v)}
+    stray = [flag(k) for k in known if k in given and k not in cls.settings]
     if stray:
-        what = ("averages gradients on every step" if cls is GradAveraging
-                else "has no outer optimizer")
         verb = "does" if len(stray) == 1 else "do"
         raise ConfigError(
-            f"{'/'.join(stray)} {verb} not apply to --strategy {name}, which {what}",
-            hint="drop them (--sync-every/--sync-every-seconds/--gamma are for local-sgd "
-            "and diloco, --outer-* for diloco)")
+            f"{'/'.join(stray)} {verb} not apply to --strategy {name}, which "
+            f"{cls.refuses_because}", hint=f"drop them ({_who_takes_what()})")
     return cls(**given)
+
+
+def _who_takes_what() -> str:
+    """``--sync-every/--gamma are for local-sgd and diloco, --outer-lr for diloco``."""
+    takers: dict[tuple[str, ...], list[str]] = {}
+    for key in known_settings():
+        names = tuple(n for n, cls in STRATEGIES.items() if key in cls.settings)
+        takers.setdefault(names, []).append(flag(key))
+    parts = [f"{'/'.join(flags)}{' are' if i == 0 else ''} for {' and '.join(names)}"
+             for i, (names, flags) in enumerate(takers.items())]
+    return ", ".join(parts)

@@ -46,6 +46,13 @@ class Strategy:
 
     #: the ``--strategy`` value that selects this class
     name = ""
+    #: the ``make_strategy`` settings (CLI flags: ``sync_every`` is ``--sync-every``)
+    #: this class takes as keyword arguments; any other given setting is refused
+    settings: tuple[str, ...] = ()
+    #: settings whose given value is what the class does anyway (dropped, not refused)
+    implied: dict = {}
+    #: completes "--gamma does not apply to --strategy NAME, which ..."
+    refuses_because = "does not take it"
     #: every rank takes the same number of optimizer steps (so a loop may decide
     #: "checkpoint now" or "stop" from its own step count)
     lockstep = True
@@ -176,6 +183,8 @@ class GradAveraging(Strategy):
     """
 
     name = "grad"
+    implied = {"sync_every": 1}
+    refuses_because = "averages gradients on every step"
 
     def attach(self, model, optimizer, sync) -> None:
         super().attach(model, optimizer, sync)

@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
+from ..validate import number
 from .base import norm
 from .periodic import PeriodicStrategy
 
@@ -50,6 +51,7 @@ class DiLoCo(PeriodicStrategy):
     """
 
     name = "diloco"
+    settings = (*PeriodicStrategy.settings, "outer_lr", "outer_momentum", "outer_device")
     #: on the demo, H = 30 ends within a point of per-step averaging at 2, 3 and 4
     #: ranks over seeds 0-2 while writing 29x fewer bytes; H = 50 was 1 point worse on
     #: average at 3 ranks (docs/train.md, tools/bench_strategies.py)
@@ -59,12 +61,9 @@ class DiLoCo(PeriodicStrategy):
                  outer_optimizer: Callable | None = None, outer_device=None,
                  **periodic) -> None:
         super().__init__(**periodic)
-        for label, value in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-                    0 <= value < float("inf")):
-                raise ConfigError(f"{label} must be a finite number >= 0, got {value!r}")
-        if outer_lr == 0:
-            raise ConfigError("outer_lr must be > 0 (0 would never move the model)")
+        outer_lr = number("outer_lr", outer_lr, positive=True,
+                          hint=f"the default is {OUTER_LR}")
+        outer_momentum = number("outer_momentum", outer_momentum, minimum=0)
         if outer_optimizer is not None and not callable(outer_optimizer):
             raise ConfigError(f"outer_optimizer must be callable, got "
                               f"{type(outer_optimizer).__name__}")
@@ -74,7 +73,7 @@ class DiLoCo(PeriodicStrategy):
             except (RuntimeError, TypeError, ValueError):
                 raise ConfigError(f"outer_device {outer_device!r} is not a torch device",
                                   hint="use cpu, or None for the parameters' device") from None
-        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
+        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
         self.outer_device = outer_device
         self._outer_factory = outer_optimizer
         self._pending: dict | None = None

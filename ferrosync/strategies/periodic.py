@@ -51,6 +51,7 @@ import time
 import torch
 
 from ..errors import ConfigError
+from ..validate import integer, number
 from .base import Strategy, float_buffers, norm
 
 __all__ = ["PeriodicStrategy", "apportion"]
@@ -74,6 +75,8 @@ class PeriodicStrategy(Strategy):
     """
 
     replicated = False
+    settings = ("sync_every", "sync_every_seconds", "gamma")
+    refuses_because = "has no outer optimizer"
     #: H when neither ``sync_every`` nor ``sync_every_seconds`` is given
     default_sync_every = 20
 
@@ -83,23 +86,15 @@ class PeriodicStrategy(Strategy):
         if sync_every is not None and sync_every_seconds is not None:
             raise ConfigError("give --sync-every H or --sync-every-seconds S, not both",
                               hint="steps for a fixed cadence, seconds for uneven ranks")
-        if sync_every is not None and (isinstance(sync_every, bool) or not isinstance(
-                sync_every, int) or sync_every < 1):
-            raise ConfigError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if sync_every_seconds is not None and not (
-                isinstance(sync_every_seconds, (int, float)) and not isinstance(
-                    sync_every_seconds, bool) and 0 < sync_every_seconds < math.inf):
-            raise ConfigError(f"sync_every_seconds must be a positive number, got "
-                              f"{sync_every_seconds!r}")
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not (
-                0 <= gamma < math.inf):
-            raise ConfigError(f"gamma must be a finite number >= 0, got {gamma!r}")
+        sync_every = integer("sync_every", sync_every, minimum=1, allow_none=True)
+        sync_every_seconds = number("sync_every_seconds", sync_every_seconds, positive=True,
+                                    allow_none=True)
+        gamma = number("gamma", gamma, minimum=0)
         if sync_every is None and sync_every_seconds is None:
             sync_every = self.default_sync_every
         self.sync_every = sync_every
-        self.sync_every_seconds = (float(sync_every_seconds)
-                                   if sync_every_seconds is not None else None)
-        self.gamma = float(gamma)
+        self.sync_every_seconds = sync_every_seconds
+        self.gamma = gamma
         self.lockstep = self.sync_every_seconds is None
         self._window = 0                 # batches this rank trained since the last sync
         self._masses: list[int] | None = None   # cumulative batches per rank
@@ -166,6 +161,7 @@ class PeriodicStrategy(Strategy):
         self._window += 1
         if self._steps_left is not None:
             self._steps_left -= 1
+        self._after_inner_step()
         if self._due():
             return self.synchronize(model, optimizer)
         return {"synced": False, "sync_s": 0.0}
@@ -191,10 +187,10 @@ class PeriodicStrategy(Strategy):
         """
         done = done or (self._steps_left is not None and self._steps_left <= 0)
         with self._measured({"synced": True}) as telemetry:
-            record = torch.tensor([float(self._window), float(done)], dtype=torch.float64)
+            record = torch.tensor(self._record(done), dtype=torch.float64)
             gathered = self.sync.all_gather(record)
             masses = [int(g[0]) for g in gathered]
-            weights = [float(m) ** self.gamma if m > 0 else 0.0 for m in masses]
+            weights = self._weights(gathered)
             telemetry["masses"] = masses
             telemetry["skipped"] = not any(weights)
             if telemetry["skipped"]:
@@ -227,6 +223,24 @@ class PeriodicStrategy(Strategy):
             self.sync.broadcast_(self._int_buffers, src=0)
 
     # -- merging (subclasses) -------------------------------------------------------
+    def _after_inner_step(self) -> None:
+        """Called by ``step`` after the optimizer step and the window count, before
+        the cadence check: a subclass with work in flight (an overlapped exchange)
+        finishes it here. Nothing by default."""
+
+    def _record(self, done: bool) -> list[float]:
+        """What this rank tells the others at a sync: its mass and its "done" vote
+        first (``synchronize`` reads those two); a subclass may append more numbers,
+        the same count on every rank."""
+        return [float(self._window), float(done)]
+
+    def _weights(self, gathered: list[torch.Tensor]) -> list[float]:
+        """Every rank's merge weight from the gathered records (identical on every
+        rank, since every rank gathered the same records): ``mass ** gamma``, 0 for
+        a rank that trained nothing. All zero skips the merge."""
+        return [float(m) ** self.gamma if m > 0 else 0.0
+                for m in (int(g[0]) for g in gathered)]
+
     def _merge(self, params: list[torch.Tensor], weight: float) -> tuple[float, float]:
         """Collective: average this rank's contribution with weight ``weight`` and
         apply the result to ``params`` and ``self._buffers``.

@@ -28,13 +28,13 @@ import io
 import json
 import random
 import re
-import secrets
 
 import numpy
 import torch
 
 from ..errors import ConfigError, StorageError
 from ..storage import Storage, open_storage
+from ..storage import probe_location as probe_storage
 
 LATEST = "latest.json"
 FORMAT = 1
@@ -83,27 +83,11 @@ def model_signature(model: torch.nn.Module) -> list[list]:
 def probe_location(storage: Storage, what: str) -> None:
     """Fail now, with a ConfigError, if ``storage`` cannot be written and read back.
 
-    Writes, reads and deletes one small object with a random name, so a run never
-    starts (and never half-writes anything) against a location it cannot use.
+    ``ferrosync.storage.probe_location`` (the one probe every caller uses), called by
+    the launcher or rank 0 before training, with ``what`` naming the location in the
+    message ("sync URL", "checkpoint directory").
     """
-    key = f".probe.{secrets.token_hex(6)}"
-    payload = secrets.token_bytes(16)
-    try:
-        if hasattr(storage, "probe_bucket"):
-            storage.probe_bucket()
-        storage.makedirs("")
-        storage.put(key, [payload])
-        back = storage.read(key)
-        storage.delete([key])
-    except (StorageError, OSError) as exc:
-        raise ConfigError(
-            f"cannot use {what} {storage.url} ({exc})",
-            hint="check that it is a writable directory (or an existing bucket) "
-            "reachable from every node",
-        ) from None
-    if back != payload:
-        raise ConfigError(f"{what} {storage.url} returned different bytes than were written",
-                          hint="use a consistent filesystem or object store")
+    probe_storage(storage, None, what=what)
 
 
 class CheckpointStore:
@@ -171,7 +155,9 @@ class CheckpointStore:
                               "or start without --resume")
         try:
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        except Exception as exc:  # a truncated or foreign file: say which one
+        # torch.load raises whatever its unpickler meets (UnpicklingError, RuntimeError,
+        # EOFError, ...): each means a damaged or foreign file, named with its cause below
+        except Exception as exc:  # noqa: BLE001
             raise ConfigError(
                 f"cannot load checkpoint {self.storage.path_of(key)} "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",

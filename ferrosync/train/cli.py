@@ -14,22 +14,23 @@ import os
 import sys
 
 from ..errors import ConfigError
-from ..strategies import STRATEGIES, DiLoCo, LocalSGD
+from ..strategies import STRATEGIES, DiLoCo, LocalSGD, known_settings
 from ..strategies.diloco import OUTER_LR, OUTER_MOMENTUM
+from ..strategies.streaming import FRAGMENTS, OVERLAP_STEPS
+from ..validate import cli_number
 
 PROG = "python -m ferrosync.train"
 DEFAULT_EPOCHS = 10
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_LR = {"sgd": 0.05, "adamw": 1e-3}
+#: strategy settings: flag dest -> make_strategy keyword (the same names); the registry
+#: declares them, and each needs its flag in ``_strategy_flags``
+STRATEGY_FLAGS = known_settings()
 #: flags that configure the built-in trainer, meaningless with a SCRIPT
 TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
-                 "checkpoint_every", "resume", "strategy", "sync_every", "sync_every_seconds",
-                 "model", "data", "loss", "optimizer", "device", "keep_checkpoints",
-                 "sync_options", "no_progress", "timeout", "gamma", "outer_lr",
-                 "outer_momentum", "outer_device")
-#: strategy settings: flag dest -> make_strategy keyword (the same names)
-STRATEGY_FLAGS = ("sync_every", "sync_every_seconds", "gamma", "outer_lr", "outer_momentum",
-                  "outer_device")
+                 "checkpoint_every", "resume", "strategy", "model", "data", "loss",
+                 "optimizer", "device", "keep_checkpoints", "sync_options", "no_progress",
+                 "timeout", *STRATEGY_FLAGS)
 
 EPILOG = f"""\
 examples:
@@ -49,36 +50,9 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message, hint=f"see {PROG} --help")
 
 
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-        return value
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
-    return value
+# the same bounds as the Trainer/strategy arguments they feed (ferrosync.validate)
+_positive = cli_number(positive=True)
+_non_negative = cli_number(minimum=0)
 
 
 def _option(text: str) -> tuple[str, object]:
@@ -92,6 +66,7 @@ def _option(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """Every flag of ``python -m ferrosync.train``, in four help groups."""
     p = _Parser(
         prog=PROG,
         description="Data-parallel training through shared storage: launch local ranks, "
@@ -99,8 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    for add_group in (_launching_flags, _trainer_flags, _checkpoint_flags, _strategy_flags):
+        add_group(p)
+    return p
+
+
+def _launching_flags(p: argparse.ArgumentParser) -> None:
+    """Where ranks run and meet, or the SCRIPT they run instead."""
     g = p.add_argument_group("launching")
-    g.add_argument("--nproc", type=_int_at_least(1), metavar="N",
+    g.add_argument("--nproc", type=cli_number(int, minimum=1), metavar="N",
                    help="start N local ranks (like torchrun --nproc-per-node); without it, "
                    "run one rank whose identity comes from the environment "
                    "(RANK/WORLD_SIZE from torchrun, or SLURM_PROCID/SLURM_NTASKS)")
@@ -116,11 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="two-level sync: ranks of a node reduce over gloo/NCCL and only one "
                    "leader per node uses the --sync storage (node identity from "
                    "LOCAL_RANK/LOCAL_WORLD_SIZE or SLURM_LOCALID/SLURM_NTASKS_PER_NODE)")
-    g.add_argument("--nnodes-sim", type=_int_at_least(1), metavar="K",
+    g.add_argument("--nnodes-sim", type=cli_number(int, minimum=1), metavar="K",
                    help="with --nproc: simulate K nodes of nproc/K ranks each on this "
                    "machine (sets LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK per rank; "
                    "for testing --local)")
-    g.add_argument("--timeout", type=_positive_float, metavar="S",
+    g.add_argument("--timeout", type=_positive, metavar="S",
                    help="seconds any single wait for peers may last (default 300)")
     g.add_argument("script", nargs="?", metavar="SCRIPT",
                    help="a Python script to run on every rank instead of the built-in "
@@ -128,74 +110,95 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS",
                    help="arguments passed to SCRIPT")
 
-    t = p.add_argument_group("built-in trainer")
-    t.add_argument("--steps", type=_int_at_least(1), metavar="N",
+
+def _trainer_flags(p: argparse.ArgumentParser) -> None:
+    """The built-in trainer: length, model, data, optimizer, output."""
+    g = p.add_argument_group("built-in trainer")
+    g.add_argument("--steps", type=cli_number(int, minimum=1), metavar="N",
                    help="optimizer steps to run (with --epochs too: whichever ends first)")
-    t.add_argument("--epochs", type=_int_at_least(1), metavar="N",
+    g.add_argument("--epochs", type=cli_number(int, minimum=1), metavar="N",
                    help=f"passes over the data (default {DEFAULT_EPOCHS} when --steps is "
                    "not given)")
-    t.add_argument("--batch-size", type=_int_at_least(1), metavar="B",
+    g.add_argument("--batch-size", type=cli_number(int, minimum=1), metavar="B",
                    help=f"samples per rank per step (default {DEFAULT_BATCH_SIZE})")
-    t.add_argument("--lr", type=_positive_float, metavar="LR",
+    g.add_argument("--lr", type=_positive, metavar="LR",
                    help="learning rate (default 0.05 for sgd, 0.001 for adamw)")
-    t.add_argument("--optimizer", choices=sorted(DEFAULT_LR),
+    g.add_argument("--optimizer", choices=sorted(DEFAULT_LR),
                    help="sgd (momentum 0.9, the default) or adamw")
-    t.add_argument("--seed", type=int, metavar="S",
+    g.add_argument("--seed", type=int, metavar="S",
                    help="seed for initial weights, data order and per-rank RNGs (default 0)")
-    t.add_argument("--model", metavar="MODULE:FACTORY",
+    g.add_argument("--model", metavar="MODULE:FACTORY",
                    help="FACTORY() returns a torch.nn.Module (default: the demo MLP, "
                    "ferrosync.train.demo:model)")
-    t.add_argument("--data", metavar="MODULE:FACTORY",
+    g.add_argument("--data", metavar="MODULE:FACTORY",
                    help="FACTORY() returns a Dataset of (input, target) pairs, or a "
                    "(train, eval) pair of them (default: the synthetic demo set)")
-    t.add_argument("--loss", metavar="NAME",
+    g.add_argument("--loss", metavar="NAME",
                    help="cross_entropy, mse, or MODULE:FUNCTION(output, target) (default: "
                    "cross_entropy for integer targets, mse otherwise)")
-    t.add_argument("--device", metavar="DEV",
+    g.add_argument("--device", metavar="DEV",
                    help="torch device (default cuda:LOCAL_RANK when CUDA is available, else cpu)")
-    t.add_argument("--metrics", metavar="PATH",
+    g.add_argument("--metrics", metavar="PATH",
                    help="rank 0 appends one JSON line per optimizer step to this local file")
-    t.add_argument("--no-progress", action="store_true",
+    g.add_argument("--no-progress", action="store_true",
                    help="no progress bar on rank 0")
 
-    c = p.add_argument_group("checkpoints")
-    c.add_argument("--checkpoint-dir", metavar="URL",
+
+def _checkpoint_flags(p: argparse.ArgumentParser) -> None:
+    """Where checkpoints go, how often, and resuming."""
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", metavar="URL",
                    help="directory or fsspec URL (s3://...) for checkpoints, visible to "
                    "every rank; a final checkpoint is written at the end")
-    c.add_argument("--checkpoint-every", type=_int_at_least(1), metavar="N",
+    g.add_argument("--checkpoint-every", type=cli_number(int, minimum=1), metavar="N",
                    help="also write a checkpoint every N optimizer steps")
-    c.add_argument("--keep-checkpoints", type=_int_at_least(1), metavar="K",
+    g.add_argument("--keep-checkpoints", type=cli_number(int, minimum=1), metavar="K",
                    help="keep the newest K checkpoints (default 2)")
-    c.add_argument("--resume", action="store_true",
+    g.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir "
                    "(the same model and number of ranks)")
 
-    s = p.add_argument_group("synchronisation strategy")
-    s.add_argument("--strategy", choices=list(STRATEGIES),
+
+def _strategy_flags(p: argparse.ArgumentParser) -> None:
+    """``make_strategy`` and its settings (``STRATEGY_FLAGS``)."""
+    g = p.add_argument_group("synchronisation strategy")
+    g.add_argument("--strategy", choices=list(STRATEGIES),
                    help="grad: average gradients every step (the default); local-sgd: "
                    "each rank steps alone, parameters are averaged every H steps; "
                    "diloco: like local-sgd, but an outer Nesterov step is applied to the "
-                   "averaged change")
-    s.add_argument("--sync-every", type=_int_at_least(1), metavar="H",
-                   help="local-sgd/diloco: synchronise every H optimizer steps (default "
-                   f"{LocalSGD.default_sync_every} for local-sgd, "
-                   f"{DiLoCo.default_sync_every} for diloco)")
-    s.add_argument("--sync-every-seconds", type=_positive_float, metavar="S",
+                   "averaged change; streaming-diloco: diloco one fragment of the model "
+                   "at a time, each exchange overlapped with the next steps")
+    g.add_argument("--sync-every", type=cli_number(int, minimum=1), metavar="H",
+                   help="local-sgd/diloco/streaming-diloco: synchronise every H optimizer "
+                   f"steps (default {LocalSGD.default_sync_every} for local-sgd, "
+                   f"{DiLoCo.default_sync_every} for diloco; streaming-diloco syncs each "
+                   "fragment every H steps, staggered)")
+    g.add_argument("--sync-every-seconds", type=_positive, metavar="S",
                    help="local-sgd/diloco: synchronise every S seconds instead, so faster "
                    "ranks train more batches; the run is then a budget of samples "
                    "(--steps x ranks batches) shared by speed")
-    s.add_argument("--gamma", type=_non_negative_float, metavar="G",
-                   help="local-sgd/diloco: weigh each rank by (batches since the last sync) "
-                   "** G (default 1; 0 = every rank that trained counts equally)")
-    s.add_argument("--outer-lr", type=_positive_float, metavar="LR",
-                   help=f"diloco: outer learning rate (default {OUTER_LR})")
-    s.add_argument("--outer-momentum", type=_non_negative_float, metavar="M",
-                   help=f"diloco: outer Nesterov momentum (default {OUTER_MOMENTUM}; 0 = "
-                   "plain SGD)")
-    s.add_argument("--outer-device", choices=["cpu"],
-                   help="diloco: keep the global parameters and outer state on the CPU "
-                   "(default: the training device)")
-    return p
+    g.add_argument("--gamma", type=_non_negative, metavar="G",
+                   help="local-sgd/diloco/streaming-diloco: weigh each rank by (batches "
+                   "since the last sync) ** G (default 1; 0 = every rank that trained "
+                   "counts equally)")
+    g.add_argument("--outer-lr", type=_positive, metavar="LR",
+                   help=f"diloco/streaming-diloco: outer learning rate (default {OUTER_LR})")
+    g.add_argument("--outer-momentum", type=_non_negative, metavar="M",
+                   help="diloco/streaming-diloco: outer Nesterov momentum (default "
+                   f"{OUTER_MOMENTUM}; 0 = plain SGD)")
+    g.add_argument("--outer-device", choices=["cpu"],
+                   help="diloco/streaming-diloco: keep the global parameters and outer "
+                   "state on the CPU (default: the training device)")
+    g.add_argument("--fragments", type=cli_number(int, minimum=1), metavar="F",
+                   help="streaming-diloco: split the parameters into F contiguous parts of "
+                   f"about equal size, synced at staggered steps (default {FRAGMENTS})")
+    g.add_argument("--overlap-steps", type=cli_number(int, minimum=0), metavar="T",
+                   help="streaming-diloco: apply each fragment's exchange T inner steps after "
+                   f"starting it, overlapping it with compute (default {OVERLAP_STEPS}; 0 = "
+                   "wait at once; below H // F)")
+    g.add_argument("--alpha", type=cli_number(minimum=0), metavar="A",
+                   help="streaming-diloco: when a merge lands keep A of the local fragment: "
+                   "A*local + (1-A)*global (default 0 = replace; below 1)")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -22,9 +22,10 @@ import hashlib
 import json
 import math
 import os
-import secrets
 
 import torch
+
+from .. import names
 
 #: keys the FINAL line always carries (docs/design.md#final-line)
 FINAL_KEYS = ("steps", "loss", "accuracy", "param_digest", "ranks_agree", "bytes_written",
@@ -55,8 +56,7 @@ class MetricsWriter:
         # replace atomically, so a crash now leaves the old file or the new one; the
         # temp file is created here and now (O_EXCL|O_NOFOLLOW, an unguessable name),
         # so a link planted in a shared directory is never written through
-        tmp = os.path.join(directory, f".{os.path.basename(self.path)}.{os.getpid()}."
-                           f"{secrets.token_hex(4)}.tmp")
+        tmp = os.path.join(directory, names.temp(os.path.basename(self.path)))
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         with open(os.open(tmp, flags, 0o666), "w", encoding="utf-8") as f:
             f.writelines(kept)

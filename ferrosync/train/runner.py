@@ -15,6 +15,7 @@ import traceback
 
 import torch
 
+from ..api import connect, fail_open_syncs
 from ..env import ENV_URL
 from ..errors import ConfigError
 from ..strategies import make_strategy
@@ -67,10 +68,14 @@ def _datasets(args):
     else:
         train, evaluation = made, None
     try:
-        sample = train[0]
-        _, target = sample
-    except Exception:  # noqa: BLE001 - any failure here means the wrong shape
-        raise ConfigError(f"--data {args.data or 'demo'}: items must be (input, target) pairs",
+        _, target = train[0]
+    except Exception as exc:  # noqa: BLE001
+        # broad on purpose: whatever reading item 0 raises (not indexable, empty, not a
+        # pair, the dataset's own error) is bad --data input, reported as one line and
+        # exit 2 before this rank connects; the cause stays in the message
+        cause = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(f"--data {args.data or 'demo'}: items must be (input, target) pairs "
+                          f"(item 0: {type(exc).__name__}{': ' + cause if cause else ''})",
                           hint="return a Dataset whose items are (input, target)") from None
     return train, evaluation, target
 
@@ -192,8 +197,6 @@ def _stop_on_sigterm() -> None:
 
 def run_rank(args) -> int:
     """Run this process's rank; returns the exit code (ConfigError propagates: exit 2)."""
-    import ferrosync
-
     _stop_on_sigterm()
     url = args.sync or os.environ.get(ENV_URL)
     if not url:
@@ -202,7 +205,7 @@ def run_rank(args) -> int:
     if args.script is not None:
         return run_script(args, url)
     trainer = build_trainer(args)
-    with ferrosync.connect(url, timeout=args.timeout or 300.0, **args.sync_options) as sync:
+    with connect(url, timeout=args.timeout or 300.0, **args.sync_options) as sync:
         summary = trainer.fit(sync)
     return 0 if summary["ranks_agree"] else 1
 
@@ -216,25 +219,17 @@ def run_script(args, url: str) -> int:
     try:
         runpy.run_path(path, run_name="__main__")
     except ConfigError as exc:
-        _abort_open_syncs(exc)
+        # re-raised for main's one-line exit 2, which an excepthook never sees: tell
+        # peers now, or they wait out a timeout
+        fail_open_syncs(exc)
         raise
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as exc:  # noqa: BLE001 - reported like `python SCRIPT` would
-        _abort_open_syncs(exc)
+        fail_open_syncs(exc)
         tb = exc.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename != path:
             tb = tb.tb_next  # start at the script's frame: the launcher's are noise
         traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
         return 1
     return 0
-
-
-def _abort_open_syncs(exc: BaseException) -> None:
-    """Tell peers this rank failed, as an uncaught exception would (see api._excepthook):
-    a ConfigError caught here for a clean one-line exit must not leave peers waiting."""
-    from ..api import _LIVE
-
-    for sync in list(_LIVE):
-        if sync._failure is None and not sync._closed:
-            sync._fail(exc)

@@ -43,6 +43,7 @@ from ..errors import ConfigError
 from ..partition import ShardSampler
 from ..stats import PHASES
 from ..strategies import TELEMETRY_KEYS, GradAveraging, Strategy
+from ..validate import integer
 from .checkpoint import (
     CheckpointStore,
     capture_rng,
@@ -56,14 +57,6 @@ __all__ = ["Trainer", "resolve_device"]
 
 #: the final "loss" is the mean over ranks of each rank's last this-many batch losses
 LOSS_WINDOW = 20
-
-
-def _positive_int(name: str, value, *, allow_none: bool = True) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 class Trainer:
@@ -137,32 +130,22 @@ class Trainer:
         rank: int | None = None,
         world_size: int | None = None,
     ) -> None:
-        self.batch_size = _positive_int("batch_size", batch_size, allow_none=False)
-        epochs = _positive_int("epochs", epochs)
-        steps = _positive_int("steps", steps)
-        checkpoint_every = _positive_int("checkpoint_every", checkpoint_every)
-        self.keep_checkpoints = _positive_int("keep_checkpoints", keep_checkpoints,
-                                              allow_none=False)
+        # every argument is checked before anything is built (model_fn may be costly)
+        self.batch_size = integer("batch_size", batch_size, minimum=1)
+        epochs = integer("epochs", epochs, minimum=1, allow_none=True)
+        steps = integer("steps", steps, minimum=1, allow_none=True)
+        self.checkpoint_every = integer("checkpoint_every", checkpoint_every, minimum=1,
+                                        allow_none=True)
+        self.keep_checkpoints = integer("keep_checkpoints", keep_checkpoints, minimum=1)
         if epochs is None and steps is None:
             raise ConfigError("give epochs or steps (or both: whichever ends first)")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"seed must be an int, got {seed!r}")
+        self.seed = integer("seed", seed)
         if (checkpoint_every or resume) and not checkpoint_dir:
             raise ConfigError("checkpoint_every and resume need checkpoint_dir",
                               hint="pass --checkpoint-dir DIR_OR_URL")
-        for name, fn in (("model_fn", model_fn), ("optimizer_fn", optimizer_fn),
-                         ("loss_fn", loss_fn)):
-            if not callable(fn):
-                raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
-        if eval_fn is not None and not callable(eval_fn):
-            raise ConfigError(f"eval_fn must be callable, got {type(eval_fn).__name__}")
-        try:
-            n = len(dataset)
-        except TypeError:
-            raise ConfigError("dataset must be sized (a map-style Dataset with __len__)",
-                              hint="wrap an iterable dataset in a map-style one") from None
-        if n == 0:
-            raise ConfigError("dataset is empty")
+        _check_callables(model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn,
+                         eval_fn=eval_fn)
+        n = _dataset_length(dataset)
 
         if sync is not None:
             rank, world_size = sync.rank, sync.world_size
@@ -174,13 +157,25 @@ class Trainer:
         if not isinstance(self.strategy, Strategy):
             raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
                               f"{type(self.strategy).__name__}")
-        self.seed = seed
         self.metrics_path = metrics_path
-        self.checkpoint_every = checkpoint_every
         self.progress, self.report = progress, report
         self.device = resolve_device(device, identity.local_rank)
 
-        torch.manual_seed(seed)  # the same initial weights on every rank
+        self._build_model(model_fn, optimizer_fn)
+        self._build_data(dataset, n, num_workers, epochs=epochs, steps=steps)
+        self.step, self.epoch, self.consumed = 0, 0, 0
+        self.resumed_from = None
+        self.checkpoints = (CheckpointStore(checkpoint_dir, storage_options)
+                            if checkpoint_dir else None)
+        if resume:
+            self._resume()
+        if self.checkpoints is not None and self.rank == 0:
+            self.checkpoints.probe()
+
+    # -- setup -------------------------------------------------------------------------
+    def _build_model(self, model_fn, optimizer_fn) -> None:
+        """The same initial model on every rank, its optimizer, then per-rank RNGs."""
+        torch.manual_seed(self.seed)  # the same initial weights on every rank
         model = model_fn()
         if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model_fn must return a torch.nn.Module, got "
@@ -191,30 +186,24 @@ class Trainer:
             raise ConfigError(f"optimizer_fn must return a torch.optim.Optimizer, got "
                               f"{type(self.optimizer).__name__}")
         # training randomness (dropout, augmentation) differs per rank, reproducibly
-        rank_seed = _rank_seed(seed, self.rank)
+        rank_seed = _rank_seed(self.seed, self.rank)
         torch.manual_seed(rank_seed)
         random.seed(rank_seed)
         numpy.random.seed(rank_seed % 2**32)
 
+    def _build_data(self, dataset, n: int, num_workers: int, *, epochs: int | None,
+                    steps: int | None) -> None:
+        """This rank's sampler and loader, and the run's length in optimizer steps."""
         self.sampler = ShardSampler(n, rank=self.rank, world_size=self.world_size,
-                                    shuffle=True, seed=seed)
+                                    shuffle=True, seed=self.seed)
         # the loader gets its own generator: creating an iterator must not draw from
         # the global RNG, or a run resumed mid-epoch would be one draw out of step
         self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler,
                                  num_workers=num_workers,
-                                 generator=torch.Generator().manual_seed(seed))
+                                 generator=torch.Generator().manual_seed(self.seed))
         self.steps_per_epoch = -(-len(self.sampler) // self.batch_size)
         limits = [s for s in (steps, epochs and epochs * self.steps_per_epoch) if s]
         self.total_steps = min(limits)
-
-        self.step, self.epoch, self.consumed = 0, 0, 0
-        self.resumed_from = None
-        self.checkpoints = (CheckpointStore(checkpoint_dir, storage_options)
-                            if checkpoint_dir else None)
-        if resume:
-            self._resume()
-        if self.checkpoints is not None and self.rank == 0:
-            self.checkpoints.probe()
 
     # -- checkpoints -------------------------------------------------------------------
     def _resume(self) -> None:
@@ -322,12 +311,8 @@ class Trainer:
                 if metrics is not None:
                     metrics.write(record)
                 if bar is not None:
-                    elapsed = time.perf_counter() - begin
-                    bar.set_postfix(loss=f"{record['loss'] or 0:.4f}",
-                                    samples_s=f"{samples * self.world_size / elapsed:,.0f}",
-                                    sync=f"{100 * totals['sync_s'] / elapsed:.0f}%",
-                                    refresh=False)
-                    bar.update(self.step - bar.n)
+                    self._update_bar(bar, record, samples, totals["sync_s"],
+                                     time.perf_counter() - begin)
                 # agreed progress and the agreed end: every rank checkpoints together
                 done_now = strategy.progress(self.step)
                 due = every and done_now // every > done_before // every
@@ -411,6 +396,13 @@ class Trainer:
                     file=sys.stderr, dynamic_ncols=interactive,
                     mininterval=0.2 if interactive else 5.0)
 
+    def _update_bar(self, bar, record: dict, samples: int, sync_s: float,
+                    elapsed: float) -> None:
+        bar.set_postfix(loss=f"{record['loss'] or 0:.4f}",
+                        samples_s=f"{samples * self.world_size / elapsed:,.0f}",
+                        sync=f"{100 * sync_s / elapsed:.0f}%", refresh=False)
+        bar.update(self.step - bar.n)
+
     def _summarise(self, sync, stats_begin, totals, losses, wall, samples, start_step) -> dict:
         """Collective: evaluate, then gather every rank's digest, counters and loss."""
         evaluation = {}
@@ -485,7 +477,28 @@ def _rank_seed(seed: int, rank: int) -> int:
                           "little") >> 1
 
 
+def _dataset_length(dataset) -> int:
+    try:
+        n = len(dataset)
+    except TypeError:
+        raise ConfigError("dataset must be sized (a map-style Dataset with __len__)",
+                          hint="wrap an iterable dataset in a map-style one") from None
+    if n == 0:
+        raise ConfigError("dataset is empty")
+    return n
+
+
+def _check_callables(**functions) -> None:
+    """``eval_fn`` may be None; the others must be given."""
+    for name, fn in functions.items():
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
+
+
 def _float_or_none(value) -> float | None:
+    """A reported number (an optimizer's lr, ``eval_fn``'s results) for the summary:
+    not a check (``validate.number`` would refuse a tensor or NumPy scalar, which
+    ``float`` takes), and a non-finite one is reported as null, not refused."""
     if value is None:
         return None
     value = float(value)

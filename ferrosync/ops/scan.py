@@ -1,22 +1,19 @@
-"""Read a ferrosync storage location as the operator tools see it.
+"""Scan a ferrosync storage location: what the operator tools see there.
 
-What a job leaves under its URL (README, "How the storage backend works")::
+What a job leaves under its URL is laid out in ``ferrosync.names``, which makes and
+parses every name (``classify`` asks it what each listed key is):
 
-    {ns}/                   a job's rendezvous namespace: ``rdzv`` (a job without an
-                            id) or ``rdzv.{job}`` (ferrosync.rendezvous)
-        join.r{rank}.{n}    JSON: a process's n-th claim on ``rank`` (every rank)
-        gen.{g}             JSON: rank 0's announcement of generation g (its token)
-        dup.r{rank}.{n}     JSON: a live holder's objection to claim n
-        end.r{rank}.{n}     JSON: the holder of claim n has closed
-    g{g}.{token}/           the generation's objects (at the root: generation numbers
-                            count per namespace, the random token tells two jobs'
-                            generation 0 apart; an announcement names its directory):
-        c{s}.r{k}[.s{j}]    contributions (binary, 112-byte header)
-        c{s}.out[.s{j}]     results and broadcasts (binary)
-        layout.{d}.r{k}     JSON layout descriptions
-        hb.r{k}             JSON heartbeat {beat, state, collective, op, pid, host, ...}
-        abort.r{k}          JSON abort marker {type, message, collective, ...}
-    .{name}.{pid}.{8 hex}.tmp   a writer's temporary file (an orphan if it was killed)
+* per job, a rendezvous namespace (``rdzv`` or ``rdzv.{job}``, ferrosync.rendezvous)
+  of JSON records: claims, announcements (each naming its generation's token),
+  objections and end markers;
+* per generation, a directory at the root (generation numbers count per namespace,
+  the random token tells two jobs' generation 0 apart; an announcement names its
+  directory) holding binary data objects (contributions, results and broadcasts,
+  with the 112-byte header of ferrosync.wire) and JSON control records: layout
+  descriptions, heartbeats ``{beat, state, collective, op, pid, host, ...}`` and
+  abort markers ``{type, message, collective, ...}``;
+* writers' temporary files next to their final names (orphans if a writer was
+  killed), leftover connect probes and doctor directories, the gc lock.
 
 ``scan`` lists the location once (tools may list; the collective path never does)
 and reads the announcements, heartbeats and abort markers by exact name. Control
@@ -37,42 +34,19 @@ after the listing) is shown as "bad", never acted upon, and never stops the tool
 
 from __future__ import annotations
 
-import hmac
-import json
 import os
-import re
 from dataclasses import dataclass, field
 
+from .. import names
 from ..errors import StorageError
 from ..storage import FsspecStorage, LocalStorage, Storage
+from ..wire import open_record
 
-RDZV = "rdzv"
-GC_LOCK = ".ferrosync-gc.lock"
-DOCTOR_PREFIX = ".doctor."
-
-# a rendezvous namespace: "rdzv" or "rdzv.{job}" (job ids as ferrosync.env checks them)
-_NAMESPACE = re.compile(r"rdzv(?:\.([A-Za-z0-9][A-Za-z0-9._-]{0,63}))?")
-# records inside a namespace -> kind; group 1 is the rank (claims) or the generation
-_IN_NAMESPACE = (
-    ("join", re.compile(r"join\.r(\d+)\.(\d+)")),
-    ("announcement", re.compile(r"gen\.(\d+)")),
-    ("objection", re.compile(r"dup\.r(\d+)\.(\d+)")),
-    ("end", re.compile(r"end\.r(\d+)\.(\d+)")),
-)
+# re-exported for the tools: the names themselves live in ferrosync.names
+GC_LOCK = names.GC_LOCK
+DOCTOR_PREFIX = names.DOCTOR_PREFIX
 #: kinds of rendezvous records (kept by gc: they number future generations)
-RDZV_KINDS = tuple(kind for kind, _ in _IN_NAMESPACE)
-_GEN_DIR = re.compile(r"g(\d+)\.([0-9a-f]{16})")
-_TEMP = re.compile(r"\.(.+)\.(\d+)\.([0-9a-f]{8})\.tmp")
-_DOCTOR_DIR = re.compile(r"\.doctor\.(\d+)\.[0-9a-f]+(?:/|$)")
-_PROBE = re.compile(r"\.probe\.r\d+\.[0-9a-f]{8}")
-# names inside a generation directory -> kind; group 1 is the collective or the rank
-_IN_GENERATION = (
-    ("contribution", re.compile(r"c(\d+)\.r(\d+)(?:\.s(\d+))?")),
-    ("result", re.compile(r"c(\d+)\.out(?:\.s(\d+))?")),
-    ("layout", re.compile(r"layout\.([0-9a-f]+)\.r(\d+)")),
-    ("heartbeat", re.compile(r"hb\.r(\d+)")),
-    ("abort", re.compile(r"abort\.r(\d+)")),
-)
+RDZV_KINDS = names.RENDEZVOUS_KINDS
 
 MAX_WORLD = 1 << 20  # a larger world size in a record is not believed
 
@@ -118,7 +92,7 @@ class Record:
 
 
 @dataclass
-class Generation:
+class FoundGeneration:
     """A generation: its announcement (if any) and the objects under its directory."""
 
     number: int
@@ -134,7 +108,7 @@ class Generation:
 
     @property
     def prefix(self) -> str:
-        return f"g{self.number}.{self.token}"
+        return names.generation_dir(self.number, self.token)
 
     @property
     def job(self) -> str | None:
@@ -176,7 +150,7 @@ def job_of(namespace: str) -> str | None:
 def _token(record: Record | None) -> str | None:
     """The generation token an announcement names, if it names a valid one."""
     token = record.get("token") if record is not None else None
-    return token if isinstance(token, str) and re.fullmatch(r"[0-9a-f]{16}", token) else None
+    return token if names.is_generation_token(token) else None
 
 
 @dataclass
@@ -210,7 +184,7 @@ class Namespace:
     def prefix_of(self, number: int) -> str | None:
         """The data prefix announcement ``number`` names (None: missing or unreadable)."""
         token = _token(self.announcements.get(number))
-        return f"g{number}.{token}" if token is not None else None
+        return names.generation_dir(number, token) if token is not None else None
 
     @property
     def newest_prefix(self) -> str | None:
@@ -232,7 +206,7 @@ class Scan:
 
     url: str
     objects: list[Obj]
-    generations: dict[str, Generation]  # by prefix ("g3.0123abcd...")
+    generations: dict[str, FoundGeneration]  # by prefix ("g3.0123abcd...")
     #: every rendezvous namespace seen (records, or a directory), by name
     namespaces: dict[str, Namespace]
     rdzv: list[Obj]  # rendezvous records of every namespace
@@ -252,7 +226,7 @@ class Scan:
         was just announced may not have heartbeated yet, so each is protected."""
         return {p for ns in self.namespaces.values() if (p := ns.newest_prefix) is not None}
 
-    def may_be_announced(self, gen: Generation) -> bool:
+    def may_be_announced(self, gen: FoundGeneration) -> bool:
         """Could some job still announce this unannounced directory (or has it, in a
         record that cannot be read)? False only when every namespace here has a
         trusted announcement of its number naming another directory: then its
@@ -264,40 +238,35 @@ class Scan:
             return True
         return not all(ns.settled(gen.number) for ns in self.namespaces.values())
 
-    def ordered(self) -> list[Generation]:
+    def ordered(self) -> list[FoundGeneration]:
         """Generations, newest first (by number, then announced before unannounced)."""
         return sorted(self.generations.values(),
                       key=lambda g: (g.number, g.announced, g.token), reverse=True)
 
 
+#: what the tools say about a record that ``wire.open_record`` does not trust
+_DISTRUST = {
+    "unverifiable": ("unverified", "the record carries a MAC: pass --secret (or set "
+                     "FERROSYNC_SECRET) to verify it"),
+    "unsigned": ("bad", "the record carries no MAC but a secret was given (forged, or the "
+                 "job ran without a secret: then pass --secret '')"),
+    "forged": ("bad", "MAC mismatch: forged, or a different secret"),
+}
+
+
 def decode_lenient(raw: bytes, key: str, secret: bytes | None) -> Record:
-    """Parse a control record (see ``wire.encode_record``) and say how far to trust it.
+    """A control record (see ``wire.open_record``) and how far to trust it.
 
     Unlike ``wire.decode_record`` this never raises: an operator wants to *see* a
     record even when it cannot be verified. The JSON body is data only.
     """
-    try:
-        outer = json.loads(raw)
-        body = outer["body"]
-        data = json.loads(body)
-        if not isinstance(data, dict):
-            raise ValueError("record body is not an object")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        return Record(key, None, "bad", f"not a ferrosync control record ({exc})")
-    mac = outer.get("mac")
-    if secret is None:
-        if mac is None:
-            return Record(key, data, "plain")
-        return Record(key, data, "unverified",
-                      "the record carries a MAC: pass --secret (or set FERROSYNC_SECRET) to "
-                      "verify it")
-    if mac is None:
-        return Record(key, data, "bad", "the record carries no MAC but a secret was given "
-                      "(forged, or the job ran without a secret: then pass --secret '')")
-    expected = hmac.new(secret, body.encode(), "sha256").hexdigest()
-    if not hmac.compare_digest(expected, str(mac)):
-        return Record(key, data, "bad", "MAC mismatch: forged, or a different secret")
-    return Record(key, data, "verified")
+    opened = open_record(raw, secret)
+    if opened.body is None:
+        return Record(key, None, "bad", f"not a ferrosync control record ({opened.problem})")
+    if opened.trusted:
+        return Record(key, opened.body, opened.auth)
+    trust, problem = _DISTRUST[opened.auth]
+    return Record(key, opened.body, trust, problem)
 
 
 def read_record(storage: Storage, key: str, secret: bytes | None) -> Record | None:
@@ -316,55 +285,49 @@ def read_record(storage: Storage, key: str, secret: bytes | None) -> Record | No
 
 
 def classify(key: str, size: int) -> Obj:
-    """What a listed key is, from its name alone."""
-    name = key.rsplit("/", 1)[-1]
-    if m := _TEMP.fullmatch(name):
-        return Obj(key, size, "temp", pid=int(m.group(2)))
-    if _NAMESPACE.fullmatch(ns := key.rsplit("/", 1)[0] if "/" in key else ""):
-        for kind, pattern in _IN_NAMESPACE:
-            if m := pattern.fullmatch(name):
-                if kind == "announcement":
-                    return Obj(key, size, kind, namespace=ns, number=int(m.group(1)))
-                return Obj(key, size, kind, rank=int(m.group(1)), namespace=ns,
-                           number=int(m.group(2)))
-        return Obj(key, size, "foreign")  # nothing ferrosync writes there
-    if "/" not in key and (_PROBE.fullmatch(key) or key == GC_LOCK):
-        return Obj(key, size, "probe" if key != GC_LOCK else "lock")
+    """What a listed key is, from its name and its directory's name alone."""
+    directory, _, name = key.rpartition("/")
+    found = names.parse(name)
+    if found.kind == "temp":
+        return Obj(key, size, "temp", pid=found.pid)
+    top = names.parse(directory)
+    if top.kind == "namespace":
+        if found.kind not in names.RENDEZVOUS_KINDS:
+            return Obj(key, size, "foreign")  # nothing ferrosync writes there
+        return Obj(key, size, found.kind, rank=found.rank, namespace=directory,
+                   number=found.number)
+    if not directory and found.kind in ("probe", "lock"):
+        return Obj(key, size, found.kind)
     if key.startswith(DOCTOR_PREFIX):
         return Obj(key, size, "probe", pid=doctor_pid(key))
-    directory = key.rsplit("/", 1)[0] if "/" in key else ""
-    if _GEN_DIR.fullmatch(directory):
-        for kind, pattern in _IN_GENERATION:
-            if m := pattern.fullmatch(name):
-                if kind in ("contribution", "result"):
-                    rank = int(m.group(2)) if kind == "contribution" else None
-                    return Obj(key, size, kind, rank=rank, collective=int(m.group(1)))
-                return Obj(key, size, kind, rank=int(m.group(m.lastindex)))
-        return Obj(key, size, "unknown")
+    if top.kind == "generation":
+        if found.kind not in names.GENERATION_KINDS:
+            return Obj(key, size, "unknown")
+        return Obj(key, size, found.kind, rank=found.rank, collective=found.collective)
     return Obj(key, size, "foreign")
 
 
 def doctor_pid(key: str) -> int | None:
     """The pid in a doctor probe directory's name (``.doctor.{pid}.{hex}``)."""
-    m = _DOCTOR_DIR.match(key)
-    return int(m.group(1)) if m else None
+    found = names.parse(key.split("/", 1)[0])
+    return found.pid if found.kind == "doctor" else None
 
 
 def scan(storage: Storage, secret: bytes | None) -> Scan:
     """List the location once and read its announcements, heartbeats and aborts."""
     objects = [classify(key, size) for key, size in storage.list("")]
-    generations: dict[str, Generation] = {}
+    generations: dict[str, FoundGeneration] = {}
 
-    def generation_of(prefix: str) -> Generation:
+    def generation_of(prefix: str) -> FoundGeneration:
         if prefix not in generations:
-            m = _GEN_DIR.fullmatch(prefix)
-            generations[prefix] = Generation(int(m.group(1)), m.group(2))
+            found = names.parse(prefix)
+            generations[prefix] = FoundGeneration(found.number, found.token)
         return generations[prefix]
 
     rdzv, temps, probes, foreign = [], [], [], []
     for obj in objects:
-        directory = obj.key.rsplit("/", 1)[0] if "/" in obj.key else ""
-        if _GEN_DIR.fullmatch(directory):
+        directory = obj.key.rpartition("/")[0]
+        if _is_generation(directory):
             gen = generation_of(directory)
             (gen.temps if obj.kind == "temp" else gen.objects).append(obj)
         elif obj.kind == "temp":
@@ -376,7 +339,7 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
         elif obj.kind != "lock":
             foreign.append(obj)
     for name in _local_subdirs(storage):
-        if _GEN_DIR.fullmatch(name):
+        if _is_generation(name):
             generation_of(name).has_dir = True
         elif name.startswith(DOCTOR_PREFIX) and not any(
                 p.key.startswith(name + "/") for p in probes):
@@ -393,7 +356,7 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
         for number, record in sorted(ns.announcements.items()):
             # matched by number *and* token: two jobs' generation 0 never mix. An
             # announced generation with nothing stored was collected already, ran as a
-            # world of one, or is starting (no heartbeat yet): it has no Generation entry
+            # world of one, or is starting (no heartbeat yet): it has no FoundGeneration
             gen = generations.get(ns.prefix_of(number) or "")
             if gen is None:
                 continue
@@ -408,11 +371,19 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
     # any generation directory it made, so a scan of the root made after the one
     # that found the directories sees it (it settles nothing: see may_be_announced)
     for name in _local_subdirs(storage):
-        if _NAMESPACE.fullmatch(name):
+        if _is_namespace(name):
             namespaces.setdefault(name, Namespace(name))
     irregular = storage.irregular("") if isinstance(storage, LocalStorage) else []
     return Scan(storage.url, objects, generations, namespaces, rdzv, temps, probes, foreign,
                 irregular)
+
+
+def _is_generation(name: str) -> bool:
+    return names.parse(name).kind == "generation"
+
+
+def _is_namespace(name: str) -> bool:
+    return names.parse(name).kind == "namespace"
 
 
 def _local_subdirs(storage: Storage) -> list[str]:
@@ -431,20 +402,20 @@ def namespace_names(storage: Storage) -> list[str]:
     """The rendezvous namespaces (``rdzv``, ``rdzv.{job}``) at the top of the location,
     without listing everything below it."""
     if isinstance(storage, LocalStorage):
-        names = _local_subdirs(storage)
+        found = _local_subdirs(storage)
     elif isinstance(storage, FsspecStorage):
         storage.fs.invalidate_cache()
         try:
             found = storage.fs.ls(storage.root, detail=False)
         except FileNotFoundError:
             found = []
-        names = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
+        found = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
     else:
-        names = [key.split("/", 1)[0] for key, _ in storage.list("") if "/" in key]
-    return sorted({n for n in names if _NAMESPACE.fullmatch(n)})
+        found = [key.split("/", 1)[0] for key, _ in storage.list("") if "/" in key]
+    return sorted({n for n in found if _is_namespace(n)})
 
 
-def read_markers(storage: Storage, gen: Generation, kind: str,
+def read_markers(storage: Storage, gen: FoundGeneration, kind: str,
                  secret: bytes | None) -> dict[int, Record]:
     """Read every listed ``kind`` ("heartbeat" or "abort") record of ``gen`` by name."""
     out = {}

