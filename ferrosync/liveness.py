@@ -76,7 +76,7 @@ import weakref
 
 from . import names
 from .errors import LayoutMismatch, PeerFailed, ShardCorrupt, StorageError, error_class
-from .storage import Storage
+from .storage import REQUEST_KINDS, Storage
 from .wire import decode_record, encode_record
 
 #: the shortest gap in the process's timeline that counts as a freeze: scheduling
@@ -203,6 +203,10 @@ class Heartbeat:
             "host": socket.gethostname(),
             "wall_time": time.time(),  # for `inspect` only; never used for liveness
             "interval": interval,  # lets tools size their watch window
+            # this process's storage requests since it connected (heartbeats included),
+            # by this host's clock: `inspect` shows requests and their cost per hour
+            "connected_at": time.time(),
+            "requests": {},
         }
         self._thread: threading.Thread | None = None
         self.last_error: BaseException | None = None
@@ -244,6 +248,9 @@ class Heartbeat:
         with self._lock:
             self._record["beat"] += 1
             self._record["wall_time"] = time.time()
+            counts = self._storage.counters.snapshot()
+            self._record["requests"] = {k: counts.get(k, 0) for k in ("requests",
+                                                                       *REQUEST_KINDS)}
             if state is not None:
                 self._record["state"] = state
             data = encode_record(self._record, self._secret)

@@ -93,10 +93,16 @@ def check_key(key: str) -> str:
     return key
 
 
+#: request kinds an object store bills differently (``costs.py``); ``requests`` counts
+#: every request, of these kinds or not (local file-system calls have no kind)
+REQUEST_KINDS = ("puts", "gets", "deletes", "lists")
+
+
 class Counters:
     """Thread-safe request and byte counters (the heartbeat thread also counts)."""
 
-    __slots__ = ("_lock", "requests", "bytes_written", "bytes_read", "objects_written")
+    __slots__ = ("_lock", "requests", "bytes_written", "bytes_read", "objects_written",
+                 *REQUEST_KINDS)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -104,13 +110,21 @@ class Counters:
         self.bytes_written = 0
         self.bytes_read = 0
         self.objects_written = 0
+        self.puts = self.gets = self.deletes = self.lists = 0
 
-    def add(self, requests: int = 0, written: int = 0, read: int = 0, objects: int = 0) -> None:
+    def add(self, requests: int = 0, written: int = 0, read: int = 0, objects: int = 0, *,
+            puts: int = 0, gets: int = 0, deletes: int = 0, lists: int = 0) -> None:
+        """Count ``requests`` of no particular kind plus requests of each billed kind
+        (which count in ``requests`` too), bytes and collective objects."""
         with self._lock:
-            self.requests += requests
+            self.requests += requests + puts + gets + deletes + lists
             self.bytes_written += written
             self.bytes_read += read
             self.objects_written += objects
+            self.puts += puts
+            self.gets += gets
+            self.deletes += deletes
+            self.lists += lists
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -119,6 +133,7 @@ class Counters:
                 "bytes_written": self.bytes_written,
                 "bytes_read": self.bytes_read,
                 "objects_written": self.objects_written,
+                **{kind: getattr(self, kind) for kind in REQUEST_KINDS},
             }
 
 
@@ -212,6 +227,9 @@ class Storage:
     can_recycle: bool = False
     #: deleting costs microseconds (local files, memory), not a billed round trip
     cheap_deletes: bool = False
+    #: every request is a network round trip (object stores): a collective with fewer
+    #: requests in sequence beats one that moves fewer bytes (``reduce="auto"``)
+    round_trips_dominate: bool = False
 
     def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
             reuse: str | None = None) -> int:
@@ -911,6 +929,7 @@ class FsspecStorage(Storage):
     poll_initial = 5e-3
     poll_max = 0.2
     heartbeat_interval = 2.0
+    round_trips_dominate = True
 
     def __init__(self, url: str, fs, root: str) -> None:
         super().__init__(url)
@@ -921,6 +940,7 @@ class FsspecStorage(Storage):
             # in-process dictionary: polling it costs nothing
             self.poll_initial, self.poll_max, self.heartbeat_interval = 20e-6, 0.005, 1.0
             self.cheap_deletes = True
+            self.round_trips_dominate = False
         #: s3fs: ``put(exclusive=True)`` is one conditional PUT (``If-None-Match: *``)
         self._s3 = proto in ("s3", "s3a") and hasattr(fs, "call_s3")
 
@@ -939,7 +959,7 @@ class FsspecStorage(Storage):
         else:
             mode = "create" if exclusive else "overwrite"
             self._retry("writing", key, self._pipe, key, path, data, mode)
-        self.counters.add(requests=1, written=len(data))
+        self.counters.add(puts=1, written=len(data))
         return len(data)
 
     def _pipe(self, key: str, path: str, data: bytes, mode: str) -> None:
@@ -1023,14 +1043,14 @@ class FsspecStorage(Storage):
 
     def _holds(self, path: str, data: bytes) -> bool:
         """Whether the object at ``path`` holds exactly ``data``."""
-        self.counters.add(requests=1)
+        self.counters.add(gets=1)
         try:
             return self._cat(path) == data
         except FileNotFoundError:
             return False
 
     def open(self, key: str) -> Reader | None:
-        self.counters.add(requests=1)
+        self.counters.add(gets=1)
         try:
             # start=0 (by keyword: s3fs's second positional is version_id) makes s3fs
             # send one ranged GET instead of HEAD + GET, and a miss costs one request
@@ -1049,7 +1069,7 @@ class FsspecStorage(Storage):
         if not keys:
             return
         paths = [self._path(k) for k in keys]
-        self.counters.add(requests=1 + len(paths) // 1000)
+        self.counters.add(deletes=1 + len(paths) // 1000)  # one DeleteObjects per 1000
         # errors name the key (``_retry`` makes the full URL of it), never the fs path
         what = "deleting" if len(keys) == 1 else f"deleting {len(keys)} objects"
         try:
@@ -1064,6 +1084,7 @@ class FsspecStorage(Storage):
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
         base = self._path(prefix)
         self.fs.invalidate_cache()
+        self.counters.add(lists=1)  # at least one: a LIST page holds up to 1000 keys
         try:
             found = self._retry("listing", prefix, self.fs.find, base, detail=True)
         except FileNotFoundError:

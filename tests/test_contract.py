@@ -225,14 +225,14 @@ def test_stats_count_what_moved(case):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_root_and_sharded_reduce_are_bit_identical(tmp_path, world_size):
+def test_root_sharded_and_gather_reduce_are_bit_identical(tmp_path, world_size):
     weights = [1.0, 0.0, 2.0, 0.25][:world_size]
     runs = {}
-    for mode in ("root", "sharded"):
+    for mode in ("root", "sharded", "gather"):
         url = str(tmp_path / mode)
         runs[mode] = run_ranks(w_average, world_size, url, {"reduce": mode}, weights, seed=3)
         assert_bit_identical([r[1] for r in runs[mode]])
-    assert_bit_identical([runs["root"][0][1], runs["sharded"][0][1]])
+    assert_bit_identical([runs["root"][0][1], runs["sharded"][0][1], runs["gather"][0][1]])
 
 
 @pytest.mark.parametrize("wire", ["bfloat16", "float16", "int8"])
@@ -308,7 +308,7 @@ def w_recycle(rank, world, url, options, steps):
         return sync.stats["total"]
 
 
-@pytest.mark.parametrize("reduce", ["root", "sharded"])
+@pytest.mark.parametrize("reduce", ["root", "sharded", "gather"])
 def test_recycled_files_never_leak_old_contents(tmp_path, reduce):
     # 800 KB objects are recycled: every step must still see exactly its own data
     results = run_ranks(w_recycle, 3, str(tmp_path / "run"),

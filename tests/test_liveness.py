@@ -26,6 +26,7 @@ from ferrosync.liveness import (
     freeze_bound,
     heartbeat_key,
 )
+from ferrosync.storage import Counters
 from ferrosync.wire import encode_record
 from ranks import collect, read_heartbeat, start_ranks, wait_until
 
@@ -35,9 +36,10 @@ PREFIX = "g0.test"
 # -- the monitor on a fake clock ----------------------------------------------------------
 
 class FakeStorage:
-    """Just what Heartbeat and PeerMonitor use: put, read, path_of."""
+    """Just what Heartbeat and PeerMonitor use: put, read, path_of, counters."""
 
     def __init__(self) -> None:
+        self.counters = Counters()
         self.objects: dict[str, bytes] = {}
         self.fail_puts: Exception | None = None
 

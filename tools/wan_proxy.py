@@ -156,7 +156,6 @@ class _Pipe:
 
     def _read(self) -> None:
         limit = self.proxy.queue_limit
-        kind = _ERROR
         try:
             while not self.proxy.closing.is_set():
                 with self.cond:  # back-pressure: stop reading while the path is full
@@ -173,8 +172,9 @@ class _Pipe:
                     return
         except OSError:
             pass
+        # the source failed (a reset) or the proxy is closing: end the connection
         with self.cond:
-            self.queue.append((0.0, kind))
+            self.queue.append((0.0, _ERROR))
             self.cond.notify_all()
 
     def _write(self) -> None:

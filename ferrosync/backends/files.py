@@ -133,9 +133,17 @@ class FileSync(GradSync):
         return seq
 
     def _mode(self, nbytes: int) -> str:
+        """The reduce algorithm for a payload of ``nbytes``: the same on every rank (it
+        depends on shared settings, the world size and the kind of store only)."""
         mode = self._opts.reduce
         if mode == "auto":
-            mode = "sharded" if nbytes >= self._opts.sharded_min_bytes else "root"
+            if (self._storage.round_trips_dominate
+                    and self.world_size <= self._opts.gather_max_ranks):
+                mode = "gather"
+            elif nbytes >= self._opts.sharded_min_bytes:
+                mode = "sharded"
+            else:
+                mode = "root"
         return mode
 
     def _expect(self, kind: int, dtype: torch.dtype, codec: Codec, digest: bytes,
@@ -176,8 +184,11 @@ class FileSync(GradSync):
         self._objects.ensure_layout(digest, layout)
         codec = self._encoder.codec(flat.dtype)
         nbytes = flat.numel() * flat.element_size()
-        if layout["op"] != "barrier" and self._mode(nbytes) == "sharded":
+        mode = "root" if layout["op"] == "barrier" else self._mode(nbytes)
+        if mode == "sharded":
             return self._average_sharded(s, flat, weight, digest, codec)
+        if mode == "gather":
+            return self._average_gathered(s, flat, weight, digest, codec)
         return self._average_root(s, flat, weight, digest, codec)
 
     def _barrier(self, digest, layout):
@@ -312,6 +323,45 @@ class FileSync(GradSync):
         self._publish_result(result_name, acc, flat, total,
                              self._expect(KIND_RESULT, flat.dtype, codec, digest, whole))
         objects.recycler.gathered([objects.key_of(result_name)])
+        return total
+
+    # gather -------------------------------------------------------------------------------
+    def _average_gathered(self, s, flat, weight, digest, codec):
+        """Every rank publishes its contribution, reads every other rank's and reduces
+        the whole payload itself, in rank order: one round trip through the store
+        instead of root's two (contribution, then result), for (W-1)·P read per rank.
+        Every rank sums the same decoded payloads in the same order with the same code,
+        so the bits equal the root reduce's on every rank (a lossy result is rounded
+        through the codec as root's published result is, with the same error feedback
+        state on every rank)."""
+        n = flat.numel()
+        whole = Part.whole(n)
+        objects = self._objects
+        mine = names.contribution(s, self.rank)
+        with self._stats.phase("write_s"):
+            payload = self._encoder.encode(flat, codec, (0,)) if weight > 0 else None
+            parts = [payload.numpy()] if payload is not None else []
+            self._publish(mine, self._expect(KIND_CONTRIB, flat.dtype, codec, digest, whole),
+                          parts, weight, 0 if parts else FLAG_EMPTY)
+        acc = self._pool.get("acc", n, accumulator_dtype(flat.dtype),
+                             self._opts.reduce_device or flat.device)
+        own = self._own_contribution(flat, payload, codec, whole, acc.device)
+        weights = self._reduce_from(acc, own, weight,
+                                    {k: names.contribution(s, k) for k in range(self.world_size)},
+                                    self._expect(KIND_CONTRIB, flat.dtype, codec, digest, whole))
+        total = total_weight(weights)
+        if total > 0:
+            with self._stats.phase("reduce_s"):
+                if codec.raw:
+                    divide_into(flat, acc, total)
+                else:
+                    divide_into(acc, acc, total)
+                    result = acc if acc.dtype == flat.dtype else acc.to(flat.dtype)
+                    wire = self._encoder.encode(result, codec, ("result", 0))
+                    flat.copy_(codec.decode(wire.to(acc.device), n))
+        # every rank published for s, so every rank finished s-1 (and read our older
+        # contribution); ours for s goes once a later collective proves the same
+        objects.recycler.gathered([objects.key_of(mine)])
         return total
 
     # sharded ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from ..codecs import check_wire_dtype
 from ..env import ENV_JOB, ENV_SECRET, discover_job
 from ..errors import ConfigError
 
-REDUCE_MODES = ("root", "sharded", "auto")
+REDUCE_MODES = ("root", "sharded", "gather", "auto")
 LOCAL_MODES = ("gloo", "nccl", "auto")
 
 
@@ -74,6 +74,10 @@ def _reduce(name, value):
 
 def _local(name, value):
     return validate.choice(name, value, LOCAL_MODES)
+
+
+def _non_negative_int(name, value):
+    return validate.integer(name, value, minimum=0)
 
 
 def _non_negative_int_or_none(name, value):
@@ -180,7 +184,10 @@ class StorageOptions(BackendOptions):
 
     reduce: str = option(
         "auto", "`\"root\"`: rank 0 reduces; `\"sharded\"`: every rank reduces 1/W of the "
-        "payload; `\"auto\"`: sharded from `sharded_min_bytes` up, where it measured faster",
+        "payload; `\"gather\"`: every rank reads every contribution and reduces all of it "
+        "(one round trip instead of two); `\"auto\"`: gather on an object store up to "
+        "`gather_max_ranks` ranks, else sharded from `sharded_min_bytes` up, else root "
+        "(each where it measured faster)",
         shown='`"auto"`', check=_reduce)
     wire_dtype: str | None = option(
         None, "payload encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, or "
@@ -228,10 +235,15 @@ class StorageOptions(BackendOptions):
         1 << 20, "with `reduce=\"auto\"`: shard payloads at least this large",
         shown="1 MiB", check=_positive_int)
 
+    gather_max_ranks: int = option(
+        2, "with `reduce=\"auto\"` on an object store: gather up to this many ranks (each "
+        "reads W-1 contributions, so the bytes read grow with W)", shown="2",
+        check=_non_negative_int)
+
     #: options that change what goes on the wire: every rank must agree (checked at
     #: rendezvous, see rendezvous.py)
     SHARED: ClassVar[tuple[str, ...]] = ("reduce", "wire_dtype", "sharded_min_bytes",
-                                         "bucket_bytes")
+                                         "bucket_bytes", "gather_max_ranks")
 
     def _check_together(self) -> None:
         if self.poll_initial and self.poll_max and self.poll_initial > self.poll_max:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 
+from ..costs import is_billed, request_cost
 from ..errors import StorageError
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
@@ -39,6 +40,7 @@ def rank_report(view: RankView) -> dict:
             heartbeat_state=last.get("state"), trust=last.trust,
             # another host's clock against ours: informational only, never for liveness
             heartbeat_wall_age_s=_wall_age(last.get("wall_time")),
+            **_request_rate(last),
         )
     if view.abort is not None:
         a = view.abort
@@ -46,6 +48,31 @@ def rank_report(view: RankView) -> dict:
                         "collective": a.get("collective"), "host": a.get("host"),
                         "pid": a.get("pid"), "trust": a.trust, "problem": a.problem}
     return out
+
+
+def _request_rate(heartbeat) -> dict:
+    """The rank's storage requests per hour since it connected, from its own heartbeat
+    (both times by its own clock), and the counts by kind for pricing."""
+    counts, since, now = (heartbeat.get("requests"), heartbeat.get("connected_at"),
+                          heartbeat.get("wall_time"))
+    if not isinstance(counts, dict) or not all(
+            isinstance(v, (int, float)) for v in (since, now)) or not now > since:
+        return {}
+    clean = {k: v for k, v in counts.items() if isinstance(v, int) and v >= 0}
+    return {"requests_by_kind": clean, "connected_s": round(now - since, 1),
+            "requests_per_hour": clean.get("requests", 0) * 3600.0 / (now - since)}
+
+
+def requests_summary(ranks: list[dict], billed: bool, prices: dict | None) -> dict | None:
+    """All ranks' requests per hour and, on a billed object store, their cost per hour
+    at ``prices`` (None: no rank's heartbeat says)."""
+    rates = [r for r in ranks if r.get("requests_per_hour") is not None]
+    if not rates:
+        return None
+    cost = sum(request_cost(r["requests_by_kind"], prices) * 3600.0 / r["connected_s"]
+               for r in rates if r["connected_s"] > 0)
+    return {"requests_per_hour": sum(r["requests_per_hour"] for r in rates),
+            "request_cost_per_hour": cost if billed else None, "ranks": len(rates)}
 
 
 def _wall_age(wall) -> float | None:
@@ -75,7 +102,8 @@ def generation_report(storage: Storage, gen: FoundGeneration, views: list[RankVi
         "bytes": gen.bytes,
         "temp_files": [t.key for t in gen.temps],
         "last_collective_on_storage": gen.last_collective(),
-        "ranks": [rank_report(v) for v in views],
+        "ranks": (ranks := [rank_report(v) for v in views]),
+        "storage_requests": requests_summary(ranks, is_billed(storage.url), None),
         "stragglers": stragglers(views),
         "progress": progress(views),
         "aborts": [rank_report(v)["abort"] | {"rank": v.rank}
@@ -343,6 +371,12 @@ def _render_generation(gen: dict) -> list[str]:
                      f"{prog['seconds']:.1f} s" + ("  (STALLED)" if prog["stalled"] else ""))
     if gen["stragglers"]:
         lines.append(f"  stragglers (the others wait for them): ranks {gen['stragglers']}")
+    req = gen.get("storage_requests")
+    if req:
+        cost = req["request_cost_per_hour"]
+        lines.append(f"  storage requests: {req['requests_per_hour']:,.0f}/hour over "
+                     f"{req['ranks']} ranks since they connected"
+                     + (f", ${cost:,.4f}/hour at S3 list prices" if cost is not None else ""))
     for a in gen["aborts"]:
         where = f" at collective {a['collective']}" if a.get("collective") is not None else ""
         lines.append(f"  ABORT rank {a['rank']}{where}: {a.get('type')}: {a.get('message')}"

@@ -30,7 +30,7 @@ STRATEGY_FLAGS = known_settings()
 TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
                  "checkpoint_every", "resume", "strategy", "model", "data", "loss",
                  "optimizer", "device", "keep_checkpoints", "sync_options", "no_progress",
-                 "timeout", *STRATEGY_FLAGS)
+                 "timeout", "storage_prices", *STRATEGY_FLAGS)
 
 EPILOG = f"""\
 examples:
@@ -142,6 +142,10 @@ def _trainer_flags(p: argparse.ArgumentParser) -> None:
                    help="rank 0 appends one JSON line per optimizer step to this local file")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar on rank 0")
+    g.add_argument("--storage-prices", metavar="KIND=USD,...",
+                   help="object-store request prices in USD per 1,000 requests for the "
+                   "summary's cost per hour (default S3 Standard list prices: "
+                   "put=0.005,get=0.0004,delete=0,list=0.005)")
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:

@@ -108,6 +108,7 @@ def format_summary(s: dict) -> str:
         ("checkpoints", f"{s['checkpoint_s']:.2f} s ({s['checkpoints']} written)"),
         ("bytes moved", f"written {_mb(s['bytes_written'])}, read {_mb(s['bytes_read'])}, "
                         f"{s['requests']:,} requests (all ranks)"),
+        ("storage requests", _request_rates(s)),
         ("final loss", _num(s["loss"])),
     ]
     if s.get("eval_loss") is not None:
@@ -146,3 +147,16 @@ def final_line(summary: dict) -> str:
     clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in summary.items()}
     return "FINAL " + json.dumps(clean, separators=(",", ":"), sort_keys=True)
+
+
+def _request_rates(s: dict) -> str:
+    """All ranks' storage requests over the whole run (heartbeats included), per hour,
+    and what they cost per hour on an object store at the configured prices."""
+    rate = s.get("requests_per_hour")
+    if rate is None:
+        return "-"
+    text = f"{rate:,.0f}/hour (all ranks)"
+    cost = s.get("request_cost_per_hour")
+    if cost is not None:
+        text += f", ${cost:,.4f}/hour at list prices (--storage-prices)"
+    return text

@@ -132,7 +132,7 @@ def build_trainer(args) -> Trainer:
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         resume=args.resume, keep_checkpoints=args.keep_checkpoints or 2,
         storage_options=_checkpoint_options(args), progress=not args.no_progress,
-        device=args.device,
+        device=args.device, storage_prices=args.storage_prices,
     )
     if evaluation is not None:
         trainer.eval_fn = make_eval(evaluation, loss_fn, classification, trainer.device)

@@ -38,10 +38,12 @@ import numpy
 import torch
 from torch.utils.data import DataLoader
 
+from ..costs import hourly, is_billed, parse_prices
 from ..env import discover
 from ..errors import ConfigError
 from ..partition import ShardSampler
 from ..stats import PHASES
+from ..storage import REQUEST_KINDS
 from ..strategies import TELEMETRY_KEYS, GradAveraging, Strategy
 from ..validate import integer
 from .checkpoint import (
@@ -57,6 +59,9 @@ __all__ = ["Trainer", "resolve_device"]
 
 #: the final "loss" is the mean over ranks of each rank's last this-many batch losses
 LOSS_WINDOW = 20
+
+#: the storage counters the summary reports (all requests, then each billed kind)
+_REQUEST_KEYS = ("requests", *REQUEST_KINDS)
 
 
 class Trainer:
@@ -129,6 +134,7 @@ class Trainer:
         num_workers: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        storage_prices: str | dict | None = None,
     ) -> None:
         # every argument is checked before anything is built (model_fn may be costly)
         self.batch_size = integer("batch_size", batch_size, minimum=1)
@@ -140,6 +146,7 @@ class Trainer:
         if epochs is None and steps is None:
             raise ConfigError("give epochs or steps (or both: whichever ends first)")
         self.seed = integer("seed", seed)
+        self.storage_prices = parse_prices(storage_prices)
         if (checkpoint_every or resume) and not checkpoint_dir:
             raise ConfigError("checkpoint_every and resume need checkpoint_dir",
                               hint="pass --checkpoint-dir DIR_OR_URL")
@@ -293,6 +300,7 @@ class Trainer:
         start_step, samples = self.step, 0
         begin = time.perf_counter()
         stats_begin = sync.stats["total"]
+        counters_begin = sync.counters.snapshot()  # every request, heartbeats included
         batches = self._batches()
         every = self.checkpoint_every
         self.model.train()
@@ -327,7 +335,8 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         wall = time.perf_counter() - begin
-        summary = self._summarise(sync, stats_begin, totals, losses, wall, samples, start_step)
+        summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
+                                  samples, start_step)
         if self.report and self.rank == 0:
             if not summary["ranks_agree"]:
                 print(f"ferrosync.train: ranks ended with DIFFERENT parameters: "
@@ -403,8 +412,13 @@ class Trainer:
                         sync=f"{100 * sync_s / elapsed:.0f}%", refresh=False)
         bar.update(self.step - bar.n)
 
-    def _summarise(self, sync, stats_begin, totals, losses, wall, samples, start_step) -> dict:
-        """Collective: evaluate, then gather every rank's digest, counters and loss."""
+    def _summarise(self, sync, begin, totals, losses, wall, samples, start_step) -> dict:
+        """Collective: evaluate, then gather every rank's digest, counters and loss.
+
+        ``begin``: ``(stats, counters)`` when ``fit`` started."""
+        stats_begin, counters_begin = begin
+        counters = sync.counters.snapshot()
+        requests = [counters.get(k, 0) - counters_begin.get(k, 0) for k in _REQUEST_KEYS]
         evaluation = {}
         if self.eval_fn is not None:
             self.model.eval()
@@ -414,7 +428,7 @@ class Trainer:
         mine = sum(losses) / len(losses) if losses else math.nan
         numbers = torch.tensor(
             [stats["bytes_written"], stats["bytes_read"], stats["requests"], mine,
-             self.step, samples], dtype=torch.float64)
+             self.step, samples, *requests], dtype=torch.float64)
         digest = param_digest(self.model)
         packed = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8),
                             numbers.view(torch.uint8)])
@@ -425,6 +439,8 @@ class Trainer:
         phases = {p: stats[p] - stats_begin[p] for p in PHASES}
         steps_run = self.step - start_step
         accuracy = evaluation.get("accuracy")
+        storage_requests = {k: int(sum(r[6 + i] for r in per_rank))
+                            for i, k in enumerate(_REQUEST_KEYS)}
         return {
             "steps": self.step,
             "epochs": self.step / self.steps_per_epoch,
@@ -446,6 +462,8 @@ class Trainer:
             "compute_s": totals["compute_s"],
             "sync_s": totals["sync_s"],
             **phases,
+            "storage_requests": storage_requests,
+            **hourly(storage_requests, wall, self.storage_prices, billed=is_billed(sync.url)),
             "checkpoint_s": totals["checkpoint_s"],
             "checkpoints": totals["checkpoints"],
             "steps_this_run": steps_run,

@@ -1,0 +1,72 @@
+"""What storage requests cost: rates per hour and the bill at object-store list prices.
+
+On an object store the request bill can exceed the compute bill (a heartbeat every
+2 s is 1,800 PUTs per rank per hour; a collective is a few PUTs and GETs per rank),
+so the trainer's summary, its ``FINAL`` line and ``ferrosync inspect`` show requests
+per hour and their cost. Prices are USD per 1,000 requests of each billed kind
+(``storage.REQUEST_KINDS``); the defaults are S3 Standard's list prices (us-east-1,
+as published in 2026: PUT/COPY/POST/LIST $0.005, GET and others $0.0004, DELETE
+free). Other stores and regions differ: pass yours, e.g.
+``--storage-prices put=0.0065,get=0.00052``.
+"""
+
+from __future__ import annotations
+
+from .errors import ConfigError
+from .storage import split_url
+
+#: USD per 1,000 requests, by kind (S3 Standard list prices, us-east-1)
+DEFAULT_PRICES = {"put": 0.005, "get": 0.0004, "delete": 0.0, "list": 0.005}
+_COUNTER_OF = {"put": "puts", "get": "gets", "delete": "deletes", "list": "lists"}
+
+
+def parse_prices(text: str | dict | None) -> dict[str, float]:
+    """``"put=0.005,get=0.0004"`` (or a dict) over the defaults; ``ConfigError`` on an
+    unknown kind or a value that is not a number >= 0."""
+    prices = dict(DEFAULT_PRICES)
+    if text is None:
+        return prices
+    items = text.items() if isinstance(text, dict) else (
+        part.split("=", 1) if "=" in part else (part, None)
+        for part in str(text).split(",") if part.strip())
+    for kind, value in items:
+        kind = str(kind).strip().lower()
+        if kind not in DEFAULT_PRICES:
+            raise ConfigError(f"unknown request kind {kind!r} in storage prices",
+                              hint="use put=, get=, delete=, list= (USD per 1,000 requests)")
+        try:
+            price = float(value)
+        except (TypeError, ValueError):
+            price = -1.0
+        if not price >= 0 or price == float("inf"):
+            raise ConfigError(f"storage price {kind}={value!r} must be a number >= 0",
+                              hint="USD per 1,000 requests, e.g. put=0.005,get=0.0004")
+        prices[kind] = price
+    return prices
+
+
+def request_cost(counts: dict, prices: dict[str, float] | None = None) -> float:
+    """USD for ``counts`` (``{"puts": n, "gets": n, ...}``) at ``prices``."""
+    prices = prices or DEFAULT_PRICES
+    return sum(counts.get(_COUNTER_OF[kind], 0) * price / 1000.0
+               for kind, price in prices.items())
+
+
+def hourly(counts: dict, seconds: float, prices: dict[str, float] | None,
+           *, billed: bool) -> dict:
+    """``requests_per_hour`` and, on a billed store (``billed``), the
+    ``request_cost_per_hour`` in USD at ``prices``; None where nothing can be said."""
+    if not seconds > 0:
+        return {"requests_per_hour": None, "request_cost_per_hour": None}
+    scale = 3600.0 / seconds
+    return {
+        "requests_per_hour": counts.get("requests", 0) * scale,
+        "request_cost_per_hour": request_cost(counts, prices) * scale if billed else None,
+    }
+
+
+def is_billed(url: str) -> bool:
+    """Whether ``url`` is an object store that bills requests (not a directory, an
+    in-memory store or a torch.distributed transport)."""
+    protocol, _ = split_url(url)
+    return protocol not in ("file", "local", "memory", "gloo", "nccl", "torch")
