@@ -331,6 +331,9 @@ def test_strategy_registry_and_settings():
         (dict(name="diloco", outer_momentum=float("nan")), "outer_momentum must be"),
         (dict(name="diloco", outer_device="tpu9"), "not a torch device"),
         (dict(name="local-sgd", sync_every=0), "sync_every must be"),
+        (dict(name="diloco", fragments=2), "--fragments does not apply to --strategy diloco"),
+        (dict(name="streaming-diloco", sync_every_seconds=1.0), "--sync-every-seconds does "
+         "not apply to --strategy streaming-diloco"),
     ]
     for kwargs, needle in bad:
         with pytest.raises(ConfigError, match=needle.replace("-", r"\-")):

@@ -67,13 +67,17 @@ def w_loop(rank, world, url, name, settings, steps, *, batchnorm=False, plan=Tru
         if plan:
             strategy.begin(steps, start)
         last = own_steps[rank] if own_steps else steps
+        # bytes written from the end of one step to the end of the next: an overlapped
+        # exchange writes in the background, during compute as well
+        before = sync.stats["total"]["bytes_written"]
         for step in range(start, last):
             x, y = _batch(rank, step)
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.mse_loss(model(x), y).backward()
-            before = sync.stats["total"]["bytes_written"]
             telemetry = strategy.step(model, opt)
-            records.append({"written": sync.stats["total"]["bytes_written"] - before,
+            after = sync.stats["total"]["bytes_written"]
+            written, before = after - before, after
+            records.append({"written": written,
                             "synced": telemetry["synced"],
                             "params": [p.detach().clone() for p in model.parameters()]})
             if stop_at is not None and step + 1 == stop_at:
@@ -309,3 +313,76 @@ def test_cli_refuses_time_based_cadence(tmp_path):
                    "--steps", 10, "--no-progress", cwd=tmp_path, timeout=60)
     assert proc.returncode == 2
     assert "--sync-every-seconds does not apply to --strategy streaming-diloco" in proc.stderr
+
+
+def _final(*flags, cwd) -> dict:
+    proc = run_cli("--nproc", 2, "--steps", 90, "--no-progress", *flags, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    return final_of(proc.stdout)
+
+
+def test_cli_one_fragment_without_overlap_is_diloco(tmp_path):
+    """The same digest end to end: the trainer, the demo model and data, 3 syncs."""
+    diloco = _final("--strategy", "diloco", "--sync-every", 30, cwd=tmp_path)
+    streaming = _final("--strategy", "streaming-diloco", "--sync-every", 30, "--fragments", 1,
+                       "--overlap-steps", 0, cwd=tmp_path)
+    assert diloco["ranks_agree"] and streaming["syncs"] == diloco["syncs"] == 3
+    assert streaming["param_digest"] == diloco["param_digest"]
+    overlapped = _final("--strategy", "streaming-diloco", "--sync-every", 30, "--fragments", 1,
+                        "--overlap-steps", 1, cwd=tmp_path)
+    assert overlapped["ranks_agree"] and overlapped["param_digest"] != diloco["param_digest"]
+
+
+def test_cli_int8_outer_gradients(tmp_path):
+    """``--sync-option wire_dtype=int8`` sends the fragments' pseudo-gradients as int8."""
+    plain = _final("--strategy", "streaming-diloco", "--sync-every", 30, cwd=tmp_path)
+    int8 = _final("--strategy", "streaming-diloco", "--sync-every", 30,
+                  "--sync-option", "wire_dtype=int8", cwd=tmp_path)
+    assert int8["ranks_agree"] and int8["syncs"] == plain["syncs"]
+    assert int8["sync_bytes"] * 2 < plain["sync_bytes"], (int8["sync_bytes"],
+                                                          plain["sync_bytes"])
+
+
+def test_cli_interrupted_run_resumes_bit_identically(tmp_path):
+    """The real trainer, checkpoints and Ctrl-C: fragment syncs every 5 steps (H 20, F 4),
+    each landing 2 steps later, so the checkpoint at step 30 holds the exchange started
+    at step 30. Rank 1 is paused inside step 40, the launcher interrupted, the run
+    resumed from 30: the same final parameters as an uninterrupted run."""
+    import signal
+    import time
+
+    from train_cli import start_cli
+
+    flags = ("--nproc", 2, "--model", "train_models:dropout_mlp", "--batch-size", 512,
+             "--steps", 50, "--checkpoint-every", 15, "--no-progress",
+             "--strategy", "streaming-diloco", "--sync-every", 20, "--fragments", 4,
+             "--overlap-steps", 2, "--alpha", 0.5)
+    full = run_cli(*flags, "--checkpoint-dir", tmp_path / "ck_full", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    reference = final_of(full.stdout)
+    ck, marker = tmp_path / "ck", tmp_path / "paused.r1"
+    proc = start_cli(*flags, "--checkpoint-dir", ck, cwd=tmp_path,
+                     FERROSYNC_TEST_PAUSE_AT=40, FERROSYNC_TEST_PAUSE_RANK=1,
+                     FERROSYNC_TEST_PAUSE_DIR=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():  # polls a file the paused rank writes
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "rank 1 never reached step 40"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130
+    saved = torch.load(ck / "step-00000030.pt", map_location="cpu", weights_only=True)
+    inflight = saved["strategy"]["streaming"]["inflight"]
+    assert inflight["fragment"] == 1 and inflight["started"] == 30 and inflight["left"] == 2
+    resumed = run_cli(*flags, "--checkpoint-dir", ck, "--resume", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    final = final_of(resumed.stdout)
+    assert final["resumed_from"] == 30 and final["ranks_agree"] is True
+    assert final["param_digest"] == reference["param_digest"]
+    assert final["syncs"] == reference["syncs"] == 10  # 5, 10, ..., 45 and the last, 50

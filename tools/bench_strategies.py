@@ -1,7 +1,9 @@
-"""Compare grad, local-sgd and diloco: final accuracy, wall time, bytes written per rank.
+"""Compare grad, local-sgd, diloco and streaming-diloco: final accuracy, wall time, bytes.
 
     python tools/bench_strategies.py                              # the demo at 2 and 4 ranks
     python tools/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 --seeds 0 1 2
+    python tools/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \
+        --sync-every 30 --fragments 4 --overlap-steps 0 1 --seeds 0 1
     python tools/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
         --train-arg=--epochs=5 --train-arg=--lr=0.1
 
@@ -11,9 +13,11 @@ fresh temporary sync directory, so the numbers include everything a user pays
 the per-step baseline (grad) runs first; every other row is compared with it: bytes
 written to storage per rank (and how many times fewer than grad) and the accuracy
 difference in percentage points, for the same number of samples (every strategy
-takes the same optimizer steps per rank). With several ``--seeds`` each row is the
-mean over the seeds (the JSON keeps every run). Prints a table and the command that
-produced it, and saves both as JSON (``--json``).
+takes the same optimizer steps per rank). ``written/sync`` is the bytes a rank
+writes per sync on average: streaming-diloco syncs one fragment at a time, so it is
+about 1/F of diloco's (its peak bandwidth), for about the same total. With several
+``--seeds`` each row is the mean over the seeds (the JSON keeps every run). Prints a
+table and the command that produced it, and saves both as JSON (``--json``).
 """
 
 from __future__ import annotations
@@ -38,10 +42,14 @@ def parse_args(argv):
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
                    help="numbers of local ranks to run (default: 2 4)")
     p.add_argument("--strategies", nargs="+", default=["grad", "local-sgd", "diloco"],
-                   choices=["grad", "local-sgd", "diloco"],
+                   choices=["grad", "local-sgd", "diloco", "streaming-diloco"],
                    help="strategies to compare (grad always runs: it is the baseline)")
     p.add_argument("--sync-every", type=int, nargs="+", default=[20, 30, 50], metavar="H",
-                   help="H values for local-sgd and diloco (default: 20 30 50)")
+                   help="H values for the periodic strategies (default: 20 30 50)")
+    p.add_argument("--fragments", type=int, nargs="+", default=[4], metavar="F",
+                   help="streaming-diloco: --fragments values (default: 4)")
+    p.add_argument("--overlap-steps", type=int, nargs="+", default=[1], metavar="T",
+                   help="streaming-diloco: --overlap-steps values (default: 1)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], metavar="S",
                    help="--seed values to run each configuration with; rows are means "
                    "(default: 0)")
@@ -59,11 +67,14 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def train_command(ranks: int, strategy: str, h: int | None, seed: int, args) -> list[str]:
+def train_command(ranks: int, strategy: str, h: int | None, seed: int, args,
+                  extra: dict | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", str(ranks), "--strategy",
            strategy, "--seed", str(seed), "--no-progress"]
     if h is not None:
         cmd += ["--sync-every", str(h)]
+    for key, value in (extra or {}).items():
+        cmd += ["--" + key.replace("_", "-"), str(value)]
     if args.model:
         cmd += ["--model", args.model]
     if args.data:
@@ -91,7 +102,7 @@ def run_one(cmd: list[str], timeout: float) -> dict:
 
 
 def row(ranks: int, strategy: str, h: int | None, finals: list[dict],
-        grad: dict | None) -> dict:
+        grad: dict | None, extra: dict | None = None) -> dict:
     """One configuration's results, averaged over its seeds, compared with ``grad``."""
     def mean(key):
         values = [f[key] for f in finals]
@@ -99,13 +110,16 @@ def row(ranks: int, strategy: str, h: int | None, finals: list[dict],
 
     per_rank = mean("bytes_written") / ranks
     out = {
-        "ranks": ranks, "strategy": strategy, "sync_every": h,
+        "ranks": ranks, "strategy": strategy, "sync_every": h, **(extra or {}),
         "seeds": [f["seed"] for f in finals], "accuracy": mean("accuracy"),
         "accuracy_per_seed": [f["accuracy"] for f in finals],
+        "loss": mean("loss"), "eval_loss": mean("eval_loss"),
         "samples": finals[0].get("samples"), "steps": finals[0]["steps"],
         "syncs": finals[0].get("syncs"), "train_wall_s": mean("wall_s"),
         "command_wall_s": mean("command_s"), "bytes_written_per_rank": per_rank,
         "bytes_read_per_rank": mean("bytes_read") / ranks, "requests": mean("requests"),
+        "bytes_written_per_sync": (per_rank / finals[0]["syncs"]
+                                   if finals[0].get("syncs") else None),
         "ranks_agree": all(f["ranks_agree"] for f in finals),
     }
     if grad is not None:
@@ -116,19 +130,23 @@ def row(ranks: int, strategy: str, h: int | None, finals: list[dict],
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("ranks", "strategy", "H", "accuracy", "vs grad", "train s", "command s",
-              "written/rank", "grad/this", "syncs")
+    header = ("ranks", "strategy", "H", "F/tau", "accuracy", "vs grad", "eval loss",
+              "train s", "command s", "written/rank", "grad/this", "syncs", "written/sync")
     lines = [header]
     for r in rows:
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f}%"
         delta = r.get("accuracy_vs_grad_pp")
         ratio = r.get("bytes_vs_grad")
         h = "-" if r["sync_every"] is None else str(r["sync_every"])
+        frag = f"{r['fragments']}/{r['overlap_steps']}" if "fragments" in r else "-"
+        loss = "-" if r["eval_loss"] is None else f"{r['eval_loss']:.4f}"
+        per_sync = r["bytes_written_per_sync"]
         lines.append((
-            str(r["ranks"]), r["strategy"], h,
-            acc, "-" if delta is None else f"{delta:+.2f} pp", f"{r['train_wall_s']:.2f}",
+            str(r["ranks"]), r["strategy"], h, frag,
+            acc, "-" if delta is None else f"{delta:+.2f} pp", loss, f"{r['train_wall_s']:.2f}",
             f"{r['command_wall_s']:.1f}", f"{r['bytes_written_per_rank'] / 1e6:.2f} MB",
             "-" if ratio is None else f"{ratio:.1f}x", str(r["syncs"]),
+            "-" if per_sync is None else f"{per_sync / 1e3:.1f} kB",
         ))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
@@ -154,22 +172,35 @@ def verdicts(rows: list[dict]) -> list[str]:
     return out
 
 
+def plan_runs(args) -> list[tuple[str, int | None, dict]]:
+    """(strategy, H, extra settings) per configuration; grad (the baseline) first."""
+    plan = [("grad", None, {})]
+    for strategy in args.strategies:
+        if strategy == "grad":
+            continue
+        for h in args.sync_every:
+            if strategy != "streaming-diloco":
+                plan.append((strategy, h, {}))
+                continue
+            plan += [(strategy, h, {"fragments": f, "overlap_steps": t})
+                     for f in args.fragments for t in args.overlap_steps]
+    return plan
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     command = shlex.join(["python", "tools/bench_strategies.py",
                           *(sys.argv[1:] if argv is None else argv)])
     rows = []
     for ranks in args.ranks:
-        plan = [("grad", None)] + [(s, h) for s in args.strategies if s != "grad"
-                                   for h in args.sync_every]
         grad = None
-        for strategy, h in plan:
+        for strategy, h, extra in plan_runs(args):
             finals = []
             for seed in args.seeds:
-                cmd = train_command(ranks, strategy, h, seed, args)
+                cmd = train_command(ranks, strategy, h, seed, args, extra)
                 print(f"running: {shlex.join(cmd[1:])}", file=sys.stderr, flush=True)
                 finals.append(run_one(cmd, args.timeout) | {"seed": seed})
-            r = row(ranks, strategy, h, finals, grad)
+            r = row(ranks, strategy, h, finals, grad, extra)
             grad = r if strategy == "grad" else grad
             rows.append(r)
     table = format_table(rows)

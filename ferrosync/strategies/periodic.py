@@ -6,8 +6,9 @@ subclasses (``LocalSGD``, ``DiLoCo``) own *what* a merge does to the model.
 One sync, on every rank, in this order:
 
 1. ``all_gather`` of a 2-number record per rank: the batches it trained since the
-   last sync (its *mass*) and whether it is done. Every rank now knows every
-   mass, so the rest is decided identically everywhere without another message.
+   last sync (its *mass*) and whether it is done (a subclass may append numbers:
+   ``_record``/``_weights``). Every rank now knows every mass, so the rest is
+   decided identically everywhere without another message.
 2. Weights: ``mass ** gamma`` (flodl's realized-work rule; ``gamma = 0`` weighs
    every rank that worked equally), and 0 for a rank that did no work whatever
    ``gamma`` is. If every weight is 0 the merge is skipped on every rank (nothing

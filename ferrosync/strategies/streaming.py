@@ -199,22 +199,21 @@ class StreamingDiLoCo(DiLoCo):
     def step(self, model, optimizer) -> dict:
         telemetry = super().step(model, optimizer)
         landed, self._landed = self._landed, None
-        if landed is not None:  # the wait and the bytes that moved meanwhile count too
-            telemetry["sync_s"] += landed["sync_s"]
-            telemetry["sync_bytes"] = telemetry.get("sync_bytes", 0) + landed["sync_bytes"]
-        return telemetry
+        return _with_landing(telemetry, landed)
 
     def synchronize(self, model, optimizer, *, done: bool = False) -> dict:
+        """Collective, as ``PeriodicStrategy.synchronize``. An exchange still in flight
+        (an idle rank's, or one the last step overtook) lands first: every rank's Δ
+        for the next merge must start from its result."""
+        landed = self._land() if self._inflight is not None else None
         telemetry = super().synchronize(model, optimizer, done=done)
         if self._inflight is not None and "mark" not in self._inflight:
             # bytes of the overlapped exchange moved after this call are counted when it
             # lands (with any other collective called meanwhile, e.g. a checkpoint's)
             self._inflight["mark"] = self._moved()
-        return telemetry
+        return _with_landing(telemetry, landed)
 
     def _merge(self, params, weight):
-        if self._inflight is not None:
-            self._land()  # its Δ was taken before this sync: apply it first
         with torch.no_grad():
             if self._final or self.overlap_steps == 0:
                 squares, post = 0.0, []
@@ -358,6 +357,15 @@ class StreamingDiLoCo(DiLoCo):
         return {**super().stats, "exchanges": list(self._exchanges),
                 "fragment_sizes": [sum(p.numel() for p in self._params[part])
                                    for part in getattr(self, "_parts", [])]}
+
+
+def _with_landing(telemetry: dict, landed: dict | None) -> dict:
+    """A step's telemetry plus the wait for, and the bytes of, an exchange that landed
+    in it (moved in the background since it started)."""
+    if landed is not None:
+        telemetry["sync_s"] += landed["sync_s"]
+        telemetry["sync_bytes"] = telemetry.get("sync_bytes", 0) + landed["sync_bytes"]
+    return telemetry
 
 
 def partition(sizes: list[int], parts: int) -> list[slice]:
