@@ -623,7 +623,8 @@ def _named_parameters(module_or_params) -> list[tuple[str, torch.Tensor]]:
 # -- connect ------------------------------------------------------------------------------
 
 def connect(url: str | None = None, *, rank: int | None = None, world_size: int | None = None,
-            timeout: float = 300.0, **options) -> GradSync:
+            timeout: float = 300.0, elastic: bool = False, min_ranks: int = 1,
+            max_ranks: int | None = None, **options) -> GradSync:
     """Connect this process to the ranks meeting at ``url``.
 
     Args:
@@ -636,9 +637,15 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
         **options: backend options (``reduce``, ``wire_dtype``, ``secret``,
             ``storage_options``, ``heartbeat_timeout``, ...; see the README). An
             unknown option is a ``ConfigError``.
+        elastic: join an elastic job on a storage URL (docs/elastic.md): members come
+            and go, ``rank``/``world_size`` are not given (``RANK``/``WORLD_SIZE`` in
+            the environment are ignored) but follow the agreed membership.
+        min_ranks, max_ranks: with ``elastic``, the fewest members a round waits for
+            and the most it admits (None: no limit).
 
     Collective: every rank calls it; it returns once all ranks have joined (or raises
-    ``SyncTimeout`` after ``timeout``). Arguments are validated before any I/O.
+    ``SyncTimeout`` after ``timeout``). Arguments are validated before any I/O. With
+    ``elastic=True`` it returns once a roster admits this member.
     """
     from .registry import backend_for
 
@@ -656,6 +663,25 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
         0 < timeout < math.inf
     ):
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    from . import validate
+
+    if validate.boolean("elastic", elastic):
+        if rank is not None or world_size is not None:
+            raise ConfigError(
+                "rank and world_size cannot be given with elastic=True: an elastic "
+                "member's rank and world size follow the membership agreed each round",
+                hint="drop rank=/world_size= (read sync.rank and sync.world_size instead)")
+        from .registry import storage_backend
+
+        if backend_for(url, options) is not storage_backend():
+            raise ConfigError(f"elastic=True needs a storage URL (a directory or an "
+                              f"object store, without local=), got {url!r}")
+        from .elastic import connect_elastic
+
+        return connect_elastic(url.strip(), float(timeout), min_ranks, max_ranks, options)
+    if min_ranks != 1 or max_ranks is not None:
+        raise ConfigError("min_ranks and max_ranks apply to elastic jobs only",
+                          hint="pass elastic=True, or drop min_ranks/max_ranks")
     identity = discover(rank, world_size)
     if "local" in options and options["local"] is None:
         del options["local"]  # local=None: the flat (one-level) backend

@@ -210,3 +210,95 @@ def parse(name: str) -> Name:
                 values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
         return Name(kind, **values)
     return Name("unknown")
+
+
+# -- elastic jobs (ferrosync/elastic) ----------------------------------------------------
+#
+# An elastic job's namespace ``el`` or ``el.{job}`` holds (docs/elastic.md)::
+#
+#     member.{id}        a member's introduction, written once (``elastic_member``)
+#     hb.{id}            its heartbeat, overwritten (``elastic_heartbeat``)
+#     join.{n}           the n-th entry of the join queue (``elastic_join``)
+#     r{r}.roster        the membership agreed for round r (``elastic_roster``)
+#     r{r}.{id}          a member's contribution to round r (``elastic_contribution``)
+#     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
+#     state / state.{r}  the published training state and its pointer (``elastic_state``)
+#
+# Member ids are 16 lowercase hex digits, so ``hb.{id}`` never reads as ``hb.r{k}`` and
+# ``join.{n}`` never as ``join.r{k}.{n}``.
+
+#: an elastic job without an id
+ELASTIC = "el"
+#: the hint naming a recent roster (overwritten by roster writers)
+ELASTIC_LATEST = "latest"
+#: the pointer to the newest published state (overwritten)
+ELASTIC_STATE_POINTER = "state"
+_MEMBER_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def elastic_namespace(job: str | None) -> str:
+    """Where an elastic job's objects live: ``el`` or ``el.{job}``."""
+    return ELASTIC if job is None else f"{ELASTIC}.{job}"
+
+
+def is_member_id(member_id) -> bool:
+    """Whether ``member_id`` is an elastic member id (16 lowercase hex)."""
+    return isinstance(member_id, str) and _MEMBER_ID.fullmatch(member_id) is not None
+
+
+def elastic_member(member_id: str) -> str:
+    """Member ``member_id``'s introduction record."""
+    return f"member.{member_id}"
+
+
+def elastic_heartbeat(member_id: str) -> str:
+    """Member ``member_id``'s heartbeat record."""
+    return f"hb.{member_id}"
+
+
+def elastic_join(n: int) -> str:
+    """Entry ``n`` of the join queue."""
+    return f"join.{n}"
+
+
+def elastic_roster(round_: int) -> str:
+    """The roster (agreed membership) of round ``round_``."""
+    return f"r{round_}.roster"
+
+
+def elastic_contribution(round_: int, member_id: str) -> str:
+    """Member ``member_id``'s contribution to round ``round_``."""
+    return f"r{round_}.{member_id}"
+
+
+def elastic_state(round_: int) -> str:
+    """The training state published after round ``round_``."""
+    return f"state.{round_}"
+
+
+_ELASTIC_PATTERNS = (
+    ("elastic_member", r"member\.([0-9a-f]{16})", ("token",)),
+    ("elastic_heartbeat", r"hb\.([0-9a-f]{16})", ("token",)),
+    ("elastic_join", rf"join\.{_N}", ("number",)),
+    ("elastic_roster", rf"r{_N}\.roster", ("collective",)),
+    ("elastic_contribution", rf"r{_N}\.([0-9a-f]{{16}})", ("collective", "token")),
+    ("elastic_latest", re.escape(ELASTIC_LATEST), ()),
+    ("elastic_state_pointer", re.escape(ELASTIC_STATE_POINTER), ()),
+    ("elastic_state", rf"state\.{_N}", ("collective",)),
+)
+_ELASTIC_COMPILED = tuple((kind, re.compile(p), f) for kind, p, f in _ELASTIC_PATTERNS)
+#: what ``parse_elastic`` can answer (``collective`` holds the round, ``token`` the id)
+ELASTIC_KINDS = tuple(kind for kind, _, _ in _ELASTIC_PATTERNS) + ("unknown",)
+
+
+def parse_elastic(name: str) -> Name:
+    """What ``name`` is inside an elastic namespace; ``Name("unknown")`` otherwise."""
+    for kind, pattern, fields in _ELASTIC_COMPILED:
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        values = {}
+        for field_name, value in zip(fields, m.groups()):
+            values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
+        return Name(kind, **values)
+    return Name("unknown")

@@ -47,10 +47,13 @@ SCRIPT = textwrap.dedent("""
         t = torch.tensor([float(rank + 1)])
         dist.all_reduce(t)
         keys = KEYS + ["OMP_NUM_THREADS", "FERROSYNC_JOB"]
-        print(json.dumps({"rank": rank, "world": world, "backend": dist.get_backend(),
-                          "sum": t.item(), "env": {k: os.environ.get(k) for k in keys},
-                          "params": [p.detach().flatten().tolist()
-                                     for p in model.parameters()]}), flush=True)
+        # one write per record, newline included: both ranks share torchrun's stdout,
+        # and print() writes the text and its newline separately when unbuffered
+        line = json.dumps({"rank": rank, "world": world, "backend": dist.get_backend(),
+                           "sum": t.item(), "env": {k: os.environ.get(k) for k in keys},
+                           "params": [p.detach().flatten().tolist()
+                                      for p in model.parameters()]}) + "\\n"
+        os.write(1, line.encode())
         # drop DDP (it holds the group) before destroying the group: a gloo group still
         # referenced at interpreter exit can abort the process (SIGABRT, "terminate
         # called without an active exception"; pytorch/pytorch#179291)

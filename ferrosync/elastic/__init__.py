@@ -1,0 +1,415 @@
+"""Elastic jobs: members join and leave a running job; membership is agreed through
+the store alone, without a coordinator (docs/elastic.md).
+
+``ferrosync.connect(url, elastic=True, min_ranks=1, max_ranks=None, ...)`` returns an
+``ElasticSync``. Its collectives keep ``GradSync``'s contract among the members of
+each round: every member calls the same collectives in the same order with the
+same layouts. Each collective is one *round* r:
+
+1. every member of the current roster (r-1) writes its contribution ``r{r}.{id}``;
+2. the roster of r is agreed (``rounds.py``): who contributed in time, minus the
+   members found gone, plus joiners admitted for the next round;
+3. every member reads the contributions of the roster's contributors, in roster
+   order, and reduces locally with the same code on the same bytes, so the result
+   is bit-identical on every member (and equal to the fixed-size backend's with
+   ranks in that order).
+
+``rank`` and ``world_size`` are this member's index in, and the size of, the latest
+roster, so they may change after any collective; ``membership`` lists the member
+ids and ``membership_changes`` counts the rounds in which the list changed, so a
+sampler can re-shard when it moves.
+
+A member left out of a roster although it contributed (it was too slow: its
+heartbeat went silent for ``heartbeat_timeout``) raises ``PeerFailed`` saying it
+was dropped; it may ``connect`` again to rejoin as a new member.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .. import names, validate
+from ..api import GradSync
+from ..backends.common import accumulate, divide_into, total_weight
+from ..backends.options import (
+    BackendOptions,
+    _dict_or_none,
+    _job,
+    _positive,
+    _positive_or_none,
+    _secret,
+    option,
+)
+from ..codecs import CODEC_RAW, accumulator_dtype, as_uint8
+from ..env import Identity
+from ..errors import ConfigError, LayoutMismatch, PeerFailed, ShardCorrupt
+from ..storage import open_storage, probe_location
+from ..wire import (
+    DTYPE_CODES,
+    FLAG_EMPTY,
+    KIND_CONTRIB,
+    Header,
+    PayloadCheck,
+    encode_record,
+    parse_header,
+    seal,
+)
+from .membership import ABORTED, LEFT, Heartbeat, Roster, Rosters, Watch
+from .rounds import Agreement
+from .state import StateStore
+
+__all__ = ["ElasticSync", "ElasticOptions", "connect_elastic"]
+
+#: contributions carry the bytes of every bucket of a call, so their header says uint8
+_UINT8 = DTYPE_CODES[torch.uint8]
+
+
+@dataclass(frozen=True)
+class ElasticOptions(BackendOptions):
+    """Options of an elastic job (a subset of the storage backend's)."""
+
+    scope: ClassVar[str] = "an elastic job"
+
+    job: str | None = option(None, "job id: elastic jobs with different ids never meet",
+                             check=_job)
+    secret: bytes | None = option(None, "shared key: every record carries an HMAC-SHA256",
+                                  check=_secret)
+    storage_options: dict | None = option(None, "passed to the fsspec filesystem",
+                                          check=_dict_or_none)
+    heartbeat_interval: float | None = option(None, "seconds between heartbeats",
+                                              check=_positive_or_none)
+    heartbeat_timeout: float = option(20.0, "a member silent this long is dropped",
+                                      check=_positive)
+    poll_initial: float | None = option(None, "first polling sleep, seconds",
+                                        check=_positive_or_none)
+    poll_max: float | None = option(None, "longest polling sleep, seconds",
+                                    check=_positive_or_none)
+
+
+def connect_elastic(url: str, timeout: float, min_ranks, max_ranks, options: dict):
+    """``connect(..., elastic=True)``: validate, then join the job (see ElasticSync)."""
+    min_ranks = validate.integer("min_ranks", min_ranks, minimum=1)
+    max_ranks = validate.integer("max_ranks", max_ranks, minimum=1, allow_none=True)
+    if max_ranks is not None and max_ranks < min_ranks:
+        raise ConfigError(f"max_ranks ({max_ranks}) must be >= min_ranks ({min_ranks})")
+    checked = ElasticSync.check_options(options)
+    return ElasticSync(url, timeout, checked, min_ranks=min_ranks, max_ranks=max_ranks)
+
+
+class ElasticSync(GradSync):
+    """A member of an elastic job. Create with ``connect(url, elastic=True)``.
+
+    ``connect`` returns once this member is in a roster (it takes part from the next
+    round), or raises ``SyncTimeout`` when no roster admits it within ``timeout``
+    (fewer than ``min_ranks`` members, or ``max_ranks`` reached).
+    """
+
+    @classmethod
+    def check_options(cls, options: dict) -> ElasticOptions:
+        return ElasticOptions.parse(options)
+
+    def __init__(self, url: str, timeout: float, options: ElasticOptions, *,
+                 min_ranks: int = 1, max_ranks: int | None = None) -> None:
+        storage = open_storage(url, options.storage_options)
+        super().__init__(url, Identity(0, 1, 0, 1, "elastic"), timeout, storage.counters)
+        self._storage = storage
+        self._secret = options.secret
+        self.job = options.job
+        self.member_id = secrets.token_hex(8)
+        self._ns = names.elastic_namespace(self.job)
+        interval = options.heartbeat_interval or storage.heartbeat_interval
+        if options.heartbeat_timeout <= 2 * interval:
+            self._closed = True
+            raise ConfigError(
+                f"heartbeat_timeout ({options.heartbeat_timeout:g} s) must exceed twice "
+                f"the heartbeat interval ({interval:g} s)")
+        poll = (options.poll_initial or storage.poll_initial,
+                options.poll_max or storage.poll_max)
+        self._rosters = Rosters(storage, self._ns, self._secret, url)
+        watch = Watch(storage, self._ns, self._secret, options.heartbeat_timeout, url)
+        self._agreement = Agreement(storage, self._rosters, watch, min_ranks=min_ranks,
+                                    max_ranks=max_ranks, poll=poll, check_interval=interval,
+                                    url=url)
+        self._state = StateStore(storage, self._ns, self._secret)
+        self._heartbeat = Heartbeat(storage, self._key(names.elastic_heartbeat(self.member_id)),
+                                    self.member_id, interval, self._secret)
+        self._mine: list[tuple[int, str]] = []  # (round, key) of own contributions
+        self.membership: list[str] = []
+        self.membership_changes = 0
+        self._roster: Roster | None = None
+        started = False
+        try:
+            probe_location(storage, None)
+            storage.makedirs(self._ns)
+            storage.put(self._key(names.elastic_member(self.member_id)),
+                        [encode_record({"id": self.member_id, "min_ranks": min_ranks},
+                                       self._secret)], exclusive=True)
+            self._heartbeat.start()
+            started = True
+            self._adopt(self._join(time.monotonic() + timeout))
+        except BaseException:
+            self._closed = True
+            if started:  # the others must not wait on a member that never joined
+                self._heartbeat.stop(ABORTED)
+            storage.close()
+            raise
+
+    # -- membership ---------------------------------------------------------------------
+    def _key(self, name: str) -> str:
+        return names.within(self._ns, name)
+
+    @property
+    def round(self) -> int:
+        """The round of the latest roster this member has seen."""
+        return self._roster.round
+
+    @property
+    def membership_changed(self) -> bool:
+        """Whether the latest collective changed the membership (re-shard the data)."""
+        return self._changed
+
+    def _join(self, deadline: float) -> Roster:
+        """Queue this member in the join queue and wait for a roster that admits it."""
+        prev = self._rosters.newest(deadline)
+        entry = self._rosters.claim(self.member_id, prev.join_next)
+        while True:
+            ahead = [self._rosters.join_entry(k) for k in range(prev.join_next, entry)]
+            predecessors = list(prev.members) + [m for m in ahead if m is not None]
+            roster = self._agreement.wait(prev.round + 1, prev, predecessors, deadline)
+            if self.member_id in roster.members:
+                return roster
+            if roster.join_next > entry:
+                raise PeerFailed(
+                    f"the members skipped this member's join entry {entry} in round "
+                    f"{roster.round} (its heartbeat looked dead to them)",
+                    path=self._storage.path_of(self._key(names.elastic_join(entry))),
+                    hint="check that the heartbeat can be written, then connect again")
+            prev = roster
+
+    def _adopt(self, roster: Roster) -> None:
+        """Make ``roster`` current: rank, world size and the membership counters."""
+        members = list(roster.members)
+        self._changed = members != self.membership
+        if self._changed and self._roster is not None:
+            self.membership_changes += 1
+        self.membership = members
+        self._roster = roster
+        self.rank = members.index(self.member_id)
+        self.world_size = len(members)
+
+    # -- one round ------------------------------------------------------------------------
+    # A collective call is one round, however many dtype buckets its tensors make: the
+    # buckets' bytes travel in one object, so the membership cannot change between
+    # the buckets of one call (a broadcast's source, an average's weights).
+
+    def _exchange(self, flats: list[torch.Tensor], weight: float, digest: bytes,
+                  send: bool) -> tuple[Roster, Roster]:
+        """Write this member's contribution to the next round and agree on its roster.
+        Returns (previous roster, new roster); raises ``PeerFailed`` if dropped."""
+        prev = self._roster
+        round_ = prev.round + 1
+        pos = prev.members.index(self.member_id)
+        parts = [as_uint8(f.contiguous().cpu()).numpy() for f in flats if f.numel()] \
+            if send else []
+        nbytes = sum(p.nbytes for p in parts)
+        total = sum(f.numel() * f.element_size() for f in flats)
+        header = Header(kind=KIND_CONTRIB, dtype=_UINT8, codec=CODEC_RAW, rank=pos,
+                        world_size=len(prev.members), generation=round_, collective=round_,
+                        count=total, offset=0, total=total, weight=weight, layout=digest,
+                        payload_nbytes=nbytes, flags=0 if send and total else FLAG_EMPTY)
+        key = self._key(names.elastic_contribution(round_, self.member_id))
+        with self._stats.phase("write_s"):
+            self._storage.put(key, [seal(header, parts, self._secret), *parts], exclusive=True)
+        self._mine.append((round_, key))
+        with self._stats.phase("wait_s"):
+            roster = self._agreement.wait(round_, prev, list(prev.members[:pos]),
+                                          time.monotonic() + self.timeout)
+        if self.member_id not in roster.contributors:
+            self._storage.delete([key])
+            raise PeerFailed(
+                f"this member was dropped from round {round_}: the others found it gone "
+                "(heartbeat silent past heartbeat_timeout) before its contribution came",
+                collective=round_, path=self._storage.path_of(key),
+                hint="connect again with elastic=True to rejoin as a new member")
+        # everyone who reads round r has finished it once roster r+2 exists (its
+        # contributors finished r+1, hence r): older own contributions are garbage
+        done = [k for r, k in self._mine if r <= round_ - 2]
+        if done:
+            self._storage.delete(done)
+            self._mine = [(r, k) for r, k in self._mine if r > round_ - 2]
+        return prev, roster
+
+    def _contribution(self, round_: int, member: str, prev: Roster, digest: bytes,
+                      flats: list[torch.Tensor]) -> tuple[float, list | None]:
+        """(weight, one tensor per flat, or None when empty) of ``member``'s verified
+        contribution to ``round_``."""
+        key = self._key(names.elastic_contribution(round_, member))
+        path = self._storage.path_of(key)
+        raw = self._agreement.take(round_, member)
+        if raw is None:
+            with self._stats.phase("read_s"):
+                raw = self._storage.read(key)
+        if raw is None:
+            raise PeerFailed(
+                f"the contribution of member {member} to round {round_} is gone: this "
+                "member fell behind and the others have moved on", collective=round_,
+                path=path, hint="connect again with elastic=True to rejoin")
+        header = parse_header(raw, path=path, rank=self.rank, key=self._secret)
+        check = PayloadCheck(header, raw[:header.size], self._secret, path, self.rank)
+        payload = memoryview(raw)[header.size:]
+        check.update(payload)
+        check.finish()
+        if header.layout != digest:
+            raise LayoutMismatch(
+                f"member {member} called round {round_} with another layout (operation, "
+                "dtypes or shapes) than this member", rank=self.rank, collective=round_,
+                path=path, hint="every member must call the same collectives in order")
+        total = sum(f.numel() * f.element_size() for f in flats)
+        good = (header.kind == KIND_CONTRIB and header.generation == round_
+                and header.collective == round_ and header.codec == CODEC_RAW
+                and header.rank == prev.members.index(member)
+                and header.world_size == len(prev.members)
+                and header.dtype == _UINT8 and header.count == total
+                and math.isfinite(header.weight) and header.weight >= 0
+                and header.payload_nbytes == (0 if header.flags & FLAG_EMPTY else total))
+        if not good:
+            raise ShardCorrupt(f"contribution of member {member} does not match round "
+                               f"{round_}'s", rank=self.rank, collective=round_, path=path,
+                               hint="let nothing else write under this URL")
+        if header.flags & FLAG_EMPTY:
+            return header.weight, None
+        views, offset = [], 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffer: only ever read
+            for f in flats:
+                n = f.numel() * f.element_size()
+                views.append(torch.frombuffer(payload[offset:offset + n], dtype=f.dtype)
+                             if n else f.new_empty(0))
+                offset += n
+        return header.weight, views
+
+    def _average(self, tensors, weight, stream):
+        with torch.no_grad():
+            planned = self._buckets("average", tensors)
+            flats = [bucket.flat(self._pool) for bucket, _, _ in planned]
+            total = self._average_flats([f for f, _ in flats], weight, planned[0][1])
+            if total > 0:
+                for (bucket, _, _), (flat, is_copy) in zip(planned, flats):
+                    if is_copy:
+                        bucket.scatter(flat)
+        return total
+
+    def _average_flats(self, flats: list[torch.Tensor], weight: float, digest: bytes) -> float:
+        """Every contributor's flats summed in roster order, each into its own
+        accumulator (float32 for half types), divided once by the total weight."""
+        prev, roster = self._exchange(flats, weight, digest, send=weight > 0)
+        accs = [self._pool.get(f"acc{i}", f.numel(), accumulator_dtype(f.dtype), f.device)
+                for i, f in enumerate(flats)]
+        weights, first = [], True
+        for member in roster.contributors:
+            if member == self.member_id:
+                w, values = weight, flats
+            else:
+                w, values = self._contribution(roster.round, member, prev, digest, flats)
+            with self._stats.phase("reduce_s"):
+                if w > 0 and values is not None:
+                    for acc, v in zip(accs, values):
+                        accumulate(acc, v.to(acc.device), w, first=first)
+                    first = False
+            weights.append(w)
+        total = total_weight(weights)
+        if total > 0:
+            with self._stats.phase("reduce_s"):
+                for flat, acc in zip(flats, accs):
+                    divide_into(flat, acc, total)
+        self._adopt(roster)
+        return total
+
+    def _broadcast(self, tensors, src):
+        with torch.no_grad():
+            planned = self._buckets("broadcast", tensors)
+            flats = [bucket.flat(self._pool) for bucket, _, _ in planned]
+            if self._broadcast_flats([f for f, _ in flats], src, planned[0][1]):
+                for (bucket, _, _), (flat, is_copy) in zip(planned, flats):
+                    if is_copy:
+                        bucket.scatter(flat)
+
+    def _broadcast_flats(self, flats: list[torch.Tensor], src: int, digest: bytes) -> bool:
+        """The source's flats into ``flats``; True when they changed (not the source)."""
+        prev, roster = self._exchange(flats, 1.0, digest, send=self.rank == src)
+        source = prev.members[src]
+        if source not in roster.contributors:
+            raise PeerFailed(f"the broadcast source (rank {src}, member {source}) left "
+                             f"during round {roster.round}", rank=self.rank,
+                             collective=roster.round, path=self.url,
+                             hint="broadcast again from a member that is still there")
+        changed = source != self.member_id
+        if changed:
+            _w, values = self._contribution(roster.round, source, prev, digest, flats)
+            for flat, v in zip(flats, values or []):
+                flat.copy_(v.to(flat.device))
+        self._adopt(roster)
+        return changed
+
+    # -- the backend primitives (each one round) ----------------------------------------------
+    def _average_flat(self, flat, weight, digest, layout):
+        return self._average_flats([flat], weight, digest)
+
+    def _broadcast_flat(self, flat, src, digest, layout):
+        self._broadcast_flats([flat], src, digest)
+
+    def _all_gather_flat(self, flat, digest, layout):
+        """One tensor per contributor of the round, in roster order (its length is the
+        round's membership, which may differ from ``world_size`` afterwards)."""
+        prev, roster = self._exchange([flat], 1.0, digest, send=True)
+        out = []
+        for member in roster.contributors:
+            if member == self.member_id:
+                out.append(flat.clone())
+                continue
+            _w, values = self._contribution(roster.round, member, prev, digest, [flat])
+            out.append(values[0].clone().to(flat.device) if values is not None
+                       else flat.new_empty(0))
+        self._adopt(roster)
+        return out
+
+    def _barrier(self, digest, layout):
+        prev, roster = self._exchange([], 1.0, digest, send=False)
+        for member in roster.contributors:  # the layout check: every member is in a barrier
+            if member != self.member_id:
+                self._contribution(roster.round, member, prev, digest, [])
+        self._adopt(roster)
+
+    def _publish_abort(self, exc):
+        # the others drop this member at once instead of after the heartbeat timeout
+        self._heartbeat.write(ABORTED)
+
+    def _shutdown(self, failure):
+        # own contributions stay: slower members may still be reading the last ones
+        self._heartbeat.stop(ABORTED if failure is not None else LEFT)
+        self._storage.close()
+
+    # -- state for joiners ------------------------------------------------------------------
+    def publish_state(self, tensors) -> int:
+        """Publish ``tensors`` as the job's state after the current round (not a
+        collective: typically rank 0 calls it after a round). Returns the round."""
+        self._check_usable()
+        return self._state.publish(list(tensors), self._roster.round, self.rank)
+
+    def fetch_state(self, tensors) -> int | None:
+        """Copy the newest published state into ``tensors`` (same dtypes and shapes as
+        published, else ``LayoutMismatch``); the round it was published after, or None
+        if nothing was published yet. Not a collective."""
+        self._check_usable()
+        return self._state.fetch(list(tensors), time.monotonic() + self.timeout, self.rank)
+
+    def __repr__(self) -> str:
+        return (f"ElasticSync(url={self.url!r}, member={self.member_id}, rank={self.rank}, "
+                f"world_size={self.world_size})")

@@ -1,0 +1,277 @@
+"""Membership of an elastic job, agreed through the store alone (docs/elastic.md).
+
+Pieces:
+
+* ``Heartbeat``: a daemon thread rewriting ``hb.{id}`` with an increasing ``beat`` and a
+  ``state`` (``alive``, then ``left`` on a graceful close or ``aborted`` on a failure,
+  written at once so the others need not wait out the heartbeat timeout).
+* ``Watch``: tells whether another member is alive. A member is gone when its
+  heartbeat says ``left``/``aborted``, or when its ``beat`` has not changed for
+  ``timeout`` seconds of *this* process's monotonic clock (another host's clock is
+  never compared).
+* ``Roster``: the membership of one round, and ``Rosters``, which reads rosters and
+  join entries and creates the next roster with an exclusive create (first writer
+  wins; everyone else reads the winner's).
+
+Every record is a JSON control record sealed with ``wire.encode_record`` (an HMAC
+with the job's secret when one is set) and checked with ``decode_record``; anything
+else is refused as ``ShardCorrupt``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import names
+from ..errors import ShardCorrupt, SyncTimeout
+from ..storage import Storage
+from ..wire import decode_record, encode_record
+
+_log = logging.getLogger(__name__)
+
+ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
+_STATES = (ALIVE, LEFT, ABORTED)
+#: rosters older than this many rounds are deleted by the roster writer; a joiner
+#: finds a recent one through the ``latest`` hint, which is at most a few rounds old
+ROSTER_RETENTION = 64
+
+
+class Heartbeat:
+    """Rewrites this member's heartbeat every ``interval`` seconds (daemon thread).
+
+    ``stop(state)`` ends the thread and writes ``state`` once more, so a graceful
+    leave (``left``) or a failure (``aborted``) is visible to the others at once.
+    """
+
+    def __init__(self, storage: Storage, key: str, member_id: str, interval: float,
+                 secret: bytes | None) -> None:
+        self._storage = storage
+        self._key = key
+        self._id = member_id
+        self._interval = interval
+        self._secret = secret
+        self._beat = 0
+        self._state = ALIVE
+        self._stop = threading.Event()
+        self._write_lock = threading.Lock()  # the thread and stop() never interleave
+        self._thread = threading.Thread(target=self._run, name=f"ferrosync-el-hb-{member_id}",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self.write()  # visible before anyone can wait on it (join entries come after)
+        self._thread.start()
+
+    def write(self, state: str | None = None) -> None:
+        with self._write_lock:
+            if state is not None:
+                self._state = state
+            self._beat += 1
+            record = {"id": self._id, "beat": self._beat, "state": self._state,
+                      "pid": os.getpid(), "host": socket.gethostname()}
+            self._storage.put(self._key, [encode_record(record, self._secret)])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                self.write()
+            except Exception:  # noqa: BLE001 - the others will time us out; keep trying
+                _log.warning("elastic member %s: heartbeat write failed", self._id,
+                             exc_info=True)
+
+    def stop(self, state: str) -> None:
+        """Stop beating and publish ``state`` (best effort, never raises)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self._interval * 2 + 5)
+        try:
+            self.write(state)
+        except Exception:  # noqa: BLE001 - shutting down: the timeout covers it
+            _log.warning("elastic member %s: could not publish %s", self._id, state,
+                         exc_info=True)
+
+
+class Watch:
+    """Whether other members are alive, judged from their heartbeats.
+
+    A member whose heartbeat was never seen counts as silent from the first look, so
+    a member that died before its first beat is declared gone after ``timeout`` too.
+    """
+
+    def __init__(self, storage: Storage, namespace: str, secret: bytes | None,
+                 timeout: float, url: str) -> None:
+        self._storage = storage
+        self._ns = namespace
+        self._secret = secret
+        self._timeout = timeout
+        self._url = url
+        self._seen: dict[str, tuple[object, float]] = {}  # id -> (beat, when it changed)
+
+    def state(self, member_id: str) -> str:
+        """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out)."""
+        key = names.within(self._ns, names.elastic_heartbeat(member_id))
+        raw = self._storage.read(key)
+        beat, state = None, ALIVE
+        if raw is not None:
+            record = decode_record(raw, self._secret, path=self._storage.path_of(key))
+            if record.get("id") != member_id or record.get("state") not in _STATES:
+                raise ShardCorrupt(f"heartbeat record of member {member_id} is not one",
+                                   path=self._storage.path_of(key),
+                                   hint="let nothing else write under this URL")
+            beat, state = record.get("beat"), record["state"]
+        if state != ALIVE:
+            return state
+        now = time.monotonic()
+        last = self._seen.get(member_id)
+        if last is None or last[0] != beat:
+            self._seen[member_id] = (beat, now)
+            return ALIVE
+        return "silent" if now - last[1] > self._timeout else ALIVE
+
+    def alive(self, member_id: str) -> bool:
+        return self.state(member_id) == ALIVE
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The agreement of round ``round``.
+
+    ``contributors``: whose contributions round ``round`` sums, in this order.
+    ``members``: who takes part in the next round (contributors plus admitted
+    joiners); a member's rank is its index here. ``join_next``: the first join
+    entry not yet consumed.
+    """
+
+    round: int
+    contributors: tuple[str, ...]
+    members: tuple[str, ...]
+    join_next: int
+
+    def record(self) -> dict:
+        return {"round": self.round, "contributors": list(self.contributors),
+                "members": list(self.members), "join_next": self.join_next}
+
+    @classmethod
+    def from_record(cls, record: dict, round_: int, path: str) -> Roster:
+        try:
+            roster = cls(int(record["round"]), tuple(record["contributors"]),
+                         tuple(record["members"]), int(record["join_next"]))
+            ok = (roster.round == round_ and roster.join_next >= 0
+                  and all(names.is_member_id(m) for m in roster.members + roster.contributors)
+                  and len(set(roster.members)) == len(roster.members))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ShardCorrupt(f"roster of round {round_} is malformed", path=path,
+                               hint="let nothing else write under this URL")
+        return roster
+
+
+#: the roster before the first: nobody, and the join queue starts at entry 0
+EMPTY = Roster(-1, (), (), 0)
+
+
+class Rosters:
+    """Reads and writes rosters, join entries and the ``latest`` hint."""
+
+    def __init__(self, storage: Storage, namespace: str, secret: bytes | None, url: str):
+        self._storage = storage
+        self._ns = namespace
+        self._secret = secret
+        self._url = url
+        self._joins: dict[int, str] = {}  # entry -> member id (entries never change)
+
+    def key(self, name: str) -> str:
+        return names.within(self._ns, name)
+
+    def _record(self, name: str) -> dict | None:
+        key = self.key(name)
+        raw = self._storage.read(key)
+        if raw is None:
+            return None
+        return decode_record(raw, self._secret, path=self._storage.path_of(key))
+
+    def read(self, round_: int) -> Roster | None:
+        if round_ < 0:
+            return EMPTY
+        name = names.elastic_roster(round_)
+        record = self._record(name)
+        if record is None:
+            return None
+        return Roster.from_record(record, round_, self._storage.path_of(self.key(name)))
+
+    def create(self, roster: Roster) -> Roster:
+        """Publish ``roster`` unless another member was first; return the winner."""
+        name = names.elastic_roster(roster.round)
+        try:
+            self._storage.put(self.key(name), [encode_record(roster.record(), self._secret)],
+                              exclusive=True)
+        except FileExistsError:
+            return self.read(roster.round)
+        # a hint only: a joiner probes upward from it, so a stale or raced value costs
+        # a few reads, never correctness
+        self._storage.put(self.key(names.ELASTIC_LATEST),
+                          [encode_record({"round": roster.round}, self._secret)])
+        old = roster.round - ROSTER_RETENTION
+        if old >= 0:
+            self._storage.delete([self.key(names.elastic_roster(old))])
+        return roster
+
+    def latest_hint(self) -> int:
+        record = self._record(names.ELASTIC_LATEST)
+        if record is None:
+            return -1
+        value = record.get("round")
+        return value if isinstance(value, int) and not isinstance(value, bool) else -1
+
+    def newest(self, deadline: float) -> Roster:
+        """The newest roster: from the hint, probing upward (no listing)."""
+        while True:
+            hint = self.latest_hint()
+            roster = self.read(hint)
+            if roster is not None:
+                break
+            # the hinted roster was already deleted (the hint went stale by
+            # ROSTER_RETENTION rounds between two reads): read the hint again
+            if time.monotonic() > deadline:
+                raise SyncTimeout(
+                    f"the roster of round {hint} named by the 'latest' hint stays missing",
+                    path=self._storage.path_of(self.key(names.ELASTIC_LATEST)),
+                    hint="roster writers may have stopped mid-update; retry the connect")
+            time.sleep(0.01)
+        while (following := self.read(roster.round + 1)) is not None:
+            roster = following
+        return roster
+
+    def join_entry(self, n: int) -> str | None:
+        """The member id of join entry ``n``, or None if nobody claimed it yet."""
+        if n in self._joins:
+            return self._joins[n]
+        name = names.elastic_join(n)
+        record = self._record(name)
+        if record is None:
+            return None
+        member = record.get("id")
+        if not names.is_member_id(member):
+            raise ShardCorrupt(f"join entry {n} is malformed",
+                               path=self._storage.path_of(self.key(name)),
+                               hint="let nothing else write under this URL")
+        self._joins[n] = member
+        return member
+
+    def claim(self, member_id: str, start: int) -> int:
+        """Append ``member_id`` to the join queue: the smallest free entry >= ``start``."""
+        n = start
+        while True:
+            try:
+                self._storage.put(self.key(names.elastic_join(n)),
+                                  [encode_record({"id": member_id}, self._secret)],
+                                  exclusive=True)
+                self._joins[n] = member_id
+                return n
+            except FileExistsError:
+                n += 1

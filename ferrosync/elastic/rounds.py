@@ -1,0 +1,143 @@
+"""Agreeing on the roster of one round (docs/elastic.md#rounds).
+
+The roster of round r is complete when every member of roster r-1 has contributed
+to r or is gone (heartbeat says left/aborted, or silent for the heartbeat timeout),
+and the members plus the joiners admitted now number at least ``min_ranks``. Then it
+is written with an exclusive create: the first writer wins and every other member
+reads the winner's roster, so all agree although each judged liveness alone.
+
+**Who checks.** Checking completeness costs one request per missing contribution,
+so not everyone does it: a member checks only when every member before it in the
+previous roster (and, for a joiner, every join entry before its own) is gone. In a
+healthy job that is member 0 alone; every other member polls the roster object and,
+once per heartbeat interval, the heartbeat of the first predecessor it finds alive
+(member 0's). When the checker dies or leaves, the next live member takes over as
+soon as it sees that (at once for a graceful leave, after the heartbeat timeout for
+a silent death).
+"""
+
+from __future__ import annotations
+
+import time
+
+from .. import names
+from ..errors import SyncTimeout
+from ..storage import Backoff, Storage, object_exists
+from .membership import ALIVE, Roster, Rosters, Watch
+
+#: the most contribution bytes the checker keeps from its existence checks (S3)
+KEEP_BUDGET = 256 << 20
+
+
+class Agreement:
+    """Waits for the roster of a round and writes it when this member is the checker."""
+
+    def __init__(self, storage: Storage, rosters: Rosters, watch: Watch, *, min_ranks: int,
+                 max_ranks: int | None, poll: tuple[float, float], check_interval: float,
+                 url: str) -> None:
+        self._storage = storage
+        self._rosters = rosters
+        self._watch = watch
+        self._min = min_ranks
+        self._max = max_ranks
+        self._poll = poll
+        self._check_interval = check_interval
+        self._url = url
+        self._present: dict[int, set[str]] = {}  # round -> members seen to contribute
+        self._kept: dict[tuple[int, str], bytes] = {}  # see contributed()
+        self._kept_bytes = 0
+        self.waiting_on = "the roster's writer"  # for the timeout message
+
+    def contributed(self, round_: int, member: str) -> bool:
+        seen = self._present.setdefault(round_, set())
+        if member in seen:
+            return True
+        key = self._rosters.key(names.elastic_contribution(round_, member))
+        if not self._storage.round_trips_dominate:
+            found = object_exists(self._storage, key)  # an open on a local disk: cheap
+        else:
+            # an object store has no cheaper existence check than the GET that fetches
+            # the object: keep the bytes for the reduce (up to a budget) instead of
+            # fetching them twice
+            raw = self._storage.read(key)
+            found = raw is not None
+            if found and self._kept_bytes + len(raw) <= KEEP_BUDGET:
+                self._kept[(round_, member)] = raw
+                self._kept_bytes += len(raw)
+        if found:
+            seen.add(member)  # contributions are never withdrawn while the round is open
+        return found
+
+    def take(self, round_: int, member: str) -> bytes | None:
+        """The bytes of ``member``'s contribution to ``round_`` if this member kept them
+        while checking (then forgotten here), else None."""
+        raw = self._kept.pop((round_, member), None)
+        if raw is not None:
+            self._kept_bytes -= len(raw)
+        return raw
+
+    def complete(self, prev: Roster, round_: int) -> Roster | None:
+        """The roster of ``round_`` if it can be decided now (written, or the winner's
+        read back), else None with ``waiting_on`` saying why."""
+        survivors = []
+        for i, member in enumerate(prev.members):
+            if self.contributed(round_, member):
+                survivors.append(member)
+            elif self._watch.alive(member):
+                self.waiting_on = f"member {member} (rank {i}), alive but not contributed"
+                return None
+        joiners: list[str] = []
+        n = prev.join_next
+        room = (1 << 62) if self._max is None else self._max - len(survivors)
+        while len(joiners) < room:
+            member = self._rosters.join_entry(n)
+            if member is None:
+                break
+            n += 1
+            # a joiner whose heartbeat says it left, or was never seen beating past the
+            # timeout, is skipped: its entry is consumed and it learns so (PeerFailed)
+            if member in survivors or member in joiners or self._watch.state(member) != ALIVE:
+                continue
+            joiners.append(member)
+        if len(survivors) + len(joiners) < max(self._min, 1):
+            self.waiting_on = (f"joiners: {len(survivors) + len(joiners)} member(s), "
+                               f"fewer than min_ranks={self._min}")
+            return None
+        roster = Roster(round_, tuple(survivors), tuple(survivors + joiners), n)
+        return self._rosters.create(roster)
+
+    def is_checker(self, predecessors: list[str]) -> bool:
+        """True when every member before this one is gone (see the module docstring)."""
+        return not any(self._watch.alive(m) for m in predecessors)
+
+    def wait(self, round_: int, prev: Roster, predecessors: list[str],
+             deadline: float) -> Roster:
+        """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
+        after ``deadline``."""
+        backoff = Backoff(*self._poll)
+        checker = not predecessors
+        next_look = 0.0
+        while True:
+            roster = self._rosters.read(round_)
+            if roster is None:
+                now = time.monotonic()
+                if not checker and now >= next_look:
+                    checker = self.is_checker(predecessors)
+                    next_look = now + self._check_interval
+                    self.waiting_on = "the checker (the first live member) to write it"
+                if checker:
+                    roster = self.complete(prev, round_)
+            if roster is not None:
+                for old in [r for r in self._present if r <= round_]:
+                    del self._present[old]
+                for old in [k for k in self._kept if k[0] < round_]:
+                    self.take(*old)  # a round this member no longer reads
+                return roster
+            if time.monotonic() > deadline:
+                raise SyncTimeout(
+                    f"the roster of round {round_} was not agreed in time; waiting on "
+                    f"{self.waiting_on}",
+                    collective=round_, path=self._storage.path_of(
+                        self._rosters.key(names.elastic_roster(round_))),
+                    hint="start more members (min_ranks), or raise timeout")
+            backoff.sleep(deadline)

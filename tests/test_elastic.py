@@ -1,0 +1,334 @@
+"""Elastic jobs (ferrosync/elastic, docs/elastic.md): membership agreed through a
+directory by real processes; members join, leave gracefully and die.
+
+Every member contributes a value that names it (10**index, weight 1), so the average
+of a round says exactly who was in it: with members {0, 1} it is 5.5, with {0, 1, 2}
+37.0, and any other set gives another number.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import ferrosync
+from ferrosync.errors import ConfigError, LayoutMismatch, PeerFailed, ShardCorrupt, SyncTimeout
+from ranks import collect, run_ranks, start_ranks, wait_until
+
+# short enough to keep the file fast, long enough for a loaded 2-core machine
+FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.5}
+TIMEOUT = 30.0
+
+
+def avg_of(indices) -> float:
+    return sum(10.0 ** i for i in indices) / len(indices)
+
+
+def _values(index: int, round_: int):
+    g = torch.Generator().manual_seed(1000 * index + round_)
+    return [torch.randn(257, generator=g), torch.randn(33, generator=g).to(torch.float16),
+            torch.randn(5, generator=g).to(torch.bfloat16)]
+
+
+# -- (a) no change: equal to the fixed-size backend, bit-identical everywhere -----------------
+
+def w_steady(index, _world, url, rounds):
+    with ferrosync.connect(url, elastic=True, min_ranks=3, job="steady", timeout=TIMEOUT,
+                           **FAST) as sync:
+        start = sync.round
+        out = []
+        for k in range(rounds):
+            tensors = _values(index, k)
+            total = sync.average_(tensors, weight=index + 1)
+            out.append((total, tensors))
+        gathered = sync.all_gather(torch.tensor([index]))
+        return {"id": sync.member_id, "members": sync.membership, "rank": sync.rank,
+                "world": sync.world_size, "start": start, "end": sync.round, "out": out,
+                "gathered": [int(t) for t in gathered]}
+
+
+def w_fixed(rank, world, url, order, rounds):
+    index = order[rank]
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=TIMEOUT) as sync:
+        out = []
+        for k in range(rounds):
+            tensors = _values(index, k)
+            total = sync.average_(tensors, weight=index + 1)
+            out.append((total, tensors))
+        return out
+
+
+def test_steady_members_match_the_fixed_size_backend_bit_for_bit(tmp_path):
+    rounds = 3
+    got = run_ranks(w_steady, 3, str(tmp_path / "el"), rounds, timeout=120)
+    members = got[0]["members"]
+    assert all(g["members"] == members for g in got) and len(members) == 3
+    # one round per call, however many dtypes (buckets) a call's tensors make
+    assert all(g["end"] - g["start"] == rounds + 1 for g in got)
+    assert sorted(g["rank"] for g in got) == [0, 1, 2]
+    by_id = {g["id"]: g for g in got}
+    order = [None] * 3  # roster position -> the test's index of that member
+    for index, g in enumerate(got):
+        order[members.index(g["id"])] = index
+    # all_gather comes back in roster order
+    assert all(g["gathered"] == order for g in got)
+    reference = got[0]["out"]
+    for g in got[1:]:
+        for (t0, a), (t1, b) in zip(reference, g["out"]):
+            assert t0 == t1 == 6.0
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    fixed = run_ranks(w_fixed, 3, str(tmp_path / "fixed"), order, rounds, timeout=120)
+    for (te, e), (tf, f) in zip(by_id[members[0]]["out"], fixed[0]):
+        assert te == tf
+        assert all(torch.equal(x, y) for x, y in zip(e, f)), "elastic != fixed-size backend"
+
+
+# -- (b) SIGKILL, (c) graceful leave ---------------------------------------------------------
+
+def w_rounds(index, _world, url, rounds, position, how, job, hb_timeout, options=None):
+    opts = dict(FAST, heartbeat_timeout=hb_timeout, **(options or {}))
+    # min_ranks=2: the job goes on with two (min_ranks holds in every round, so 3
+    # would stop it); the barriers gather the third before the logged rounds
+    sync = ferrosync.connect(url, elastic=True, min_ranks=2, job=job, timeout=TIMEOUT, **opts)
+    while sync.world_size < 3:
+        sync.barrier()
+    log = []
+    for k in range(rounds):
+        t = torch.full((4,), 10.0 ** index)
+        began = time.monotonic()
+        total = sync.average_([t])
+        log.append((total, t[0].item(), time.monotonic() - began, sync.world_size,
+                    sync.membership_changed))
+        if k == 2 and sync.rank == position:  # the rank is agreed: exactly one goes
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            sync.close()
+            return log
+    sync.close()
+    return log
+
+
+# position 0 is the member that checks and writes the rosters: the next one must take
+# over (at once after a close, after the heartbeat timeout after a SIGKILL)
+@pytest.mark.parametrize("position", [0, 2])
+@pytest.mark.parametrize("how", ["kill", "close"])
+def test_a_member_that_goes_is_dropped_and_the_rest_continue(tmp_path, how, position):
+    hb_timeout = 2.5 if how == "kill" else 20.0  # a graceful leave must not wait for it
+    got = run_ranks(w_rounds, 3, str(tmp_path), 7, position, how, f"go-{how}", hb_timeout,
+                    timeout=120, expect_errors=True)
+    gone = [i for i, g in enumerate(got) if not isinstance(g, list) or len(g) == 3]
+    assert len(gone) == 1, got
+    stay = [i for i in range(3) if i not in gone]
+    if how == "kill":
+        assert "exit code -9" in repr(got[gone[0]])
+    else:
+        assert [x[1] for x in got[gone[0]]] == pytest.approx([37.0] * 3)
+    for i in stay:
+        log = got[i]
+        totals = [x[0] for x in log]
+        averages = [x[1] for x in log]
+        # rounds 0-2 had all three members, every later one exactly the survivors
+        assert totals == [3.0] * 3 + [2.0] * 4, log
+        assert averages == pytest.approx([avg_of([0, 1, 2])] * 3 + [avg_of(stay)] * 4)
+        assert [x[3] for x in log] == [3] * 3 + [2] * 4
+        assert [x[4] for x in log][3:] == [True, False, False, False]
+        drop_round = log[3][2]
+        if how == "kill":
+            assert drop_round < hb_timeout + 4.0, f"drop took {drop_round:.1f} s"
+        else:
+            assert drop_round < 4.0, f"a graceful leave took {drop_round:.1f} s to be seen"
+
+
+# -- (d) a newcomer joins at a round boundary ----------------------------------------------
+
+def w_grow(index, _world, url, extra):
+    sync = ferrosync.connect(url, elastic=True, min_ranks=2, job="grow", timeout=TIMEOUT,
+                             **FAST)
+    state = torch.zeros(3)
+    fetched = sync.fetch_state([state]) if index == 2 else None
+    joined = sync.round if index == 2 else None
+    log = []
+    while joined is None or sync.round < joined + extra:
+        t = torch.full((2,), 10.0 ** index)
+        total = sync.average_([t])
+        log.append((sync.round, total, t[0].item()))
+        if sync.rank == 0:
+            sync.publish_state([torch.full((3,), float(sync.round))])
+        if joined is None and sync.world_size == 3:
+            joined = sync.round
+        time.sleep(0.02)  # a training step's worth of work between rounds
+    sync.close()
+    return {"log": log, "joined": joined, "fetched": fetched, "state": state.tolist()}
+
+
+def test_a_newcomer_joins_at_a_round_boundary(tmp_path):
+    url = str(tmp_path)
+    procs, results = start_ranks(w_grow, 3, url, 4, ranks=[0, 1])
+    roster = tmp_path / "el.grow" / "r3.roster"
+    wait_until(roster.exists, "round 3 of the first two members", timeout=60)
+    late, late_results = start_ranks(w_grow, 3, url, 4, ranks=[2])
+    got = collect(procs, results, 120)
+    got.update(collect(late, late_results, 120))
+    assert sorted(got) == [0, 1, 2] and all(isinstance(v, dict) for v in got.values()), got
+    joined = got[2]["joined"]
+    assert got[0]["joined"] == got[1]["joined"] == joined >= 3
+    # the newcomer took the state published after the round it was admitted in (or
+    # one before it, published by a member that had not seen that roster yet)
+    assert got[2]["fetched"] in (joined - 1, joined)
+    assert got[2]["state"] == [float(got[2]["fetched"])] * 3
+    for index in (0, 1):
+        for round_, total, value in got[index]["log"]:
+            expect = [0, 1] if round_ <= joined else [0, 1, 2]
+            assert (total, value) == (len(expect), pytest.approx(avg_of(expect))), round_
+    assert [r for r, _, _ in got[2]["log"]] == list(range(joined + 1, joined + 5))
+    assert all(x[1:] == (3.0, pytest.approx(37.0)) for x in got[2]["log"])
+
+
+# -- (e) min_ranks, (f) jobs, (g) configuration ---------------------------------------------
+
+def test_fewer_than_min_ranks_is_a_sync_timeout(tmp_path):
+    began = time.monotonic()
+    with pytest.raises(SyncTimeout, match="min_ranks=2"):
+        ferrosync.connect(str(tmp_path), elastic=True, min_ranks=2, timeout=3.0, **FAST)
+    assert 3.0 <= time.monotonic() - began < 15.0
+
+
+def w_job(index, _world, url):
+    job = "left" if index < 2 else "right"
+    with ferrosync.connect(url, elastic=True, min_ranks=2, job=job, timeout=TIMEOUT,
+                           **FAST) as sync:
+        out = []
+        for _ in range(3):
+            t = torch.full((3,), 10.0 ** index)
+            out.append((sync.average_([t]), t[0].item(), sync.world_size))
+        return out
+
+
+def test_two_elastic_jobs_on_one_url_never_mix(tmp_path):
+    got = run_ranks(w_job, 4, str(tmp_path), timeout=120)
+    for index, log in enumerate(got):
+        expect = avg_of([0, 1]) if index < 2 else (100.0 + 1000.0) / 2
+        assert [(t, w) for t, _, w in log] == [(2.0, 2)] * 3
+        assert [v for _, v, _ in log] == pytest.approx([expect] * 3)
+
+
+def test_elastic_configuration_errors(tmp_path, monkeypatch):
+    url = str(tmp_path)
+    with pytest.raises(ConfigError, match="rank and world_size"):
+        ferrosync.connect(url, elastic=True, world_size=2)
+    with pytest.raises(ConfigError, match="rank and world_size"):
+        ferrosync.connect(url, elastic=True, rank=0)
+    with pytest.raises(ConfigError, match="elastic jobs only"):
+        ferrosync.connect(url, min_ranks=2)
+    with pytest.raises(ConfigError, match="max_ranks"):
+        ferrosync.connect(url, elastic=True, min_ranks=3, max_ranks=2)
+    with pytest.raises(ConfigError, match="unknown option"):
+        ferrosync.connect(url, elastic=True, wire_dtype="int8")
+    with pytest.raises(ConfigError, match="storage URL"):
+        ferrosync.connect("gloo://127.0.0.1:1", elastic=True)
+    # the launcher's RANK/WORLD_SIZE do not apply to an elastic member
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with ferrosync.connect(url, elastic=True, timeout=10.0, **FAST) as sync:
+        assert (sync.rank, sync.world_size) == (0, 1)
+        t = torch.full((2,), 4.0)
+        assert sync.average_([t]) == 1.0 and t.tolist() == [4.0, 4.0]
+
+
+# -- more: a stalled member is dropped, layouts, max_ranks, S3 -----------------------------
+
+def w_stall(index, _world, url, files):
+    opts = dict(FAST, heartbeat_timeout=1.5)
+    sync = ferrosync.connect(url, elastic=True, min_ranks=2, job="stall", timeout=TIMEOUT,
+                             **opts)
+    while sync.world_size < 3:
+        sync.barrier()
+    log = []
+    for k in range(4):
+        if index == 2 and k == 1:
+            # the test stops this process (SIGSTOP) here, past the heartbeat timeout
+            open(os.path.join(files, "ready"), "w").close()
+            wait_until(lambda: os.path.exists(os.path.join(files, "go")), "go", 60)
+        t = torch.full((2,), 10.0 ** index)
+        total = sync.average_([t])
+        log.append((total, t[0].item()))
+    sync.close()
+    return log
+
+
+def test_a_stalled_member_is_dropped_and_told_so(tmp_path):
+    url, files = str(tmp_path / "store"), str(tmp_path)
+    procs, results = start_ranks(w_stall, 3, url, files, ranks=[0, 1])
+    stalled, stalled_results = start_ranks(w_stall, 3, url, files, ranks=[2])
+    wait_until(lambda: os.path.exists(os.path.join(files, "ready")), "member 2 ready", 60)
+    os.kill(stalled[2].pid, signal.SIGSTOP)
+    try:
+        open(os.path.join(files, "go"), "w").close()
+        got = collect(procs, results, 60)
+    finally:
+        os.kill(stalled[2].pid, signal.SIGCONT)
+    late = collect(stalled, stalled_results, 60)[2]
+    for index in (0, 1):
+        assert got[index] == [(3.0, pytest.approx(37.0))] + [(2.0, pytest.approx(5.5))] * 3
+    assert isinstance(late.error, PeerFailed) and "dropped" in str(late.error), late
+
+
+def w_mismatch(index, _world, url):
+    with ferrosync.connect(url, elastic=True, min_ranks=2, job="mismatch", timeout=TIMEOUT,
+                           **FAST) as sync:
+        sync.average_([torch.zeros(4 + index)])
+
+
+def test_a_layout_mismatch_is_raised_on_every_member(tmp_path):
+    got = run_ranks(w_mismatch, 2, str(tmp_path), timeout=60, expect_errors=True)
+    assert all(isinstance(g.error, LayoutMismatch) for g in got), got
+
+
+def w_capped(index, _world, url, stop):
+    try:
+        sync = ferrosync.connect(url, elastic=True, min_ranks=2, max_ranks=2, job="capped",
+                                 timeout=4.0, **FAST)
+    except SyncTimeout as exc:
+        return ("timeout", str(exc))
+    sizes = set()
+    while sync.round < stop:
+        sync.barrier()
+        sizes.add(sync.world_size)
+        time.sleep(0.05)  # a training step between rounds
+    sync.close()
+    return ("member", sorted(sizes))
+
+
+def test_max_ranks_admits_no_more(tmp_path):
+    # 120 rounds of >= 50 ms outlast the third member's 4 s connect timeout
+    got = run_ranks(w_capped, 3, str(tmp_path), 120, timeout=120)
+    assert sorted(kind for kind, _ in got) == ["member", "member", "timeout"], got
+    assert all(detail == [2] for kind, detail in got if kind == "member")
+
+
+def test_a_graceful_leave_over_s3(seaweed_transport):
+    t = seaweed_transport
+    got = run_ranks(w_rounds, 3, t.url, 5, 1, "close", "s3-leave", 20.0, options=t.options,
+                    timeout=180)
+    gone = [i for i, g in enumerate(got) if len(g) == 3]
+    stay = [i for i in range(3) if i not in gone]
+    assert len(gone) == 1
+    for i in stay:
+        assert [x[0] for x in got[i]] == [3.0] * 3 + [2.0] * 2
+        assert [x[1] for x in got[i]] == pytest.approx([37.0] * 3 + [avg_of(stay)] * 2)
+
+
+def w_secret(index, _world, url):
+    with ferrosync.connect(url, elastic=True, min_ranks=2, job="keys", timeout=10.0,
+                           secret=f"key-{index}", **FAST) as sync:
+        sync.barrier()
+
+
+def test_records_without_the_jobs_secret_are_refused(tmp_path):
+    # each member holds another key: neither may act on the other's join entry
+    got = run_ranks(w_secret, 2, str(tmp_path), timeout=60, expect_errors=True)
+    assert all(isinstance(g.error, ShardCorrupt) and "MAC" in str(g.error) for g in got), got
