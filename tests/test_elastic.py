@@ -8,8 +8,11 @@ of a round says exactly who was in it: with members {0, 1} it is 5.5, with {0, 1
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -141,6 +144,25 @@ def test_a_member_that_goes_is_dropped_and_the_rest_continue(tmp_path, how, posi
             assert drop_round < hb_timeout + 4.0, f"drop took {drop_round:.1f} s"
         else:
             assert drop_round < 4.0, f"a graceful leave took {drop_round:.1f} s to be seen"
+    # `ferrosync inspect` tells the story from the rosters and heartbeats on storage
+    report = inspect_json(tmp_path)
+    (job,) = report["elastic_jobs"]
+    assert job["job"] == f"go-{how}" and len(job["members"]) == 2, job
+    kinds = [(e["event"]) for e in job["events"]]
+    assert kinds.count("joined") == 3, job["events"]
+    assert kinds.count("left" if how == "close" else "died") == 1, job["events"]
+    assert job["membership_changes"] == 4 and not job["problems"], job
+    assert not [k for k in report["foreign_objects"] if k.startswith("el.")]
+    text = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(tmp_path),
+                           "--watch", "0"], capture_output=True, text=True, timeout=60).stdout
+    assert f"elastic job go-{how}" in text and "2 member(s) now" in text, text
+
+
+def inspect_json(url) -> dict:
+    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(url), "--json",
+                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 # -- (d) a newcomer joins at a round boundary ----------------------------------------------

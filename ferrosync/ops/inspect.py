@@ -22,6 +22,8 @@ from ..costs import is_billed, request_cost
 from ..errors import StorageError
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
+from .elastic_history import elastic_reports, is_elastic_namespace
+from .elastic_history import render as render_elastic
 from .scan import FoundGeneration, Namespace, Scan, human_bytes, read_record, scan
 from .watch import RankView, generation_status, judge, progress, stragglers
 
@@ -239,7 +241,9 @@ def build_report(storage: Storage, secret: bytes | None, window: float,
         "generations": reports,
         "orphan_temp_files": [o.key for o in found.temps],
         "leftover_probes": [o.key for o in found.probes],
-        "foreign_objects": [o.key for o in found.foreign],
+        "elastic_jobs": elastic_reports(storage, [o.key for o in found.foreign], secret),
+        "foreign_objects": [o.key for o in found.foreign
+                            if not is_elastic_namespace(o.key.partition("/")[0])],
         "irregular_entries": [{"key": key, "kind": what} for key, what in found.irregular],
         "untrusted_announcements": sorted(
             r.key for ns in found.namespaces.values() for r in ns.announcements.values()
@@ -268,6 +272,7 @@ def render(report: dict) -> str:
     for gen in gens:
         lines.append("")
         lines.extend(_render_generation(gen))
+    lines.extend(render_elastic(report["elastic_jobs"]))
     for title, key in (("orphaned temp files", "orphan_temp_files"),
                        ("leftover probes", "leftover_probes"),
                        ("objects ferrosync does not write (left alone)", "foreign_objects")):
