@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -37,8 +38,17 @@ def run_cli(*args, cwd, timeout: float = 180, **env) -> subprocess.CompletedProc
 
 
 def start_cli(*args, cwd, **env) -> subprocess.Popen:
+    """Start without waiting; the tests send it SIGINT (Ctrl-C) and SIGTERM."""
     return subprocess.Popen(command(*args), cwd=cwd, env=cli_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    # a suite started in the background by a non-interactive shell (`cmd &`) inherits
+    # SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt: the
+    # launcher under test must see the signal the way a terminal user's would
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def final_of(stdout: str) -> dict:
