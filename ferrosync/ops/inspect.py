@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 
-from ..costs import is_billed, request_cost
+from ..costs import hourly, is_billed
 from ..errors import StorageError
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
@@ -54,7 +54,7 @@ def rank_report(view: RankView) -> dict:
 
 def _request_rate(heartbeat) -> dict:
     """The rank's storage requests per hour since it connected, from its own heartbeat
-    (both times by its own clock), and the counts by kind for pricing."""
+    (both times by its own clock), and their cost per hour at S3 list prices."""
     counts, since, now = (heartbeat.get("requests"), heartbeat.get("connected_at"),
                           heartbeat.get("wall_time"))
     if not isinstance(counts, dict) or not all(
@@ -62,17 +62,16 @@ def _request_rate(heartbeat) -> dict:
         return {}
     clean = {k: v for k, v in counts.items() if isinstance(v, int) and v >= 0}
     return {"requests_by_kind": clean, "connected_s": round(now - since, 1),
-            "requests_per_hour": clean.get("requests", 0) * 3600.0 / (now - since)}
+            **hourly(clean, now - since, None, billed=True)}
 
 
-def requests_summary(ranks: list[dict], billed: bool, prices: dict | None) -> dict | None:
+def requests_summary(ranks: list[dict], billed: bool) -> dict | None:
     """All ranks' requests per hour and, on a billed object store, their cost per hour
-    at ``prices`` (None: no rank's heartbeat says)."""
+    (None: no rank's heartbeat says)."""
     rates = [r for r in ranks if r.get("requests_per_hour") is not None]
     if not rates:
         return None
-    cost = sum(request_cost(r["requests_by_kind"], prices) * 3600.0 / r["connected_s"]
-               for r in rates if r["connected_s"] > 0)
+    cost = sum(r["request_cost_per_hour"] for r in rates)
     return {"requests_per_hour": sum(r["requests_per_hour"] for r in rates),
             "request_cost_per_hour": cost if billed else None, "ranks": len(rates)}
 
@@ -105,7 +104,7 @@ def generation_report(storage: Storage, gen: FoundGeneration, views: list[RankVi
         "temp_files": [t.key for t in gen.temps],
         "last_collective_on_storage": gen.last_collective(),
         "ranks": (ranks := [rank_report(v) for v in views]),
-        "storage_requests": requests_summary(ranks, is_billed(storage.url), None),
+        "storage_requests": requests_summary(ranks, is_billed(storage.url)),
         "stragglers": stragglers(views),
         "progress": progress(views),
         "aborts": [rank_report(v)["abort"] | {"rank": v.rank}
