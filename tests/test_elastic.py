@@ -92,10 +92,14 @@ def test_steady_members_match_the_fixed_size_backend_bit_for_bit(tmp_path):
 
 # -- (b) SIGKILL, (c) graceful leave ---------------------------------------------------------
 
-def w_rounds(index, _world, url, rounds, position, how, job, hb_timeout, options=None):
+def w_rounds(index, _world, url, rounds, position, how, job, hb_timeout, gate, options=None):
     opts = dict(FAST, heartbeat_timeout=hb_timeout, **(options or {}))
     # min_ranks=2: the job goes on with two (min_ranks holds in every round, so 3
     # would stop it); the barriers gather the third before the logged rounds
+    # all three connect together (a start gate beside the store), so that the first two
+    # spin few barrier rounds and the whole history stays inside the rosters' window
+    open(os.path.join(gate, str(index)), "w").close()
+    wait_until(lambda: len(os.listdir(gate)) == 3, "all three members at the gate")
     sync = ferrosync.connect(url, elastic=True, min_ranks=2, job=job, timeout=TIMEOUT, **opts)
     while sync.world_size < 3:
         sync.barrier()
@@ -121,8 +125,10 @@ def w_rounds(index, _world, url, rounds, position, how, job, hb_timeout, options
 @pytest.mark.parametrize("how", ["kill", "close"])
 def test_a_member_that_goes_is_dropped_and_the_rest_continue(tmp_path, how, position):
     hb_timeout = 2.5 if how == "kill" else 20.0  # a graceful leave must not wait for it
+    gate = tmp_path.parent / f"{tmp_path.name}-gate"
+    gate.mkdir()
     got = run_ranks(w_rounds, 3, str(tmp_path), 7, position, how, f"go-{how}", hb_timeout,
-                    timeout=120, expect_errors=True)
+                    str(gate), timeout=120, expect_errors=True)
     gone = [i for i, g in enumerate(got) if not isinstance(g, list) or len(g) == 3]
     assert len(gone) == 1, got
     stay = [i for i in range(3) if i not in gone]
@@ -149,9 +155,12 @@ def test_a_member_that_goes_is_dropped_and_the_rest_continue(tmp_path, how, posi
     (job,) = report["elastic_jobs"]
     assert job["job"] == f"go-{how}" and len(job["members"]) == 2, job
     kinds = [(e["event"]) for e in job["events"]]
-    assert kinds.count("joined") == 3, job["events"]
+    # the rosters keep a window of rounds: the joins are all there when round 0 still is
+    # (the start gate makes that the rule; a very slow start can push the first out)
+    joins = 3 if job["rounds_on_storage"][0] == 0 else kinds.count("joined")
+    assert kinds.count("joined") == joins and joins >= 1, job
     assert kinds.count("left" if how == "close" else "died") == 1, job["events"]
-    assert job["membership_changes"] == 4 and not job["problems"], job
+    assert job["membership_changes"] == joins + 1 and not job["problems"], job
     assert not [k for k in report["foreign_objects"] if k.startswith("el.")]
     text = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(tmp_path),
                            "--watch", "0"], capture_output=True, text=True, timeout=60).stdout
@@ -332,10 +341,10 @@ def test_max_ranks_admits_no_more(tmp_path):
     assert all(detail == [2] for kind, detail in got if kind == "member")
 
 
-def test_a_graceful_leave_over_s3(seaweed_transport):
+def test_a_graceful_leave_over_s3(seaweed_transport, tmp_path):
     t = seaweed_transport
-    got = run_ranks(w_rounds, 3, t.url, 5, 1, "close", "s3-leave", 20.0, options=t.options,
-                    timeout=180)
+    got = run_ranks(w_rounds, 3, t.url, 5, 1, "close", "s3-leave", 20.0, str(tmp_path),
+                    options=t.options, timeout=180)
     gone = [i for i, g in enumerate(got) if len(g) == 3]
     stay = [i for i in range(3) if i not in gone]
     assert len(gone) == 1
