@@ -89,6 +89,9 @@ class GradSync(abc.ABC):
 
     #: per-backend default bucket size; None means one bucket per dtype
     default_bucket_bytes: int | None = None
+    #: True for an elastic job's member, whose rank and world size may change after
+    #: any collective (``ferrosync.elastic``); strategies and loops check it
+    elastic = False
 
     def __init__(self, url: str, identity: Identity, timeout: float, counters,
                  bucket_bytes: int | None = None) -> None:

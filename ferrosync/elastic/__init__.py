@@ -63,9 +63,9 @@ from ..wire import (
 )
 from .membership import ABORTED, LEFT, Heartbeat, Roster, Rosters, Watch
 from .rounds import Agreement
-from .state import StateStore
+from .state import PublishedState, StateStore
 
-__all__ = ["ElasticSync", "ElasticOptions", "connect_elastic"]
+__all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic"]
 
 #: contributions carry the bytes of every bucket of a call, so their header says uint8
 _UINT8 = DTYPE_CODES[torch.uint8]
@@ -110,6 +110,8 @@ class ElasticSync(GradSync):
     round), or raises ``SyncTimeout`` when no roster admits it within ``timeout``
     (fewer than ``min_ranks`` members, or ``max_ranks`` reached).
     """
+
+    elastic = True
 
     @classmethod
     def check_options(cls, options: dict) -> ElasticOptions:
@@ -169,6 +171,18 @@ class ElasticSync(GradSync):
     def round(self) -> int:
         """The round of the latest roster this member has seen."""
         return self._roster.round
+
+    @property
+    def contributors(self) -> list[str]:
+        """The members whose contributions made the latest round (roster order); empty
+        in the roster that admitted this member when it founded (or re-founded) the job."""
+        return list(self._roster.contributors)
+
+    @property
+    def newcomers(self) -> list[str]:
+        """The members the latest round admitted: they take part from the next round and
+        need the job's state (``publish_state`` after this round)."""
+        return [m for m in self._roster.members if m not in self._roster.contributors]
 
     @property
     def membership_changed(self) -> bool:
@@ -397,18 +411,31 @@ class ElasticSync(GradSync):
         self._storage.close()
 
     # -- state for joiners ------------------------------------------------------------------
-    def publish_state(self, tensors) -> int:
-        """Publish ``tensors`` as the job's state after the current round (not a
-        collective: typically rank 0 calls it after a round). Returns the round."""
+    def publish_state(self, tensors, meta: dict | None = None) -> int:
+        """Publish ``tensors`` (a list, or a dict by name) and a small JSON ``meta`` dict
+        as the job's state after the current round. Not a collective: typically rank 0
+        calls it after a round that admitted newcomers. Returns the round."""
         self._check_usable()
-        return self._state.publish(list(tensors), self._roster.round, self.rank)
+        return self._state.publish(tensors, self._roster.round, self.rank, meta)
 
     def fetch_state(self, tensors) -> int | None:
         """Copy the newest published state into ``tensors`` (same dtypes and shapes as
         published, else ``LayoutMismatch``); the round it was published after, or None
         if nothing was published yet. Not a collective."""
         self._check_usable()
-        return self._state.fetch(list(tensors), time.monotonic() + self.timeout, self.rank)
+        return self._state.fetch(tensors, time.monotonic() + self.timeout, self.rank)
+
+    def read_state(self, min_round: int | None = None,
+                   timeout: float | None = None) -> PublishedState | None:
+        """The newest published state as new tensors (by name) and its ``meta``, for a
+        joiner that cannot shape the tensors itself. With ``min_round``, waits (up to
+        ``timeout``, default the sync's) for a state published after that round, e.g.
+        the round that admitted this member, and raises ``SyncTimeout`` if none comes;
+        without it, returns None when nothing was published yet. Not a collective."""
+        self._check_usable()
+        wait = self.timeout if timeout is None else validate.number(
+            "timeout", timeout, positive=True)
+        return self._state.read(time.monotonic() + wait, self.rank, min_round)
 
     def __repr__(self) -> str:
         return (f"ElasticSync(url={self.url!r}, member={self.member_id}, rank={self.rank}, "

@@ -75,10 +75,11 @@ class Strategy:
         ``load_state_dict`` (a resumed run) every rank already holds its own
         checkpointed state and nothing is broadcast. Subclasses that keep extra
         state (a copy of the parameters, an outer optimizer) create it here, after
-        calling ``super().attach``.
+        calling ``super().attach``. An elastic job's members agree on their start
+        through the store instead (``ferrosync.train.elastic``): nothing is broadcast.
         """
         self.sync = sync
-        if self._restored:
+        if self._restored or sync.elastic:
             return
         tensors = [t.detach() for t in (*model.parameters(), *model.buffers())]
         if tensors:

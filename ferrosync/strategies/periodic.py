@@ -127,9 +127,15 @@ class PeriodicStrategy(Strategy):
                 f"sync timeout ({sync.timeout:g} s): a rank that reaches a sync early "
                 "waits up to a whole window there", rank=sync.rank,
                 hint="raise --timeout to more than twice the window, or sync more often")
-        if self._masses is None:
+        if sync.elastic:
+            if not self.lockstep:
+                raise ConfigError("sync_every_seconds needs a fixed membership: an elastic "
+                                  "job merges every sync_every steps", rank=sync.rank,
+                                  hint="use sync_every H")
+            self._masses = None  # per-rank totals mean nothing when the ranks change
+        elif self._masses is None:
             self._masses = [0] * sync.world_size
-        if len(self._masses) != sync.world_size:
+        if self._masses is not None and len(self._masses) != sync.world_size:
             raise ConfigError(f"the strategy state is for {len(self._masses)} ranks, this "
                               f"run has {sync.world_size}", rank=sync.rank)
         self._buffers = float_buffers(model)
@@ -187,6 +193,8 @@ class PeriodicStrategy(Strategy):
         sync's telemetry (see ``TELEMETRY_KEYS``).
         """
         done = done or (self._steps_left is not None and self._steps_left <= 0)
+        if self.sync.elastic:
+            return self._merge_elastic(model, done)
         with self._measured({"synced": True}) as telemetry:
             record = torch.tensor(self._record(done), dtype=torch.float64)
             gathered = self.sync.all_gather(record)
@@ -212,6 +220,25 @@ class PeriodicStrategy(Strategy):
         self._all_done = all(bool(g[1]) for g in gathered)
         self._plan()
         self._deadline = self._next_deadline()
+        self._last = dict(telemetry)
+        return telemetry
+
+    def _merge_elastic(self, model, done: bool) -> dict:
+        """An elastic job's sync: one collective, the merge itself. There is no record
+        gather (a membership change between two collectives would split one sync): in
+        lockstep every member knows the window (its own mass) and the end (its own
+        step count, agreed through the published state)."""
+        with self._measured({"synced": True, "skipped": False}) as telemetry:
+            params = [p.detach() for p in model.parameters()]
+            pre_norm = norm(params)
+            weight = float(self._window) ** self.gamma if self._window > 0 else 0.0
+            distance, post_norm = self._merge(params, weight)
+            divergence = distance / post_norm if post_norm > 0 else 0.0
+            self._div_sum += divergence
+            telemetry.update(divergence=divergence, pre_norm=pre_norm, post_norm=post_norm)
+        self._syncs += 1
+        self._window = 0
+        self._all_done = done
         self._last = dict(telemetry)
         return telemetry
 
@@ -312,7 +339,8 @@ class PeriodicStrategy(Strategy):
             "divergence_mean": self._div_sum / merged if merged else None,
             "pre_norm": self._last.get("pre_norm"),
             "post_norm": self._last.get("post_norm"),
-            "masses": list(self._masses or []),  # identical on every rank
+            # identical on every rank; None in an elastic job (ranks change)
+            "masses": list(self._masses) if self._masses is not None else None,
         }
 
 

@@ -30,7 +30,7 @@ STRATEGY_FLAGS = known_settings()
 TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
                  "checkpoint_every", "resume", "strategy", "model", "data", "loss",
                  "optimizer", "device", "keep_checkpoints", "sync_options", "no_progress",
-                 "timeout", "storage_prices", *STRATEGY_FLAGS)
+                 "timeout", "storage_prices", "publish_every", *STRATEGY_FLAGS)
 
 EPILOG = f"""\
 examples:
@@ -66,7 +66,7 @@ def _option(text: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every flag of ``python -m ferrosync.train``, in four help groups."""
+    """Every flag of ``python -m ferrosync.train``, in five help groups."""
     p = _Parser(
         prog=PROG,
         description="Data-parallel training through shared storage: launch local ranks, "
@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    for add_group in (_launching_flags, _trainer_flags, _checkpoint_flags, _strategy_flags):
+    for add_group in (_launching_flags, _elastic_flags, _trainer_flags, _checkpoint_flags,
+                      _strategy_flags):
         add_group(p)
     return p
 
@@ -109,6 +110,25 @@ def _launching_flags(p: argparse.ArgumentParser) -> None:
                    "trainer; it calls ferrosync.connect() with no arguments")
     g.add_argument("script_args", nargs=argparse.REMAINDER, metavar="SCRIPT_ARGS",
                    help="arguments passed to SCRIPT")
+
+
+def _elastic_flags(p: argparse.ArgumentParser) -> None:
+    """Members that join and leave a running job (docs/elastic.md#the-trainer)."""
+    g = p.add_argument_group("elastic jobs")
+    g.add_argument("--elastic", action="store_true",
+                   help="this process (each of --nproc) is one member of the elastic job at "
+                   "--sync, started whenever it is started: it joins the running job (or "
+                   "starts it, or resumes it from the store), members may die or leave, and "
+                   "the launcher does not stop siblings when one fails; --steps counts the "
+                   "job's global steps; grad, local-sgd or diloco")
+    g.add_argument("--min-ranks", type=cli_number(int, minimum=1), metavar="M",
+                   help="with --elastic: every round waits for at least M members (default 1)")
+    g.add_argument("--max-ranks", type=cli_number(int, minimum=1), metavar="N",
+                   help="with --elastic: admit at most N members; later ones wait")
+    g.add_argument("--publish-every", type=cli_number(int, minimum=1), metavar="K",
+                   help="with --elastic: rank 0 also publishes the job's state every K steps "
+                   "(what the job resumes from if every member is lost; it is always "
+                   "published when members join and at the end)")
 
 
 def _trainer_flags(p: argparse.ArgumentParser) -> None:
@@ -220,6 +240,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             raise ConfigError(f"SCRIPT {args.script!r} does not exist",
                               hint="give the path of a Python file (or no SCRIPT for the "
                               "built-in trainer)")
+    _check_elastic(args)
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
     if args.resume and not args.checkpoint_dir:
@@ -236,6 +257,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                               f"{args.nnodes_sim}", hint="every simulated node needs the same "
                               "number of ranks")
     return args
+
+
+def _check_elastic(args) -> None:
+    """The flags that only make sense with --elastic, and those that cannot go with it."""
+    if not args.elastic:
+        given = [f for f, v in (("--min-ranks", args.min_ranks), ("--max-ranks", args.max_ranks),
+                                ("--publish-every", args.publish_every)) if v is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} need(s) --elastic")
+        return
+    if args.min_ranks and args.max_ranks and args.max_ranks < args.min_ranks:
+        raise ConfigError(f"--max-ranks {args.max_ranks} is below --min-ranks {args.min_ranks}")
+    refused = [(args.checkpoint_dir, "--checkpoint-dir", "the job's state is published on "
+                "--sync and a job that lost every member resumes from it by itself"),
+               (args.resume, "--resume", "a member always continues the job at --sync"),
+               (args.local, "--local", "members are not grouped by node"),
+               (args.sync_every_seconds, "--sync-every-seconds",
+                "members merge every --sync-every H global steps")]
+    for value, flag, why in refused:
+        if value:
+            raise ConfigError(f"{flag} does not go with --elastic: {why}",
+                              hint=f"drop {flag}")
+    if args.strategy not in (None, "grad", "local-sgd", "diloco"):
+        raise ConfigError(f"--elastic runs --strategy grad, local-sgd or diloco, not "
+                          f"{args.strategy}", hint="pick one of those")
 
 
 def resolve(spec: str, flag: str):

@@ -11,17 +11,19 @@ import os
 import runpy
 import signal
 import sys
+import time
 import traceback
 
 import torch
 
 from ..api import connect, fail_open_syncs
 from ..env import ENV_URL
-from ..errors import ConfigError
+from ..errors import ConfigError, SyncTimeout
 from ..strategies import make_strategy
 from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
 from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, STRATEGY_FLAGS, resolve
+from .elastic import ElasticTrainer, RejoinNeeded, metrics_path_for
 from .trainer import Trainer, resolve_device
 
 LOSSES = {
@@ -120,20 +122,28 @@ def make_eval(dataset, loss_fn, classification: bool, device):
 
 
 def build_trainer(args) -> Trainer:
-    """The Trainer for these flags; everything that can fail on bad input fails here."""
+    """The Trainer (``ElasticTrainer`` with ``--elastic``) for these flags; everything
+    that can fail on bad input fails here."""
     strategy = _strategy(args)
     train, evaluation, target = _datasets(args)
     loss_fn, classification = _loss(args, target)
     epochs = args.epochs if args.epochs or args.steps else DEFAULT_EPOCHS
-    trainer = Trainer(
-        _model_fn(args), _optimizer_fn(args), loss_fn, train,
-        batch_size=args.batch_size or DEFAULT_BATCH_SIZE, epochs=epochs, steps=args.steps,
-        strategy=strategy, seed=args.seed or 0, metrics_path=args.metrics,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        resume=args.resume, keep_checkpoints=args.keep_checkpoints or 2,
-        storage_options=_checkpoint_options(args), progress=not args.no_progress,
-        device=args.device, storage_prices=args.storage_prices,
-    )
+    common = dict(batch_size=args.batch_size or DEFAULT_BATCH_SIZE, epochs=epochs,
+                  steps=args.steps, strategy=strategy, seed=args.seed or 0,
+                  progress=not args.no_progress, storage_prices=args.storage_prices)
+    if args.elastic:
+        trainer = ElasticTrainer(
+            _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,
+            min_ranks=args.min_ranks or 1, publish_every=args.publish_every,
+            metrics_path=metrics_path_for(args.metrics),
+            device=resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0) or 0)))
+    else:
+        trainer = Trainer(
+            _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,
+            metrics_path=args.metrics, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every, resume=args.resume,
+            keep_checkpoints=args.keep_checkpoints or 2,
+            storage_options=_checkpoint_options(args), device=args.device)
     if evaluation is not None:
         trainer.eval_fn = make_eval(evaluation, loss_fn, classification, trainer.device)
     return trainer
@@ -205,8 +215,31 @@ def run_rank(args) -> int:
     if args.script is not None:
         return run_script(args, url)
     trainer = build_trainer(args)
+    if args.elastic:
+        return run_member(trainer, args, url)
     with connect(url, timeout=args.timeout or 300.0, **args.sync_options) as sync:
         summary = trainer.fit(sync)
+    return 0 if summary["ranks_agree"] else 1
+
+
+def run_member(trainer: ElasticTrainer, args, url: str) -> int:
+    """One member of the elastic job at ``url``: join (or found), train to the job's
+    end, report. A newcomer whose state never came leaves and joins again, until
+    ``--timeout`` runs out."""
+    timeout = args.timeout or 300.0
+    deadline = time.monotonic() + timeout
+    while True:
+        with connect(url, elastic=True, min_ranks=args.min_ranks or 1,
+                     max_ranks=args.max_ranks, timeout=timeout, **args.sync_options) as sync:
+            try:
+                summary = trainer.fit(sync)
+                break
+            except RejoinNeeded as exc:
+                if time.monotonic() > deadline:
+                    raise SyncTimeout(f"joined the elastic job but never got its state: {exc}",
+                                      path=url, hint="check that its members are running")
+                print(f"ferrosync.train: member {sync.member_id}: {exc}; joining again",
+                      file=sys.stderr, flush=True)
     return 0 if summary["ranks_agree"] else 1
 
 
