@@ -22,6 +22,7 @@ from .errors import (
     ShardCorrupt,
     StorageError,
     SyncClosed,
+    JobEnded,
     SyncTimeout,
 )
 from .partition import ShardSampler, shard_indices
@@ -47,6 +48,7 @@ __all__ = [
     "DuplicateRank",
     "StorageError",
     "SyncClosed",
+    "JobEnded",
     "__version__",
     "Trainer",
 ]

@@ -21,6 +21,7 @@ __all__ = [
     "DuplicateRank",
     "StorageError",
     "SyncClosed",
+    "JobEnded",
 ]
 
 
@@ -104,6 +105,11 @@ class StorageError(FerrosyncError, OSError):
 
 class SyncClosed(FerrosyncError, RuntimeError):
     """A collective was called after ``close()`` or after an earlier collective failed."""
+
+
+class JobEnded(SyncClosed):
+    """The elastic job this process tried to join has ended (a member called
+    ``end_job``): there is no round left to join."""
 
 
 def error_class(name: str) -> type[FerrosyncError]:

@@ -223,6 +223,7 @@ def parse(name: str) -> Name:
 #     r{r}.{id}          a member's contribution to round r (``elastic_contribution``)
 #     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
 #     state / state.{r}  the published training state and its pointer (``elastic_state``)
+#     ended              the job is over: joiners stop waiting (``ELASTIC_ENDED``)
 #
 # Member ids are 16 lowercase hex digits, so ``hb.{id}`` never reads as ``hb.r{k}`` and
 # ``join.{n}`` never as ``join.r{k}.{n}``.
@@ -233,6 +234,8 @@ ELASTIC = "el"
 ELASTIC_LATEST = "latest"
 #: the pointer to the newest published state (overwritten)
 ELASTIC_STATE_POINTER = "state"
+#: the job's end marker (exclusive create by any member, never removed)
+ELASTIC_ENDED = "ended"
 _MEMBER_ID = re.compile(r"[0-9a-f]{16}")
 
 
@@ -285,6 +288,7 @@ _ELASTIC_PATTERNS = (
     ("elastic_latest", re.escape(ELASTIC_LATEST), ()),
     ("elastic_state_pointer", re.escape(ELASTIC_STATE_POINTER), ()),
     ("elastic_state", rf"state\.{_N}", ("collective",)),
+    ("elastic_ended", re.escape(ELASTIC_ENDED), ()),
 )
 _ELASTIC_COMPILED = tuple((kind, re.compile(p), f) for kind, p, f in _ELASTIC_PATTERNS)
 #: what ``parse_elastic`` can answer (``collective`` holds the round, ``token`` the id)

@@ -66,3 +66,26 @@ def small_data(n: int = 600, features: int = 10, classes: int = 4):
     y = (x[:, :classes] * torch.arange(1, classes + 1)).argmax(dim=1)
     cut = n * 5 // 6
     return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
+
+
+class PacedMLP(torch.nn.Module):
+    """The demo's model with a fixed compute time per training forward
+    (``FERROSYNC_TEST_STEP_S`` seconds, default 0.01): a stand-in for a model whose
+    step takes that long, so an elastic job outlasts the start of a new process
+    however fast this machine runs the demo. Same parameters as the demo's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from ferrosync.train import demo
+
+        self.net = demo.model()
+        self.step_s = float(os.environ.get("FERROSYNC_TEST_STEP_S", "0.01"))
+
+    def forward(self, x):
+        if self.training:
+            time.sleep(self.step_s)  # the time a bigger model would compute
+        return self.net(x)
+
+
+def paced_mlp() -> torch.nn.Module:
+    return PacedMLP()

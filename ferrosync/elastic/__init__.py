@@ -49,7 +49,7 @@ from ..backends.options import (
 )
 from ..codecs import CODEC_RAW, accumulator_dtype, as_uint8
 from ..env import Identity
-from ..errors import ConfigError, LayoutMismatch, PeerFailed, ShardCorrupt
+from ..errors import ConfigError, JobEnded, LayoutMismatch, PeerFailed, ShardCorrupt
 from ..storage import open_storage, probe_location
 from ..wire import (
     DTYPE_CODES,
@@ -57,6 +57,7 @@ from ..wire import (
     KIND_CONTRIB,
     Header,
     PayloadCheck,
+    decode_record,
     encode_record,
     parse_header,
     seal,
@@ -65,7 +66,7 @@ from .membership import ABORTED, LEFT, Heartbeat, Roster, Rosters, Watch
 from .rounds import Agreement
 from .state import PublishedState, StateStore
 
-__all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic"]
+__all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic", "peek_state"]
 
 #: contributions carry the bytes of every bucket of a call, so their header says uint8
 _UINT8 = DTYPE_CODES[torch.uint8]
@@ -103,6 +104,19 @@ def connect_elastic(url: str, timeout: float, min_ranks, max_ranks, options: dic
     return ElasticSync(url, timeout, checked, min_ranks=min_ranks, max_ranks=max_ranks)
 
 
+def peek_state(url: str, options: dict, timeout: float = 300.0) -> PublishedState | None:
+    """The newest state published in the elastic job at ``url`` (``options`` as for
+    ``connect``: ``job``, ``secret``, ``storage_options``; others are ignored), read
+    without joining it: for a process that found the job ended (``JobEnded``)."""
+    checked = ElasticOptions.parse(options)
+    storage = open_storage(url, checked.storage_options)
+    try:
+        store = StateStore(storage, names.elastic_namespace(checked.job), checked.secret)
+        return store.read(time.monotonic() + timeout, None, None)
+    finally:
+        storage.close()
+
+
 class ElasticSync(GradSync):
     """A member of an elastic job. Create with ``connect(url, elastic=True)``.
 
@@ -135,7 +149,8 @@ class ElasticSync(GradSync):
         poll = (options.poll_initial or storage.poll_initial,
                 options.poll_max or storage.poll_max)
         self._rosters = Rosters(storage, self._ns, self._secret, url)
-        watch = Watch(storage, self._ns, self._secret, options.heartbeat_timeout, url)
+        watch = self._watch = Watch(storage, self._ns, self._secret,
+                                    options.heartbeat_timeout, url)
         self._agreement = Agreement(storage, self._rosters, watch, min_ranks=min_ranks,
                                     max_ranks=max_ranks, poll=poll, check_interval=interval,
                                     url=url)
@@ -191,12 +206,14 @@ class ElasticSync(GradSync):
 
     def _join(self, deadline: float) -> Roster:
         """Queue this member in the join queue and wait for a roster that admits it."""
+        self._check_ended()
         prev = self._rosters.newest(deadline)
         entry = self._rosters.claim(self.member_id, prev.join_next)
         while True:
             ahead = [self._rosters.join_entry(k) for k in range(prev.join_next, entry)]
             predecessors = list(prev.members) + [m for m in ahead if m is not None]
-            roster = self._agreement.wait(prev.round + 1, prev, predecessors, deadline)
+            roster = self._agreement.wait(prev.round + 1, prev, predecessors, deadline,
+                                          on_look=self._check_ended)
             if self.member_id in roster.members:
                 return roster
             if roster.join_next > entry:
@@ -206,6 +223,30 @@ class ElasticSync(GradSync):
                     path=self._storage.path_of(self._key(names.elastic_join(entry))),
                     hint="check that the heartbeat can be written, then connect again")
             prev = roster
+
+    def _check_ended(self) -> None:
+        """``JobEnded`` if a member marked the job as ended (``end_job``)."""
+        key = self._key(names.ELASTIC_ENDED)
+        raw = self._storage.read(key)
+        if raw is not None:
+            record = decode_record(raw, self._secret, path=self._storage.path_of(key))
+            raise JobEnded(f"the elastic job ended at round {record.get('round')}; there is "
+                           "nothing left to join", path=self._storage.path_of(key),
+                           hint="start another job (another job id or URL) to train again")
+
+    def end_job(self) -> None:
+        """Mark the job as ended (not a collective; any member, typically every member
+        after the job's last round; the first mark wins): a process that tries to join
+        later gets ``JobEnded`` at once instead of waiting for a round that never
+        comes. The mark is never removed: the job id is then used up."""
+        self._check_usable()
+        try:
+            self._storage.put(self._key(names.ELASTIC_ENDED),
+                              [encode_record({"round": self._roster.round,
+                                              "member": self.member_id}, self._secret)],
+                              exclusive=True)
+        except FileExistsError:
+            pass  # another member marked it first
 
     def _adopt(self, roster: Roster) -> None:
         """Make ``roster`` current: rank, world size and the membership counters."""
@@ -425,17 +466,32 @@ class ElasticSync(GradSync):
         self._check_usable()
         return self._state.fetch(tensors, time.monotonic() + self.timeout, self.rank)
 
-    def read_state(self, min_round: int | None = None,
-                   timeout: float | None = None) -> PublishedState | None:
+    def read_state(self, min_round: int | None = None, timeout: float | None = None, *,
+                   publisher: str | None = None) -> PublishedState | None:
         """The newest published state as new tensors (by name) and its ``meta``, for a
-        joiner that cannot shape the tensors itself. With ``min_round``, waits (up to
-        ``timeout``, default the sync's) for a state published after that round, e.g.
-        the round that admitted this member, and raises ``SyncTimeout`` if none comes;
-        without it, returns None when nothing was published yet. Not a collective."""
+        joiner that cannot shape the tensors itself. Not a collective.
+
+        With ``min_round``, waits (up to ``timeout``, default the sync's) for a state
+        published after that round, e.g. the round that admitted this member, and
+        raises ``SyncTimeout`` if none comes; with ``publisher`` (a member id, e.g.
+        ``membership[0]``) too, the wait ends with ``PeerFailed`` as soon as that
+        member is gone (left, aborted or silent). Without ``min_round``, returns None
+        when nothing was published yet."""
         self._check_usable()
         wait = self.timeout if timeout is None else validate.number(
             "timeout", timeout, positive=True)
-        return self._state.read(time.monotonic() + wait, self.rank, min_round)
+        key = self._key(names.ELASTIC_STATE_POINTER)
+
+        def give_up() -> None:
+            state = self._watch.state(publisher)
+            if state != "alive":
+                raise PeerFailed(f"member {publisher}, which was to publish the state after "
+                                 f"round {min_round}, is gone ({state})", rank=self.rank,
+                                 collective=min_round, path=self._storage.path_of(key),
+                                 hint="connect again to join through another round")
+
+        return self._state.read(time.monotonic() + wait, self.rank, min_round,
+                                give_up if publisher is not None else None)
 
     def __repr__(self) -> str:
         return (f"ElasticSync(url={self.url!r}, member={self.member_id}, rank={self.rank}, "

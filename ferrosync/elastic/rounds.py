@@ -111,9 +111,10 @@ class Agreement:
         return not any(self._watch.alive(m) for m in predecessors)
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
-             deadline: float) -> Roster:
+             deadline: float, on_look=None) -> Roster:
         """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
-        after ``deadline``."""
+        after ``deadline``. ``on_look()`` is called once per check interval while the
+        roster is missing (a joiner's "has the job ended?"); it may raise."""
         backoff = Backoff(*self._poll)
         checker = not predecessors
         next_look = 0.0
@@ -121,10 +122,13 @@ class Agreement:
             roster = self._rosters.read(round_)
             if roster is None:
                 now = time.monotonic()
-                if not checker and now >= next_look:
-                    checker = self.is_checker(predecessors)
+                if now >= next_look:
+                    if on_look is not None:
+                        on_look()
+                    if not checker:
+                        checker = self.is_checker(predecessors)
+                        self.waiting_on = "the checker (the first live member) to write it"
                     next_look = now + self._check_interval
-                    self.waiting_on = "the checker (the first live member) to write it"
                 if checker:
                     roster = self.complete(prev, round_)
             if roster is not None:

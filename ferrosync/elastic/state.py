@@ -126,9 +126,11 @@ class StateStore:
                                hint="let nothing else write under this URL")
         return record
 
-    def _object(self, deadline: float, rank: int, min_round: int | None):
+    def _object(self, deadline: float, rank: int, min_round: int | None,
+                give_up=None):
         """(pointer record, verified header, payload) of the newest state, waiting until
-        deadline for one published after ``min_round``; None if none was published."""
+        deadline for one published after ``min_round``; None if none was published.
+        ``give_up()``, asked while waiting, raises to end the wait early."""
         delay = _POLL[0]
         while True:
             pointer = self._pointer(rank)
@@ -148,6 +150,8 @@ class StateStore:
                                       self._key(names.ELASTIC_STATE_POINTER)),
                                   hint="the members publish state after each round that "
                                   "admits a joiner; check that one of them is running")
+            if give_up is not None and not fresh:
+                give_up()
             time.sleep(delay)
             delay = min(delay * 1.5, _POLL[1])
         path = self._storage.path_of(key)
@@ -176,8 +180,9 @@ class StateStore:
         _copy_into(tensors, header, payload, rank, path)
         return pointer["round"]
 
-    def read(self, deadline: float, rank: int, min_round: int | None) -> PublishedState | None:
-        found = self._object(deadline, rank, min_round)
+    def read(self, deadline: float, rank: int, min_round: int | None,
+             give_up=None) -> PublishedState | None:
+        found = self._object(deadline, rank, min_round, give_up)
         if found is None:
             return None
         pointer, header, payload, path = found

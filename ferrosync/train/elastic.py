@@ -16,8 +16,9 @@ leave whenever they do. What keeps them one model:
   training state (model, optimizer, strategy, step, data position) with
   ``publish_state``. A newcomer reads exactly the state after the round that
   admitted it and makes its first collective in the next round, so the members wait
-  for it for at most one of its steps. If no such state comes (the publisher died),
-  it leaves gracefully and joins again (``RejoinNeeded``).
+  for it for at most one of its steps. If no such state comes (the publisher is
+  gone, or half the timeout passed), it leaves gracefully and joins again
+  (``RejoinNeeded``).
 * **Founding.** Members admitted by a roster that nobody contributed to start the
   job, or restart it after every member went: they resume from the newest
   published state (any number of members), else from ``seed``, and take rank 0's
@@ -42,8 +43,9 @@ import numpy
 import torch
 from torch.utils.data import default_collate
 
-from ..errors import ConfigError, SyncTimeout
+from ..errors import ConfigError, PeerFailed, SyncTimeout
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
+from ..stats import PHASES
 from .metrics import MetricsWriter, final_line, format_summary
 from .state_tree import flatten, unflatten
 from .trainer import Trainer
@@ -55,8 +57,6 @@ ELASTIC_STRATEGIES = (GradAveraging, LocalSGD, DiLoCo)
 #: ``meta["phase"]`` of a published state: training goes on; the last step is done
 #: (the summary round comes next); the summary round is done too
 TRAINING, FINISHED, SUMMARISED = "training", "finished", "summarised"
-#: the longest a newcomer waits for the state after the round that admitted it
-JOIN_STATE_WAIT_S = 60.0
 
 
 class RejoinNeeded(Exception):
@@ -155,7 +155,7 @@ class ElasticTrainer(Trainer):
                 "seed": self.seed, "total_steps": self.total_steps}
         return tensors, meta
 
-    def _load(self, state, sync) -> str:
+    def _load(self, state, url: str, rank: int | None) -> str:
         """Adopt a published state; its phase. ConfigError if it is another job's."""
         meta = state.meta
         mine = {"strategy": self.strategy.name, "batch_size": self.batch_size,
@@ -164,8 +164,8 @@ class ElasticTrainer(Trainer):
         if differ:
             text = ", ".join(f"{k} {theirs!r} (here {ours!r})" for k, (theirs, ours)
                              in differ.items())
-            raise ConfigError(f"the elastic job at {sync.url} runs with {text}",
-                              rank=sync.rank, path=sync.url,
+            raise ConfigError(f"the elastic job at {url} runs with {text}",
+                              rank=rank, path=url,
                               hint="start every member with the same flags (or use "
                               "another job id / URL)")
         try:
@@ -180,13 +180,13 @@ class ElasticTrainer(Trainer):
             phase = meta["phase"]
         except (KeyError, IndexError, ValueError, RuntimeError, TypeError) as exc:
             raise ConfigError(
-                f"the state published at {sync.url} (round {state.round}) does not fit this "
+                f"the state published at {url} (round {state.round}) does not fit this "
                 f"member ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
-                rank=sync.rank, path=sync.url,
+                rank=rank, path=url,
                 hint="start every member with the same --model and --optimizer") from None
         if phase not in (TRAINING, FINISHED, SUMMARISED):
             raise ConfigError(f"the published state has an unknown phase {phase!r}",
-                              rank=sync.rank, path=sync.url)
+                              rank=rank, path=url)
         return phase
 
     def _bootstrap(self, sync) -> str:
@@ -196,15 +196,15 @@ class ElasticTrainer(Trainer):
         if founding:
             state = sync.read_state()
         else:
-            try:
-                state = sync.read_state(min_round=sync.round,
-                                        timeout=min(sync.timeout / 2, JOIN_STATE_WAIT_S))
-            except SyncTimeout as exc:
+            try:  # rank 0 publishes it after the round that admitted this member
+                state = sync.read_state(min_round=sync.round, publisher=sync.membership[0],
+                                        timeout=sync.timeout / 2)
+            except (SyncTimeout, PeerFailed) as exc:
                 raise RejoinNeeded(str(exc)) from exc
             if state.round != sync.round:  # only after being dropped: start over
                 raise RejoinNeeded(f"the state is from round {state.round}, this member was "
                                    f"admitted in round {sync.round}")
-        phase = self._load(state, sync) if state is not None else TRAINING
+        phase = self._load(state, sync.url, sync.rank) if state is not None else TRAINING
         self.joined_at = self.step
         self._changes_at = sync.membership_changes
         if founding and phase != TRAINING:
@@ -245,6 +245,8 @@ class ElasticTrainer(Trainer):
         _reseed(self.seed, sync.member_id)
         self._published = -1
         phase = self._bootstrap(sync)
+        if phase == SUMMARISED:  # the job had ended before this member came
+            return self._report(self._ended_summary(sync.url), rank=0)
         self.rank, self.world_size = sync.rank, sync.world_size
         strategy = self.strategy
         strategy.attach(self.model, self.optimizer, sync)  # elastic: broadcasts nothing
@@ -285,32 +287,65 @@ class ElasticTrainer(Trainer):
                 metrics.close()
         wall = time.perf_counter() - begin
         self.rank, self.world_size = sync.rank, sync.world_size
-        gather = sync if phase == FINISHED else _Alone(sync)
-        summary = self._summarise(gather, (stats_begin, counters_begin), totals, losses, wall,
+        summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
                                   samples, start_step)
-        if phase == FINISHED:
-            self._after_round(sync, SUMMARISED)
+        self._after_round(sync, SUMMARISED)
+        sync.end_job()  # later comers report instead of waiting for a round
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
                        membership_changes=self._changes(sync), members=sync.world_size,
                        joined_at_step=self.joined_at, elastic=True)
+        return self._report(summary, rank=sync.rank)
+
+    def report_ended(self, state, url: str) -> dict:
+        """Report a job that ended before this process could join it, from its
+        published state (``JobEnded`` from connect): no collective, nothing written."""
+        if state is None:
+            raise ConfigError(f"the elastic job at {url} ended without publishing its state",
+                              path=url, hint="start another job (another job id or URL)")
+        self._load(state, url, None)
+        self.joined_at = self.step
+        return self._report(self._ended_summary(url), rank=0)
+
+    def _ended_summary(self, url: str) -> dict:
+        """The summary of a finished job's model as this process holds it, alone."""
+        totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
+        summary = self._summarise(_Alone(url), (_Alone.STATS, {}), totals, [], 0.0, 0,
+                                  self.step)
+        summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
+                       membership_changes=self.membership_changes, members=0,
+                       joined_at_step=self.joined_at, elastic=True)
+        return summary
+
+    def _report(self, summary: dict, rank: int) -> dict:
         if self.report:
             if not summary["ranks_agree"]:
                 print(f"ferrosync.train: members ended with DIFFERENT parameters: "
                       f"{summary['rank_digests']}", file=sys.stderr, flush=True)
-            if sync.rank == 0:
+            if rank == 0:
                 print(format_summary(summary), flush=True)
             print(final_line(summary), flush=True)
         return summary
 
 
 class _Alone:
-    """A finished job's late member: reports on its own, with no collective."""
+    """Stands in for the sync when a process reports a job that had already ended:
+    no collective, no traffic."""
 
-    def __init__(self, sync) -> None:
-        self.stats, self.counters, self.url = sync.stats, sync.counters, sync.url
+    STATS = {"bytes_written": 0, "bytes_read": 0, "requests": 0,
+             **{phase: 0.0 for phase in PHASES}}
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.stats = {"total": dict(self.STATS)}
+        self.counters = _NoCounters()
 
     def all_gather(self, tensor):
         return [tensor]
+
+
+class _NoCounters:
+    def snapshot(self) -> dict:
+        return {}
 
 
 def _mix(seed: int, label: str) -> int:

@@ -19,6 +19,12 @@ needs a rendezvous store we do not use):
 * the first rank to exit non-zero makes the launcher SIGTERM the others (SIGKILL
   after a grace period), name the failed rank and its last error line, and exit
   with 2 if that rank reported bad input (exit code 2), else 1.
+
+With ``--elastic`` each process is one member of the elastic job at the URL: a
+member that fails does not stop its siblings (the job goes on without it), every
+member's ``FINAL`` line is kept and the first is printed last, and no job id is made
+up (the job is the URL plus ``$FERROSYNC_JOB`` if set, so members started by other
+commands meet these). The exit code is still 1 if any member failed.
 """
 
 from __future__ import annotations
@@ -72,12 +78,14 @@ def launch(args, argv: list[str]) -> int:
             check_sync_url(url, args.sync_options)
         commands, envs = [], []
         per_node = args.nproc // (args.nnodes_sim or 1)
-        job = launch_job_id()
+        # an elastic job is the URL (plus the user's job id): a made-up id would keep
+        # out the members that other commands start
+        job = os.environ.get(ENV_JOB, "") if args.elastic else launch_job_id()
         port = free_port()
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
             envs.append(_rank_env(rank, args.nproc, url, per_node, job, port))
-        return Supervisor(commands, envs, url=url).run()
+        return Supervisor(commands, envs, url=url, elastic=args.elastic).run()
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -126,7 +134,7 @@ def torchrun_env(rank: int, world_size: int, per_node: int, job: str, port: int)
         "ROLE_NAME": "default",
         "MASTER_ADDR": LOOPBACK,
         "MASTER_PORT": str(port),
-        "TORCHELASTIC_RUN_ID": job,
+        "TORCHELASTIC_RUN_ID": job or "none",  # torchrun's spelling of "no id"
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_USE_AGENT_STORE": "False",
@@ -143,11 +151,13 @@ def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None,
     them); the defaults suit a single call."""
     per_node = per_node or world_size
     env = dict(os.environ)
-    job = job or launch_job_id()
+    job = launch_job_id() if job is None else job  # "": no job id (an elastic launch)
     port = port or free_port()
     env.update(torchrun_env(rank, world_size, per_node, job, port))
+    env.pop(ENV_JOB, None)
+    if job:
+        env[ENV_JOB] = job
     env.update({
-        ENV_JOB: job,
         ENV_URL: url,
         ENV_CHILD: "1",
         "PYTHONUNBUFFERED": "1",  # output reaches the launcher as it is written
@@ -240,10 +250,14 @@ class _Pump(threading.Thread):
 
 
 class Supervisor:
-    """Runs one process per rank and stops them all as soon as one fails."""
+    """Runs one process per rank and stops them all as soon as one fails (with
+    ``elastic``: lets the others run on, each an independent member)."""
 
-    def __init__(self, commands: list[list[str]], envs: list[dict], *, url: str) -> None:
+    def __init__(self, commands: list[list[str]], envs: list[dict], *, url: str,
+                 elastic: bool = False) -> None:
         self.commands, self.envs, self.url = commands, envs, url
+        self.elastic = elastic
+        self.word = "member" if elastic else "rank"
         self.procs: list[subprocess.Popen] = []
         self.pumps: list[tuple[_Pump, _Pump]] = []
         self.stopped: set[int] = set()  # ranks this launcher signalled
@@ -290,7 +304,8 @@ class Supervisor:
         pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.procs))
         self._say(f"started {len(self.procs)} ranks ({pids}); sync URL {self.url}")
         for rank, proc in enumerate(self.procs):
-            out = _Pump(rank, proc.stdout, sys.stdout, self.out_lock, hold_final=rank == 0)
+            out = _Pump(rank, proc.stdout, sys.stdout, self.out_lock,
+                        hold_final=rank == 0 or self.elastic)
             err = _Pump(rank, proc.stderr, sys.stderr, self.err_lock, hold_final=False)
             out.start()
             err.start()
@@ -302,7 +317,9 @@ class Supervisor:
         while True:
             codes = [p.poll() for p in self.procs]
             failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
-            if failed or all(code == 0 for code in codes):
+            if self.elastic and all(code is not None for code in codes):
+                return failed  # members outlive a failed sibling: wait for everyone
+            if (failed and not self.elastic) or all(code == 0 for code in codes):
                 return failed
             time.sleep(POLL_S)
 
@@ -328,7 +345,11 @@ class Supervisor:
             err.join(timeout=5.0)
 
     def _report(self, failed: list[int]) -> int:
-        final = self.pumps[0][0].final if self.pumps else None
+        finals = [(r, out.final) for r, (out, _) in enumerate(self.pumps)
+                  if out.final is not None]
+        final = finals[0][1] if finals else None
+        for rank, line in finals[1:]:  # elastic: every member that finished reports
+            _write(sys.stdout, self.out_lock, f"[rank {rank}] ".encode() + line + b"\n")
         code = 0
         if failed:
             # ranks that failed in the same instant: name the cause, not a peer that
@@ -339,10 +360,12 @@ class Supervisor:
             how = (f"was killed by {signal.Signals(-rc).name}" if rc < 0
                    else f"failed with exit code {rc}")
             error = self.pumps[first][1].error_line()
-            self._say(f"rank {first} {how}" + (f": {error}" if error else ""))
+            self._say(f"{self.word} {first} {how}" + (f": {error}" if error else ""))
             others = sorted(set(failed[1:]))
             if others:
-                self._say(f"ranks {others} failed too")
+                self._say(f"{self.word}s {others} failed too")
+            if self.elastic and final is not None:
+                self._say("the elastic job went on without it and finished")
             stopped = sorted(self.stopped - set(failed))
             if stopped:
                 self._say(f"stopped ranks {stopped}")

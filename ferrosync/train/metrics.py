@@ -132,7 +132,8 @@ def _syncs(s: dict) -> str:
         cadence = f"every {s['sync_every']} steps"
     text = f"{s.get('syncs', 0):,} ({cadence}, {s.get('skipped_syncs', 0)} skipped)"
     if s.get("divergence_mean") is not None:
-        text += (f", divergence last {s['divergence']:.4f} mean {s['divergence_mean']:.4f}")
+        # a late member of a finished elastic job has a mean (from the state) but no last
+        text += f", divergence last {_num(s.get('divergence'))} mean {s['divergence_mean']:.4f}"
     if s.get("masses") is not None:
         text += ", batches per rank " + "/".join(f"{m:,}" for m in s["masses"])
     return text

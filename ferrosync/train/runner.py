@@ -17,8 +17,9 @@ import traceback
 import torch
 
 from ..api import connect, fail_open_syncs
+from ..elastic import peek_state
 from ..env import ENV_URL
-from ..errors import ConfigError, SyncTimeout
+from ..errors import ConfigError, JobEnded, SyncTimeout
 from ..strategies import make_strategy
 from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
@@ -229,8 +230,13 @@ def run_member(trainer: ElasticTrainer, args, url: str) -> int:
     timeout = args.timeout or 300.0
     deadline = time.monotonic() + timeout
     while True:
-        with connect(url, elastic=True, min_ranks=args.min_ranks or 1,
-                     max_ranks=args.max_ranks, timeout=timeout, **args.sync_options) as sync:
+        try:
+            sync = connect(url, elastic=True, min_ranks=args.min_ranks or 1,
+                           max_ranks=args.max_ranks, timeout=timeout, **args.sync_options)
+        except JobEnded:  # it ended before this member got in: report its model
+            summary = trainer.report_ended(peek_state(url, args.sync_options, timeout), url)
+            break
+        with sync:
             try:
                 summary = trainer.fit(sync)
                 break

@@ -1,0 +1,366 @@
+"""``python -m ferrosync.train --elastic`` (ferrosync/train/elastic.py, docs/elastic.md):
+members started as separate processes, killed, stopped and started again while the
+job runs, as a user on spot instances would.
+
+Every member writes its own metrics file (one line per global step with the member
+count), which is how the tests watch the job's progress: no sleeps stand in for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+
+import pytest
+import torch
+
+from ferrosync.elastic.state import PublishedState
+from ferrosync.errors import ShardCorrupt
+from ferrosync.train.__main__ import main
+from ferrosync.train.elastic import GlobalBatches
+from ferrosync.train.state_tree import flatten, unflatten
+from ranks import wait_until
+from train_cli import final_of, start_cli
+
+# short heartbeats: a killed member is dropped within seconds
+FAST = ["--sync-option", "heartbeat_interval=0.3", "--sync-option", "heartbeat_timeout=3"]
+
+
+def member(tmp_path, url, name, *flags, **env):
+    """Start one member; its metrics file is tmp_path/name.jsonl."""
+    return start_cli("--elastic", "--sync", url, "--no-progress", "--metrics",
+                     tmp_path / f"{name}.jsonl", *flags, cwd=tmp_path, **env)
+
+
+def metrics(tmp_path, name) -> list[dict]:
+    path = tmp_path / f"{name}.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            break  # the line being written
+    return rows
+
+
+def last_step(tmp_path, name) -> int:
+    rows = metrics(tmp_path, name)
+    return rows[-1]["step"] if rows else -1
+
+
+def wait_for(procs, predicate, what, timeout=120):
+    """``wait_until`` that, when it fails, shows what every member wrote to stderr."""
+    try:
+        wait_until(predicate, what, timeout=timeout)
+    except AssertionError as exc:
+        for proc in procs.values():
+            proc.kill()
+        report = {n: p.communicate()[1][-1500:] for n, p in procs.items()}
+        raise AssertionError(f"{exc}; members' stderr: {report}") from None
+
+
+def finish(proc, timeout=240) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"member did not finish: {err[-2000:]}") from None
+    return proc.returncode, out, err
+
+
+def test_diloco_job_survives_a_kill_and_takes_a_newcomer(tmp_path):
+    """The spot-instance recipe: three members start, a fourth joins while they train,
+    then one of the first is SIGKILLed; the survivors and the newcomer finish as one
+    model."""
+    url = str(tmp_path / "job")
+    steps, h = 600, 30
+    # 10 ms of compute per step: the job outlasts the start of a new process
+    flags = ("--min-ranks", "2", "--strategy", "diloco", "--sync-every", h, "--steps", steps,
+             "--model", "train_models:paced_mlp", *FAST)
+    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b", "c")}
+    wait_for(procs, lambda: last_step(tmp_path, "c") >= h, "member c past step 30")
+    procs["d"] = member(tmp_path, url, "d", *flags)
+    wait_for(procs, lambda: last_step(tmp_path, "d") >= 0, "member d admitted")
+    procs["c"].send_signal(signal.SIGKILL)
+    finals = {}
+    for n in ("a", "b", "d"):
+        code, out, err = finish(procs[n])
+        assert code == 0, err[-3000:]
+        finals[n] = final_of(out)
+    assert finish(procs["c"])[0] == -signal.SIGKILL
+    digests = {f["param_digest"] for f in finals.values()}
+    assert len(digests) == 1, finals  # one model
+    for n, f in finals.items():
+        assert f["steps"] == steps and f["elastic"] and f["ranks_agree"], f
+        assert f["accuracy"] >= 0.9, f
+        assert f["members"] == 3 and f["membership_changes"] >= 2, f
+    assert finals["d"]["joined_at_step"] >= h and finals["d"]["joined_at_step"] % h == 0
+    # every member's lines: the global step, one per step, and the member count
+    a = metrics(tmp_path, "a")
+    assert [r["step"] for r in a] == list(range(a[0]["step"], steps + 1))
+    d = metrics(tmp_path, "d")
+    assert d[0]["step"] == finals["d"]["joined_at_step"] + 1 and d[-1]["step"] == steps
+    assert d[0]["members"] == 4 and d[-1]["members"] == 3  # with c, then without
+    # the dead member held the survivors for about its heartbeat timeout, not longer
+    assert max(r["sync_s"] for r in a) < 3 + 6, max(r["sync_s"] for r in a)
+
+
+def test_grad_job_a_graceful_leave_is_seen_within_a_round(tmp_path):
+    """SIGTERM makes a member leave; with a heartbeat timeout of 60 s the others must
+    learn it from the member's own "left" record, not from its silence."""
+    url = str(tmp_path / "job")
+    flags = ("--min-ranks", "2", "--steps", 300, "--sync-option", "heartbeat_timeout=60")
+    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b", "c")}
+    wait_until(lambda: last_step(tmp_path, "b") >= 60, "member b past step 60", timeout=120)
+    procs["b"].send_signal(signal.SIGTERM)
+    code, _, err = finish(procs["b"])
+    assert code == 128 + signal.SIGTERM, err[-2000:]
+    finals = []
+    for n in ("a", "c"):
+        code, out, err = finish(procs[n])
+        assert code == 0, err[-3000:]
+        finals.append(final_of(out))
+    assert finals[0]["param_digest"] == finals[1]["param_digest"]
+    assert finals[0]["members"] == 2 and finals[0]["steps"] == 300
+    rows = metrics(tmp_path, "a")
+    assert max(r["sync_s"] for r in rows) < 10, "a graceful leave waited for the timeout"
+    assert [r["members"] for r in rows][-1] == 2
+    # grad: every member's step is one round, shards follow the member count
+    assert all(r["synced"] for r in rows)
+
+
+# more seeds for a longer shake-out: FERROSYNC_CHURN_SEEDS=1,2,3,4 pytest -k churn
+@pytest.mark.parametrize("seed", [int(x) for x in os.environ.get(
+    "FERROSYNC_CHURN_SEEDS", "7").split(",")])
+def test_random_churn_ends_as_one_model(tmp_path, seed):
+    """Members are SIGKILLed or SIGTERMed at random points and replaced at once, four
+    times; whoever is left at the end finishes the job with one model."""
+    rng = random.Random(seed)
+    url = str(tmp_path / "job")
+    steps = 500
+    flags = ("--min-ranks", "2", "--steps", steps, *FAST)
+    procs = {f"m{i}": member(tmp_path, url, f"m{i}", *flags) for i in range(3)}
+    gone = {}
+    for event in range(4):
+        alive = sorted(n for n, p in procs.items() if n not in gone)
+        target = max(last_step(tmp_path, n) for n in alive) + rng.randint(15, 60)
+        wait_until(lambda: max(last_step(tmp_path, n) for n in alive) >= target or
+                   target >= steps, f"step {target} (event {event}, seed {seed})",
+                   timeout=120)
+        victim = rng.choice(alive)
+        how = rng.choice([signal.SIGKILL, signal.SIGTERM])
+        procs[victim].send_signal(how)
+        gone[victim] = how
+        name = f"m{len(procs)}"
+        procs[name] = member(tmp_path, url, name, *flags)
+    finals = {}
+    for name, proc in procs.items():
+        code, out, err = finish(proc)
+        if name in gone:
+            assert code in (-gone[name], 128 + gone[name], 0), (name, code, err[-2000:])
+            continue
+        assert code == 0, (name, seed, err[-3000:])
+        finals[name] = final_of(out)
+    assert len(finals) >= 2
+    assert len({f["param_digest"] for f in finals.values()}) == 1, (seed, finals)
+    for name, f in finals.items():
+        assert f["steps"] == steps and f["ranks_agree"], f
+        rows = metrics(tmp_path, name)
+        if rows:  # one line per global step from where it joined
+            assert [r["step"] for r in rows] == list(range(rows[0]["step"], steps + 1))
+
+
+def test_a_job_that_lost_every_member_resumes_with_another_count(tmp_path):
+    """Two members publish the state every 20 steps and are both SIGKILLed; three new
+    members resume the job from the store and finish it."""
+    url = str(tmp_path / "job")
+    flags = ("--steps", 200, "--publish-every", 20, *FAST)
+    first = {n: member(tmp_path, url, n, "--min-ranks", "2", *flags) for n in ("a", "b")}
+    wait_until(lambda: last_step(tmp_path, "a") >= 70, "member a past step 70", timeout=120)
+    for proc in first.values():
+        proc.send_signal(signal.SIGKILL)
+    killed_at = max(last_step(tmp_path, n) for n in ("a", "b"))
+    for proc in first.values():
+        finish(proc)
+    second = {n: member(tmp_path, url, n, "--min-ranks", "3", *flags) for n in ("c", "d", "e")}
+    finals = []
+    for proc in second.values():
+        code, out, err = finish(proc)
+        assert code == 0, err[-3000:]
+        finals.append(final_of(out))
+    assert len({f["param_digest"] for f in finals}) == 1
+    resumed = {f["joined_at_step"] for f in finals}
+    assert len(resumed) == 1
+    (at,) = resumed
+    # the newest state published before the kill: a multiple of 20, at most 40 back
+    assert at % 20 == 0 and killed_at - 40 <= at <= killed_at, (at, killed_at)
+    assert all(f["steps"] == 200 and f["members"] == 3 for f in finals)
+    c = metrics(tmp_path, "c")
+    assert c[0]["step"] == at + 1 and {r["members"] for r in c} == {3}
+
+
+def test_a_finished_job_reports_without_training(tmp_path):
+    url = str(tmp_path / "job")
+    flags = ("--steps", 30, "--strategy", "local-sgd", "--sync-every", 10)
+    code, out, err = finish(member(tmp_path, url, "a", *flags))
+    assert code == 0, err
+    done = final_of(out)
+    code, out, err = finish(member(tmp_path, url, "b", *flags))
+    assert code == 0, err
+    again = final_of(out)
+    assert again["param_digest"] == done["param_digest"] and again["steps"] == 30
+    assert again["steps_this_run"] == 0 and metrics(tmp_path, "b") == []
+    # another member count does not matter, other flags do: one line, exit 2
+    code, out, err = finish(member(tmp_path, url, "c", "--steps", 40, "--strategy",
+                                   "local-sgd", "--sync-every", 10))
+    assert code == 2 and "total_steps 30 (here 40)" in err and "Traceback" not in err, err
+
+
+def test_launcher_members_outlive_a_failed_sibling(tmp_path):
+    url = str(tmp_path / "job")
+    proc = start_cli("--nproc", 3, "--elastic", "--min-ranks", "2", "--sync", url,
+                     "--steps", 400, "--no-progress", *FAST, "--metrics",
+                     tmp_path / "m.jsonl", cwd=tmp_path)
+    # each local member writes its own metrics file, PATH.K
+    wait_until(lambda: _lines(tmp_path / "m.jsonl.1") > 40, "member 1 past step 40",
+               timeout=120)
+    os.kill(_member_pid(url), signal.SIGKILL)
+    code, out, err = finish(proc)
+    assert code == 1, err[-2000:]
+    assert "member 1 was killed by SIGKILL" in err and "went on without it" in err, err
+    assert "stopped" not in err
+    final = final_of(out)
+    assert final["steps"] == 400 and final["members"] == 2 and final["ranks_agree"]
+    for k in (0, 2):  # the survivors trained to the end (the later one from its join)
+        steps = [json.loads(line)["step"] for line in
+                 (tmp_path / f"m.jsonl.{k}").read_text().splitlines()]
+        assert steps == list(range(steps[0], 401)), k
+
+
+def _lines(path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _member_pid(url) -> int:
+    """The pid of the launcher's member 1 (LOCAL_RANK=1), from /proc."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if env.get(b"FERROSYNC_URL") == url.encode() and env.get(b"LOCAL_RANK") == b"1" \
+                and env.get(b"FERROSYNC_TRAIN_CHILD") == b"1":
+            return int(entry)
+    raise AssertionError("member 1 not found")
+
+
+def test_a_diloco_job_over_s3_takes_a_newcomer_and_a_leave(seaweed_transport, tmp_path):
+    """The same over the real S3 server: two members start, a third joins, one leaves."""
+    options = json.dumps(seaweed_transport.options["storage_options"])
+    flags = ("--min-ranks", "2", "--strategy", "diloco", "--sync-every", 10, "--steps", 300,
+             "--model", "train_models:paced_mlp", "--sync-option",
+             f"storage_options={options}", *FAST)
+    url = seaweed_transport.url
+    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b")}
+    wait_for(procs, lambda: last_step(tmp_path, "a") >= 30, "member a past step 30")
+    procs["c"] = member(tmp_path, url, "c", *flags)
+    wait_for(procs, lambda: last_step(tmp_path, "c") >= 0, "member c trains")
+    procs["b"].send_signal(signal.SIGTERM)
+    assert finish(procs["b"])[0] == 128 + signal.SIGTERM
+    finals = []
+    for n in ("a", "c"):
+        code, out, err = finish(procs[n])
+        assert code == 0, err[-3000:]
+        finals.append(final_of(out))
+    assert finals[0]["param_digest"] == finals[1]["param_digest"]
+    assert finals[1]["joined_at_step"] >= 30 and finals[1]["joined_at_step"] % 10 == 0
+    assert all(f["members"] == 2 and f["steps"] == 300 for f in finals)
+    assert finals[0]["storage_requests"]["requests"] > 0
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--min-ranks", "2"], "--min-ranks need(s) --elastic"),
+    (["--elastic", "--checkpoint-dir", "ck"], "--checkpoint-dir does not go with --elastic"),
+    (["--elastic", "--strategy", "streaming-diloco"], "grad, local-sgd or diloco"),
+    (["--elastic", "--sync-every-seconds", "5", "--strategy", "diloco"],
+     "--sync-every-seconds does not go with --elastic"),
+    (["--elastic", "--min-ranks", "3", "--max-ranks", "2"], "below --min-ranks"),
+])
+def test_elastic_flag_errors_are_one_line(flags, words, capsys):
+    assert main(["--sync", "/nonexistent", *flags]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+# -- the pieces, in process ----------------------------------------------------------------
+
+def test_state_tree_round_trip_keeps_key_types_and_odd_floats():
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    opt.step()
+    tree = {"optimizer": opt.state_dict(), "x": (1, float("inf"), None, "s"), "t": torch.ones(2)}
+    tensors, skeleton = flatten(tree, "s")
+    back = unflatten(json.loads(json.dumps(skeleton)), tensors)
+    assert list(back["optimizer"]["state"]) == [0]  # an int key stays an int
+    assert back["x"] == (1, float("inf"), None, "s")
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"],
+                       opt.state_dict()["state"][0]["exp_avg"])
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
+    fresh.load_state_dict(back["optimizer"])
+    with pytest.raises(TypeError, match="cannot be handed"):
+        flatten({"f": object()}, "s")
+    with pytest.raises(ValueError):
+        unflatten({"zz": 1}, {})
+
+
+def test_global_batches_are_disjoint_and_follow_the_member_count():
+    data = list(range(100))
+    dataset = [(torch.tensor([i]), i) for i in data]
+    seen = []
+    for world in (2, 3, 1, 4):  # the member count changes every step
+        streams = [GlobalBatches(dataset, 100, 5, seed=1) for _ in range(world)]
+        for s in streams:  # every member at the same position
+            s.epoch, s.position = 0, len(seen)
+        step = [set(s.take(k, world)[1].tolist()) for k, s in enumerate(streams)]
+        assert all(len(b) == 5 for b in step)
+        assert len(set().union(*step)) == 5 * world  # disjoint within the step
+        assert not set().union(*step) & set(seen)    # and new to the epoch
+        seen += sorted(set().union(*step))
+        assert len({(s.epoch, s.position) for s in streams}) == 1
+
+
+def test_read_state_refuses_a_manifest_that_does_not_match(tmp_path):
+    import ferrosync
+    from ferrosync import names
+    from ferrosync.wire import decode_record, encode_record
+
+    with ferrosync.connect(str(tmp_path), elastic=True, job="st", timeout=20) as sync:
+        assert sync.read_state() is None
+        sync.barrier()
+        sync.publish_state({"w": torch.arange(6.0).view(2, 3), "n": torch.tensor([7])},
+                           {"step": 3})
+        got = sync.read_state(min_round=sync.round)
+        assert isinstance(got, PublishedState) and got.meta == {"step": 3}
+        assert torch.equal(got.tensors["w"], torch.arange(6.0).view(2, 3))
+        assert got.tensors["n"].dtype == torch.int64
+        # a pointer rewritten to describe other shapes than the object holds
+        pointer = tmp_path / names.elastic_namespace("st") / names.ELASTIC_STATE_POINTER
+        record = decode_record(pointer.read_bytes(), None, path=str(pointer))
+        record["manifest"]["shapes"][0] = [3, 2]
+        pointer.write_bytes(encode_record(record, None))
+        with pytest.raises(ShardCorrupt, match="manifest does not describe"):
+            sync.read_state()
+        record["manifest"]["dtypes"][0] = "object"
+        pointer.write_bytes(encode_record(record, None))
+        with pytest.raises(ShardCorrupt, match="no valid manifest"):
+            sync.read_state()
+
