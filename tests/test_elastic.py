@@ -219,6 +219,49 @@ def test_a_newcomer_joins_at_a_round_boundary(tmp_path):
     assert all(x[1:] == (3.0, pytest.approx(37.0)) for x in got[2]["log"])
 
 
+def w_swap(index, _world, url, gate):
+    """Members 0-2 start the job; member 2 leaves exactly when newcomer 3 is queued,
+    so one round drops 2 and admits 3."""
+    ns = os.path.join(url, "el.swap")
+    if index == 3:
+        wait_until(lambda: os.path.exists(gate), "member 2 ready to leave")
+        sync = ferrosync.connect(url, elastic=True, min_ranks=2, job="swap", timeout=TIMEOUT,
+                                 **FAST)
+    else:
+        sync = ferrosync.connect(url, elastic=True, min_ranks=3, job="swap", timeout=TIMEOUT,
+                                 **FAST)
+        sync.barrier()
+        if index == 2:
+            open(gate, "w").close()
+            # leave once the newcomer's join entry is there (3 entries were the founders')
+            wait_until(lambda: os.path.exists(os.path.join(ns, "join.3")), "the newcomer")
+            sync.close()
+            return {"left": True}
+    log = []
+    for _ in range(1 if index == 3 else 2):
+        t = torch.full((2,), 10.0 ** index)
+        total = sync.average_([t])
+        log.append((total, t[0].item(), sync.world_size, sync.newcomers,
+                    sync.membership_changed))
+    sync.close()
+    return {"id": sync.member_id, "log": log}
+
+
+def test_a_join_and_a_leave_in_the_same_round(tmp_path):
+    got = run_ranks(w_swap, 4, str(tmp_path), str(tmp_path.parent / f"{tmp_path.name}.gate"),
+                    timeout=120)
+    newcomer = got[3]["id"]
+    for index in (0, 1):
+        (t1, v1, w1, new1, changed1), (t2, v2, w2, new2, changed2) = got[index]["log"]
+        # the round that dropped member 2 is over members 0 and 1 and admits member 3
+        assert (t1, w1, new1, changed1) == (2.0, 3, [newcomer], True)
+        assert v1 == pytest.approx(avg_of([0, 1]))
+        # the next one is over 0, 1 and the newcomer
+        assert (t2, w2, new2, changed2) == (3.0, 3, [], False)
+        assert v2 == pytest.approx(avg_of([0, 1, 3]))
+    assert got[3]["log"] == [(3.0, pytest.approx(avg_of([0, 1, 3])), 3, [], False)]
+
+
 # -- (e) min_ranks, (f) jobs, (g) configuration ---------------------------------------------
 
 def test_fewer_than_min_ranks_is_a_sync_timeout(tmp_path):
