@@ -262,6 +262,56 @@ def test_a_join_and_a_leave_in_the_same_round(tmp_path):
     assert got[3]["log"] == [(3.0, pytest.approx(avg_of([0, 1, 3])), 3, [], False)]
 
 
+def w_paused(index, _world, url, files):
+    """Member 1 stops outside any collective until told to go on, so member 0 waits
+    for it in a round, watching its heartbeat; the test suspends both meanwhile."""
+    # min_ranks=1: a member 0 that judged member 1 dead would go on without it
+    with ferrosync.connect(url, elastic=True, min_ranks=1, job="pause", timeout=TIMEOUT,
+                           **FAST) as sync:
+        while sync.world_size < 2:
+            sync.barrier()
+        changes = sync.membership_changes
+        with open(f"{files}.id{index}", "w") as f:
+            f.write(sync.member_id)
+        if index == 1:
+            wait_until(lambda: os.path.exists(f"{files}.go"), "go", timeout=TIMEOUT)
+        total = sync.average_([torch.full((2,), 10.0 ** index)])
+        sync.barrier()
+        return {"total": total, "world": sync.world_size,
+                "changes": sync.membership_changes - changes}
+
+
+def _beat(url, files, index) -> int:
+    member = open(f"{files}.id{index}").read()
+    raw = json.loads((url / "el.pause" / f"hb.{member}").read_text())
+    return json.loads(raw["body"])["beat"]
+
+
+def test_suspending_the_whole_job_drops_nobody(tmp_path):
+    """SIGSTOP every member for longer than heartbeat_timeout (a suspended job or VM),
+    then SIGCONT: the time a member was frozen is not the other's silence. Member 0
+    resumes first and looks at member 1's unchanged heartbeat before member 1 runs."""
+    files, url = str(tmp_path / "f"), tmp_path / "run"
+    procs, results = start_ranks(w_paused, 2, str(url), files)
+    wait_until(lambda: all(os.path.exists(f"{files}.id{i}") for i in range(2)), "connect",
+               timeout=60)
+
+    def two_beats_of_member_0():  # it runs, so it has looked at member 1 meanwhile
+        first = _beat(url, files, 0)
+        wait_until(lambda: _beat(url, files, 0) >= first + 2, "two beats of member 0")
+
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    two_beats_of_member_0()
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    time.sleep(FAST["heartbeat_timeout"] + 2.0)  # the suspension being simulated
+    os.kill(procs[0].pid, signal.SIGCONT)
+    two_beats_of_member_0()
+    os.kill(procs[1].pid, signal.SIGCONT)
+    open(f"{files}.go", "w").close()
+    got = collect(procs, results, 90)
+    assert got[0] == got[1] == {"total": 2.0, "world": 2, "changes": 0}, got
+
+
 # -- (e) min_ranks, (f) jobs, (g) configuration ---------------------------------------------
 
 def test_fewer_than_min_ranks_is_a_sync_timeout(tmp_path):

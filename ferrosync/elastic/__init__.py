@@ -150,7 +150,7 @@ class ElasticSync(GradSync):
                 options.poll_max or storage.poll_max)
         self._rosters = Rosters(storage, self._ns, self._secret, url)
         watch = self._watch = Watch(storage, self._ns, self._secret,
-                                    options.heartbeat_timeout, url)
+                                    options.heartbeat_timeout, url, interval)
         self._agreement = Agreement(storage, self._rosters, watch, min_ranks=min_ranks,
                                     max_ranks=max_ranks, poll=poll, check_interval=interval,
                                     url=url)

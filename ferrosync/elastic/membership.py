@@ -8,7 +8,11 @@ Pieces:
 * ``Watch``: tells whether another member is alive. A member is gone when its
   heartbeat says ``left``/``aborted``, or when its ``beat`` has not changed for
   ``timeout`` seconds of *this* process's monotonic clock (another host's clock is
-  never compared).
+  never compared) while this process ran: time this process was frozen (SIGSTOP, a
+  suspended VM or job) is not the other's silence. The freeze is seen as a gap in
+  this process's own timeline (``liveness.ProcessClock``, ticked by the heartbeat
+  thread every interval and by every look), and the silence clocks start over when
+  the process resumes, as the fixed-size backend's monitor does.
 * ``Roster``: the membership of one round, and ``Rosters``, which reads rosters and
   join entries and creates the next roster with an exclusive create (first writer
   wins; everyone else reads the winner's).
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 from .. import names
 from ..errors import ShardCorrupt, SyncTimeout
+from ..liveness import PROCESS_CLOCK, freeze_bound
 from ..storage import Storage
 from ..wire import decode_record, encode_record
 
@@ -77,11 +82,14 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
+            # ticks on both sides of the write: a slow write is not a freeze
+            PROCESS_CLOCK.tick()
             try:
                 self.write()
             except Exception:  # noqa: BLE001 - the others will time us out; keep trying
                 _log.warning("elastic member %s: heartbeat write failed", self._id,
                              exc_info=True)
+            PROCESS_CLOCK.tick()
 
     def stop(self, state: str) -> None:
         """Stop beating and publish ``state`` (best effort, never raises)."""
@@ -103,13 +111,18 @@ class Watch:
     """
 
     def __init__(self, storage: Storage, namespace: str, secret: bytes | None,
-                 timeout: float, url: str) -> None:
+                 timeout: float, url: str, interval: float) -> None:
         self._storage = storage
         self._ns = namespace
         self._secret = secret
         self._timeout = timeout
         self._url = url
         self._seen: dict[str, tuple[object, float]] = {}  # id -> (beat, when it changed)
+        # the ProcessClock sets resumed_at when this process resumes from a gap longer
+        # than freeze_bound in its own timeline (it was frozen, or could not run)
+        self.freeze_bound = freeze_bound(interval)
+        self.resumed_at: float | None = None
+        PROCESS_CLOCK.watch(self)
 
     def state(self, member_id: str) -> str:
         """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out)."""
@@ -125,12 +138,14 @@ class Watch:
             beat, state = record.get("beat"), record["state"]
         if state != ALIVE:
             return state
-        now = time.monotonic()
+        now = PROCESS_CLOCK.tick()
         last = self._seen.get(member_id)
         if last is None or last[0] != beat:
             self._seen[member_id] = (beat, now)
             return ALIVE
-        return "silent" if now - last[1] > self._timeout else ALIVE
+        # silence counts from the later of the last new beat and this process's resume
+        since = last[1] if self.resumed_at is None else max(last[1], self.resumed_at)
+        return "silent" if now - since > self._timeout else ALIVE
 
     def alive(self, member_id: str) -> bool:
         return self.state(member_id) == ALIVE
