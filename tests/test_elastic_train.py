@@ -64,6 +64,16 @@ def wait_for(procs, predicate, what, timeout=120):
         raise AssertionError(f"{exc}; members' stderr: {report}") from None
 
 
+def finals_of(procs, names) -> dict:
+    """Wait for the named members; each must exit 0 with a FINAL line: those, by name."""
+    finals = {}
+    for name in names:
+        code, out, err = finish(procs[name])
+        assert code == 0, (name, err[-3000:])
+        finals[name] = final_of(out)
+    return finals
+
+
 def finish(proc, timeout=240) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -88,11 +98,7 @@ def test_diloco_job_survives_a_kill_and_takes_a_newcomer(tmp_path):
     procs["d"] = member(tmp_path, url, "d", *flags)
     wait_for(procs, lambda: last_step(tmp_path, "d") >= 0, "member d admitted")
     procs["c"].send_signal(signal.SIGKILL)
-    finals = {}
-    for n in ("a", "b", "d"):
-        code, out, err = finish(procs[n])
-        assert code == 0, err[-3000:]
-        finals[n] = final_of(out)
+    finals = finals_of(procs, ("a", "b", "d"))
     assert finish(procs["c"])[0] == -signal.SIGKILL
     digests = {f["param_digest"] for f in finals.values()}
     assert len(digests) == 1, finals  # one model
@@ -121,11 +127,7 @@ def test_grad_job_a_graceful_leave_is_seen_within_a_round(tmp_path):
     procs["b"].send_signal(signal.SIGTERM)
     code, _, err = finish(procs["b"])
     assert code == 128 + signal.SIGTERM, err[-2000:]
-    finals = []
-    for n in ("a", "c"):
-        code, out, err = finish(procs[n])
-        assert code == 0, err[-3000:]
-        finals.append(final_of(out))
+    finals = list(finals_of(procs, ("a", "c")).values())
     assert finals[0]["param_digest"] == finals[1]["param_digest"]
     assert finals[0]["members"] == 2 and finals[0]["steps"] == 300
     rows = metrics(tmp_path, "a")
@@ -189,11 +191,7 @@ def test_a_job_that_lost_every_member_resumes_with_another_count(tmp_path):
     for proc in first.values():
         finish(proc)
     second = {n: member(tmp_path, url, n, "--min-ranks", "3", *flags) for n in ("c", "d", "e")}
-    finals = []
-    for proc in second.values():
-        code, out, err = finish(proc)
-        assert code == 0, err[-3000:]
-        finals.append(final_of(out))
+    finals = list(finals_of(second, second).values())
     assert len({f["param_digest"] for f in finals}) == 1
     resumed = {f["joined_at_step"] for f in finals}
     assert len(resumed) == 1
@@ -276,11 +274,7 @@ def test_a_diloco_job_over_s3_takes_a_newcomer_and_a_leave(seaweed_transport, tm
     wait_for(procs, lambda: last_step(tmp_path, "c") >= 0, "member c trains")
     procs["b"].send_signal(signal.SIGTERM)
     assert finish(procs["b"])[0] == 128 + signal.SIGTERM
-    finals = []
-    for n in ("a", "c"):
-        code, out, err = finish(procs[n])
-        assert code == 0, err[-3000:]
-        finals.append(final_of(out))
+    finals = list(finals_of(procs, ("a", "c")).values())
     assert finals[0]["param_digest"] == finals[1]["param_digest"]
     assert finals[1]["joined_at_step"] >= 30 and finals[1]["joined_at_step"] % 10 == 0
     assert all(f["members"] == 2 and f["steps"] == 300 for f in finals)

@@ -48,7 +48,7 @@ from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from ..stats import PHASES
 from .metrics import MetricsWriter, final_line, format_summary
 from .state_tree import flatten, unflatten
-from .trainer import Trainer
+from .trainer import Trainer, _close
 
 __all__ = ["ElasticTrainer", "GlobalBatches", "RejoinNeeded", "ELASTIC_STRATEGIES"]
 
@@ -281,10 +281,7 @@ class ElasticTrainer(Trainer):
                 phase = FINISHED
                 self._after_round(sync, FINISHED)
         finally:
-            if bar is not None:
-                bar.close()
-            if metrics is not None:
-                metrics.close()
+            _close(bar, metrics)
         wall = time.perf_counter() - begin
         self.rank, self.world_size = sync.rank, sync.world_size
         summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,

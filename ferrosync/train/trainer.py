@@ -330,10 +330,7 @@ class Trainer:
                     totals["checkpoints"] += 1
             strategy.finish(self.model, self.optimizer)
         finally:
-            if bar is not None:
-                bar.close()
-            if metrics is not None:
-                metrics.close()
+            _close(bar, metrics)
         wall = time.perf_counter() - begin
         summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
                                   samples, start_step)
@@ -487,6 +484,13 @@ def resolve_device(device, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"device {device!r} needs CUDA, which is not available here",
                           hint="drop --device to train on the CPU")
     return resolved
+
+
+def _close(*outputs) -> None:
+    """Close the progress bar and metrics writer a loop opened (either may be None)."""
+    for output in outputs:
+        if output is not None:
+            output.close()
 
 
 def _rank_seed(seed: int, rank: int) -> int:
