@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -214,6 +215,12 @@ def test_a_finished_job_reports_without_training(tmp_path):
     again = final_of(out)
     assert again["param_digest"] == done["param_digest"] and again["steps"] == 30
     assert again["steps_this_run"] == 0 and metrics(tmp_path, "b") == []
+    # inspect tells the story: the state's step and phase, and the end marker
+    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
+                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    (job,) = json.loads(out.stdout)["elastic_jobs"]
+    assert job["state"]["step"] == 30 and job["state"]["phase"] == "summarised", job
+    assert job["ended_at_round"] is not None and not job["problems"], job
     # another member count does not matter, other flags do: one line, exit 2
     code, out, err = finish(member(tmp_path, url, "c", "--steps", 40, "--strategy",
                                    "local-sgd", "--sync-every", 10))

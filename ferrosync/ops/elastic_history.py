@@ -25,6 +25,8 @@ class ElasticJob:
     rosters: dict[int, dict] = field(default_factory=dict)  # round -> roster record
     heartbeats: dict[str, str] = field(default_factory=dict)  # member id -> hb key
     problems: list[str] = field(default_factory=list)
+    state_key: str | None = None   # the published state's pointer
+    ended_key: str | None = None   # the end marker (``end_job``)
 
 
 def is_elastic_namespace(top: str) -> bool:
@@ -44,6 +46,10 @@ def find_jobs(keys) -> dict[str, ElasticJob]:
             job.rosters[int(head[1:])] = {"key": key}
         elif head == "hb" and names.is_member_id(tail):
             job.heartbeats[tail] = key
+        elif rest == names.ELASTIC_STATE_POINTER:
+            job.state_key = key
+        elif rest == names.ELASTIC_ENDED:
+            job.ended_key = key
     return jobs
 
 
@@ -86,6 +92,10 @@ def job_history(storage: Storage, job: ElasticJob, secret: bytes | None) -> dict
                 events.append({"round": round_, "member": m, "event": how})
         previous = set(members)
     last = rosters[max(rosters)] if rosters else None
+    pointer = _read(storage, job.state_key, secret, job.problems) if job.state_key else None
+    ended = _read(storage, job.ended_key, secret, job.problems) if job.ended_key else None
+    meta = pointer.get("meta") if isinstance(pointer, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
     return {
         "namespace": job.namespace,
         "job": job.namespace.partition(".")[2] or None,
@@ -93,6 +103,11 @@ def job_history(storage: Storage, job: ElasticJob, secret: bytes | None) -> dict
         "members": list(last["members"]) if last else [],
         "membership_changes": len(events),
         "events": events,
+        # the newest published state: its round, and the trainer's step and phase
+        "state": None if not isinstance(pointer, dict) else {
+            "round": pointer.get("round"), "step": meta.get("step"),
+            "phase": meta.get("phase")},
+        "ended_at_round": ended.get("round") if isinstance(ended, dict) else None,
         "problems": job.problems,
     }
 
@@ -110,6 +125,14 @@ def render(jobs: list[dict]) -> list[str]:
         lines.append(f"elastic job {job['job'] or '(no id)'}  {job['namespace']}/  {rounds}  "
                      f"{len(job['members'])} member(s) now, "
                      f"{job['membership_changes']} change(s)")
+        state = job.get("state")
+        if state:
+            step = f", step {state['step']}" if state.get("step") is not None else ""
+            phase = f", {state['phase']}" if state.get("phase") else ""
+            lines.append(f"  state published after round {state['round']}{step}{phase}")
+        if job.get("ended_at_round") is not None:
+            lines.append(f"  ENDED at round {job['ended_at_round']}: later members report, "
+                         "nobody joins")
         for e in job["events"][-20:]:
             lines.append(f"  round {e['round']:<6} {e['member']}  {e['event']}")
         if len(job["events"]) > 20:
