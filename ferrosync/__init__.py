@@ -23,6 +23,7 @@ from .errors import (
     StorageError,
     SyncClosed,
     JobEnded,
+    MemberDropped,
     SyncTimeout,
 )
 from .partition import ShardSampler, shard_indices
@@ -49,6 +50,7 @@ __all__ = [
     "StorageError",
     "SyncClosed",
     "JobEnded",
+    "MemberDropped",
     "__version__",
     "Trainer",
 ]

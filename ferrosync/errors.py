@@ -22,6 +22,7 @@ __all__ = [
     "StorageError",
     "SyncClosed",
     "JobEnded",
+    "MemberDropped",
 ]
 
 
@@ -85,6 +86,12 @@ class SyncTimeout(FerrosyncError, TimeoutError):
 
 class PeerFailed(FerrosyncError, RuntimeError):
     """Another rank published an abort marker, stopped heartbeating, or closed early."""
+
+
+class MemberDropped(PeerFailed):
+    """This member of an elastic job was dropped by the others (it looked gone: its
+    heartbeat was silent past ``heartbeat_timeout``, or it fell so far behind that
+    the round it needed is gone). It may connect again as a new member."""
 
 
 class ShardCorrupt(FerrosyncError, ValueError):

@@ -179,6 +179,27 @@ def test_random_churn_ends_as_one_model(tmp_path, seed):
             assert [r["step"] for r in rows] == list(range(rows[0]["step"], steps + 1))
 
 
+def test_a_member_paused_past_the_timeout_rejoins(tmp_path):
+    """SIGSTOP one member while the others go on: they drop it; on SIGCONT it learns
+    it was dropped, joins again as a newcomer and finishes with the same model."""
+    url = str(tmp_path / "job")
+    flags = ("--min-ranks", "2", "--steps", 300, "--model", "train_models:paced_mlp", *FAST)
+    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b", "c")}
+    wait_for(procs, lambda: min(last_step(tmp_path, n) for n in procs) >= 20,
+             "all three past step 20")
+    procs["c"].send_signal(signal.SIGSTOP)
+    stopped_at = last_step(tmp_path, "a")
+    wait_for(procs, lambda: any(r["members"] == 2 and r["step"] > stopped_at
+                                for r in metrics(tmp_path, "a")), "c dropped")
+    procs["c"].send_signal(signal.SIGCONT)
+    finals = finals_of(procs, ("a", "b", "c"))
+    assert len({f["param_digest"] for f in finals.values()}) == 1, finals
+    assert finals["c"]["joined_at_step"] > stopped_at and finals["c"]["members"] == 3
+    # its metrics read as one run: up to the pause, then from where it rejoined
+    steps = [r["step"] for r in metrics(tmp_path, "c")]
+    assert steps == sorted(set(steps)) and steps[-1] == 300
+
+
 def test_a_job_that_lost_every_member_resumes_with_another_count(tmp_path):
     """Two members publish the state every 20 steps and are both SIGKILLed; three new
     members resume the job from the store and finish it."""

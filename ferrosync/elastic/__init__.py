@@ -49,7 +49,14 @@ from ..backends.options import (
 )
 from ..codecs import CODEC_RAW, accumulator_dtype, as_uint8
 from ..env import Identity
-from ..errors import ConfigError, JobEnded, LayoutMismatch, PeerFailed, ShardCorrupt
+from ..errors import (
+    ConfigError,
+    JobEnded,
+    LayoutMismatch,
+    MemberDropped,
+    PeerFailed,
+    ShardCorrupt,
+)
 from ..storage import open_storage, probe_location
 from ..wire import (
     DTYPE_CODES,
@@ -217,7 +224,7 @@ class ElasticSync(GradSync):
             if self.member_id in roster.members:
                 return roster
             if roster.join_next > entry:
-                raise PeerFailed(
+                raise MemberDropped(
                     f"the members skipped this member's join entry {entry} in round "
                     f"{roster.round} (its heartbeat looked dead to them)",
                     path=self._storage.path_of(self._key(names.elastic_join(entry))),
@@ -288,7 +295,7 @@ class ElasticSync(GradSync):
                                           time.monotonic() + self.timeout)
         if self.member_id not in roster.contributors:
             self._storage.delete([key])
-            raise PeerFailed(
+            raise MemberDropped(
                 f"this member was dropped from round {round_}: the others found it gone "
                 "(heartbeat silent past heartbeat_timeout) before its contribution came",
                 collective=round_, path=self._storage.path_of(key),
@@ -312,7 +319,7 @@ class ElasticSync(GradSync):
             with self._stats.phase("read_s"):
                 raw = self._storage.read(key)
         if raw is None:
-            raise PeerFailed(
+            raise MemberDropped(
                 f"the contribution of member {member} to round {round_} is gone: this "
                 "member fell behind and the others have moved on", collective=round_,
                 path=path, hint="connect again with elastic=True to rejoin")

@@ -19,7 +19,7 @@ import torch
 from ..api import connect, fail_open_syncs
 from ..elastic import peek_state
 from ..env import ENV_URL
-from ..errors import ConfigError, JobEnded, SyncTimeout
+from ..errors import ConfigError, JobEnded, MemberDropped, SyncTimeout
 from ..strategies import make_strategy
 from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
@@ -225,8 +225,9 @@ def run_rank(args) -> int:
 
 def run_member(trainer: ElasticTrainer, args, url: str) -> int:
     """One member of the elastic job at ``url``: join (or found), train to the job's
-    end, report. A newcomer whose state never came leaves and joins again, until
-    ``--timeout`` runs out."""
+    end, report. A newcomer whose state never came, or a member the others dropped
+    (it was paused or starved past ``heartbeat_timeout``), joins again as a new member;
+    attempts that make no progress for ``--timeout`` end in ``SyncTimeout``."""
     timeout = args.timeout or 300.0
     deadline = time.monotonic() + timeout
     while True:
@@ -240,10 +241,12 @@ def run_member(trainer: ElasticTrainer, args, url: str) -> int:
             try:
                 summary = trainer.fit(sync)
                 break
-            except RejoinNeeded as exc:
+            except (RejoinNeeded, MemberDropped) as exc:
+                if trainer.joined_at is not None and trainer.step > trainer.joined_at:
+                    deadline = time.monotonic() + timeout  # it trained: a fresh bound
                 if time.monotonic() > deadline:
-                    raise SyncTimeout(f"joined the elastic job but never got its state: {exc}",
-                                      path=url, hint="check that its members are running")
+                    raise SyncTimeout(f"could not stay in the elastic job: {exc}", path=url,
+                                      hint="check that its members are running") from exc
                 print(f"ferrosync.train: member {sync.member_id}: {exc}; joining again",
                       file=sys.stderr, flush=True)
     return 0 if summary["ranks_agree"] else 1
