@@ -181,7 +181,8 @@ def test_random_churn_ends_as_one_model(tmp_path, seed):
 
 def test_a_member_paused_past_the_timeout_rejoins(tmp_path):
     """SIGSTOP one member while the others go on: they drop it; on SIGCONT it learns
-    it was dropped, joins again as a newcomer and finishes with the same model."""
+    it was dropped (its round's roster is long gone), joins again as a newcomer and
+    finishes with the same model."""
     url = str(tmp_path / "job")
     flags = ("--min-ranks", "2", "--steps", 300, "--model", "train_models:paced_mlp", *FAST)
     procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b", "c")}
@@ -189,10 +190,15 @@ def test_a_member_paused_past_the_timeout_rejoins(tmp_path):
              "all three past step 20")
     procs["c"].send_signal(signal.SIGSTOP)
     stopped_at = last_step(tmp_path, "a")
-    wait_for(procs, lambda: any(r["members"] == 2 and r["step"] > stopped_at
-                                for r in metrics(tmp_path, "a")), "c dropped")
+    # the others go on for more rounds than the rosters are kept (64): c must learn
+    # it was dropped from its own round's roster being gone, not wait out its timeout
+    wait_for(procs, lambda: any(r["members"] == 2 and r["step"] > stopped_at + 80
+                                for r in metrics(tmp_path, "a")), "c dropped, 80 rounds on")
     procs["c"].send_signal(signal.SIGCONT)
-    finals = finals_of(procs, ("a", "b", "c"))
+    code, out, err = finish(procs["c"])
+    assert code == 0 and "fell more than 64 rounds behind" in err and "joining again" in err, \
+        err[-3000:]
+    finals = {"c": final_of(out), **finals_of(procs, ("a", "b"))}
     assert len({f["param_digest"] for f in finals.values()}) == 1, finals
     assert finals["c"]["joined_at_step"] > stopped_at and finals["c"]["members"] == 3
     # its metrics read as one run: up to the pause, then from where it rejoined

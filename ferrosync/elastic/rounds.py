@@ -21,12 +21,15 @@ from __future__ import annotations
 import time
 
 from .. import names
-from ..errors import SyncTimeout
+from ..errors import MemberDropped, SyncTimeout
 from ..storage import Backoff, Storage, object_exists
-from .membership import ALIVE, Roster, Rosters, Watch
+from .membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
 
 #: the most contribution bytes the checker keeps from its existence checks (S3)
 KEEP_BUDGET = 256 << 20
+#: a waiting member checks every this many looks (one per heartbeat interval) whether
+#: its round's roster was already pruned; rare, because each check costs two GETs
+PRUNED_CHECK_EVERY = 4
 
 
 class Agreement:
@@ -106,6 +109,20 @@ class Agreement:
         roster = Roster(round_, tuple(survivors), tuple(survivors + joiners), n)
         return self._rosters.create(roster)
 
+    def _check_not_pruned(self, round_: int) -> None:
+        """``MemberDropped`` if round ``round_`` is over and its roster already deleted:
+        this member fell more than ``ROSTER_RETENTION`` rounds behind (it was frozen
+        while the others went on) and would otherwise wait out its timeout. Rosters
+        are created in order and the hint is written after its roster, so a hint at or
+        past ``round_`` means the roster existed; read it once more (it may have been
+        created between the two reads)."""
+        if self._rosters.latest_hint() >= round_ and self._rosters.read(round_) is None:
+            raise MemberDropped(
+                f"round {round_} is over and its roster is gone: this member fell more "
+                f"than {ROSTER_RETENTION} rounds behind the others", collective=round_,
+                path=self._storage.path_of(self._rosters.key(names.elastic_roster(round_))),
+                hint="connect again with elastic=True to rejoin as a new member")
+
     def is_checker(self, predecessors: list[str]) -> bool:
         """True when every member before this one is gone (see the module docstring)."""
         return not any(self._watch.alive(m) for m in predecessors)
@@ -117,14 +134,17 @@ class Agreement:
         roster is missing (a joiner's "has the job ended?"); it may raise."""
         backoff = Backoff(*self._poll)
         checker = not predecessors
-        next_look = 0.0
+        next_look, looks = 0.0, 0
         while True:
             roster = self._rosters.read(round_)
             if roster is None:
                 now = time.monotonic()
                 if now >= next_look:
+                    looks += 1
                     if on_look is not None:
                         on_look()
+                    if looks % PRUNED_CHECK_EVERY == 0:
+                        self._check_not_pruned(round_)
                     if not checker:
                         checker = self.is_checker(predecessors)
                         self.waiting_on = "the checker (the first live member) to write it"
