@@ -50,6 +50,14 @@ def accumulate(acc: torch.Tensor, values: torch.Tensor, weight: float, *, first:
     bits whichever backend reduced. On the CPU it uses one thread (see above).
     """
     a, v = _host_array(acc), _host_array(values)
+    if first and values is acc:
+        # in-place reduce (FileSync's rank 0 sums into its own tensor): nothing to copy
+        if weight != 1.0:
+            if a is not None:
+                np.multiply(a, a.dtype.type(weight), out=a)
+            else:
+                acc.mul_(weight)
+        return
     if a is not None and v is not None and (first or weight == 1.0):
         if first:
             np.copyto(a, v, casting="same_kind")
