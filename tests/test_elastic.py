@@ -282,7 +282,8 @@ def w_paused(index, _world, url, files):
 
 
 def _beat(url, files, index) -> int:
-    member = open(f"{files}.id{index}").read()
+    with open(f"{files}.id{index}", encoding="utf-8") as f:
+        member = f.read()
     raw = json.loads((url / "el.pause" / f"hb.{member}").read_text())
     return json.loads(raw["body"])["beat"]
 
