@@ -17,13 +17,13 @@ from .errors import (
     ConfigError,
     DuplicateRank,
     FerrosyncError,
+    JobEnded,
     LayoutMismatch,
+    MemberDropped,
     PeerFailed,
     ShardCorrupt,
     StorageError,
     SyncClosed,
-    JobEnded,
-    MemberDropped,
     SyncTimeout,
 )
 from .partition import ShardSampler, shard_indices

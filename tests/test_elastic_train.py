@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+from train_cli import final_of, start_cli
 
 from ferrosync.elastic.state import PublishedState
 from ferrosync.errors import ShardCorrupt
@@ -24,7 +25,6 @@ from ferrosync.train.__main__ import main
 from ferrosync.train.elastic import GlobalBatches
 from ferrosync.train.state_tree import flatten, unflatten
 from ranks import wait_until
-from train_cli import final_of, start_cli
 
 # short heartbeats: a killed member is dropped within seconds
 FAST = ["--sync-option", "heartbeat_interval=0.3", "--sync-option", "heartbeat_timeout=3"]
@@ -103,7 +103,7 @@ def test_diloco_job_survives_a_kill_and_takes_a_newcomer(tmp_path):
     assert finish(procs["c"])[0] == -signal.SIGKILL
     digests = {f["param_digest"] for f in finals.values()}
     assert len(digests) == 1, finals  # one model
-    for n, f in finals.items():
+    for f in finals.values():
         assert f["steps"] == steps and f["elastic"] and f["ranks_agree"], f
         assert f["accuracy"] >= 0.9, f
         assert f["members"] == 3 and f["membership_changes"] >= 2, f
@@ -153,9 +153,9 @@ def test_random_churn_ends_as_one_model(tmp_path, seed):
     for event in range(4):
         alive = sorted(n for n, p in procs.items() if n not in gone)
         target = max(last_step(tmp_path, n) for n in alive) + rng.randint(15, 60)
-        wait_until(lambda: max(last_step(tmp_path, n) for n in alive) >= target or
-                   target >= steps, f"step {target} (event {event}, seed {seed})",
-                   timeout=120)
+        wait_until(lambda alive=alive, target=target: target >= steps or
+                   max(last_step(tmp_path, n) for n in alive) >= target,
+                   f"step {target} (event {event}, seed {seed})", timeout=120)
         victim = rng.choice(alive)
         how = rng.choice([signal.SIGKILL, signal.SIGTERM])
         procs[victim].send_signal(how)

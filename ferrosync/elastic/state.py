@@ -28,7 +28,7 @@ from .. import names
 from ..codecs import CODEC_RAW, as_uint8
 from ..errors import LayoutMismatch, ShardCorrupt, SyncTimeout
 from ..flat import check_tensors, layout_signature
-from ..storage import Storage
+from ..storage import Backoff, Storage
 from ..wire import (
     DTYPE_CODES,
     KIND_BROADCAST,
@@ -44,7 +44,7 @@ from ..wire import (
 _UINT8 = DTYPE_CODES[torch.uint8]
 #: the dtypes a manifest may name, by name (a fixed list: nothing else is constructed)
 _DTYPES = {str(d).replace("torch.", ""): d for d in DTYPE_CODES}
-#: how often a reader waiting for a newer state reads the pointer (seconds, growing)
+#: how often a reader waiting for a newer state reads the pointer (first, longest; s)
 _POLL = (0.02, 0.5)
 
 
@@ -131,7 +131,7 @@ class StateStore:
         """(pointer record, verified header, payload) of the newest state, waiting until
         deadline for one published after ``min_round``; None if none was published.
         ``give_up()``, asked while waiting, raises to end the wait early."""
-        delay = _POLL[0]
+        backoff = Backoff(*_POLL)
         while True:
             pointer = self._pointer(rank)
             fresh = pointer is not None and (min_round is None or pointer["round"] >= min_round)
@@ -152,8 +152,7 @@ class StateStore:
                                   "admits a joiner; check that one of them is running")
             if give_up is not None and not fresh:
                 give_up()
-            time.sleep(delay)
-            delay = min(delay * 1.5, _POLL[1])
+            backoff.sleep(deadline)
         path = self._storage.path_of(key)
         header = parse_header(raw, path=path, rank=rank, key=self._secret)
         check = PayloadCheck(header, raw[:header.size], self._secret, path, rank)

@@ -208,13 +208,7 @@ class PeriodicStrategy(Strategy):
                 self._skipped += 1  # every rank idle: nothing to merge, nothing moves
                 telemetry.update(divergence=0.0, pre_norm=None, post_norm=None)
             else:
-                params = [p.detach() for p in model.parameters()]
-                pre_norm = norm(params)
-                distance, post_norm = self._merge(params, weights[self.sync.rank])
-                divergence = distance / post_norm if post_norm > 0 else 0.0
-                self._div_sum += divergence
-                telemetry.update(divergence=divergence, pre_norm=pre_norm,
-                                 post_norm=post_norm)
+                self._merge_measured(model, weights[self.sync.rank], telemetry)
         self._syncs += 1
         self._window = 0
         self._masses = [a + m for a, m in zip(self._masses, masses)]
@@ -241,13 +235,8 @@ class PeriodicStrategy(Strategy):
         on slow links each collective costs round trips, so the gather would add a
         whole latency-bound exchange to every sync for numbers every rank has."""
         with self._measured({"synced": True, "skipped": False}) as telemetry:
-            params = [p.detach() for p in model.parameters()]
-            pre_norm = norm(params)
             weight = float(self._window) ** self.gamma if self._window > 0 else 0.0
-            distance, post_norm = self._merge(params, weight)
-            divergence = distance / post_norm if post_norm > 0 else 0.0
-            self._div_sum += divergence
-            telemetry.update(divergence=divergence, pre_norm=pre_norm, post_norm=post_norm)
+            self._merge_measured(model, weight, telemetry)
         if self._masses is not None:  # lockstep: every rank trained this same window
             masses = [self._window] * self.sync.world_size
             telemetry["masses"] = masses
@@ -258,6 +247,16 @@ class PeriodicStrategy(Strategy):
         self._all_done = done
         self._last = dict(telemetry)
         return telemetry
+
+    def _merge_measured(self, model, weight: float, telemetry: dict) -> None:
+        """Collective: ``_merge`` with this rank's ``weight``, and the merge's
+        telemetry (divergence, norms before and after) into ``telemetry``."""
+        params = [p.detach() for p in model.parameters()]
+        pre_norm = norm(params)
+        distance, post_norm = self._merge(params, weight)
+        divergence = distance / post_norm if post_norm > 0 else 0.0
+        self._div_sum += divergence
+        telemetry.update(divergence=divergence, pre_norm=pre_norm, post_norm=post_norm)
 
     def finish(self, model, optimizer) -> None:
         while not self._all_done:  # leave no rank waiting on a sync we would skip

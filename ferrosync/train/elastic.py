@@ -33,22 +33,20 @@ leave whenever they do. What keeps them one model:
 
 from __future__ import annotations
 
-import hashlib
 import os
-import random
 import sys
 import time
+from collections import deque
 
-import numpy
 import torch
 from torch.utils.data import default_collate
 
 from ..errors import ConfigError, PeerFailed, SyncTimeout
-from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from ..stats import PHASES
+from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .metrics import MetricsWriter, final_line, format_summary
 from .state_tree import flatten, unflatten
-from .trainer import Trainer, _close
+from .trainer import LOSS_WINDOW, Trainer, _close, derived_seed, seed_streams
 
 __all__ = ["ElasticTrainer", "GlobalBatches", "RejoinNeeded", "ELASTIC_STRATEGIES"]
 
@@ -94,7 +92,7 @@ class GlobalBatches:
 
     def _permutation(self) -> torch.Tensor:
         if self._order is None or self._order[0] != self.epoch:
-            g = torch.Generator().manual_seed(_mix(self.seed, f"epoch{self.epoch}"))
+            g = torch.Generator().manual_seed(derived_seed(self.seed, f"epoch{self.epoch}"))
             self._order = (self.epoch, torch.randperm(self.n, generator=g))
         return self._order[1]
 
@@ -242,7 +240,8 @@ class ElasticTrainer(Trainer):
         sync = sync if sync is not None else self.sync
         if sync is None or not getattr(sync, "elastic", False):
             raise ConfigError("ElasticTrainer.fit needs connect(..., elastic=True)")
-        _reseed(self.seed, sync.member_id)
+        # training randomness (dropout, augmentation) differs per member
+        seed_streams(derived_seed(self.seed, sync.member_id))
         self._published = -1
         phase = self._bootstrap(sync)
         if phase == SUMMARISED:  # the job had ended before this member came
@@ -255,7 +254,8 @@ class ElasticTrainer(Trainer):
                    if self.metrics_path else None)
         bar = self._progress_bar()
         totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
-        losses, samples, start_step = [], 0, self.step
+        losses: deque[float] = deque(maxlen=LOSS_WINDOW)
+        samples, start_step = 0, self.step
         begin = time.perf_counter()
         stats_begin, counters_begin = sync.stats["total"], sync.counters.snapshot()
         self.model.train()
@@ -265,7 +265,7 @@ class ElasticTrainer(Trainer):
                 record = self._train_step(sync, *self.data.take(rank, world))
                 self.epoch = self.data.epoch
                 samples += record.pop("samples")
-                losses = (losses + [record["loss"]])[-20:]
+                losses.append(record["loss"])
                 totals["compute_s"] += record["compute_s"]
                 totals["sync_s"] += record["sync_s"]
                 if record["synced"]:
@@ -343,19 +343,6 @@ class _Alone:
 class _NoCounters:
     def snapshot(self) -> dict:
         return {}
-
-
-def _mix(seed: int, label: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{label}".encode(), digest_size=8).digest(),
-                          "little") >> 1
-
-
-def _reseed(seed: int, member_id: str) -> None:
-    """Training randomness (dropout, augmentation) differs per member."""
-    value = _mix(seed, member_id)
-    torch.manual_seed(value)
-    random.seed(value)
-    numpy.random.seed(value % 2**32)
 
 
 def metrics_path_for(path: str | None) -> str | None:

@@ -193,10 +193,7 @@ class Trainer:
             raise ConfigError(f"optimizer_fn must return a torch.optim.Optimizer, got "
                               f"{type(self.optimizer).__name__}")
         # training randomness (dropout, augmentation) differs per rank, reproducibly
-        rank_seed = _rank_seed(self.seed, self.rank)
-        torch.manual_seed(rank_seed)
-        random.seed(rank_seed)
-        numpy.random.seed(rank_seed % 2**32)
+        seed_streams(derived_seed(self.seed, self.rank))
 
     def _build_data(self, dataset, n: int, num_workers: int, *, epochs: int | None,
                     steps: int | None) -> None:
@@ -493,10 +490,19 @@ def _close(*outputs) -> None:
             output.close()
 
 
-def _rank_seed(seed: int, rank: int) -> int:
-    # a hash, not seed + rank: runs with seeds 0 and 1 must not share streams
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{rank}".encode(), digest_size=8).digest(),
+def derived_seed(seed: int, label) -> int:
+    """A seed for one stream (a rank, a member, an epoch's order) derived from ``seed``.
+
+    A hash, not seed + rank: runs with seeds 0 and 1 must not share streams."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{label}".encode(), digest_size=8).digest(),
                           "little") >> 1
+
+
+def seed_streams(value: int) -> None:
+    """Seed this process's training randomness: torch, ``random`` and NumPy."""
+    torch.manual_seed(value)
+    random.seed(value)
+    numpy.random.seed(value % 2**32)
 
 
 def _dataset_length(dataset) -> int:
