@@ -39,11 +39,11 @@ import time
 from collections import deque
 
 import torch
-from torch.utils.data import default_collate
 
 from ..errors import ConfigError, PeerFailed, SyncTimeout
 from ..stats import PHASES
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
+from .batching import batch_of
 from .metrics import MetricsWriter, final_line, format_summary
 from .state_tree import flatten, unflatten
 from .trainer import LOSS_WINDOW, Trainer, _close, derived_seed, seed_streams
@@ -87,8 +87,7 @@ class GlobalBatches:
         order = self._permutation()
         start = self.position + rank * self.batch_size
         self.position += span
-        items = [self.dataset[int(i)] for i in order[start:start + self.batch_size]]
-        return default_collate(items)
+        return batch_of(self.dataset, order[start:start + self.batch_size])
 
     def _permutation(self) -> torch.Tensor:
         if self._order is None or self._order[0] != self.epoch:

@@ -36,7 +36,6 @@ from typing import Callable
 
 import numpy
 import torch
-from torch.utils.data import DataLoader
 
 from ..costs import hourly, is_billed, parse_prices
 from ..env import discover
@@ -46,6 +45,7 @@ from ..stats import PHASES
 from ..storage import REQUEST_KINDS
 from ..strategies import TELEMETRY_KEYS, GradAveraging, Strategy
 from ..validate import integer
+from .batching import batch_loader
 from .checkpoint import (
     CheckpointStore,
     capture_rng,
@@ -202,9 +202,9 @@ class Trainer:
                                     shuffle=True, seed=self.seed)
         # the loader gets its own generator: creating an iterator must not draw from
         # the global RNG, or a run resumed mid-epoch would be one draw out of step
-        self.loader = DataLoader(dataset, batch_size=self.batch_size, sampler=self.sampler,
-                                 num_workers=num_workers,
-                                 generator=torch.Generator().manual_seed(self.seed))
+        self.loader = batch_loader(dataset, self.sampler, self.batch_size,
+                                   num_workers=num_workers,
+                                   generator=torch.Generator().manual_seed(self.seed))
         self.steps_per_epoch = -(-len(self.sampler) // self.batch_size)
         limits = [s for s in (steps, epochs and epochs * self.steps_per_epoch) if s]
         self.total_steps = min(limits)
