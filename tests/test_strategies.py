@@ -394,3 +394,45 @@ def test_grad_with_batchnorm_ends_identical_and_resumes_bit_identically(tmp_path
     assert full[0]["ranks_agree"] and resumed[0]["ranks_agree"]
     assert resumed[0]["resumed_from"] == 3
     assert resumed[0]["param_digest"] == full[0]["param_digest"]
+
+
+def w_count_collectives(rank, world, url, name, settings, steps, plan):
+    """``steps`` steps of ``name``; returns (syncs, collectives this rank ran, params)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = make_strategy(name, **settings)
+    with _connect(url, rank, world) as sync:
+        strategy.attach(model, opt, sync)
+        if plan:
+            strategy.begin(steps)
+        before = sync.stats["total"]["collectives"]
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            opt.zero_grad()
+            model(torch.randn(8, 4, generator=g)).square().mean().backward()
+            strategy.step(model, opt)
+        strategy.finish(model, opt)
+        return (strategy.summary()["syncs"], sync.stats["total"]["collectives"] - before,
+                _params(model))
+
+
+@pytest.mark.parametrize("name, settings", [
+    ("diloco", {"sync_every": 4}),
+    ("streaming-diloco", {"sync_every": 8, "fragments": 2, "overlap_steps": 1}),
+])
+def test_a_lockstep_sync_with_a_known_end_is_one_collective(tmp_path, name, settings):
+    """With ``begin`` every rank's record is its own: each sync is its merge alone (the
+    record gather would cost a latency-bound exchange per sync on a slow link).
+    Without ``begin`` (the end unknown) the gather stays: two collectives per sync."""
+    known = run_ranks(w_count_collectives, 2, str(tmp_path / "a"), name, settings, 18, True)
+    unknown = run_ranks(w_count_collectives, 2, str(tmp_path / "b"), name, settings, 18, False)
+    for syncs, collectives, _ in known:  # streaming's final merge is one collective too
+        assert syncs >= 4 and collectives == syncs
+    for syncs, collectives, _ in unknown:
+        assert syncs >= 4 and collectives >= 2 * syncs
+    assert _same_params(known[0][2], known[1][2])
+
+
+def _same_params(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))

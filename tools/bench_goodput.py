@@ -18,7 +18,9 @@ long to move at 100 Mbit/s as one step takes to compute on a 2-core machine: the
 where the choice of strategy decides the goodput. ``--task demo`` is the trainer's
 5k-parameter demo MLP (1 ms steps, 21 kB of gradients): a pure latency test.
 ``--train-arg`` adds trainer flags to every run (after the task's, so they override
-them); ``--strategy-arg NAME=FLAG`` to one strategy's runs.
+them); ``--strategy-arg NAME=FLAG`` to one strategy's runs (after the task's presets
+for that strategy, ``TASK_STRATEGY_ARGS``: on ``wide``, outer momentum 0.5 for the
+DiLoCo variants and 10 steps of overlap for streaming).
 
 Every strategy runs the same number of steps (``--steps``) on the same samples, so
 the qualities compare; grad, which pays the link on every step, dominates the run
@@ -30,7 +32,7 @@ not in it):
 
 * compute fraction: compute time / wall time of the loop (the goodput), and the
   fraction spent in synchronisation (the rest is loading batches and the loop's
-  bookkeeping, about 5 ms a step here);
+  bookkeeping, under 1 ms a step here);
 * bytes and requests per optimizer step per rank (storage level, as ``GradSync.stats``
   counts them), and the bytes that crossed the proxy per step per rank (both
   directions, HTTP headers and the launcher's probes included: the wire's view);
@@ -81,6 +83,17 @@ TASKS = {
     "demo": [],
 }
 DEFAULT_TASK = "wide"
+#: flags per --task and strategy, before --strategy-arg's (which override them).
+#: wide: the default run has 3 outer steps (300 steps, H = 100), too few for the
+#: outer Nesterov momentum of 0.9 (the DiLoCo paper's, for hundreds of outer steps)
+#: to pay off: its first steps overshoot (0.7 x 1.9 = 1.33 times the averaged
+#: pseudo-gradient), 1.2 points below grad. 0.5 reaches grad's accuracy (docs/goodput.md
+#: gives both). Streaming's exchange of its largest fragment (1.05 MB) needs about
+#: 0.4 s at 100 Mbit/s and 50 ms: 10 steps of overlap hide it, 1 step does not.
+TASK_STRATEGY_ARGS = {
+    "wide": {"diloco": ["--outer-momentum", "0.5"],
+             "streaming-diloco": ["--outer-momentum", "0.5", "--overlap-steps", "10"]},
+}
 DEFAULT_STEPS = 300
 DEFAULT_SYNC_EVERY = 100
 
@@ -195,7 +208,9 @@ def train_command(ranks: int, strategy: str, settings: tuple[str, ...], url: str
            "storage_options=" + json.dumps(s3_storage_options(endpoint))]
     if "sync_every" in settings:
         cmd += ["--sync-every", str(args.sync_every)]
-    return cmd + TASKS[args.task] + args.train_arg + args.strategy_args.get(strategy, [])
+    preset = TASK_STRATEGY_ARGS.get(args.task, {}).get(strategy, [])
+    return (cmd + TASKS[args.task] + args.train_arg + preset
+            + args.strategy_args.get(strategy, []))
 
 
 def run_one(cmd: list[str], proxy: WanProxy, timeout: float) -> dict:
@@ -378,11 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"compute-to-communication ratio (task {args.task}: {flags}):")
     for note in notes:
         print(f"  {note}")
+    presets = TASK_STRATEGY_ARGS.get(args.task, {})
+    for name in strategies:
+        if presets.get(name) or args.strategy_args.get(name):
+            print(f"  {name} ran with: "
+                  f"{' '.join(presets.get(name, []) + args.strategy_args.get(name, []))}")
     print(f"command: {command}")
     report = {"command": command, "rows": rows, "ratios": ratios,
               "settings": {"task": args.task, "task_args": TASKS[args.task],
                            "steps": args.steps, "sync_every": args.sync_every,
                            "seed": args.seed, "train_args": args.train_arg,
+                           "strategy_presets": TASK_STRATEGY_ARGS.get(args.task, {}),
                            "strategy_args": args.strategy_args},
               "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                           "platform": platform.platform()}}

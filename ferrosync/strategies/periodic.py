@@ -9,8 +9,9 @@ One sync, on every rank, in this order:
    last sync (its *mass*) and whether it is done (a subclass may append numbers:
    ``_record``/``_weights``). Every rank now knows every mass, so the rest is
    decided identically everywhere without another message. Skipped where every
-   rank knows every record already (lockstep with a known end: equal windows, one
-   end; and elastic jobs): the sync is then the merge alone (``_records_known``).
+   rank knows every record already (lockstep with a known end: every rank's record
+   is its own; and elastic jobs): the sync is then the merge alone
+   (``_records_known``).
 2. Weights: ``mass ** gamma`` (flodl's realized-work rule; ``gamma = 0`` weighs
    every rank that worked equally), and 0 for a rank that did no work whatever
    ``gamma`` is. If every weight is 0 the merge is skipped on every rank (nothing
@@ -195,11 +196,12 @@ class PeriodicStrategy(Strategy):
         sync's telemetry (see ``TELEMETRY_KEYS``).
         """
         done = done or (self._steps_left is not None and self._steps_left <= 0)
-        if self._records_known():
-            return self._merge_only(model, done)
+        if self.sync.elastic:
+            return self._merge_elastic(model, done)
         with self._measured({"synced": True}) as telemetry:
             record = torch.tensor(self._record(done), dtype=torch.float64)
-            gathered = self.sync.all_gather(record)
+            gathered = ([record] * self.sync.world_size if self._records_known()
+                        else self.sync.all_gather(record))
             masses = [int(g[0]) for g in gathered]
             weights = self._weights(gathered)
             telemetry["masses"] = masses
@@ -220,28 +222,22 @@ class PeriodicStrategy(Strategy):
         return telemetry
 
     def _records_known(self) -> bool:
-        """Whether every rank already knows every rank's record, so the sync needs no
-        gather: lockstep with a known end (``begin``), where every rank trained the
-        same window and reaches the end at the same step, and the record is the plain
-        (mass, done) pair. An elastic job never gathers (a membership change between
-        two collectives would split one sync; it is lockstep by construction)."""
-        if self.sync.elastic:
-            return True
-        return (self.lockstep and self._steps_left is not None
-                and type(self)._record is PeriodicStrategy._record)
+        """Whether every rank's record is this rank's own, so a sync needs no gather:
+        lockstep with a known end (``begin``). Every rank then trains every step of the
+        same windows and reaches the end at the same step, so the windows, the done
+        votes and anything a subclass counts per step (streaming's per-fragment
+        windows) are equal everywhere. On slow links each collective costs round
+        trips: the gather would add a whole latency-bound exchange to every sync
+        for numbers every rank has."""
+        return self.lockstep and self._steps_left is not None
 
-    def _merge_only(self, model, done: bool) -> dict:
-        """A sync that is one collective, the merge itself (see ``_records_known``):
-        on slow links each collective costs round trips, so the gather would add a
-        whole latency-bound exchange to every sync for numbers every rank has."""
+    def _merge_elastic(self, model, done: bool) -> dict:
+        """An elastic job's sync: the merge alone, never a gather (a membership change
+        between two collectives would split one sync; every member trains every step
+        of the round, so its weight is its own window's)."""
         with self._measured({"synced": True, "skipped": False}) as telemetry:
             weight = float(self._window) ** self.gamma if self._window > 0 else 0.0
             self._merge_measured(model, weight, telemetry)
-        if self._masses is not None:  # lockstep: every rank trained this same window
-            masses = [self._window] * self.sync.world_size
-            telemetry["masses"] = masses
-            self._masses = [a + m for a, m in zip(self._masses, masses)]
-            self._global_batches += sum(masses)
         self._syncs += 1
         self._window = 0
         self._all_done = done

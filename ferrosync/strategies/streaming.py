@@ -34,8 +34,10 @@ for bit.
 Work weighting, idle ranks and the done vote are ``PeriodicStrategy``'s; a rank's
 weight for fragment f is ``(batches since f's last sync) ** gamma``. The record every
 rank gathers at a sync carries those per-fragment counts, so which fragment a sync
-merges and with what weights is decided from gathered numbers only (no clock).
-The record exchange (a few bytes) stays synchronous; the payload overlaps.
+merges and with what weights is decided from gathered numbers only (no clock). In
+lockstep with a known end every rank's record is its own, so no record is gathered
+(``PeriodicStrategy._records_known``): a fragment sync is its overlapped exchange
+alone, and the final merge of every fragment is one collective.
 """
 
 from __future__ import annotations
@@ -124,6 +126,7 @@ class StreamingDiLoCo(DiLoCo):
         self._inflight: dict | None = None  # the exchange started, not yet applied
         self._plan_now: list[tuple[int, float]] = []  # this sync: (fragment, weight)
         self._final = False                 # this sync merges every fragment (the last)
+        self._even = False                  # every rank weighs this sync's fragments alike
         self._landed: dict | None = None    # telemetry of an exchange applied this step
         self._exchanges: collections.deque = collections.deque(maxlen=_EXCHANGE_LOG)
         self._restored_stream: dict | None = None
@@ -190,6 +193,8 @@ class StreamingDiLoCo(DiLoCo):
         per_fragment = {f: [weight(float(g[2 + f])) for g in gathered] for f in chosen}
         self._plan_now = [(f, per_fragment[f][rank]) for f in chosen
                           if any(per_fragment[f])]  # nobody trained it: nothing to send
+        # every rank weighs each fragment alike (lockstep): one exchange can carry them all
+        self._even = all(len(set(per_fragment[f])) == 1 for f, _ in self._plan_now)
         for f in chosen:
             self._frag_window[f] = 0
         self._final = final
@@ -217,39 +222,54 @@ class StreamingDiLoCo(DiLoCo):
         with torch.no_grad():
             if self._final or self.overlap_steps == 0:
                 squares, post = 0.0, []
-                for f, w in self._plan_now:
-                    self._start(f, w, async_op=False)
-                    distance, _ = self._apply(f, replace=self._final)
-                    squares += distance ** 2
-                    post.extend(self._global[self._parts[f]])
+                for fragments, w in self._exchanges_now():
+                    self._start(fragments, w, async_op=False)
+                    for f in fragments:
+                        distance, _ = self._apply(f, replace=self._final)
+                        squares += distance ** 2
+                        post.extend(self._global[self._parts[f]])
                 if self._final:  # every rank ends on θ_g, whatever alpha kept before
                     for p, g in zip(self._params, self._global):
                         p.copy_(g)
                 return squares ** 0.5, norm(post)
             (f, w), = self._plan_now
             part = self._parts[f]
-            self._start(f, w, async_op=True)
+            self._start([f], w, async_op=True)
             # measured now (the merge lands later): how far this rank drifted from the
             # fragment's global copy, relative to that copy
             glob = self._global[part.start:part.stop]
             return (norm(g.to(p.device) - p for g, p in zip(glob, params[part])),
                     norm(glob))
 
-    def _start(self, f: int, weight: float, *, async_op: bool) -> None:
-        """Collective: Δ of fragment ``f`` (and the buffers with the last) averaged with
-        this rank's ``weight``; in the background with ``async_op`` (lands in
-        ``overlap_steps`` steps), else in place before returning."""
-        part = self._parts[f]
-        for d, g, p in zip(self._delta[part], self._global[part], self._params[part]):
-            d.copy_(p)              # to the outer device
-            torch.sub(g, d, out=d)  # Δ_r = θ_g - θ_r
-        if f == self.fragments - 1:
+    def _exchanges_now(self) -> list[tuple[list[int], float]]:
+        """The synchronous merge's collectives: ``(fragments, this rank's weight)``.
+        One per fragment, each with its own weight; or, where every rank weighs each
+        fragment alike (lockstep: the weighted mean is then the plain mean), one
+        collective for all of them: the final merge of F fragments costs one exchange's
+        round trips instead of F. (That exchange is a codec stream of its own: a lossy
+        codec's residuals from the fragments' earlier syncs are not added to it.)"""
+        if self._even and len(self._plan_now) > 1:
+            return [([f for f, _ in self._plan_now], 1.0)]
+        return [([f], w) for f, w in self._plan_now]
+
+    def _start(self, fragments: list[int], weight: float, *, async_op: bool) -> None:
+        """Collective: Δ of ``fragments`` (and the buffers with the last fragment)
+        averaged with this rank's ``weight``; in the background with ``async_op`` (one
+        fragment; lands in ``overlap_steps`` steps), else in place before returning."""
+        for f in fragments:
+            part = self._parts[f]
+            for d, g, p in zip(self._delta[part], self._global[part], self._params[part]):
+                d.copy_(p)              # to the outer device
+                torch.sub(g, d, out=d)  # Δ_r = θ_g - θ_r
+        if self.fragments - 1 in fragments:
             for s, b in zip(self._stage, self._buffers):
                 s.copy_(b)
-        handle = self.sync.average_(self._tensors(f), weight=weight, async_op=async_op)
+        tensors = self._tensors(fragments[0]) if len(fragments) == 1 else [
+            t for f in fragments for t in self._tensors(f)]
+        handle = self.sync.average_(tensors, weight=weight, async_op=async_op)
         if async_op:
-            self._inflight = {"fragment": f, "handle": handle, "left": self.overlap_steps,
-                              "started": self._t}
+            self._inflight = {"fragment": fragments[0], "handle": handle,
+                              "left": self.overlap_steps, "started": self._t}
 
     def _land(self) -> dict:
         """Wait for the exchange in flight and apply it (see ``_apply``); returns the
