@@ -1248,6 +1248,7 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         config.setdefault("retries", {"mode": "adaptive", "max_attempts": 5})
         config.setdefault("connect_timeout", 5)
         config.setdefault("read_timeout", 60)
+        config.update({k: v for k, v in _redundant_checksums_off().items() if k not in config})
         storage_options["config_kwargs"] = config
         if "session" not in storage_options:
             storage_options["session"] = _s3_session_without_expect_continue()
@@ -1282,6 +1283,22 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
 
     return storage
 
+
+
+def _redundant_checksums_off() -> dict:
+    """botocore settings that skip its own CRC of every request and response body
+    where S3 does not require one.
+
+    Every object ferrosync writes carries its own checksum (xxh3) or MAC over the
+    whole payload, verified by every reader before a byte is used (``wire``), so
+    botocore's CRC (default since botocore 1.36) only costs CPU on the ranks' cores:
+    a 16 MiB PUT took 25-27 ms of client CPU with it, 18 ms without, and a 16 MiB GET
+    31-32 ms against 16-17 ms (SeaweedFS on loopback). Operations S3 requires a
+    checksum for still get one. Empty on a botocore without these settings."""
+    from botocore.config import Config
+
+    keys = ("request_checksum_calculation", "response_checksum_validation")
+    return {k: "when_required" for k in keys if k in Config.OPTION_DEFAULTS}
 
 
 def _s3_session_without_expect_continue():

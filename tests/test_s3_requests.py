@@ -112,3 +112,24 @@ def test_a_session_given_by_the_user_is_kept(recorded_s3):
     storage.close()
     # the user's session keeps botocore's default, header and all
     assert b"expect: 100-continue" in bytes(recorder.sent).lower()
+
+
+def test_puts_carry_no_redundant_crc_unless_the_user_asks(recorded_s3):
+    """botocore's default CRC of every body is skipped (every object carries
+    ferrosync's own checksum or MAC, verified by every reader); a user's
+    ``config_kwargs`` setting wins."""
+    from botocore.config import Config
+
+    if "request_checksum_calculation" not in Config.OPTION_DEFAULTS:
+        pytest.skip("this botocore computes no CRC by default")
+    recorder, options = recorded_s3
+    storage = open_storage("s3://ferrosync-tests/crc", options)
+    storage.put("plain", [b"x" * 1000])
+    storage.close()
+    assert b"x-amz-checksum-crc32" not in bytes(recorder.sent).lower()
+    start = len(recorder.sent)
+    wanted = {**options, "config_kwargs": {"request_checksum_calculation": "when_supported"}}
+    storage = open_storage("s3://ferrosync-tests/crc2", wanted)
+    storage.put("plain", [b"x" * 1000])
+    storage.close()
+    assert b"x-amz-checksum-crc32" in bytes(recorder.sent[start:]).lower()
