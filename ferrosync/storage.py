@@ -1248,7 +1248,8 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         config.setdefault("retries", {"mode": "adaptive", "max_attempts": 5})
         config.setdefault("connect_timeout", 5)
         config.setdefault("read_timeout", 60)
-        config.update({k: v for k, v in _redundant_checksums_off().items() if k not in config})
+        for key, value in _redundant_checksums_off().items():
+            config.setdefault(key, value)
         storage_options["config_kwargs"] = config
         if "session" not in storage_options:
             storage_options["session"] = _s3_session_without_expect_continue()

@@ -431,8 +431,4 @@ def test_a_lockstep_sync_with_a_known_end_is_one_collective(tmp_path, name, sett
         assert syncs >= 4 and collectives == syncs
     for syncs, collectives, _ in unknown:
         assert syncs >= 4 and collectives >= 2 * syncs
-    assert _same_params(known[0][2], known[1][2])
-
-
-def _same_params(a, b) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(a, b) for a, b in zip(known[0][2], known[1][2]))

@@ -124,9 +124,9 @@ class StreamingDiLoCo(DiLoCo):
         self._frag_window = [0] * self.fragments  # batches since each fragment's sync
         self._t = 0                         # this rank's optimizer steps (telemetry)
         self._inflight: dict | None = None  # the exchange started, not yet applied
-        self._plan_now: list[tuple[int, float]] = []  # this sync: (fragment, weight)
+        # this sync's collectives: (fragments, this rank's weight), see _weights
+        self._plan_now: list[tuple[list[int], float]] = []
         self._final = False                 # this sync merges every fragment (the last)
-        self._even = False                  # every rank weighs this sync's fragments alike
         self._landed: dict | None = None    # telemetry of an exchange applied this step
         self._exchanges: collections.deque = collections.deque(maxlen=_EXCHANGE_LOG)
         self._restored_stream: dict | None = None
@@ -154,7 +154,7 @@ class StreamingDiLoCo(DiLoCo):
             self._inflight = self._restore_inflight(restored["inflight"])
 
     def _tensors(self, f: int) -> list[torch.Tensor]:
-        """What fragment ``f``'s exchange averages (the same list objects every time,
+        """What fragment ``f``'s exchange averages (the same tensor objects every time,
         so a lossy codec's per-stream state stays with its fragment): its Δ slice, and
         the buffers' staging copies for the last fragment."""
         part = self._parts[f]
@@ -181,7 +181,14 @@ class StreamingDiLoCo(DiLoCo):
     def _weights(self, gathered: list[torch.Tensor]) -> list[float]:
         """Decides what this sync merges, identically on every rank: every fragment
         when every rank voted done (the final merge), else the next fragment in turn.
-        Returns per-rank weights whose all-zero means "nothing to merge"."""
+        Returns per-rank weights whose all-zero means "nothing to merge".
+
+        Plans the merge's collectives: one per fragment, each with its own weights;
+        or, where every rank weighs each fragment alike (lockstep: the weighted mean
+        is then the plain mean), one collective for all of them, so the final merge
+        of F fragments costs one exchange's round trips instead of F. (That exchange
+        is a codec stream of its own: a lossy codec's residuals from the fragments'
+        earlier syncs are not added to it.)"""
         def weight(mass: float) -> float:
             return mass ** self.gamma if mass > 0 else 0.0
 
@@ -191,10 +198,11 @@ class StreamingDiLoCo(DiLoCo):
             self._next = (self._next + 1) % self.fragments
         rank = self.sync.rank
         per_fragment = {f: [weight(float(g[2 + f])) for g in gathered] for f in chosen}
-        self._plan_now = [(f, per_fragment[f][rank]) for f in chosen
-                          if any(per_fragment[f])]  # nobody trained it: nothing to send
-        # every rank weighs each fragment alike (lockstep): one exchange can carry them all
-        self._even = all(len(set(per_fragment[f])) == 1 for f, _ in self._plan_now)
+        merged = [f for f in chosen if any(per_fragment[f])]  # nobody trained it: skip
+        if len(merged) > 1 and all(len(set(per_fragment[f])) == 1 for f in merged):
+            self._plan_now = [(merged, 1.0)]
+        else:
+            self._plan_now = [([f], per_fragment[f][rank]) for f in merged]
         for f in chosen:
             self._frag_window[f] = 0
         self._final = final
@@ -222,7 +230,7 @@ class StreamingDiLoCo(DiLoCo):
         with torch.no_grad():
             if self._final or self.overlap_steps == 0:
                 squares, post = 0.0, []
-                for fragments, w in self._exchanges_now():
+                for fragments, w in self._plan_now:
                     self._start(fragments, w, async_op=False)
                     for f in fragments:
                         distance, _ = self._apply(f, replace=self._final)
@@ -232,7 +240,7 @@ class StreamingDiLoCo(DiLoCo):
                     for p, g in zip(self._params, self._global):
                         p.copy_(g)
                 return squares ** 0.5, norm(post)
-            (f, w), = self._plan_now
+            ([f], w), = self._plan_now
             part = self._parts[f]
             self._start([f], w, async_op=True)
             # measured now (the merge lands later): how far this rank drifted from the
@@ -240,17 +248,6 @@ class StreamingDiLoCo(DiLoCo):
             glob = self._global[part.start:part.stop]
             return (norm(g.to(p.device) - p for g, p in zip(glob, params[part])),
                     norm(glob))
-
-    def _exchanges_now(self) -> list[tuple[list[int], float]]:
-        """The synchronous merge's collectives: ``(fragments, this rank's weight)``.
-        One per fragment, each with its own weight; or, where every rank weighs each
-        fragment alike (lockstep: the weighted mean is then the plain mean), one
-        collective for all of them: the final merge of F fragments costs one exchange's
-        round trips instead of F. (That exchange is a codec stream of its own: a lossy
-        codec's residuals from the fragments' earlier syncs are not added to it.)"""
-        if self._even and len(self._plan_now) > 1:
-            return [([f for f, _ in self._plan_now], 1.0)]
-        return [([f], w) for f, w in self._plan_now]
 
     def _start(self, fragments: list[int], weight: float, *, async_op: bool) -> None:
         """Collective: Δ of ``fragments`` (and the buffers with the last fragment)
@@ -264,8 +261,7 @@ class StreamingDiLoCo(DiLoCo):
         if self.fragments - 1 in fragments:
             for s, b in zip(self._stage, self._buffers):
                 s.copy_(b)
-        tensors = self._tensors(fragments[0]) if len(fragments) == 1 else [
-            t for f in fragments for t in self._tensors(f)]
+        tensors = [t for f in fragments for t in self._tensors(f)]
         handle = self.sync.average_(tensors, weight=weight, async_op=async_op)
         if async_op:
             self._inflight = {"fragment": fragments[0], "handle": handle,
