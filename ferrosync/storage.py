@@ -1250,6 +1250,10 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         config.setdefault("read_timeout", 60)
         for key, value in _redundant_checksums_off().items():
             config.setdefault(key, value)
+        if _s3_endpoint_uses_tls(storage_options):
+            s3_config = dict(config.get("s3") or {})
+            s3_config.setdefault("payload_signing_enabled", False)
+            config["s3"] = s3_config
         storage_options["config_kwargs"] = config
         if "session" not in storage_options:
             storage_options["session"] = _s3_session_without_expect_continue()
@@ -1300,6 +1304,29 @@ def _redundant_checksums_off() -> dict:
 
     keys = ("request_checksum_calculation", "response_checksum_validation")
     return {k: "when_required" for k in keys if k in Config.OPTION_DEFAULTS}
+
+
+def _s3_endpoint_uses_tls(storage_options: dict) -> bool:
+    """Whether the S3 endpoint ``storage_options`` reach speaks HTTPS, so botocore's
+    SHA-256 of every request body can be skipped (``payload_signing_enabled``).
+
+    botocore signs each PUT's body unless the request goes over HTTPS *and* carries a
+    checksum header; with its CRC off (``_redundant_checksums_off``) it hashes every
+    body again, 8 ms of client CPU per 16 MiB (SeaweedFS on loopback, signed 16.7 ms
+    against unsigned 8.9-9.2 ms a PUT). Over TLS the body cannot be changed in transit,
+    and every reader checks ferrosync's own checksum or MAC, so the hash buys nothing.
+    Over plain HTTP the signature is what guards the body in transit: it stays.
+
+    HTTPS: an explicit endpoint (s3fs's ``endpoint_url``, ``client_kwargs``'s, or
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``) that starts with ``https://``, or
+    none at all (AWS itself, over TLS unless ``use_ssl`` is off).
+    """
+    client = storage_options.get("client_kwargs") or {}
+    endpoint = (storage_options.get("endpoint_url") or client.get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"))
+    if endpoint:
+        return str(endpoint).strip().lower().startswith("https://")
+    return client.get("use_ssl", storage_options.get("use_ssl", True)) is not False
 
 
 def _s3_session_without_expect_continue():
