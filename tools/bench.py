@@ -25,7 +25,10 @@ Backends:
                               on 127.0.0.1 (telemetry off); each payload's row also gives
                               the raw floor measured in the same run with the same client:
                               one PUT plus one GET of the payload (the least any exchange
-                              through the store can cost), and average_'s ratio to it
+                              through the store can cost), and average_'s ratio to it;
+                              and the CPU one collective costs (the ranks' and the
+                              server's) spread over the machine's cores: a bound no
+                              client can beat where the server shares those cores
     gloo                      torch.distributed all_reduce + divide: the baseline
     ferrosync-gloo            ferrosync's gloo:// backend (layout check + sum-and-count)
 """
@@ -91,6 +94,19 @@ def peak_rss_mb() -> float:
     return _status_mb("VmHWM")
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by every thread of process ``pid`` (nanosecond resolution
+    from each thread's schedstat; the clock-tick counters in ``stat`` are 10 ms coarse)."""
+    total = 0.0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended between the listing and the read
+    return total
+
+
 def reset_peak_rss() -> None:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -142,19 +158,28 @@ def rank_main(rank, world, spec, payloads, warmup, iters, out):
         x = torch.randn(nbytes // 4, generator=torch.Generator().manual_seed(rank))
         times = []
         last = None
+        cpu = server_cpu = 0.0  # over the timed collectives: this rank's, the server's
+        server = spec.get("server_pid") if rank == 0 else None
         requests = []  # per timed collective: one collective's count varies (polls, heartbeats)
         for i in range(warmup + iters):
             barrier()
+            s0 = process_cpu_s(server) if server else 0.0
+            c0 = time.process_time()
             t0 = time.perf_counter()
             average(x)
             dt = time.perf_counter() - t0
+            c1 = time.process_time()
             if i >= warmup:
                 times.append(dt)
+                cpu += c1 - c0
+                if server:
+                    server_cpu += process_cpu_s(server) - s0
                 last = stats()
                 if last is not None:
                     requests.append(last.get("requests", 0))
         results.append({"payload": nbytes, "times": times, "peak_rss_mb": peak_rss_mb(),
                         "baseline_rss_mb": baseline, "last": last,
+                        "cpu_s": cpu / max(1, iters), "server_cpu_s": server_cpu / max(1, iters),
                         "requests_mean": statistics.mean(requests) if requests else None})
         del x
     close()
@@ -194,6 +219,11 @@ def run_group(spec, world, payloads, warmup, iters):
                                   for m in moved) if last else None,
             # mean over the timed collectives (misses while polling, heartbeats included)
             "requests_rank0": per_rank[0][i]["requests_mean"],
+            # CPU per timed collective: every rank's own, summed, and (for a server
+            # started here) the server's, as seen from rank 0's side of each collective
+            "ranks_cpu_ms": sum(per_rank[r][i]["cpu_s"] for r in range(world)) * 1e3,
+            "server_cpu_ms": (per_rank[0][i]["server_cpu_s"] * 1e3
+                              if spec.get("server_pid") else None),
         })
     return rows
 
@@ -212,7 +242,8 @@ def specs(args, world, tmp):
                             "options": {"storage_options": args.s3_options}}
         elif backend == "s3-seaweed":
             out[backend] = {"kind": "ferrosync", "url": f"s3://{SEAWEED_BUCKET}/w{world}",
-                            "options": {"storage_options": args.seaweed_options}}
+                            "options": {"storage_options": args.seaweed_options},
+                            "server_pid": args.seaweed_pid}
         elif backend == "gloo":
             out[backend] = {"kind": "gloo", "port": free_port()}
         elif backend == "ferrosync-gloo":
@@ -294,6 +325,20 @@ def wire_rows(args, tmp):
     return rows
 
 
+def cpu_bound(row) -> None:
+    """What the machine's cores allow: every CPU second the collective costs (the ranks'
+    and the server's, which share this machine's cores) spread perfectly over all of
+    them. A collective cannot finish sooner; when this bound is above the floor (one
+    client, one PUT and one GET, nothing else running), no client can reach the floor
+    here, however little it does itself."""
+    cores = len(os.sched_getaffinity(0))
+    total = row["ranks_cpu_ms"] + (row["server_cpu_ms"] or 0.0)
+    row["cores"] = cores
+    row["cpu_bound_ms"] = total / cores
+    row["cpu_bound_vs_floor"] = row["cpu_bound_ms"] / row["floor_ms"]
+    row["vs_cpu_bound"] = row["p50_ms"] / row["cpu_bound_ms"]
+
+
 def print_table(rows, command):
     print(f"\n$ {command}")
     head = (f"{'threads':<8} {'backend':<15} {'W':>2} {'payload':>9} {'p50 ms':>9} {'p90 ms':>9} "
@@ -305,6 +350,11 @@ def print_table(rows, command):
         moved = f"{r['bytes_per_rank']:,}" if r.get("bytes_per_rank") else "-"
         floor = (f"  floor {r['floor_ms']:.1f} ms, {r['vs_floor']:.2f}x of it"
                  if r.get("floor_ms") else "")
+        if r.get("cpu_bound_ms"):
+            floor += (f"; CPU {r['ranks_cpu_ms']:.0f} ms ranks + {r['server_cpu_ms']:.0f} ms "
+                      f"server -> >= {r['cpu_bound_ms']:.1f} ms on {r['cores']} cores "
+                      f"({r['cpu_bound_vs_floor']:.2f}x the floor, measured "
+                      f"{r['vs_cpu_bound']:.2f}x this bound)")
         reqs = (f"  {r['requests_rank0']:.1f} req/rank0/collective"
                 if r.get("requests_rank0") else "")
         print(f"{r['threads']:<8} {r['backend']:<15} {r['world']:>2} {human(r['payload']):>9} "
@@ -380,6 +430,7 @@ def main() -> None:
             server, args.s3_options = start_moto()
         if "s3-seaweed" in args.backends and not args.wire_only:
             weed, args.seaweed_options = start_seaweed(tmp)
+            args.seaweed_pid = weed.proc.pid
         if not args.wire_only:
             for threads in args.threads:
                 for world in worlds:
@@ -397,6 +448,7 @@ def main() -> None:
                                 row["floor_ms"] = raw_floor_ms(args.seaweed_options,
                                                                row["payload"], args.iters)
                                 row["vs_floor"] = row["p50_ms"] / row["floor_ms"]
+                                cpu_bound(row)
                             rows.append(row)
             gloo = {(r["threads"], r["world"], r["payload"]): r["p50_ms"] for r in rows
                     if r["backend"] == "gloo"}
