@@ -432,3 +432,36 @@ def test_a_lockstep_sync_with_a_known_end_is_one_collective(tmp_path, name, sett
     for syncs, collectives, _ in unknown:
         assert syncs >= 4 and collectives >= 2 * syncs
     assert all(torch.equal(a, b) for a, b in zip(known[0][2], known[1][2]))
+
+
+def w_stops_early(rank, world, url, stop_at):
+    """Both ranks announce 12 steps with ``begin``; rank 1 leaves after ``stop_at``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strategy = DiLoCo(sync_every=4)
+    started = time.monotonic()
+    with _connect(url, rank, world) as sync:
+        strategy.attach(model, opt, sync)
+        strategy.begin(12)
+        try:
+            for _ in range(12 if rank == 0 else stop_at):
+                opt.zero_grad()
+                model(torch.randn(8, 4)).square().mean().backward()
+                strategy.step(model, opt)
+            strategy.finish(model, opt)
+        except ferrosync.FerrosyncError as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - started
+        return None, None, time.monotonic() - started
+
+
+def test_a_rank_that_breaks_its_announced_end_fails_its_peer_promptly(tmp_path):
+    """``begin(total)`` promises every rank trains to ``total``; a loop that stops one
+    rank early breaks that promise. The peer still waiting must get a typed error
+    naming the missing rank (the one that left closed its GradSync, so its heartbeat
+    says so) long before the collective's 60 s timeout, not hang."""
+    out = run_ranks(w_stops_early, 2, str(tmp_path / "run"), 6)
+    kind, message, took = out[0]
+    assert kind == "PeerFailed", out[0]
+    assert "rank 1" in message and took < 30, out[0]
+    assert out[1][0] is None  # the rank that left saw no error of its own
