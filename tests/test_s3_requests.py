@@ -14,6 +14,15 @@ import pytest
 from ferrosync.storage import open_storage
 
 
+def _shut(*sockets) -> None:
+    """End both directions of each socket (the relay's other thread then sees EOF)."""
+    for sock in sockets:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 class Recorder:
     """A TCP relay on 127.0.0.1 to ``target_port`` that keeps what clients send."""
 
@@ -64,11 +73,7 @@ class Recorder:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(src, dst)
 
     def close(self) -> None:
         self._stop.set()
@@ -128,11 +133,7 @@ class TlsRecorder(Recorder):
         except OSError:
             pass  # a failed handshake or a closed peer ends this connection
         finally:
-            for sock in (client, upstream):
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(client, upstream)
 
 
 def _self_signed_for_loopback(directory) -> tuple[str, str]:
