@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import subprocess
 import sys
 import time
 import traceback
@@ -150,6 +151,21 @@ def collect(procs, results, timeout: float = 90.0) -> dict:
                 p.kill()
                 p.join()
     return out
+
+
+def communicate_all(procs, timeout: float = 120.0) -> list[tuple[int, str, str]]:
+    """(returncode, stdout, stderr) of each ``subprocess.Popen`` in ``procs``, in order.
+    One that runs past ``timeout`` kills them all and fails with every one's output."""
+    done = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise AssertionError([other.communicate() for other in procs]) from None
+        done.append((proc.returncode, out, err))
+    return done
 
 
 def wait_until(predicate, what: str, timeout: float = 60.0):

@@ -21,6 +21,7 @@ import torch
 
 import ferrosync_autoload
 from ferrosync.ddp import init_methods
+from ranks import communicate_all
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOK_FILE = os.path.join(ROOT, "ferrosync_autoload.py")
@@ -207,14 +208,8 @@ def test_unmodified_script_with_two_processes(tmp_path):
         cwd=tmp_path, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     records = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise AssertionError([other.communicate() for other in procs]) from None
-        assert proc.returncode == 0, err
+    for code, out, err in communicate_all(procs):
+        assert code == 0, err
         records.append(json.loads(out.strip().splitlines()[-1]))
     assert [r["rank"] for r in records] == [0, 1]
     assert {r["backend"] for r in records} == {"ferrosync"}

@@ -16,6 +16,7 @@ import torch
 from train_cli import cli_env, run_cli
 
 from ferrosync.train.launcher import LOOPBACK, _rank_env, free_port, torchrun_env
+from ranks import communicate_all
 
 #: what torchrun (LocalElasticAgent) gives a worker, plus the local-rank variables
 TORCHRUN_KEYS = {
@@ -200,20 +201,7 @@ def _run_ranks(script, args, world, cwd, **env):
                               env={**base, "RANK": str(r), "WORLD_SIZE": str(world)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
-    return _wait(procs)
-
-
-def _wait(procs):
-    done = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise AssertionError([other.communicate() for other in procs]) from None
-        done.append((proc.returncode, out, err))
-    return done
+    return communicate_all(procs)
 
 
 def test_env_without_master_addr_uses_ferrosync_url(tmp_path, results):
@@ -292,7 +280,7 @@ def test_slurm_environment_without_master_addr(tmp_path, results):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(2)]
     records = {}
-    for code, out, err in _wait(procs):
+    for code, out, err in communicate_all(procs):
         assert code == 0, err
         records.update(_records(out))
     assert sorted(records) == [0, 1] and records[0]["params"] == records[1]["params"]
