@@ -14,21 +14,18 @@ import pytest
 from ferrosync.storage import open_storage
 
 
-def _shut(*sockets) -> None:
-    """End both directions of each socket (the relay's other thread then sees EOF)."""
-    for sock in sockets:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-
-
 class Recorder:
-    """A TCP relay on 127.0.0.1 to ``target_port`` that keeps what clients send."""
+    """A TCP relay on 127.0.0.1 to ``target_port`` that keeps what clients send.
 
-    def __init__(self, target_port: int) -> None:
+    With ``tls`` (a server ``SSLContext``) it speaks HTTPS to clients and plain HTTP
+    to the server, so what it keeps is the decrypted requests. One thread per
+    connection moves both directions: an ``SSLSocket`` must not be read in one
+    thread while another writes to it."""
+
+    def __init__(self, target_port: int, tls=None) -> None:
         self.target_port = target_port
         self.sent = bytearray()
+        self._tls = tls
         self._lock = threading.Lock()
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.2)
@@ -48,67 +45,19 @@ class Recorder:
                 return  # closed by close()
             upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=10)
             self._sockets += [client, upstream]
-            self._relay(client, upstream)
-
-    def _relay(self, client, upstream) -> None:
-        for src, dst, keep in ((client, upstream, True), (upstream, client, False)):
-            t = threading.Thread(target=self._pump, args=(src, dst, keep), daemon=True)
+            t = threading.Thread(target=self._pump, args=(client, upstream), daemon=True)
             t.start()
             self._threads.append(t)
 
-    def _pump(self, src, dst, keep: bool) -> None:
-        src.settimeout(0.5)
-        try:
-            while not self._stop.is_set():
-                try:
-                    data = src.recv(65536)
-                except socket.timeout:
-                    continue
-                if not data:
-                    break
-                if keep:
-                    with self._lock:
-                        self.sent += data
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            _shut(src, dst)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._threads[0].join(timeout=5)  # the accept loop first, then the server socket
-        self._server.close()
-        for t in self._threads[1:]:
-            t.join(timeout=5)
-        for sock in self._sockets:
-            sock.close()
-
-
-class TlsRecorder(Recorder):
-    """The same relay, speaking HTTPS to clients (a certificate for 127.0.0.1 made by
-    the test) and plain HTTP to the server: what it records is the decrypted requests.
-
-    One thread per connection moves both directions: an ``SSLSocket`` must not be read
-    in one thread while another writes to it."""
-
-    def __init__(self, target_port: int, context) -> None:
-        self._context = context
-        super().__init__(target_port)
-
-    def _relay(self, client, upstream) -> None:
-        t = threading.Thread(target=self._pump_both, args=(client, upstream), daemon=True)
-        t.start()
-        self._threads.append(t)
-
-    def _pump_both(self, client, upstream) -> None:
+    def _pump(self, client, upstream) -> None:
         import selectors
         import ssl
 
         try:
-            client.settimeout(10)
-            client = self._context.wrap_socket(client, server_side=True)
-            self._sockets.append(client)
+            if self._tls is not None:
+                client.settimeout(10)
+                client = self._tls.wrap_socket(client, server_side=True)
+                self._sockets.append(client)
             client.settimeout(0.5)
             upstream.settimeout(0.5)
             peer = {client: upstream, upstream: client}
@@ -117,8 +66,8 @@ class TlsRecorder(Recorder):
                     selector.register(sock, selectors.EVENT_READ)
                 while not self._stop.is_set():
                     ready = {key.fileobj for key, _ in selector.select(0.5)}
-                    if client.pending():  # decrypted bytes already buffered
-                        ready.add(client)
+                    if self._tls is not None and client.pending():
+                        ready.add(client)  # decrypted bytes already buffered
                     for src in ready:
                         try:
                             data = src.recv(65536)
@@ -133,7 +82,20 @@ class TlsRecorder(Recorder):
         except OSError:
             pass  # a failed handshake or a closed peer ends this connection
         finally:
-            _shut(client, upstream)
+            for sock in (client, upstream):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._threads[0].join(timeout=5)  # the accept loop first, then the server socket
+        self._server.close()
+        for t in self._threads[1:]:
+            t.join(timeout=5)
+        for sock in self._sockets:
+            sock.close()
 
 
 def _self_signed_for_loopback(directory) -> tuple[str, str]:
@@ -234,7 +196,7 @@ def recorded_s3_over_tls(seaweed_endpoint, tmp_path):
     cert, key = _self_signed_for_loopback(tmp_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
-    recorder = TlsRecorder(int(seaweed_endpoint.rsplit(":", 1)[1]), context)
+    recorder = Recorder(int(seaweed_endpoint.rsplit(":", 1)[1]), tls=context)
     options = s3_storage_options(f"https://127.0.0.1:{recorder.port}")
     options["client_kwargs"]["verify"] = cert  # trust the test's certificate only
     yield recorder, options
