@@ -177,3 +177,437 @@ def test_every_option_is_documented_and_validated():
             if "doc" not in f.metadata:
                 continue  # composed options (the two-level sync's storage options)
             assert f.metadata["doc"] and f.metadata["check"] is not None, (cls, f.name)
+
+
+# == Every code block of README.md and docs/*.md runs ==================================
+#
+# Sybil parses each document (fenced blocks, `<!-- skip: next "reason" -->` directives);
+# every block becomes one test whose id names the document and line, and the evaluators
+# below run it:
+#
+# * ```python``` blocks execute in a fresh namespace holding the names a snippet assumes
+#   (`model`, `dataset`, `loss_fn`, `opt`, ... see `_python_namespace`), as rank 0 of a
+#   world of one (RANK=0, WORLD_SIZE=1). A block whose first line is `# path/file.py` is
+#   a file the docs ask you to write: it is written into the document's working
+#   directory before any block runs (and executed).
+# * ```bash``` blocks run command by command (`\` continuations joined, comments
+#   dropped) in the document's working directory: `python -m ferrosync...`, `ferrosync
+#   ...`, `python tools/...`, `python examples/...` and single-node `torchrun`. The
+#   documented substitutions: at most `_MAX_STEPS` optimizer steps (a `--steps` is
+#   inserted or lowered) and at most 2 ranks per command (this suite runs on 2 cores);
+#   an `--elastic` member with `--min-ranks M` is started M times, side by side, each in
+#   its own directory (the recipe's "on each machine"). `pip install` lines are checked
+#   against pyproject.toml (the extras exist), not run; `python -m pytest` is this suite.
+# * ```diff``` blocks: the new side (context and `+` lines) runs as a Python block.
+# * ```text``` blocks are sample outputs: each is compared with the output of a real run
+#   (see `_OUTPUT_CHECKS`); the numbers themselves come from `tools/doc_outputs.py`.
+# * ```json``` blocks parse, and a metrics line holds the keys the trainer writes.
+#
+# Paths and URLs a block assumes: `/mnt/nfs/...` and `/mnt/scratch/...` become
+# directories under the document's working directory, and `s3://bucket`, `s3://b`,
+# `s3://my-bucket` are buckets of the suite's local moto S3 server (tests/conftest.py),
+# reached through `AWS_ENDPOINT_URL` as docs/train.md tells users of an S3-compatible
+# store; buckets and those directories are emptied before each block. A block that
+# cannot run here (a GPU, SLURM, several hosts, a real cloud, minutes of benchmark)
+# carries a skip directive with its reason, and the text beside it says so.
+
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import textwrap  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from sybil import Sybil  # noqa: E402
+from sybil.parsers.markdown import CodeBlockParser, SkipParser  # noqa: E402
+
+#: the documents whose code blocks run
+DOCUMENTS = ["README.md"] + sorted(
+    os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+#: the documented substitutions for shell commands (see above)
+_MAX_STEPS = 12
+_MAX_NPROC = 2
+_BUCKETS = ("bucket", "b", "my-bucket")
+_MOUNTS = {"/mnt/nfs/": "mnt-nfs/", "/mnt/scratch/": "mnt-scratch/"}
+_COMMAND_TIMEOUT = 240.0
+
+
+class _Context:
+    """What the evaluators need from pytest for the block being run."""
+
+    workdir: Path
+    env: dict
+    endpoint: str
+    doc: str
+
+
+_CTX = _Context()
+
+
+def _substitute_paths(text: str) -> str:
+    for mount, local in _MOUNTS.items():
+        text = text.replace(mount, str(_CTX.workdir / local))
+    return text
+
+
+def _source(example) -> str:
+    return str(example.parsed)
+
+
+# -- python ------------------------------------------------------------------------------
+
+def _python_namespace() -> dict:
+    """The names the docs' snippets assume, small and deterministic."""
+    import torch
+
+    import ferrosync
+
+    torch.manual_seed(0)
+    x_all = torch.randn(256, 10)
+    y_all = (x_all[:, 0] > 0).long() + (x_all[:, 1] > 0).long()
+    dataset = torch.utils.data.TensorDataset(x_all, y_all)
+    model = torch.nn.Linear(10, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=32)
+    x, y = x_all[:32], y_all[:32]
+    loss_fn = torch.nn.functional.cross_entropy
+
+    def my_accuracy(m):
+        with torch.no_grad():
+            return (m(x_all).argmax(-1) == y_all).float().mean().item()
+
+    return {
+        "torch": torch, "ferrosync": ferrosync, "dist": torch.distributed,
+        "DistributedDataParallel": torch.nn.parallel.DistributedDataParallel,
+        "dataset": dataset, "train_set": dataset, "loader": loader, "model": model,
+        "opt": opt, "optimizer": opt, "loss_fn": loss_fn, "loss": loss_fn(model(x), y),
+        "x": x, "y": y, "epochs": 1, "steps": 8, "total_steps": 8, "rank": 0, "world": 1,
+        "my_accuracy": my_accuracy, "__name__": "__doc_example__",
+    }
+
+
+def _close_everything(namespace: dict) -> None:
+    import torch.distributed as dist
+
+    for value in namespace.values():
+        close = getattr(value, "close", None)
+        if callable(close) and type(value).__module__.startswith("ferrosync"):
+            with contextlib.suppress(Exception):
+                close()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _run_python(code: str, label: str) -> None:
+    namespace = _python_namespace()
+    if re.search(r"\bsync\b", code) and not re.search(r"\bsync\s*=|as sync\b", code):
+        # a snippet that drives a sync it did not open: a world of one in a directory
+        namespace["sync"] = namespace["ferrosync"].connect(
+            str(_CTX.workdir / "own-sync"), rank=0, world_size=1)
+    try:
+        exec(compile(code, label, "exec"), namespace)  # noqa: S102 - the docs' own code
+    finally:
+        _close_everything(namespace)
+
+
+def _evaluate_python(example) -> None:
+    source = _source(example)
+    target = _file_block_path(source)
+    if target is not None:
+        return None  # written to the working directory by the fixture; imported below
+    _run_python(_substitute_paths(source), f"{_CTX.doc}:{example.line}")
+    return None
+
+
+def _file_block_path(source: str) -> str | None:
+    first = source.lstrip().splitlines()[0] if source.strip() else ""
+    m = re.fullmatch(r"#\s*([\w./-]+\.py)", first.strip())
+    return m.group(1) if m else None
+
+
+def _file_blocks() -> dict[str, str]:
+    """Every file a document asks you to write (a block starting `# path.py`)."""
+    files = {}
+    for doc in DOCUMENTS:
+        for example in _SYBIL.parse(Path(ROOT) / doc):
+            if example.region.evaluator is _evaluate_python:
+                path = _file_block_path(_source(example))
+                if path:
+                    files[path] = _source(example)
+    return files
+
+
+def _evaluate_diff(example) -> None:
+    lines = []
+    for line in _source(example).splitlines():
+        if line.startswith("-"):
+            continue
+        lines.append(line[1:] if line[:1] in "+ " else line)
+    _run_python(_substitute_paths("\n".join(lines)), f"{_CTX.doc}:{example.line}")
+
+
+# -- bash --------------------------------------------------------------------------------
+
+def _commands(source: str) -> list[str]:
+    joined = re.sub(r"\\\n\s*", " ", source)
+    out = []
+    for line in joined.splitlines():
+        line = line.split(" #")[0].strip() if " #" in line else line.strip()
+        if line and not line.startswith("#"):
+            out.append(line)
+    return out
+
+
+def _pyproject_extras() -> set[str]:
+    text = _read("pyproject.toml")
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([\w-]+)\s*=", section, re.M))
+
+
+def _check_pip(words: list[str]) -> None:
+    extras = set()
+    for w in words:
+        m = re.search(r"(?:^|\.|ferrosync)\[([\w,-]+)\]", w)
+        if m:
+            extras.update(m.group(1).split(","))
+        m = re.fullmatch(r"torch==([\d.]+)", w)
+        if m:
+            with open(os.path.join(ROOT, ".ci", "run")) as f:
+                assert f"torch=={m.group(1)}" in f.read(), f"{w}: not the torch CI pins"
+    missing = extras - _pyproject_extras()
+    assert not missing, f"pip install names extras pyproject.toml lacks: {sorted(missing)}"
+
+
+def _train_args(words: list[str], i: int) -> list[str]:
+    """words[i] is `ferrosync.train`: cap --steps and --nproc before any SCRIPT."""
+    head, tail = words[:i + 1], words[i + 1:]
+    script_at = next((k for k, w in enumerate(tail) if w.endswith(".py")), len(tail))
+    flags, rest = tail[:script_at], tail[script_at:]
+    steps = _MAX_STEPS * (2 if "--resume" in flags else 1)
+    out, k = [], 0
+    while k < len(flags):
+        w = flags[k]
+        if w == "--steps":
+            out += [w, str(min(int(flags[k + 1]), steps))]
+            k += 2
+            continue
+        if w in ("--nproc", "--nproc-per-node"):
+            out += [w, str(min(int(flags[k + 1]), _MAX_NPROC))]
+            k += 2
+            continue
+        out.append(w)
+        k += 1
+    if "--steps" not in out and not rest:
+        out += ["--steps", str(steps)]
+    return head + out + rest
+
+
+def _prepare(command: str) -> tuple[dict, list[str]]:
+    words = shlex.split(_substitute_paths(command))
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        key, _, value = words.pop(0).partition("=")
+        env[key] = value
+    for i, w in enumerate(words):
+        if w in ("ferrosync.train",):
+            words = _train_args(words, i)
+            break
+    if words and words[0] == "torchrun":
+        words = [sys.executable, "-m", "torch.distributed.run"] + [
+            str(min(int(w), _MAX_NPROC)) if prev == "--nproc-per-node" else w
+            for prev, w in zip([""] + words[1:], words[1:])]
+    elif words and words[0] == "python":
+        words[0] = sys.executable
+    elif words and words[0] == "ferrosync":
+        words = [sys.executable, "-m", "ferrosync"] + words[1:]
+    return env, words
+
+
+def _runnable(words: list[str]) -> bool:
+    if not words or words[0] != sys.executable:
+        return False
+    if words[1:3] == ["-m", "torch.distributed.run"]:
+        return "--nnodes" not in words
+    if words[1] == "-m":
+        return words[2].startswith("ferrosync")
+    return words[1].startswith(("tools/", "examples/"))
+
+
+def _run_command(command: str) -> str:
+    words0 = shlex.split(command)
+    if words0[0] == "pip":
+        _check_pip(words0)
+        return ""
+    if words0[:3] == ["python", "-m", "pytest"]:
+        with open(os.path.join(ROOT, ".ci", "run")) as f:
+            assert "python -m pytest -q" in f.read()
+        return ""  # this suite
+    extra_env, words = _prepare(command)
+    assert _runnable(words), (
+        f"{_CTX.doc}: `{command}` cannot run in the test suite; run it here or mark its "
+        "block with <!-- skip: next \"reason\" --> and say so in the text")
+    env = {**_CTX.env, **extra_env}
+    members = 1
+    if "--elastic" in words and "--nproc" not in words and "--min-ranks" in words:
+        members = int(words[words.index("--min-ranks") + 1])
+    procs = []
+    for k in range(members):
+        cwd = _CTX.workdir if members == 1 else _CTX.workdir / f"member-{k}"
+        cwd.mkdir(exist_ok=True)
+        procs.append(subprocess.Popen(words, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    deadline = time.monotonic() + _COMMAND_TIMEOUT
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, (f"{_CTX.doc}: `{' '.join(words)}` exited {p.returncode}:\n"
+                                   + out[-3000:])
+        if "ferrosync.train" in words and not any(w.endswith(".py") for w in words):
+            final = out.strip().splitlines()[-1]
+            assert final.startswith("FINAL {"), out[-2000:]
+            record = json.loads(final[len("FINAL "):])
+            assert record["ranks_agree"] is True, record
+    return "\n".join(outputs)
+
+
+def _evaluate_bash(example) -> None:
+    for command in _commands(_source(example)):
+        _run_command(command)
+
+
+# -- json and sample outputs -------------------------------------------------------------
+
+def _evaluate_json(example) -> None:
+    record = json.loads(_source(example))
+    if "step" in record:  # a --metrics line: at least the keys every line carries
+        from train_cli import METRIC_KEYS
+
+        assert METRIC_KEYS <= set(record), sorted(METRIC_KEYS - set(record))
+    return None
+
+
+def _evaluate_text(example) -> None:
+    source = _source(example)
+    first = source.lstrip().splitlines()[0]
+    for prefix, check in _OUTPUT_CHECKS.items():
+        if first.startswith(prefix):
+            check(source)
+            return
+    raise AssertionError(f"{_CTX.doc}:{example.line}: a text block with no check for "
+                         f"{first!r}: add one to _OUTPUT_CHECKS or mark it skipped")
+
+
+_OUTPUT_CHECKS: dict = {}
+
+_SYBIL = Sybil(parsers=[
+    SkipParser(),
+    CodeBlockParser(language="python", evaluator=_evaluate_python),
+    CodeBlockParser(language="bash", evaluator=_evaluate_bash),
+    CodeBlockParser(language="diff", evaluator=_evaluate_diff),
+    CodeBlockParser(language="json", evaluator=_evaluate_json),
+    CodeBlockParser(language="text", evaluator=_evaluate_text),
+], path=ROOT)
+
+
+def _items() -> list:
+    """One test per code block: (document, line, language, [skip directive,] block)."""
+    items = []
+    for doc in DOCUMENTS:
+        pending = []
+        for example in _SYBIL.parse(Path(ROOT) / doc):
+            if not isinstance(example.parsed, str):  # a skip directive: goes with the next
+                pending.append(example)
+                continue
+            language = {_evaluate_python: "python", _evaluate_bash: "bash",
+                        _evaluate_diff: "diff", _evaluate_json: "json",
+                        _evaluate_text: "text"}[example.region.evaluator]
+            items.append(pytest.param(doc, pending + [example],
+                                      id=f"{doc}:{example.line}-{language}"))
+            pending = []
+        assert not pending, f"{doc}: a skip directive with no code block after it"
+    return items
+
+
+@pytest.fixture(scope="module")
+def _doc_servers(s3_endpoint):
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    for bucket in _BUCKETS:
+        client.create_bucket(Bucket=bucket)
+    return client
+
+
+@pytest.fixture(scope="module")
+def _doc_workdirs(tmp_path_factory):
+    files = _file_blocks()
+    made = {}
+
+    def workdir(doc: str) -> Path:
+        if doc not in made:
+            d = tmp_path_factory.mktemp(doc.replace("/", "-").replace(".", "-"))
+            for rel, text in files.items():
+                (d / rel).parent.mkdir(parents=True, exist_ok=True)
+                (d / rel).write_text(text)
+            made[doc] = d
+        return made[doc]
+
+    return workdir
+
+
+@pytest.mark.parametrize("doc, examples", _items())
+def test_doc_example(doc, examples, _doc_servers, _doc_workdirs, s3_endpoint, monkeypatch):
+    """Run one code block of a document (see the comment above `_Context`)."""
+    from train_cli import cli_env
+
+    workdir = _doc_workdirs(doc)
+    for bucket in _BUCKETS:  # every block starts from empty buckets and mounts
+        listed = _doc_servers.list_objects_v2(Bucket=bucket).get("Contents", [])
+        for obj in listed:
+            _doc_servers.delete_object(Bucket=bucket, Key=obj["Key"])
+    for local in _MOUNTS.values():
+        shutil.rmtree(workdir / local, ignore_errors=True)
+        (workdir / local).mkdir()
+    _CTX.workdir, _CTX.doc, _CTX.endpoint = workdir, doc, s3_endpoint
+    _CTX.env = cli_env(AWS_ENDPOINT_URL=s3_endpoint, MPLBACKEND="Agg")
+    _CTX.env["PYTHONPATH"] = os.pathsep.join([ROOT, str(workdir)])
+    # Python blocks: rank 0 of a world of one, in the working directory, under a job id
+    # (as under a scheduler: no claim window), the S3 server found as docs/train.md says
+    monkeypatch.chdir(workdir)
+    monkeypatch.syspath_prepend(str(workdir))
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(_free_port()), "AWS_ENDPOINT_URL": s3_endpoint,
+                       "FERROSYNC_JOB": "docs",
+                       "FERROSYNC_URL": str(workdir / "mnt-nfs" / "sync")}.items():
+        monkeypatch.setenv(key, value)
+    for example in examples:
+        example.evaluate()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_code_block_is_collected():
+    """Every fenced block of every document is a test: a block in a language no
+    evaluator handles (or with none) would otherwise escape."""
+    for doc in DOCUMENTS:
+        fences = sum(1 for line in _read(doc).splitlines() if _FENCE.match(line)) // 2
+        examples = [e for e in _SYBIL.parse(Path(ROOT) / doc) if isinstance(e.parsed, str)]
+        assert len(examples) == fences, (
+            f"{doc}: {fences} fenced blocks but {len(examples)} collected; give every block "
+            "a language this file evaluates (python, bash, diff, json, text)")
