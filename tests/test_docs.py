@@ -204,7 +204,7 @@ def test_every_option_is_documented_and_validated():
 # * ```json``` blocks parse, and a metrics line holds the keys the trainer writes.
 #
 # Paths and URLs a block assumes: `/mnt/nfs/...` and `/mnt/scratch/...` become
-# directories under the document's working directory, and `s3://bucket`, `s3://b`,
+# directories under the document's working directory, and `s3://bucket` and
 # `s3://my-bucket` are buckets of the suite's local moto S3 server (tests/conftest.py),
 # reached through `AWS_ENDPOINT_URL` as docs/train.md tells users of an S3-compatible
 # store; buckets and those directories are emptied before each block. A block that
@@ -228,7 +228,7 @@ DOCUMENTS = ["README.md"] + sorted(
 #: the documented substitutions for shell commands (see above)
 _MAX_STEPS = 12
 _MAX_NPROC = 2
-_BUCKETS = ("bucket", "b", "my-bucket")
+_BUCKETS = ("bucket", "my-bucket")
 _MOUNTS = {"/mnt/nfs/": "mnt-nfs/", "/mnt/scratch/": "mnt-scratch/"}
 _COMMAND_TIMEOUT = 240.0
 
@@ -472,8 +472,9 @@ def _run_command(command: str) -> str:
         assert p.returncode == 0, (f"{_CTX.doc}: `{' '.join(words)}` exited {p.returncode}:\n"
                                    + out[-3000:])
         if "ferrosync.train" in words and not any(w.endswith(".py") for w in words):
-            final = out.strip().splitlines()[-1]
-            assert final.startswith("FINAL {"), out[-2000:]
+            finals = [line for line in out.splitlines() if line.startswith("FINAL {")]
+            assert finals, out[-2000:]
+            final = finals[-1]
             record = json.loads(final[len("FINAL "):])
             assert record["ranks_agree"] is True, record
     return "\n".join(outputs)
@@ -506,7 +507,116 @@ def _evaluate_text(example) -> None:
                          f"{first!r}: add one to _OUTPUT_CHECKS or mark it skipped")
 
 
-_OUTPUT_CHECKS: dict = {}
+def _check_layout(sample: str) -> None:
+    """README's Layout: every file and directory it lists exists where it is drawn, every
+    script or document it names in a description exists, and every module of the
+    package (and of ferrosync/backends) is listed."""
+    parents: dict[int, str] = {}
+    listed = set()
+    for line in sample.splitlines():
+        if not line.strip():
+            continue
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name, _, description = line.strip().partition(" ")
+        path = os.path.join(parents.get(depth - 1, ""), name) if depth else name
+        assert os.path.exists(os.path.join(ROOT, path)), f"README Layout: {path} does not exist"
+        listed.add(path.rstrip("/"))
+        if name.endswith("/"):
+            parents[depth] = path
+            for cited in re.findall(r"[\w-]+\.(?:py|md)\b", description):
+                assert os.path.exists(os.path.join(ROOT, path, cited)), (
+                    f"README Layout: {path}{cited} does not exist")
+    for package in ("ferrosync", "ferrosync/backends"):
+        for entry in sorted(os.listdir(os.path.join(ROOT, package))):
+            full = f"{package}/{entry}"
+            if entry.startswith("_") or not (entry.endswith(".py") or os.path.isdir(
+                    os.path.join(ROOT, full))):
+                continue
+            assert full in listed, f"README Layout does not list {full}"
+
+
+def _kind(line: str) -> str:
+    """What kind of line an output line is: its text up to the first number or hex
+    token (rank rows, which start with a number, are all one kind)."""
+    line = re.sub(r"\b[0-9a-f]{8,}\b", "H", line.replace(str(_CTX.workdir), "DIR"))
+    return re.split(r"\d", line, maxsplit=1)[0].rstrip()
+
+
+def _kinds(text: str, *, skip_first: int = 0) -> set[str]:
+    return {_kind(line) for line in text.splitlines()[skip_first:]
+            if line.strip() and line.strip() != "..."}
+
+
+def _check_train_sample(sample: str) -> None:
+    """docs/train.md's sample run against the real demo (2 ranks, the documented
+    command, 10 epochs): the same summary rows in the same order, the same step count,
+    accuracy within 1 point and bytes written within 2 % of the sample (digests and
+    timings differ between machines and torch builds), every FINAL key it shows."""
+    out = _run_command("python -m ferrosync.train --nproc 2 --no-progress --epochs 10")
+    real_final = json.loads(out.strip().splitlines()[-1][len("FINAL "):])
+
+    def rows(text):
+        return [m.group(1) for m in re.finditer(r"^\[rank 0\]   (\w[\w ]*?)\s{2,}", text,
+                                                 re.M)]
+
+    assert rows(sample) == rows(out), (rows(sample), rows(out))
+    doc_final = sample.strip().splitlines()[-1]
+    shown = set(re.findall(r'"(\w+)":', doc_final))
+    assert shown <= set(real_final), sorted(shown - set(real_final))
+    doc = {k: json.loads(v) for k, v in re.findall(r'"(\w+)":([^,.}]+[^,}]*)', doc_final)}
+    assert doc["steps"] == real_final["steps"]
+    assert abs(doc["accuracy"] - real_final["accuracy"]) <= 0.01, (doc, real_final)
+    assert abs(doc["bytes_written"] / real_final["bytes_written"] - 1) <= 0.02
+    assert re.search(r"ranks agree  yes \(digest [0-9a-f]{16}\)", sample)
+    m = re.search(r"accuracy\s+([\d.]+)%", sample)
+    assert float(m.group(1)) == round(doc["accuracy"] * 100, 2), "summary and FINAL differ"
+
+
+def _a_finished_job() -> str:
+    """A local directory holding one finished 2-rank job (the docs' /mnt/nfs/exp7)."""
+    where = _CTX.workdir / "mnt-nfs" / "exp7"
+    _run_command(f"python -m ferrosync.train --nproc 2 --sync {where}")
+    return str(where)
+
+
+def _check_inspect_sample(sample: str) -> None:
+    """operations.md's inspect sample shows every kind of line inspect prints for a
+    finished job (header, storage and job summaries, generation, rank table, footer)."""
+    out = _run_command(f"ferrosync inspect {_a_finished_job()} --watch 0")
+    missing = _kinds(out, skip_first=1) - _kinds(sample, skip_first=2)
+    assert not missing, f"kinds of line inspect prints that the sample lacks: {missing}"
+
+
+def _check_gc_sample(sample: str) -> None:
+    out = _run_command(f"ferrosync gc {_a_finished_job()} --dry-run --watch 0")
+    missing = _kinds(out, skip_first=1) - _kinds(sample, skip_first=2)
+    assert not missing, f"kinds of line gc prints that the sample lacks: {missing}"
+
+
+def _check_doctor_sample(sample: str) -> None:
+    """operations.md's doctor sample: the checks a fresh local directory gets, in order,
+    each in the table below it, and the recommendation lines."""
+    out = _run_command(f"ferrosync doctor {_CTX.workdir / 'mnt-scratch' / 'exp7'} "
+                       "--size-mib 1 --samples 5")
+
+    def checks(text):
+        return re.findall(r"^  \[(?:ok  |info|warn|fail)\] (\S+(?: \S+)?)\s{2,}", text, re.M)
+
+    assert checks(sample) == checks(out), (checks(sample), checks(out))
+    table = _read("docs/operations.md").split("What each check means:", 1)[1]
+    for name in checks(out) + ["existing jobs"]:
+        assert re.search(rf"^\| {re.escape(name)}\b", table, re.M), (
+            f"docs/operations.md's check table has no row for {name!r}")
+    assert _kinds(out, skip_first=1) <= _kinds(sample, skip_first=2)
+
+
+_OUTPUT_CHECKS: dict = {
+    "ferrosync/": _check_layout,
+    "ferrosync.train: started": _check_train_sample,
+    "$ ferrosync inspect": _check_inspect_sample,
+    "$ ferrosync gc": _check_gc_sample,
+    "$ ferrosync doctor": _check_doctor_sample,
+}
 
 _SYBIL = Sybil(parsers=[
     SkipParser(),

@@ -1,0 +1,231 @@
+"""Regenerate the README's performance figures: run its documented bench commands three
+times and write the ranges measured into the marked places of README.md, plus
+docs/bench.json and docs/bench.png, with the machine state seen.
+
+    python tools/regen_figures.py                    # ~15-30 min on 2 cores; run it on a
+                                                     # quiet machine (nothing else running)
+    python tools/regen_figures.py --tiny --out-dir /tmp/figs   # a quick try of the script:
+        # payloads 256x smaller, 2 iterations, 1 run; writes a copy of README.md and the
+        # JSON/PNG under --out-dir and leaves the repository alone
+
+The commands are read from the README itself (the `python tools/bench.py` lines of the
+bash block in "Performance"), so the figures always come from the commands shown. The
+places written are between marker comments:
+
+* `<!-- figures:bench-table -->` ... `<!-- /figures:bench-table -->`: the table of
+  `average_`'s median time relative to gloo's in the same run (per thread setting);
+* `<!-- figures:sharded-vs-root -->`: how much faster the sharded reduce is than root at
+  4 ranks, 64 MiB (root's median / sharded's, per run);
+* `<!-- figures:s3-floor -->`: `average_` on SeaweedFS relative to its raw floor;
+* `<!-- figures:machine -->`: cores, load average before and after each run, the
+  commit, and the date.
+
+Each figure is "min–max×" over the runs. The load average is what the machine was doing
+meanwhile: above about 0.5 per core the machine was not quiet and the figures say more
+about the other load than about ferrosync (the script prints a warning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+from bench import human, parse_size  # noqa: E402
+
+#: the table's rows: (ranks, payload, backend, label)
+TABLE_ROWS = [
+    (2, "16MiB", "disk-sharded", "16 MiB"),
+    (2, "64MiB", "disk-sharded", "64 MiB"),
+    (2, "256MiB", "disk-sharded", "256 MiB"),
+    (4, "64MiB", "disk-sharded", "64 MiB, sharded (default)"),
+    (4, "64MiB", "disk-root", '64 MiB, `reduce="root"`'),
+]
+S3_PAYLOADS = ["1MiB", "16MiB", "64MiB"]
+THREADS = [("default", "default threading"), ("pinned", "one thread per rank")]
+
+
+def bench_commands(readme: str) -> list[list[str]]:
+    """The `python tools/bench.py ...` lines of the README's Performance section."""
+    section = readme.split("\n## Performance", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    return [shlex.split(line) for line in block.splitlines()
+            if line.startswith("python tools/bench.py")]
+
+
+def shrink(command: list[str], scale: int, iters: int | None) -> list[str]:
+    """--tiny: payloads ``scale`` times smaller, fewer iterations."""
+    out = list(command)
+    for i, word in enumerate(out[:-1]):
+        if word == "--payloads":
+            out[i + 1] = ",".join(f"{max(parse_size(p) // scale, 1024)}B"
+                                  for p in out[i + 1].split(","))
+        if word == "--iters" and iters is not None:
+            out[i + 1] = str(iters)
+    return out
+
+
+def machine_state() -> dict:
+    return {"cores": len(os.sched_getaffinity(0)), "load_avg": list(os.getloadavg())}
+
+
+def run_all(commands: list[list[str]], runs: int, out_dir: str) -> list[dict]:
+    results = []
+    for run in range(runs):
+        for k, command in enumerate(commands):
+            out = os.path.join(out_dir, f"run{run}-cmd{k}")
+            argv = [sys.executable, *command[1:], "--out", out]
+            before = machine_state()
+            t0 = time.monotonic()
+            print(f"[run {run + 1}/{runs}] {' '.join(command)}", flush=True)
+            subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+            after = machine_state()
+            with open(os.path.join(out, "bench.json")) as f:
+                data = json.load(f)
+            results.append({"run": run, "command": " ".join(command), "rows": data["rows"],
+                            "wire": data.get("wire"), "seconds": time.monotonic() - t0,
+                            "before": before, "after": after, "out": out})
+            busy = max(before["load_avg"][0], after["load_avg"][0]) / before["cores"]
+            if busy > 0.5:
+                print(f"  WARNING: load average {after['load_avg'][0]:.1f} on "
+                      f"{before['cores']} cores: not a quiet machine", flush=True)
+    return results
+
+
+def values(results, *, world, payload, backend, threads, key) -> list[float]:
+    out = []
+    for res in results:
+        for r in res["rows"]:
+            if (r["world"], r["payload"], r["backend"], r["threads"]) == (
+                    world, payload, backend, threads) and r.get(key) is not None:
+                out.append(r[key])
+    return out
+
+
+def span(xs: list[float]) -> str:
+    if not xs:
+        return "—"
+    lo, hi = min(xs), max(xs)
+    return f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
+
+
+def figures(results, scale: int) -> dict:
+    def size(p):
+        return max(parse_size(p) // scale, 1024)
+
+    table = ["| ranks | payload | " + " | ".join(label for _, label in THREADS) + " |",
+             "|---|---|" + "---|" * len(THREADS)]
+    ranges = {}
+    for world, payload, backend, label in TABLE_ROWS:
+        cells = []
+        for threads, _ in THREADS:
+            xs = values(results, world=world, payload=size(payload), backend=backend,
+                        threads=threads, key="vs_gloo")
+            ranges[f"{backend} w{world} {payload} {threads} vs gloo"] = xs
+            cells.append(span(xs))
+        shown = label if scale == 1 else f"{label} (tiny: {human(size(payload))})"
+        table.append(f"| {world} | {shown} | " + " | ".join(cells) + " |")
+    speedups = []
+    for threads, label in THREADS:
+        xs = []
+        for res in results:
+            rows = {(r["backend"], r["threads"], r["world"], r["payload"]): r["p50_ms"]
+                    for r in res["rows"]}
+            root = rows.get(("disk-root", threads, 4, size("64MiB")))
+            sharded = rows.get(("disk-sharded", threads, 4, size("64MiB")))
+            if root and sharded:
+                xs.append(root / sharded)
+        ranges[f"sharded vs root w4 64MiB {threads}"] = xs
+        speedups.append(f"{span(xs)} with {label}")
+    s3 = []
+    for p in S3_PAYLOADS:
+        xs = values(results, world=2, payload=size(p), backend="s3-seaweed",
+                    threads="default", key="vs_floor")
+        ranges[f"s3-seaweed w2 {p} vs floor"] = xs
+        s3.append(f"{span(xs)} at {human(size(p))}")
+    return {"bench-table": "\n".join(table), "sharded-vs-root": "; ".join(speedups),
+            "s3-floor": ", ".join(s3), "ranges": ranges}
+
+
+def write_between(text: str, name: str, content: str) -> str:
+    pattern = re.compile(rf"(<!-- figures:{name} -->)(.*?)(<!-- /figures:{name} -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"README.md has no <!-- figures:{name} --> ... markers")
+    sep = "\n" if name == "bench-table" else ""
+    return pattern.sub(lambda m: m.group(1) + sep + content + sep + m.group(3), text, count=1)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="runs of every command (3)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="payloads 256x smaller, 2 iterations, 1 run: to try the script; "
+                        "needs --out-dir")
+    parser.add_argument("--out-dir", help="write README.md, bench.json and bench.png here "
+                        "instead of into the repository")
+    args = parser.parse_args(argv)
+    if args.tiny and not args.out_dir:
+        raise SystemExit("--tiny writes figures that mean nothing: give --out-dir")
+    scale, iters, runs = (256, 2, 1) if args.tiny else (1, None, args.runs)
+    if args.tiny and args.runs != 3:
+        runs = args.runs
+    readme_path = os.path.join(ROOT, "README.md")
+    with open(readme_path, encoding="utf-8") as f:
+        readme = f.read()
+    commands = [shrink(c, scale, iters) for c in bench_commands(readme)]
+    state0 = machine_state()
+    work = tempfile.mkdtemp(prefix="ferrosync-figures-")
+    try:
+        results = run_all(commands, runs, work)
+        figs = figures(results, scale)
+        loads = [r[k]["load_avg"][0] for r in results for k in ("before", "after")]
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        machine = (f"{runs} run(s) of each command by `python tools/regen_figures.py"
+                   f"{' --tiny' if args.tiny else ''}` at {commit()} on {date}: "
+                   f"{state0['cores']} cores, 1-minute load average "
+                   f"{min(loads):.2f}–{max(loads):.2f} before and after the runs")
+        for name in ("bench-table", "sharded-vs-root", "s3-floor"):
+            readme = write_between(readme, name, figs[name])
+        readme = write_between(readme, "machine", machine)
+        out_dir = args.out_dir or ROOT
+        docs = args.out_dir or os.path.join(ROOT, "docs")
+        os.makedirs(docs, exist_ok=True)
+        with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
+            f.write(readme)
+        with open(os.path.join(docs, "bench.json"), "w") as f:
+            json.dump({"machine": {**state0, "summary": machine},
+                       "commands": [" ".join(c) for c in commands],
+                       "ranges": figs["ranges"],
+                       "runs": [{k: v for k, v in r.items() if k != "out"} for r in results]},
+                      f, indent=1)
+        png = os.path.join(results[-len(commands)]["out"], "bench.png")
+        if os.path.exists(png):  # the first command's last run, as bench.py drew it
+            shutil.copy(png, os.path.join(docs, "bench.png"))
+        print(machine)
+        print(figs["bench-table"])
+        print(f"wrote {os.path.join(out_dir, 'README.md')}, {docs}/bench.json, bench.png")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
