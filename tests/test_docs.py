@@ -674,6 +674,7 @@ def _doc_workdirs(tmp_path_factory):
     return workdir
 
 
+@pytest.mark.timeout(900)  # a block of several commands, each starting ranks
 @pytest.mark.parametrize("doc, examples", _items())
 def test_doc_example(doc, examples, _doc_servers, _doc_workdirs, s3_endpoint, monkeypatch):
     """Run one code block of a document (see the comment above `_Context`)."""

@@ -7,8 +7,9 @@
   (the FINAL line abbreviated to the keys the sample shows);
 * ``doctor``: docs/operations.md's ``ferrosync doctor`` on a fresh local directory;
 * ``ops``: docs/operations.md's ``ferrosync inspect`` and ``ferrosync gc --dry-run`` on a
-  directory holding a finished job, a job whose ranks were SIGKILLed (dead) and a job
-  running while the tools watch it (live).
+  directory holding a finished job, a job whose rank 1 raised at collective 5 (an
+  injected fault, ``FERROSYNC_FAULTS``), a job whose ranks were SIGKILLed (dead) and a
+  job running while the tools watch it (live).
 
 Each sample is the ```text block whose first line starts as given below; the rest of the
 document is untouched. Local paths are shown as the docs' (``/mnt/nfs/exp7``,
@@ -91,8 +92,14 @@ def doctor_sample() -> None:
                    f"$ ferrosync doctor {shown}\n" + out.replace(where, shown))
 
 
+def _heartbeats(sync: str) -> set[str]:
+    return {os.path.join(d, f) for d, _, fs in os.walk(sync) for f in fs
+            if f in ("hb.r0", "hb.r1")}
+
+
 def _start_job(sync: str, steps: int) -> tuple[subprocess.Popen, list[int]]:
-    """A 2-rank demo job on ``sync``; returns once both ranks are training."""
+    """A 2-rank demo job on ``sync``; returns once both its ranks are training."""
+    before = _heartbeats(sync) if os.path.isdir(sync) else set()
     proc = subprocess.Popen([sys.executable, "-m", "ferrosync.train", "--nproc", "2",
                              "--sync", sync, "--steps", str(steps), "--no-progress"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -104,9 +111,8 @@ def _start_job(sync: str, steps: int) -> tuple[subprocess.Popen, list[int]]:
         raise SystemExit(f"unexpected first line from the launcher: {first!r}")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # both heartbeats written: training has begun
-        beats = [os.path.join(d, f) for d, _, fs in os.walk(sync) for f in fs
-                 if f in ("hb.r0", "hb.r1")]
-        if len(beats) == 2:
+        if len(_heartbeats(sync) - before) == 2:
+            time.sleep(1.0)  # a few beats and collectives in
             return proc, pids
         time.sleep(0.2)
     proc.kill()
@@ -119,6 +125,13 @@ def ops_samples() -> None:
         where = os.path.join(tmp, "exp7")
         _run("-m", "ferrosync.train", "--nproc", "2", "--sync", where, "--steps", "50",
              "--no-progress")                                           # finished
+        failing = subprocess.run(                                       # finished: aborted
+            [sys.executable, "-m", "ferrosync.train", "--nproc", "2", "--sync", where,
+             "--steps", "50", "--no-progress"], capture_output=True, text=True, cwd=ROOT,
+            env={**_env(), "FERROSYNC_FAULTS": json.dumps(
+                [{"rank": 1, "collective": 5, "phase": "write", "action": "raise"}])})
+        if failing.returncode == 0:
+            raise SystemExit("the job with an injected fault did not fail")
         launcher, pids = _start_job(where, 10**6)                       # dead: SIGKILLed
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
