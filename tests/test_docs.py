@@ -247,7 +247,7 @@ _CTX = _Context()
 
 def _substitute_paths(text: str) -> str:
     for mount, local in _MOUNTS.items():
-        text = text.replace(mount, str(_CTX.workdir / local))
+        text = text.replace(mount, f"{_CTX.workdir / local}/")
     return text
 
 
@@ -284,6 +284,7 @@ def _python_namespace() -> dict:
         "opt": opt, "optimizer": opt, "loss_fn": loss_fn, "loss": loss_fn(model(x), y),
         "x": x, "y": y, "epochs": 1, "steps": 8, "total_steps": 8, "rank": 0, "world": 1,
         "my_accuracy": my_accuracy, "__name__": "__doc_example__",
+        "target_port": int(_CTX.endpoint.rsplit(":", 1)[1]),  # a server to proxy to
     }
 
 
@@ -355,7 +356,7 @@ def _commands(source: str) -> list[str]:
     for line in joined.splitlines():
         line = line.split(" #")[0].strip() if " #" in line else line.strip()
         if line and not line.startswith("#"):
-            out.append(line)
+            out.extend(part.strip() for part in line.split(" && "))
     return out
 
 
@@ -405,6 +406,9 @@ def _train_args(words: list[str], i: int) -> list[str]:
 
 def _prepare(command: str) -> tuple[dict, list[str]]:
     words = shlex.split(_substitute_paths(command))
+    # the docs' scripts are the repository's (their commands run from a clone's root)
+    words = [os.path.join(ROOT, w) if w.startswith(("tools/", "examples/")) else w
+             for w in words]
     env = {}
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
         key, _, value = words.pop(0).partition("=")
@@ -431,7 +435,8 @@ def _runnable(words: list[str]) -> bool:
         return "--nnodes" not in words
     if words[1] == "-m":
         return words[2].startswith("ferrosync")
-    return words[1].startswith(("tools/", "examples/"))
+    return words[1].startswith((os.path.join(ROOT, "tools") + os.sep,
+                                os.path.join(ROOT, "examples") + os.sep))
 
 
 def _run_command(command: str) -> str:
