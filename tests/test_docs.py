@@ -6,16 +6,28 @@ relative Markdown links, and the retired external design document) and checks th
 each cited file exists, and that every ``#anchor`` a citation names is a heading of
 the cited Markdown file (GitHub's rule: lowercase, punctuation removed, spaces to
 hyphens). ``docs/design.md`` must exist.
+
+And the documents run: every fenced code block of README.md and docs/*.md is one test,
+``test_doc_example[<document>:<line>-<language>]`` (Sybil parses the documents; how each
+kind of block runs, and the documented substitutions, are described above ``_Context``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
+from sybil import Sybil
+from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = "docs/design.md"
@@ -210,17 +222,6 @@ def test_every_option_is_documented_and_validated():
 # store; buckets and those directories are emptied before each block. A block that
 # cannot run here (a GPU, SLURM, several hosts, a real cloud, minutes of benchmark)
 # carries a skip directive with its reason, and the text beside it says so.
-
-import contextlib  # noqa: E402
-import json  # noqa: E402
-import shlex  # noqa: E402
-import shutil  # noqa: E402
-import textwrap  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from sybil import Sybil  # noqa: E402
-from sybil.parsers.markdown import CodeBlockParser, SkipParser  # noqa: E402
 
 #: the documents whose code blocks run
 DOCUMENTS = ["README.md"] + sorted(
@@ -727,3 +728,21 @@ def test_every_code_block_is_collected():
         assert len(examples) == fences, (
             f"{doc}: {fences} fenced blocks but {len(examples)} collected; give every block "
             "a language this file evaluates (python, bash, diff, json, text)")
+
+
+def test_readme_figures_come_from_its_commands():
+    """tools/regen_figures.py finds the README's bench commands and every marked place it
+    writes (the script itself runs for half an hour: it is not run here)."""
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    try:
+        import regen_figures
+    finally:
+        sys.path.remove(os.path.join(ROOT, "tools"))
+    readme = _read("README.md")
+    commands = regen_figures.bench_commands(readme)
+    assert len(commands) == 3 and all(c[:2] == ["python", "tools/bench.py"] for c in commands)
+    for name in ("machine", "bench-table", "sharded-vs-root", "s3-floor"):
+        assert regen_figures.write_between(readme, name, "X") != readme
+    table = readme.split("<!-- figures:bench-table -->", 1)[1]
+    assert re.search(r"^\| 2 \| 64 MiB \| \d\.\d\d(–\d\.\d\d)?× \|", table, re.M), (
+        "the README keeps its 2-rank, 64 MiB, default-threading row as a ratio to gloo")
