@@ -200,8 +200,8 @@ def test_every_option_is_documented_and_validated():
 # * ```python``` blocks execute in a fresh namespace holding the names a snippet assumes
 #   (`model`, `dataset`, `loss_fn`, `opt`, ... see `_python_namespace`), as rank 0 of a
 #   world of one (RANK=0, WORLD_SIZE=1). A block whose first line is `# path/file.py` is
-#   a file the docs ask you to write: it is written into the document's working
-#   directory before any block runs (and executed).
+#   a file the docs ask you to write: it is written into every document's working
+#   directory before any block runs, and the commands that use it run it.
 # * ```bash``` blocks run command by command (`\` continuations joined, comments
 #   dropped) in the document's working directory: `python -m ferrosync...`, `ferrosync
 #   ...`, `python tools/...`, `python examples/...` and single-node `torchrun`. The
@@ -316,8 +316,10 @@ def _run_python(code: str, label: str) -> None:
 def _evaluate_python(example) -> None:
     source = _source(example)
     target = _file_block_path(source)
-    if target is not None:
-        return None  # written to the working directory by the fixture; imported below
+    if target is not None:  # a file the docs' commands run: written by the fixture
+        compile(source, f"{_CTX.doc}:{example.line}", "exec")
+        assert (_CTX.workdir / target).read_text() == source
+        return None
     _run_python(_substitute_paths(source), f"{_CTX.doc}:{example.line}")
     return None
 
