@@ -546,7 +546,9 @@ def _check_layout(sample: str) -> None:
 def _kind(line: str) -> str:
     """What kind of line an output line is: its text up to the first number or hex
     token (rank rows, which start with a number, are all one kind)."""
-    line = re.sub(r"\b[0-9a-f]{8,}\b", "H", line.replace(str(_CTX.workdir), "DIR"))
+    for mount, local in _MOUNTS.items():  # a real run's paths, as the docs show them
+        line = line.replace(f"{_CTX.workdir / local}/", mount)
+    line = re.sub(r"\b[0-9a-f]{8,}\b", "H", line)
     return re.split(r"\d", line, maxsplit=1)[0].rstrip()
 
 

@@ -44,12 +44,14 @@ def _env() -> dict:
 
 
 def _run(*args: str, timeout: float = 600) -> str:
-    result = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                            env=_env(), timeout=timeout, cwd=ROOT)
+    """stdout and stderr as a terminal shows them (a progress bar: its last state)."""
+    result = subprocess.run([sys.executable, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(),
+                            timeout=timeout, cwd=ROOT)
     if result.returncode != 0:
         raise SystemExit(f"`{' '.join(args)}` exited {result.returncode}:\n"
-                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
-    return result.stdout
+                         f"{result.stdout[-4000:]}")
+    return "\n".join(line.rstrip("\r").split("\r")[-1] for line in result.stdout.split("\n"))
 
 
 def replace_sample(doc: str, first_line: str, text: str) -> None:
@@ -78,7 +80,9 @@ def _abbreviate_final(line: str) -> str:
 
 def train_sample() -> None:
     out = _run("-m", "ferrosync.train", "--nproc", "2")
-    lines = out.rstrip("\n").splitlines()
+    lines = [line for line in out.rstrip("\n").splitlines() if line.strip()]
+    bars = [i for i, line in enumerate(lines) if line.startswith("[rank 0] train:")]
+    lines = [line for i, line in enumerate(lines) if i not in bars[:-1]]  # its last state
     lines[-1] = _abbreviate_final(lines[-1])
     replace_sample("docs/train.md", "ferrosync.train: started", "\n".join(lines))
 
