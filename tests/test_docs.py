@@ -577,7 +577,7 @@ def _check_train_sample(sample: str) -> None:
     assert doc["steps"] == real_final["steps"]
     assert abs(doc["accuracy"] - real_final["accuracy"]) <= 0.01, (doc, real_final)
     assert abs(doc["bytes_written"] / real_final["bytes_written"] - 1) <= 0.02
-    assert re.search(r"ranks agree  yes \(digest [0-9a-f]{16}\)", sample)
+    assert re.search(r"ranks agree\s+yes \(digest [0-9a-f]{16}\)", sample)
     m = re.search(r"accuracy\s+([\d.]+)%", sample)
     assert float(m.group(1)) == round(doc["accuracy"] * 100, 2), "summary and FINAL differ"
 
