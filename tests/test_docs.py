@@ -206,13 +206,16 @@ def test_every_option_is_documented_and_validated():
 #   dropped) in the document's working directory: `python -m ferrosync...`, `ferrosync
 #   ...`, `python tools/...`, `python examples/...` and single-node `torchrun`. The
 #   documented substitutions: at most `_MAX_STEPS` optimizer steps (a `--steps` is
-#   inserted or lowered) and at most 2 ranks per command (this suite runs on 2 cores);
+#   inserted or lowered; twice that with `--resume`, so a resumed run has steps left)
+#   and at most 2 ranks per command (this suite runs on 2 cores); `tools/...` and
+#   `examples/...` are the repository's (the docs' commands run from a clone's root);
 #   an `--elastic` member with `--min-ranks M` is started M times, side by side, each in
 #   its own directory (the recipe's "on each machine"). `pip install` lines are checked
 #   against pyproject.toml (the extras exist), not run; `python -m pytest` is this suite.
 # * ```diff``` blocks: the new side (context and `+` lines) runs as a Python block.
 # * ```text``` blocks are sample outputs: each is compared with the output of a real run
-#   (see `_OUTPUT_CHECKS`); the numbers themselves come from `tools/doc_outputs.py`.
+#   (see `_OUTPUT_CHECKS`; the train sample with the uncapped demo, since its accuracy
+#   and step count are what it shows); the samples are written by tools/doc_outputs.py.
 # * ```json``` blocks parse, and a metrics line holds the keys the trainer writes.
 #
 # Paths and URLs a block assumes: `/mnt/nfs/...` and `/mnt/scratch/...` become
