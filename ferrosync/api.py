@@ -33,7 +33,6 @@ import abc
 import hashlib
 import json
 import logging
-import math
 import os
 
 import torch
@@ -52,6 +51,8 @@ from .flat import (
 )
 from .guard import OwnershipGuard, fail_open_syncs
 from .stats import StatsBook
+from .validate import error as value_error
+from .validate import number
 from .wire import DTYPE_CODES, layout_digest
 
 __all__ = ["connect", "GradSync", "SyncHandle", "fail_open_syncs"]
@@ -172,8 +173,7 @@ class GradSync(OwnershipGuard, abc.ABC):
         """
         tensors = as_tensor_list(tensors)
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise ConfigError(f"src must be a rank in [0, {self.world_size}), got {src!r}",
-                              rank=self.rank)
+            raise value_error("src", f"a rank in [0, {self.world_size})", src, rank=self.rank)
         check_tensors(tensors, op="broadcast_", rank=self.rank, path=self.url, in_place=True,
                       dtypes=tuple(DTYPE_CODES))
         self.run_collective("broadcast", lambda: self._broadcast(tensors, src))
@@ -187,8 +187,8 @@ class GradSync(OwnershipGuard, abc.ABC):
         unsupported dtypes are a ``ConfigError`` before any I/O.
         """
         if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"all_gather takes one tensor, got {type(tensor).__name__}",
-                              rank=self.rank)
+            raise value_error("all_gather's argument", "one tensor", tensor,
+                              got=type(tensor).__name__, rank=self.rank)
         check_tensors([tensor], op="all_gather", rank=self.rank, path=self.url,
                       names=["tensor"], in_place=False, dtypes=tuple(DTYPE_CODES))
         # plain values in one block: contiguous() copies an expanded view, resolve_*()
@@ -375,17 +375,14 @@ def _stream(kind: str, tensors: list) -> str:
 def _check_weight(weight, rank: int | None = None) -> float:
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1:
-            raise ConfigError(
-                f"weight must be a number, got a tensor of shape {list(weight.shape)}",
-                rank=rank, hint="pass a Python float or a one-element tensor")
+            raise value_error("weight", "a number", weight,
+                              got=f"a tensor of shape {list(weight.shape)}", rank=rank,
+                              hint="pass a Python float or a one-element tensor")
         weight = weight.item()
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise ConfigError(f"weight must be a number, got {type(weight).__name__}", rank=rank)
-    weight = float(weight)
-    if not math.isfinite(weight) or weight < 0:
-        raise ConfigError(f"weight must be finite and >= 0, got {weight}", rank=rank,
-                          hint="use weight=0 for a rank that contributes nothing")
-    return weight
+        raise value_error("weight", "a number", weight, got=type(weight).__name__, rank=rank)
+    return number("weight", weight, minimum=0.0, rank=rank,
+                  hint="use weight=0 for a rank that contributes nothing")
 
 
 def _named_parameters(module_or_params) -> list[tuple[str, torch.Tensor]]:
@@ -401,10 +398,8 @@ def _named_parameters(module_or_params) -> list[tuple[str, torch.Tensor]]:
     params = list(module_or_params)
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
-            raise ConfigError(
-                f"expected an nn.Module or an iterable of parameters, found "
-                f"{type(p).__name__} at params[{i}]"
-            )
+            raise value_error(f"params[{i}]", "a tensor (pass an nn.Module or an iterable "
+                              "of parameters)", p, got=type(p).__name__)
     return [(f"params[{i}]", p) for i, p in enumerate(params)]
 
 
@@ -446,11 +441,8 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
                 "FERROSYNC_URL",
             )
     if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"url must be a non-empty string, got {url!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-        0 < timeout < math.inf
-    ):
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise value_error("url", "a non-empty string", url)
+    number("timeout", timeout, positive=True, unit="seconds")
     from . import validate
 
     if validate.boolean("elastic", elastic):

@@ -12,8 +12,8 @@ free). Other stores and regions differ: pass yours, e.g.
 
 from __future__ import annotations
 
-from .errors import ConfigError
 from .storage import split_url
+from .validate import choice, number
 
 #: USD per 1,000 requests, by kind (S3 Standard list prices, us-east-1)
 DEFAULT_PRICES = {"put": 0.005, "get": 0.0004, "delete": 0.0, "list": 0.005}
@@ -31,17 +31,14 @@ def parse_prices(text: str | dict | None) -> dict[str, float]:
         for part in str(text).split(",") if part.strip())
     for kind, value in items:
         kind = str(kind).strip().lower()
-        if kind not in DEFAULT_PRICES:
-            raise ConfigError(f"unknown request kind {kind!r} in storage prices",
-                              hint="use put=, get=, delete=, list= (USD per 1,000 requests)")
+        choice("storage price kind", kind, DEFAULT_PRICES,
+               hint="use put=, get=, delete=, list= (USD per 1,000 requests)")
         try:
             price = float(value)
         except (TypeError, ValueError):
-            price = -1.0
-        if not price >= 0 or price == float("inf"):
-            raise ConfigError(f"storage price {kind}={value!r} must be a number >= 0",
+            price = value  # refused below, shown as given
+        prices[kind] = number(f"storage price {kind}", price, minimum=0.0,
                               hint="USD per 1,000 requests, e.g. put=0.005,get=0.0004")
-        prices[kind] = price
     return prices
 
 
