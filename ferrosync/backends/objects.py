@@ -145,12 +145,15 @@ class GenerationObjects:
                 self.recycler.flush()
                 backoff = Backoff(*self._poll)
                 while (reader := storage.open(key)) is None:
+                    # first, as it ticks this process's clock: a freeze that just ended
+                    # is known before the deadline is judged, whichever thread of this
+                    # process runs first after it
+                    self._monitor.maybe_check(wait_on, self.seq, self.op)
                     # time this process spent stopped (SIGSTOP, a VM pause) is nobody's
                     # delay: the collective's own timeout restarts when it resumes
                     self.deadline = max(self.deadline, self._monitor.resumed_at + self.timeout)
                     if time.monotonic() >= self.deadline:
                         raise self._timeout_error(wait_on, what)
-                    self._monitor.maybe_check(wait_on, self.seq, self.op)
                     backoff.sleep(self.deadline)
         path = storage.path_of(key)
         try:
