@@ -83,7 +83,7 @@ from ..api import GradSync, connect
 from ..codecs import FLOAT_DTYPES
 from ..env import ENV_URL
 from ..errors import ConfigError, SyncTimeout
-from . import BACKEND_NAME, ENV_PG_OPTIONS
+from .constants import BACKEND_NAME, ENV_PG_OPTIONS
 from .init_methods import location_of
 
 __all__ = ["SyncProcessGroup", "create_backend"]
