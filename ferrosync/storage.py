@@ -1298,10 +1298,11 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         return LocalStorage(rest)
     try:
         import fsspec
-        from fsspec.registry import known_implementations
+        from fsspec.registry import known_implementations, registry
     except ImportError as exc:  # pragma: no cover - fsspec is a hard dependency
         raise ConfigError("fsspec is not installed", hint="pip install fsspec") from exc
-    if protocol not in known_implementations and protocol not in fsspec.available_protocols():
+    # fsspec.registry.registry: drivers a user registered (register_implementation)
+    if protocol not in known_implementations and protocol not in registry:
         raise ConfigError(
             f"unknown URL scheme {protocol!r} in {url!r}",
             hint="use a directory path, file://, an fsspec URL (s3://, gs://, memory://) "
@@ -1437,7 +1438,7 @@ class Backoff:
 
 
 def probe_location(storage: Storage, rank: int | None = None, *,
-                   what: str = "this location") -> None:
+                   what: str = "this location", exclusive: bool = True) -> None:
     """Fail now, with a ``ConfigError`` naming ``rank`` and the URL, unless ``storage``
     can be written and read back: a run must never start (and half-write anything)
     against a location it cannot use.
@@ -1448,7 +1449,8 @@ def probe_location(storage: Storage, rank: int | None = None, *,
     again with ``put(exclusive=True)``, which must fail with ``FileExistsError``: every
     rendezvous and every elastic roster rests on a create that only one writer wins.
     A store that overwrites instead, or whose driver cannot create only if absent,
-    is refused with a ``ConfigError`` (one request more, never a wait).
+    is refused with a ``ConfigError`` (one request more, never a wait). A location
+    nothing is ever created exclusively in (checkpoints) passes ``exclusive=False``.
     ``what`` names the location in the message ("this location", "sync URL", ...).
     Whoever probes before ranks exist (a launcher) passes ``rank=None``: the probe is
     then named as rank 0's, which the tools recognise all the same.
@@ -1462,13 +1464,13 @@ def probe_location(storage: Storage, rank: int | None = None, *,
         storage.put(key, [payload])
         back = storage.read(key)
         try:
-            storage.put(key, [b"ferrosync probe: a second create"], exclusive=True)
+            if exclusive:
+                storage.put(key, [b"ferrosync probe: a second create"], exclusive=True)
+                creates = "a second create of one name succeeded (the store overwrote it)"
         except FileExistsError:
             pass  # the answer every store must give
         except ExclusiveCreateUnsupported as exc:
             creates = exc.what
-        else:
-            creates = "a second create of one name succeeded (the store overwrote it)"
         storage.delete([key])
     except (StorageError, OSError) as exc:
         detail = exc.what if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"

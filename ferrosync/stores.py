@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from .storage import split_url
 
-__all__ = ["Store", "STORES", "store_of"]
+__all__ = ["Store", "STORES", "UNKNOWN", "facts", "store_of"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,8 @@ class Store:
     name: str
     schemes: tuple[str, ...]
     driver: str
+    #: the request that creates only if absent, in a few words (doctor's check names it)
+    create_request: str
     conditional_create: str
     read_after_write: str
     delete_visibility: str
@@ -47,6 +49,7 @@ class Store:
 STORES: tuple[Store, ...] = (
     Store(
         name="directory", schemes=("file", "local"), driver="ferrosync (os calls)",
+        create_request="os.link",
         conditional_create="`os.link` of a written temp file: EEXIST when the name exists",
         read_after_write="local: immediate; NFS: close-to-open (open() revalidates; mount "
         "with `lookupcache=positive`)",
@@ -54,6 +57,7 @@ STORES: tuple[Store, ...] = (
     ),
     Store(
         name="Amazon S3", schemes=("s3", "s3a"), driver="s3fs",
+        create_request="conditional PUT (If-None-Match: *)",
         conditional_create="PUT with `If-None-Match: *`: 412 when the key exists (AWS "
         "since 2024-08, MinIO, SeaweedFS); needs botocore >= 1.35.20",
         read_after_write="strong (AWS since 2020-12), also for overwrites",
@@ -64,6 +68,7 @@ STORES: tuple[Store, ...] = (
     ),
     Store(
         name="Google Cloud Storage", schemes=("gs", "gcs"), driver="gcsfs",
+        create_request="insert with ifGenerationMatch=0",
         conditional_create="insert with `ifGenerationMatch=0`: 412 when the object exists",
         read_after_write="strong (global), also for overwrites",
         delete_visibility="strong: a GET after DELETE misses",
@@ -78,6 +83,7 @@ STORES: tuple[Store, ...] = (
     ),
     Store(
         name="Azure Blob Storage", schemes=("az", "abfs", "abfss"), driver="adlfs",
+        create_request="Put Blob with If-None-Match: * (overwrite=False)",
         conditional_create="Put Blob with `If-None-Match: *` (adlfs: `overwrite=False`): "
         "409 BlobAlreadyExists when the blob exists",
         read_after_write="strong, also for overwrites",
@@ -89,6 +95,7 @@ STORES: tuple[Store, ...] = (
     ),
     Store(
         name="memory", schemes=("memory",), driver="fsspec MemoryFileSystem",
+        create_request="open(mode='xb')",
         conditional_create="`open(mode=\"xb\")` in this process",
         read_after_write="immediate (one process only)",
         delete_visibility="immediate (one process only)",
@@ -98,11 +105,23 @@ STORES: tuple[Store, ...] = (
 #: any other fsspec store: nothing is known until tried
 UNKNOWN = Store(
     name="other fsspec store", schemes=(), driver="its fsspec driver",
+    create_request="pipe_file(mode='create')",
     conditional_create="`pipe_file(mode=\"create\")`; connect refuses the store unless a "
     "create of an existing name fails (fsspec's generic exists-then-write is refused)",
     read_after_write="unknown: `ferrosync doctor` measures it",
     delete_visibility="unknown: `ferrosync doctor` measures it",
 )
+
+
+def facts(store: Store) -> dict:
+    """``store`` as JSON (``ferrosync doctor --json``'s ``store``)."""
+    return {"name": store.name, "driver": store.driver,
+            "conditional_create": store.conditional_create,
+            "read_after_write": store.read_after_write,
+            "delete_visibility": store.delete_visibility,
+            "prices_per_1000": dict(store.prices) if store.prices else None,
+            "price_basis": store.price_basis or None,
+            "emulator_settings": store.emulator or None}
 
 
 def store_of(url: str) -> Store:
