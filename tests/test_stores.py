@@ -15,16 +15,18 @@ import json
 import os
 import re
 import threading
+import time
 import uuid
 
 import fsspec
 import pytest
+import torch
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 import ferrosync
 from ferrosync.costs import DEFAULT_PRICES, parse_prices
-from ferrosync.errors import ConfigError
+from ferrosync.errors import ConfigError, DuplicateRank, FerrosyncError
 from ferrosync.storage import (
     ExclusiveCreateUnsupported,
     gcs_driver,
@@ -32,6 +34,7 @@ from ferrosync.storage import (
     probe_location,
 )
 from ferrosync.stores import STORES, UNKNOWN, store_of
+from ranks import RankFailure, collect, run_ranks, start_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,6 +117,53 @@ def test_connect_probe_passes_and_doctor_names_the_store(emulator_transport, cap
     assert checks["store"]["status"] == "info"
     assert checks["visibility"]["status"] == "ok", checks["visibility"]
     assert open_storage(url, so).list() == []  # doctor cleaned up
+
+
+# -- what exclusive create protects, on GCS and Azure ---------------------------------------
+
+def w_anonymous(rank, world, url, value, options):
+    with ferrosync.connect(url, rank=rank, world_size=world, timeout=60,
+                           heartbeat_interval=0.5, heartbeat_timeout=5.0, **options) as sync:
+        x = torch.full((1000,), value)
+        sync.average_(x)
+        return x
+
+
+def test_anonymous_jobs_started_together_never_mix(emulator_transport):
+    """Two jobs without an id, ranks started interleaved on one URL: each rank gets its
+    own job's exact average or a ferrosync error, and the collision is seen."""
+    values, expected = {"A": (0.0, 1.0), "B": (100.0, 101.0)}, {"A": 0.5, "B": 100.5}
+    started = {}
+    for i, (job, rank) in enumerate([("B", 0), ("A", 1), ("A", 0), ("B", 1)]):
+        if i:
+            time.sleep(0.3)  # the scenario: processes started this far apart
+        started[(job, rank)] = start_ranks(
+            w_anonymous, 2, emulator_transport.url, values[job][rank],
+            emulator_transport.options, ranks=[rank], env={"FERROSYNC_JOB": ""})
+    out = {key: collect(procs, q, timeout=120)[key[1]] for key, (procs, q) in started.items()}
+    for (job, rank), res in out.items():
+        if isinstance(res, RankFailure):
+            assert isinstance(res.error, FerrosyncError), (job, rank, res)
+        else:
+            assert torch.equal(res, torch.full((1000,), expected[job])), (job, rank, res[0])
+    assert any(isinstance(r, RankFailure) and isinstance(r.error, DuplicateRank)
+               for r in out.values()), out
+
+
+def w_elastic(index, _world, url, options):
+    with ferrosync.connect(url, elastic=True, min_ranks=2, job="emulated", timeout=60,
+                           heartbeat_interval=0.5, heartbeat_timeout=5.0, **options) as sync:
+        x = torch.full((100,), 10.0 ** index)
+        total = sync.average_(x)
+        return total, x, sorted(sync.membership)
+
+
+def test_elastic_job_agrees_on_its_members(emulator_transport):
+    results = run_ranks(w_elastic, 2, emulator_transport.url, emulator_transport.options)
+    assert results[0][2] == results[1][2] and len(results[0][2]) == 2
+    for total, x, _members in results:
+        assert total == 2
+        assert torch.equal(x, torch.full((100,), 5.5))
 
 
 # -- stores that cannot create exclusively: real drivers, registered -------------------------
