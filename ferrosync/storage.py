@@ -1166,9 +1166,11 @@ class FsspecStorage(Storage):
 
     def probe_bucket(self) -> None:
         """Fail early when the bucket (or container) is missing or unreadable."""
+        from fsspec.implementations.memory import MemoryFileSystem
+
         proto = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        if proto in ("memory",):
-            return
+        if proto in ("memory",) or isinstance(self.fs, MemoryFileSystem):
+            return  # a dictionary in this process (or a driver built on one): no bucket
         bucket = self.root.split("/", 1)[0]
         try:
             self.fs.ls(bucket, refresh=True) if _accepts_refresh(self.fs) else self.fs.ls(bucket)
@@ -1351,6 +1353,10 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
     root = fs._strip_protocol(url)
     if isinstance(root, list):  # pragma: no cover - defensive
         root = root[0]
+    if root.startswith(f"{protocol}://"):
+        # a registered driver that inherits another's _strip_protocol (a subclass of
+        # MemoryFileSystem strips only "memory://"): its own scheme is no part of a path
+        root = fs._strip_protocol(root[len(protocol) + 3:])
     storage = FsspecStorage(url, fs, root)
     if retries is not None:
         storage.retries = retries
@@ -1466,7 +1472,7 @@ def probe_location(storage: Storage, rank: int | None = None, *,
         try:
             if exclusive:
                 storage.put(key, [b"ferrosync probe: a second create"], exclusive=True)
-                creates = "a second create of one name succeeded (the store overwrote it)"
+                creates = "a second create of one name succeeded: the store overwrote it"
         except FileExistsError:
             pass  # the answer every store must give
         except ExclusiveCreateUnsupported as exc:

@@ -179,9 +179,10 @@ class _Prefixed:
         return super()._strip_protocol(path)
 
 
-class OverwritingMemory(_Prefixed, MemoryFileSystem):
+class OverwritingMemory(MemoryFileSystem):
     """Takes ``mode`` and ignores it: every create is an overwrite (as an old driver
-    that only ever overwrote, given the keyword by **kwargs)."""
+    that only ever overwrote, given the keyword by **kwargs). Written as a user would,
+    without a ``_strip_protocol`` of its own."""
 
     protocol = "fs-overwrites"
 
