@@ -78,7 +78,7 @@ STORES: tuple[Store, ...] = (
         emulator="`endpoint_url=URL, token=\"anon\"` (or `STORAGE_EMULATOR_HOST`): "
         "ferrosync then uses gcsfs's JSON-API driver, `gcsfs.core.GCSFileSystem`, "
         "instead of gcsfs >= 2026's default, whose gRPC bucket-layout lookups stall "
-        "each upload ~60 s against an HTTP endpoint (`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
+        "each upload a minute or more against an HTTP endpoint (`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
         "=false` before gcsfs is imported does the same)",
     ),
     Store(
