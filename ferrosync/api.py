@@ -14,53 +14,33 @@ on every rank, never silently averaged. A collective that raises leaves this
 ``GradSync`` unusable (the ranks no longer agree on where they are): close it
 and reconnect, which starts a new generation.
 
-**Threads.** A collective may be called from any thread (torch DCP's ``async_save``
-calls from a worker thread), but two threads' calls on one ``GradSync`` must not
-*overlap*. A collective is identified across ranks by its position in this
-GradSync's sequence only, so when two threads call at once, which call is
-collective *n* depends on the scheduler of each rank: a lock would serialise them,
-in one order on one rank and in the other order on another, and the ranks would
-silently average one thread's tensors with the other thread's (layouts being
-equal, nothing could tell). So a thread that calls while another thread is inside
-a collective on the same GradSync gets ``ConfigError`` before any I/O, and the
-GradSync is failed: its abort marker gives the peers a typed error instead of a
-crossed result, and the thread that was inside raises ``ConfigError`` too when its
-collective ends (even if it completed: the ranks may have paired it with the other
-thread's call, and its tensors hold whatever arrived). What cannot be detected are
-calls that do not overlap on a rank but come in a different order on different
-ranks (one thread's call ended before the other's began), including on a peer whose
-threads happened not to overlap: order such calls yourself (join the thread,
-``handle.wait()``). The async runner (``async_op=True``) is this library's own
-thread: a call from another thread first waits for the submitted collectives.
+**Who may call.** A collective may be called from any thread of the process that
+connected, but two threads' calls must not overlap, and a forked child may not use
+the parent's ``GradSync``: that rule lives in ``guard.py`` (``OwnershipGuard``, which
+``GradSync`` inherits). ``async_op=True`` runs collectives on this library's own
+thread (``async_runner.py``).
 
-**Processes.** A GradSync belongs to the process that connected. A forked child
-inherits the object but not its threads, and its storage handles and files are the
-parent's: in the child every collective raises ``ConfigError`` without any I/O,
-``close()`` only marks the child's copy closed, and the exit and exception hooks
-below ignore it, so a child that exits (or dies) never tells the parent's peers
-that the parent's rank closed or failed.
+**The adapter seam.** Code that builds another interface on a ``GradSync`` (the DDP
+process group in ``ddp/``) runs its own collective bodies through the public
+``run_collective`` (on the calling thread) and ``submit`` (on the async thread), so
+they keep the ownership rule, the call order, failure and ``stats`` exactly as the
+built-in collectives do; it never calls private methods.
 """
 
 from __future__ import annotations
 
 import abc
-import atexit
-import concurrent.futures
 import hashlib
 import json
 import logging
-import math
 import os
-import queue
-import sys
-import threading
-import weakref
 
 import torch
 
+from .async_runner import RUNNER_JOIN_TIMEOUT, SyncHandle
 from .codecs import FLOAT_DTYPES
 from .env import ENV_URL, Identity, discover
-from .errors import ConfigError, FerrosyncError, SyncClosed
+from .errors import ConfigError
 from .flat import (
     Bucket,
     BufferPool,
@@ -69,16 +49,19 @@ from .flat import (
     layout_signature,
     plan_buckets,
 )
+from .guard import OwnershipGuard, fail_open_syncs
 from .stats import StatsBook
+from .validate import error as value_error
+from .validate import number
 from .wire import DTYPE_CODES, layout_digest
 
-__all__ = ["connect", "GradSync", "SyncHandle"]
+__all__ = ["connect", "GradSync", "SyncHandle", "fail_open_syncs"]
 
 
 _log = logging.getLogger(__name__)
 
 
-class GradSync(abc.ABC):
+class GradSync(OwnershipGuard, abc.ABC):
     """Averages tensors across ranks. Create with ``ferrosync.connect``.
 
     Attributes:
@@ -103,25 +86,8 @@ class GradSync(abc.ABC):
         self.bucket_bytes = bucket_bytes if bucket_bytes is not None else self.default_bucket_bytes
         self._stats = StatsBook(counters)
         self._pool = BufferPool()
-        self._closed = False
-        self._failure: BaseException | None = None
-        self._failed_at: int | None = None
-        # the process that connected: a forked child inherits this object, not the right
-        # to use it (see the module docstring)
-        self._pid = os.getpid()
-        # held by a running collective so that close() from another thread waits for it;
-        # never contended between collectives, which _enter keeps from overlapping
-        self._lock = threading.RLock()
-        # protects _owner/_depth/_failure transitions; held for a few instructions only,
-        # never across I/O, so a thread checking for overlap never blocks
-        self._guard = threading.Lock()
-        self._owner: threading.Thread | None = None  # the thread inside a collective
-        self._owner_op: str | None = None
-        self._depth = 0  # nested calls by the owner (average_gradients -> average_)
-        self._overlap: ConfigError | None = None  # the overlap that failed this GradSync
-        self._runner: _AsyncRunner | None = None
         self.counters = counters
-        _LIVE.add(self)
+        self._init_guard()
 
     @classmethod
     @abc.abstractmethod
@@ -170,8 +136,8 @@ class GradSync(abc.ABC):
                       dtype_hint="cast it, or use broadcast_ for integer tensors")
         body = lambda: self._average(tensors, weight, stream)  # noqa: E731
         if async_op:
-            return self._submit("average", tensors, body)
-        return self._collective("average", tensors, body)
+            return self.submit("average", body)
+        return self.run_collective("average", body)
 
     def average_gradients(self, module_or_params, *, weight: float = 1.0,
                           async_op: bool = False):
@@ -207,11 +173,10 @@ class GradSync(abc.ABC):
         """
         tensors = as_tensor_list(tensors)
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
-            raise ConfigError(f"src must be a rank in [0, {self.world_size}), got {src!r}",
-                              rank=self.rank)
+            raise value_error("src", f"a rank in [0, {self.world_size})", src, rank=self.rank)
         check_tensors(tensors, op="broadcast_", rank=self.rank, path=self.url, in_place=True,
                       dtypes=tuple(DTYPE_CODES))
-        self._collective("broadcast", tensors, lambda: self._broadcast(tensors, src))
+        self.run_collective("broadcast", lambda: self._broadcast(tensors, src))
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Collective: every rank's ``tensor`` (any dtype), as a list indexed by rank.
@@ -222,8 +187,8 @@ class GradSync(abc.ABC):
         unsupported dtypes are a ``ConfigError`` before any I/O.
         """
         if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"all_gather takes one tensor, got {type(tensor).__name__}",
-                              rank=self.rank)
+            raise value_error("all_gather's argument", "one tensor", tensor,
+                              got=type(tensor).__name__, rank=self.rank)
         check_tensors([tensor], op="all_gather", rank=self.rank, path=self.url,
                       names=["tensor"], in_place=False, dtypes=tuple(DTYPE_CODES))
         # plain values in one block: contiguous() copies an expanded view, resolve_*()
@@ -235,7 +200,7 @@ class GradSync(abc.ABC):
             flat = source.view(-1)
             return [t.view(tensor.shape) for t in self._all_gather_flat(flat, digest, layout)]
 
-        return self._collective("all_gather", [source], body)
+        return self.run_collective("all_gather", body)
 
     def barrier(self) -> None:
         """Collective: returns once every rank has entered."""
@@ -243,7 +208,7 @@ class GradSync(abc.ABC):
             (_bucket, digest, layout), = self._buckets("barrier", [])
             self._barrier(digest, layout)
 
-        self._collective("barrier", [], body)
+        self.run_collective("barrier", body)
 
     def close(self) -> None:
         """Release storage handles and threads. Idempotent; never waits on peers and
@@ -253,9 +218,7 @@ class GradSync(abc.ABC):
         collective (bounded by its ``timeout``). In a forked child it only marks the
         child's copy closed: the handles, threads and objects are the parent's.
         """
-        if os.getpid() != self._pid:
-            self._closed = True
-            _LIVE.discard(self)
+        if self._close_forked_copy():
             return
         runner = self._runner
         if runner is not None:
@@ -263,7 +226,7 @@ class GradSync(abc.ABC):
         with self._lock:
             if not self._closed:
                 self._closed = True
-                _LIVE.discard(self)
+                self._forget()
                 try:
                     self._shutdown(self._failure)
                 finally:
@@ -272,7 +235,7 @@ class GradSync(abc.ABC):
             # queued collectives fail fast once closed; joining matters at exit: a
             # daemon thread still inside a torch op when the interpreter finalizes is
             # killed by a forced unwind through C++ and the process aborts (SIGABRT)
-            runner.join(_RUNNER_JOIN_TIMEOUT)
+            runner.join(RUNNER_JOIN_TIMEOUT)
 
     def __enter__(self) -> GradSync:
         return self
@@ -290,138 +253,36 @@ class GradSync(abc.ABC):
         return (f"{type(self).__name__}(url={self.url!r}, rank={self.rank}, "
                 f"world_size={self.world_size})")
 
-    # -- shared machinery --------------------------------------------------------------
-    def _submit(self, op: str, tensors: list, body) -> SyncHandle:
-        self._check_usable()
-        return self._run_async(lambda: self._collective(op, tensors, body))
+    # -- the adapter seam ------------------------------------------------------------------
+    def run_collective(self, op: str, body):
+        """Run ``body()`` as this GradSync's next collective, on the calling thread, and
+        return its value: the seam for adapters (``ddp/``) that move bytes with the
+        public collectives or the backend primitives in an order of their own.
 
-    def _run_async(self, fn) -> SyncHandle:
-        """Queue ``fn`` on this GradSync's async thread (started on first use), after
-        every earlier submission; ``fn`` runs its collective through ``_collective``.
-        For this module and the DDP process group's async allreduce."""
-        if self._runner is None:
-            self._runner = _AsyncRunner(f"ferrosync-async-r{self.rank}")
-        return self._runner.submit(fn)
-
-    def _collective(self, op: str, tensors: list, body):
-        """Run ``body`` as this GradSync's next collective, on the calling thread.
-
-        Refuses a forked child and a second thread (see the module docstring) before
-        any I/O; fails the GradSync (abort marker for the peers) if ``body`` raises.
+        Contract, the same as every built-in collective's: every rank runs the same
+        sequence of collectives; ``op`` names this one in errors. Before any I/O it
+        raises ``ConfigError`` in a forked child or while another thread is inside a
+        collective, and ``SyncClosed`` once closed or failed; earlier ``submit``-ted
+        work runs first. If ``body`` raises, this GradSync is failed (the peers are
+        told) and the error propagates. Counts once in ``stats`` (nested public
+        collectives inside ``body`` do not count again).
         """
-        self._check_process(op)
-        if self._runner is not None and not self._runner.is_worker():
-            self._runner.drain()  # earlier async collectives first: call order is the contract
-        self._enter(op)
-        try:
-            with self._lock:
-                self._check_usable()
-                with self._stats.collective():
-                    try:
-                        value = body()
-                    except BaseException as exc:
-                        if self._failure is not None and not isinstance(exc, FerrosyncError):
-                            # another thread failed this GradSync meanwhile and this is
-                            # the fallout (state torn down under us): say so, typed
-                            raise self._failed_meanwhile(op) from exc
-                        self._fail(exc)
-                        raise
-                    if self._failure is not None:
-                        # failed by another thread while body ran: the ranks may have
-                        # paired this call with another thread's, so the value is suspect
-                        raise self._failed_meanwhile(op)
-                    return value
-        finally:
-            self._leave()
+        def counted():
+            with self._stats.collective():
+                return body()
 
-    def _enter(self, op: str) -> None:
-        """Make the calling thread the one inside a collective, or fail: a second thread
-        must not wait for its turn, because its turn would differ between ranks."""
-        me = threading.current_thread()
-        with self._guard:
-            owner = self._owner
-            if owner is None or owner is me:
-                if owner is None:
-                    self._owner, self._owner_op = me, op
-                self._depth += 1
-                return
-            inside = self._owner_op
-        error = ConfigError(
-            f"thread {me.name!r} called {op} while thread {owner.name!r} is inside {inside} "
-            "on the same GradSync; collectives from two threads must not overlap (each "
-            "rank would order them its own way and average one thread's tensors with "
-            "another's)",
-            rank=self.rank, path=self.url,
-            hint="call the collectives from one thread, or let a call return (join the "
-            "thread, handle.wait()) before the next starts; this GradSync is now failed: "
-            "close it and connect again (all ranks)",
-        )
-        with self._guard:
-            if self._overlap is None:
-                self._overlap = error
-        self._fail(error)
-        raise error
+        return self._collective(op, counted)
 
-    def _leave(self) -> None:
-        with self._guard:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = self._owner_op = None
+    def submit(self, op: str, body) -> SyncHandle:
+        """``run_collective(op, body)`` on this GradSync's async thread, after every
+        earlier submission; returns its ``SyncHandle`` at once.
 
-    def _failed_meanwhile(self, op: str) -> FerrosyncError:
-        failure = self._failure
-        if failure is self._overlap and isinstance(failure, ConfigError):
-            return ConfigError(
-                f"{op} on thread {threading.current_thread().name!r} ran while another "
-                f"thread called a collective on the same GradSync ({failure.what}); its "
-                "result is discarded (the tensors hold undefined values)",
-                rank=self.rank, path=self.url, hint=failure.hint,
-            )
-        return SyncClosed(
-            f"this GradSync was failed from another thread while {op} ran "
-            f"({type(failure).__name__}: {failure}); its result is discarded (the tensors "
-            "hold undefined values)",
-            rank=self.rank, path=self.url,
-            hint="close this GradSync and connect again (all ranks)",
-        )
-
-    def _check_process(self, op: str) -> None:
-        if os.getpid() != self._pid:
-            raise ConfigError(
-                f"this GradSync belongs to pid {self._pid}; this is pid {os.getpid()}, a "
-                f"forked child, which cannot run {op} on it (its storage handles, threads "
-                "and collective sequence are the parent's)",
-                rank=self.rank, path=self.url,
-                hint="connect again in the child (ferrosync.connect(...) with the child's "
-                "own rank and URL), or fork before connecting",
-            )
-
-    def _check_usable(self) -> None:
-        self._check_process("a collective")
-        if self._closed:
-            raise SyncClosed("this GradSync is closed", rank=self.rank, path=self.url,
-                             hint="connect again to start a new generation")
-        if self._failure is not None:
-            raise SyncClosed(
-                f"an earlier collective failed ({type(self._failure).__name__}: "
-                f"{self._failure})", rank=self.rank, path=self.url,
-                hint="close this GradSync and connect again (all ranks)",
-            )
-
-    def _fail(self, exc: BaseException) -> None:
-        """Record the first failure and tell the peers (abort marker); later calls and
-        calls in a forked child do nothing (the child must not speak for the parent)."""
-        if os.getpid() != self._pid:
-            return
-        with self._guard:
-            if self._failure is not None:
-                return
-            self._failure = exc
-        try:
-            self._publish_abort(exc)
-        except Exception:  # noqa: BLE001 - never mask the original error with this one
-            _log.warning("rank %d: could not tell the peers this rank failed", self.rank,
-                         exc_info=True)
+        Raises ``SyncClosed`` (closed or failed) or ``ConfigError`` (a forked child)
+        before queueing anything; later errors are delivered by the handle. What
+        ``body`` reads or writes must not be touched until the handle is done.
+        """
+        self._check_usable()
+        return self._async_runner().submit(lambda: self.run_collective(op, body))
 
     def _buckets(self, op: str, tensors: list[torch.Tensor]) -> list[tuple[Bucket, bytes, dict]]:
         """Plan the buckets, each with its layout record and that record's digest.
@@ -460,7 +321,7 @@ class GradSync(abc.ABC):
                     bucket.scatter(flat)
 
     # -- backend primitives --------------------------------------------------------------
-    # Called by the collectives above, inside ``_collective`` (one thread at a time, in
+    # Called by the collectives above, inside ``run_collective`` (one thread at a time, in
     # call order); every rank calls the same primitive with the same ``digest``. A
     # primitive that raises fails this GradSync (``_fail`` publishes the abort).
 
@@ -499,82 +360,6 @@ class GradSync(abc.ABC):
         """Stop threads and release handles; must not wait on peers or raise."""
 
 
-class SyncHandle(concurrent.futures.Future):
-    """The pending result of a collective started with ``async_op=True``: a
-    ``concurrent.futures.Future`` (``done()``, ``result()``, ``exception()``,
-    ``add_done_callback``, ``concurrent.futures.wait``) plus ``wait()``.
-
-    It cannot be cancelled: the peers run the collective whatever this rank wants, so
-    skipping it would pair every later call with the wrong one (``cancel()`` returns
-    False).
-    """
-
-    def cancel(self) -> bool:
-        return False
-
-    def wait(self, timeout: float | None = None):
-        """Block until the collective finished; return its value or raise its error.
-
-        ``timeout`` bounds this wait only (the collective keeps its own timeout); past
-        it, ``TimeoutError``.
-        """
-        try:
-            return self.result(timeout)
-        except concurrent.futures.TimeoutError:
-            if self.done():
-                raise  # the collective itself raised a TimeoutError
-            raise TimeoutError(
-                f"the async collective did not finish within {timeout} s") from None
-
-
-#: how long close() waits for the async thread to finish its queue (seconds)
-_RUNNER_JOIN_TIMEOUT = 10.0
-
-
-class _AsyncRunner:
-    """One daemon thread running submitted collectives in order.
-
-    A daemon thread, so a process whose peers vanished can still exit; the
-    collective's own timeout bounds how long a running one can take.
-    """
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: list[SyncHandle] = []
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn) -> SyncHandle:
-        handle = SyncHandle()
-        self._pending.append(handle)
-        self._queue.put((fn, handle))
-        return handle
-
-    def is_worker(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def drain(self) -> None:
-        """Wait for every submitted collective (errors stay with their handles)."""
-        concurrent.futures.wait(self._pending)
-        self._pending = [h for h in self._pending if not h.done()]
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` s for the thread to finish (after ``stop``)."""
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            fn, handle = item
-            handle.set_running_or_notify_cancel()  # never cancelled (SyncHandle.cancel)
-            try:
-                handle.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - delivered by handle.wait()
-                handle.set_exception(exc)
-
-
 def _stream(kind: str, tensors: list) -> str:
     """A name for "this kind of call on these very tensors", e.g. a model's gradients.
 
@@ -590,17 +375,14 @@ def _stream(kind: str, tensors: list) -> str:
 def _check_weight(weight, rank: int | None = None) -> float:
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1:
-            raise ConfigError(
-                f"weight must be a number, got a tensor of shape {list(weight.shape)}",
-                rank=rank, hint="pass a Python float or a one-element tensor")
+            raise value_error("weight", "a number", weight,
+                              got=f"a tensor of shape {list(weight.shape)}", rank=rank,
+                              hint="pass a Python float or a one-element tensor")
         weight = weight.item()
     if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-        raise ConfigError(f"weight must be a number, got {type(weight).__name__}", rank=rank)
-    weight = float(weight)
-    if not math.isfinite(weight) or weight < 0:
-        raise ConfigError(f"weight must be finite and >= 0, got {weight}", rank=rank,
-                          hint="use weight=0 for a rank that contributes nothing")
-    return weight
+        raise value_error("weight", "a number", weight, got=type(weight).__name__, rank=rank)
+    return number("weight", weight, minimum=0.0, rank=rank,
+                  hint="use weight=0 for a rank that contributes nothing")
 
 
 def _named_parameters(module_or_params) -> list[tuple[str, torch.Tensor]]:
@@ -616,10 +398,8 @@ def _named_parameters(module_or_params) -> list[tuple[str, torch.Tensor]]:
     params = list(module_or_params)
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
-            raise ConfigError(
-                f"expected an nn.Module or an iterable of parameters, found "
-                f"{type(p).__name__} at params[{i}]"
-            )
+            raise value_error(f"params[{i}]", "a tensor (pass an nn.Module or an iterable "
+                              "of parameters)", p, got=type(p).__name__)
     return [(f"params[{i}]", p) for i, p in enumerate(params)]
 
 
@@ -661,11 +441,8 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
                 "FERROSYNC_URL",
             )
     if not isinstance(url, str) or not url.strip():
-        raise ConfigError(f"url must be a non-empty string, got {url!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
-        0 < timeout < math.inf
-    ):
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise value_error("url", "a non-empty string", url)
+    number("timeout", timeout, positive=True, unit="seconds")
     from . import validate
 
     if validate.boolean("elastic", elastic):
@@ -691,48 +468,3 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
     backend = backend_for(url, options)
     checked = backend.check_options(options)
     return backend(url.strip(), identity, float(timeout), checked)
-
-
-# -- aborting on process exit ----------------------------------------------------------------
-#
-# An uncaught exception that ends the process must leave an abort marker, or the
-# peers would wait out their whole timeout. sys.excepthook runs before atexit, so
-# it records the failure; atexit then closes whatever is still open.
-
-_LIVE: weakref.WeakSet[GradSync] = weakref.WeakSet()
-_previous_excepthook = sys.excepthook
-
-
-def fail_open_syncs(exc: BaseException) -> None:
-    """Fail every open GradSync of this process with ``exc``: each publishes its abort
-    marker, so its peers raise ``PeerFailed`` now instead of waiting out a timeout.
-
-    For code that ends the process on an exception it handles itself (the launcher's
-    script runner prints a one-line error and exits 1): an uncaught exception does
-    this through ``sys.excepthook``. A forked child's copies are the parent's and are
-    left alone.
-    """
-    pid = os.getpid()
-    for sync in list(_LIVE):
-        if sync._pid == pid and sync._failure is None and not sync._closed:
-            sync._fail(exc)
-
-
-def _excepthook(exc_type, exc, tb):
-    fail_open_syncs(exc)
-    _previous_excepthook(exc_type, exc, tb)
-
-
-def _close_all() -> None:
-    pid = os.getpid()
-    for sync in list(_LIVE):
-        if sync._pid != pid:
-            continue  # a forked child exiting must not publish "closed" for the parent
-        try:
-            sync.close()
-        except Exception:  # noqa: BLE001 - at exit: one sync must not stop the others
-            _log.warning("could not close %r at exit", sync, exc_info=True)
-
-
-sys.excepthook = _excepthook
-atexit.register(_close_all)

@@ -4,26 +4,36 @@ On an object store the request bill can exceed the compute bill (a heartbeat eve
 2 s is 1,800 PUTs per rank per hour; a collective is a few PUTs and GETs per rank),
 so the trainer's summary, its ``FINAL`` line and ``ferrosync inspect`` show requests
 per hour and their cost. Prices are USD per 1,000 requests of each billed kind
-(``storage.REQUEST_KINDS``); the defaults are S3 Standard's list prices (us-east-1,
-as published in 2026: PUT/COPY/POST/LIST $0.005, GET and others $0.0004, DELETE
-free). Other stores and regions differ: pass yours, e.g.
+(``storage.REQUEST_KINDS``); the defaults are each store's list prices
+(``stores.STORES``: S3 Standard in us-east-1, GCS Standard in one region, Azure
+block blobs in the Hot tier with LRS, as published in 2026), S3's for a URL of no
+known store. Other classes and regions differ: pass yours, e.g.
 ``--storage-prices put=0.0065,get=0.00052``.
 """
 
 from __future__ import annotations
 
-from .errors import ConfigError
 from .storage import split_url
+from .stores import store_of
+from .validate import choice, number
 
 #: USD per 1,000 requests, by kind (S3 Standard list prices, us-east-1)
-DEFAULT_PRICES = {"put": 0.005, "get": 0.0004, "delete": 0.0, "list": 0.005}
+DEFAULT_PRICES = dict(store_of("s3://").prices)
 _COUNTER_OF = {"put": "puts", "get": "gets", "delete": "deletes", "list": "lists"}
 
 
-def parse_prices(text: str | dict | None) -> dict[str, float]:
-    """``"put=0.005,get=0.0004"`` (or a dict) over the defaults; ``ConfigError`` on an
-    unknown kind or a value that is not a number >= 0."""
-    prices = dict(DEFAULT_PRICES)
+def default_prices(url: str | None) -> dict[str, float]:
+    """The list prices of the store ``url`` names (``stores.STORES``); S3's where it
+    names none with prices (no URL, an unknown scheme, a directory)."""
+    prices = store_of(url).prices if url else None
+    return dict(prices or DEFAULT_PRICES)
+
+
+def parse_prices(text: str | dict | None, url: str | None = None) -> dict[str, float]:
+    """``"put=0.005,get=0.0004"`` (or a dict) over the defaults for ``url``'s store
+    (``default_prices``); ``ConfigError`` on an unknown kind or a value that is not a
+    number >= 0."""
+    prices = default_prices(url)
     if text is None:
         return prices
     items = text.items() if isinstance(text, dict) else (
@@ -31,17 +41,14 @@ def parse_prices(text: str | dict | None) -> dict[str, float]:
         for part in str(text).split(",") if part.strip())
     for kind, value in items:
         kind = str(kind).strip().lower()
-        if kind not in DEFAULT_PRICES:
-            raise ConfigError(f"unknown request kind {kind!r} in storage prices",
-                              hint="use put=, get=, delete=, list= (USD per 1,000 requests)")
+        choice("storage price kind", kind, DEFAULT_PRICES,
+               hint="use put=, get=, delete=, list= (USD per 1,000 requests)")
         try:
             price = float(value)
         except (TypeError, ValueError):
-            price = -1.0
-        if not price >= 0 or price == float("inf"):
-            raise ConfigError(f"storage price {kind}={value!r} must be a number >= 0",
+            price = value  # refused below, shown as given
+        prices[kind] = number(f"storage price {kind}", price, minimum=0.0,
                               hint="USD per 1,000 requests, e.g. put=0.005,get=0.0004")
-        prices[kind] = price
     return prices
 
 

@@ -16,6 +16,7 @@ from typing import Mapping
 
 from .errors import ConfigError
 from .names import JOB_ID
+from .validate import error as value_error
 from .validate import integer
 
 ENV_URL = "FERROSYNC_URL"
@@ -56,10 +57,8 @@ def _int_var(env: Mapping[str, str], name: str) -> int | None:
         head = raw.strip().split("(")[0].split(",")[0]
         if head.isdigit():
             return int(head)
-        raise ConfigError(
-            f"environment variable {name}={raw!r} is not an integer",
-            hint=f"unset {name} or set it to this process's value",
-        ) from None
+        raise value_error(f"environment variable {name}", "an integer", raw,
+                          hint=f"unset {name} or set it to this process's value") from None
 
 
 def discover(
@@ -98,12 +97,10 @@ def discover(
     integer("rank", rank)
     integer("world_size", world_size)
     if world_size < 1:
-        raise ConfigError(f"world_size must be >= 1, got {world_size} (from {source})")
+        raise value_error("world_size", ">= 1", world_size, source=source)
     if not 0 <= rank < world_size:
-        raise ConfigError(
-            f"rank must be in [0, {world_size}), got {rank} (from {source})",
-            hint="each process needs a distinct rank below the world size",
-        )
+        raise value_error("rank", f"in [0, {world_size})", rank, source=source,
+                          hint="each process needs a distinct rank below the world size")
 
     local_rank = _int_var(env, ENV_LOCAL_RANK)
     local_world = _int_var(env, ENV_LOCAL_WORLD_SIZE)
@@ -119,11 +116,9 @@ def discover(
 def check_job(job, *, source: str = "job") -> str:
     """Validate an explicit job id (``connect(job=...)``, ``$FERROSYNC_JOB``)."""
     if not isinstance(job, str) or not _JOB_ALPHABET.fullmatch(job):
-        raise ConfigError(
-            f"{source} must be 1-64 characters of letters, digits, '.', '_' or '-' "
-            f"(starting with a letter or digit), got {job!r}",
-            hint="the job id names a folder on the shared storage",
-        )
+        raise value_error(source, "1-64 characters of letters, digits, '.', '_' or '-' "
+                          "(starting with a letter or digit)", job,
+                          hint="the job id names a folder on the shared storage")
     return job
 
 

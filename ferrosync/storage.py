@@ -53,6 +53,7 @@ from .errors import ConfigError, StorageError
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
     "object_exists", "probe_location", "mount_of", "is_local_filesystem", "LOCAL_FILESYSTEMS",
+    "ExclusiveCreateUnsupported", "gcs_driver",
 ]
 
 # File and directory modes: owner and group only, never world-accessible (the
@@ -923,6 +924,64 @@ def _unlink_quietly(path: str, dir_fd: int | None = None) -> None:
         pass
 
 
+class ExclusiveCreateUnsupported(StorageError):
+    """This store (its fsspec driver, or the client under it) cannot create an object
+    only if absent; ``put(exclusive=True)`` raises it instead of overwriting."""
+
+
+#: what to do about a store without exclusive create (its ConfigError and StorageError)
+EXCLUSIVE_CREATE_HINT = (
+    "use a driver that creates only if absent (s3fs with botocore >= 1.35.20, gcsfs, "
+    "adlfs: docs/operations.md#object-stores), and run `ferrosync doctor URL` to see "
+    "what this store supports")
+
+
+def _generic_create(fs) -> str | None:
+    """Why ``fs`` cannot create exclusively, where its class alone says so: a
+    synchronous driver that keeps fsspec's generic ``pipe_file``, whose
+    ``mode="create"`` is ``exists()`` and then a plain write, so two writers can both
+    pass the check and both "create". None where the driver has its own create (which
+    connect's probe then tries on the location)."""
+    from fsspec.asyn import AsyncFileSystem
+    from fsspec.spec import AbstractFileSystem
+
+    if isinstance(fs, AsyncFileSystem) or type(fs).pipe_file is not AbstractFileSystem.pipe_file:
+        return None
+    return (f"the {type(fs).__name__} driver keeps fsspec's generic pipe_file, whose create "
+            "checks exists() and then overwrites: two writers can both create one name")
+
+
+def gcs_driver(cls, storage_options: dict):
+    """The gcsfs class for a ``gs://`` URL: gcsfs's HTTP (JSON API) driver,
+    ``gcsfs.core.GCSFileSystem``, where the endpoint is not Google's
+    (``endpoint_url`` in ``storage_options`` or ``$STORAGE_EMULATOR_HOST``: an emulator
+    such as fake-gcs-server, or a GCS-compatible server); ``cls`` otherwise.
+
+    gcsfs >= 2026 makes ``gcsfs.GCSFileSystem`` its ``ExtendedGcsFileSystem`` unless
+    ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` when gcsfs is imported. That class asks
+    the Storage Control API over gRPC for each bucket's layout (zonal, hierarchical)
+    and does not cache a failed answer: against an HTTP-only endpoint every upload
+    waited for gRPC's retries, a minute or more (92-96 s a 1 KiB put on a loaded
+    2-core machine, against 0.01 s with the JSON API driver). Zonal buckets exist only on Google's
+    endpoint, so elsewhere the JSON API driver is the whole of gcsfs that applies.
+    """
+    endpoint = storage_options.get("endpoint_url") or os.environ.get(
+        "STORAGE_EMULATOR_HOST", "")
+    if not endpoint or endpoint == "default":
+        return cls
+    host = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}").hostname or ""
+    if host == "googleapis.com" or host.endswith(".googleapis.com"):
+        return cls
+    try:
+        from gcsfs.core import GCSFileSystem
+    except ImportError:
+        return cls
+    if cls is not GCSFileSystem and issubclass(cls, GCSFileSystem) and hasattr(
+            cls, "_lookup_bucket_type"):
+        return GCSFileSystem
+    return cls
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem that is not local: s3://, gs://, memory://, ..."""
 
@@ -943,6 +1002,8 @@ class FsspecStorage(Storage):
             self.round_trips_dominate = False
         #: s3fs: ``put(exclusive=True)`` is one conditional PUT (``If-None-Match: *``)
         self._s3 = proto in ("s3", "s3a") and hasattr(fs, "call_s3")
+        #: why this driver cannot create exclusively, where its class says so already
+        self._no_create = None if self._s3 else _generic_create(fs)
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}" if key else self.root
@@ -956,6 +1017,9 @@ class FsspecStorage(Storage):
         path = self._path(key)
         if exclusive and self._s3:
             self._retry("creating", key, self._s3_create, key, path, data)
+        elif exclusive and self._no_create:
+            raise ExclusiveCreateUnsupported(self._no_create, path=self.path_of(key),
+                                             hint=EXCLUSIVE_CREATE_HINT)
         else:
             mode = "create" if exclusive else "overwrite"
             self._retry("writing", key, self._pipe, key, path, data, mode)
@@ -966,8 +1030,13 @@ class FsspecStorage(Storage):
         try:
             self.fs.pipe_file(path, data, mode=mode)
         except TypeError:
-            # an implementation without the ``mode`` keyword: plain overwrite (so no
-            # exclusive create: `ferrosync doctor` reports that)
+            # a driver without the ``mode`` keyword: a plain overwrite is all it does, so
+            # a create must never degrade to one (connect's probe refuses the store)
+            if mode == "create":
+                raise ExclusiveCreateUnsupported(
+                    f"the {type(self.fs).__name__} driver's pipe_file takes no mode, so it "
+                    "cannot create an object only if absent", path=self.path_of(key),
+                    hint=EXCLUSIVE_CREATE_HINT) from None
             self.fs.pipe_file(path, data)
         except Exception as exc:  # any driver's error: only a 412 is translated, all re-raise
             if mode == "create" and self._precondition_failed(exc):
@@ -990,7 +1059,7 @@ class FsspecStorage(Storage):
         without AWS's ``Condition`` field (SeaweedFS, MinIO) to EINVAL, not EEXIST.
         """
         if not self._botocore_has_if_none_match():
-            raise StorageError(
+            raise ExclusiveCreateUnsupported(
                 "exclusive create needs conditional writes (If-None-Match), which this "
                 "botocore cannot send", path=self.path_of(key),
                 hint="upgrade botocore to 1.35.20 or newer (pip install -U s3fs botocore)")
@@ -1098,9 +1167,11 @@ class FsspecStorage(Storage):
 
     def probe_bucket(self) -> None:
         """Fail early when the bucket (or container) is missing or unreadable."""
+        from fsspec.implementations.memory import MemoryFileSystem
+
         proto = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        if proto in ("memory",):
-            return
+        if proto in ("memory",) or isinstance(self.fs, MemoryFileSystem):
+            return  # a dictionary in this process (or a driver built on one): no bucket
         bucket = self.root.split("/", 1)[0]
         try:
             self.fs.ls(bucket, refresh=True) if _accepts_refresh(self.fs) else self.fs.ls(bucket)
@@ -1230,10 +1301,11 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         return LocalStorage(rest)
     try:
         import fsspec
-        from fsspec.registry import known_implementations
+        from fsspec.registry import known_implementations, registry
     except ImportError as exc:  # pragma: no cover - fsspec is a hard dependency
         raise ConfigError("fsspec is not installed", hint="pip install fsspec") from exc
-    if protocol not in known_implementations and protocol not in fsspec.available_protocols():
+    # fsspec.registry.registry: drivers a user registered (register_implementation)
+    if protocol not in known_implementations and protocol not in registry:
         raise ConfigError(
             f"unknown URL scheme {protocol!r} in {url!r}",
             hint="use a directory path, file://, an fsspec URL (s3://, gs://, memory://) "
@@ -1269,6 +1341,8 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         raise ConfigError(
             f"the {protocol}:// driver is not installed ({exc})", path=url, hint=fix
         ) from None
+    if protocol in ("gs", "gcs"):
+        cls = gcs_driver(cls, storage_options)
     try:
         # skip_instance_cache: our own instance, so our settings and caches are ours
         fs = cls(skip_instance_cache=True, **storage_options)
@@ -1280,6 +1354,10 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
     root = fs._strip_protocol(url)
     if isinstance(root, list):  # pragma: no cover - defensive
         root = root[0]
+    if root.startswith(f"{protocol}://"):
+        # a registered driver that inherits another's _strip_protocol (a subclass of
+        # MemoryFileSystem strips only "memory://"): its own scheme is no part of a path
+        root = fs._strip_protocol(root[len(protocol) + 3:])
     storage = FsspecStorage(url, fs, root)
     if retries is not None:
         storage.retries = retries
@@ -1367,14 +1445,19 @@ class Backoff:
 
 
 def probe_location(storage: Storage, rank: int | None = None, *,
-                   what: str = "this location") -> None:
+                   what: str = "this location", exclusive: bool = True) -> None:
     """Fail now, with a ``ConfigError`` naming ``rank`` and the URL, unless ``storage``
     can be written and read back: a run must never start (and half-write anything)
     against a location it cannot use.
 
     Checks the bucket (``probe_bucket``, object stores; its ``ConfigError`` passes
     through), makes the root, then puts, reads and deletes one small probe object
-    (``names.probe``).
+    (``names.probe``). Between the read and the delete it tries to create that object
+    again with ``put(exclusive=True)``, which must fail with ``FileExistsError``: every
+    rendezvous and every elastic roster rests on a create that only one writer wins.
+    A store that overwrites instead, or whose driver cannot create only if absent,
+    is refused with a ``ConfigError`` (one request more, never a wait). A location
+    nothing is ever created exclusively in (checkpoints) passes ``exclusive=False``.
     ``what`` names the location in the message ("this location", "sync URL", ...).
     Whoever probes before ranks exist (a launcher) passes ``rank=None``: the probe is
     then named as rank 0's, which the tools recognise all the same.
@@ -1382,10 +1465,19 @@ def probe_location(storage: Storage, rank: int | None = None, *,
     storage.probe_bucket()
     key = names.probe(0 if rank is None else rank)
     payload = b"ferrosync probe " + secrets.token_bytes(8)
+    creates = True
     try:
         storage.makedirs("")
         storage.put(key, [payload])
         back = storage.read(key)
+        try:
+            if exclusive:
+                storage.put(key, [b"ferrosync probe: a second create"], exclusive=True)
+                creates = "a second create of one name succeeded: the store overwrote it"
+        except FileExistsError:
+            pass  # the answer every store must give
+        except ExclusiveCreateUnsupported as exc:
+            creates = exc.what
         storage.delete([key])
     except (StorageError, OSError) as exc:
         detail = exc.what if isinstance(exc, StorageError) else f"{type(exc).__name__}: {exc}"
@@ -1401,6 +1493,11 @@ def probe_location(storage: Storage, rank: int | None = None, *,
             hint="this storage is not consistent enough for ferrosync (see `ferrosync "
             "doctor`)",
         )
+    if creates is not True:
+        raise ConfigError(
+            f"{what} cannot create an object exclusively ({creates}): without it two "
+            "jobs started on one URL can mix their data, and an elastic job cannot agree "
+            "on its members", rank=rank, path=storage.url, hint=EXCLUSIVE_CREATE_HINT)
 
 
 def object_exists(storage: Storage, key: str) -> bool:

@@ -15,8 +15,22 @@ from collections.abc import Callable, Iterable
 from .errors import ConfigError
 
 
+def error(name: str, wanted: str, value, *, got: str | None = None, source: str | None = None,
+          rank: int | None = None, hint: str | None = None) -> ConfigError:
+    """The ``ConfigError`` for a bad value, in the one wording: ``"{name} must be
+    {wanted}, got {value!r} (from {source})"``.
+
+    ``got`` replaces ``repr(value)`` where the repr would say too much or too little (a
+    tensor: its shape; a wrong type: the type's name); ``source`` says where the value
+    came from (``"torchrun"``, ``"slurm"``). For a check no helper below fits: raise it.
+    """
+    shown = repr(value) if got is None else got
+    where = f" (from {source})" if source else ""
+    return ConfigError(f"{name} must be {wanted}, got {shown}{where}", rank=rank, hint=hint)
+
+
 def _refuse(name: str, wanted: str, value, rank: int | None, hint: str | None):
-    raise ConfigError(f"{name} must be {wanted}, got {value!r}", rank=rank, hint=hint)
+    raise error(name, wanted, value, rank=rank, hint=hint)
 
 
 def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None,
@@ -71,10 +85,11 @@ def boolean(name: str, value, *, rank: int | None = None) -> bool:
     return value
 
 
-def choice(name: str, value, choices: Iterable, *, rank: int | None = None):
+def choice(name: str, value, choices: Iterable, *, rank: int | None = None,
+           hint: str | None = None):
     choices = tuple(choices)
     if value not in choices:
-        _refuse(name, "one of " + ", ".join(repr(c) for c in choices), value, rank, None)
+        _refuse(name, "one of " + ", ".join(repr(c) for c in choices), value, rank, hint)
     return value
 
 

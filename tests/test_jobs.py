@@ -91,6 +91,7 @@ def w_connect_world(rank, world, url, claimed_world, options):
         return type(exc).__name__, time.monotonic() - began, str(exc)
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("worlds", [(3, 2), (2, 3)], ids=["rank0-says-3", "rank0-says-2"])
 def test_world_sizes_that_disagree_fail_every_rank_at_connect(tmp_path, worlds):
     url = str(tmp_path / "run")
@@ -104,6 +105,7 @@ def test_world_sizes_that_disagree_fail_every_rank_at_connect(tmp_path, worlds):
         assert "world" in text, text
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("secrets", [("s3cret", "other"), ("s3cret", None), (None, "s3cret")])
 def test_secrets_that_disagree_fail_every_rank_at_connect(tmp_path, secrets):
     url = str(tmp_path / "run")

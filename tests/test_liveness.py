@@ -261,6 +261,7 @@ def w_victim(rank, world, url, files):
         return None
 
 
+@pytest.mark.timing
 def test_sigkilled_peer_is_detected_within_the_heartbeat_timeout(tmp_path):
     files = str(tmp_path / "f")
     procs, q = start_ranks(w_victim, 2, str(tmp_path / "run"), files)

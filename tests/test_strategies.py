@@ -455,6 +455,7 @@ def w_stops_early(rank, world, url, stop_at):
         return None, None, time.monotonic() - started
 
 
+@pytest.mark.timing
 def test_a_rank_that_breaks_its_announced_end_fails_its_peer_promptly(tmp_path):
     """``begin(total)`` promises every rank trains to ``total``; a loop that stops one
     rank early breaks that promise. The peer still waiting must get a typed error

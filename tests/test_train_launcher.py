@@ -78,6 +78,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.timing
 def test_killing_one_rank_stops_the_others(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     proc = start_cli("--nproc", 3, "--steps", 1_000_000, "--metrics", metrics, cwd=tmp_path)

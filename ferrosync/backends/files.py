@@ -111,7 +111,7 @@ class FileSync(GradSync):
             storage, prefix, self._generation, rank=self.rank, world_size=self.world_size,
             key=self._key, poll=poll, monitor=monitor, stats=self._stats, timeout=timeout,
             url=url)
-        self._objects.failed = lambda: self._failure is not None
+        self._objects.before_put = self._raise_if_failed
         if self.world_size > 1:
             self._heartbeat = Heartbeat(storage, prefix, self.rank, interval, self._key,
                                         self._generation.number)

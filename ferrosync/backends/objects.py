@@ -19,7 +19,6 @@ import torch
 
 from .. import names
 from ..errors import (
-    ConfigError,
     LayoutMismatch,
     PeerFailed,
     ShardCorrupt,
@@ -73,7 +72,9 @@ class GenerationObjects:
         self.op = ""
         self.deadline = 0.0
         self.gathering: dict[int, str] | None = None  # names awaited in a gather
-        self.failed = lambda: False  # set by the owner: is the GradSync failed?
+        # set by the owner: raises if nothing more may be published for collective ``op``
+        # (the owning GradSync's rule, ``guard.OwnershipGuard._raise_if_failed``)
+        self.before_put = lambda op: None
 
     # -- naming --------------------------------------------------------------------------------
     def key_of(self, name: str) -> str:
@@ -93,14 +94,8 @@ class GenerationObjects:
     # -- writing -------------------------------------------------------------------------------
     def put(self, name: str, header: Header, parts: list) -> None:
         """Seal and publish one collective object (atomically, see ``storage.put``)."""
+        self.before_put(self.op)
         key = self.key_of(name)
-        if self.failed():
-            # another thread failed this GradSync (overlapping calls): publish nothing
-            # more that peers could pair with the wrong call
-            raise ConfigError("calls on one GradSync from two threads must not overlap, and "
-                              "another thread's call failed it", rank=self.rank,
-                              collective=self.seq, path=self.storage.path_of(key),
-                              hint="call collectives of one GradSync from one thread at a time")
         head = seal(header, parts, self.key)
         nbytes = len(head) + header.payload_nbytes
         self.storage.put(key, [head, *parts], reuse=self.recycler.take_spare(nbytes))
@@ -150,12 +145,15 @@ class GenerationObjects:
                 self.recycler.flush()
                 backoff = Backoff(*self._poll)
                 while (reader := storage.open(key)) is None:
+                    # first, as it ticks this process's clock: a freeze that just ended
+                    # is known before the deadline is judged, whichever thread of this
+                    # process runs first after it
+                    self._monitor.maybe_check(wait_on, self.seq, self.op)
                     # time this process spent stopped (SIGSTOP, a VM pause) is nobody's
                     # delay: the collective's own timeout restarts when it resumes
                     self.deadline = max(self.deadline, self._monitor.resumed_at + self.timeout)
                     if time.monotonic() >= self.deadline:
                         raise self._timeout_error(wait_on, what)
-                    self._monitor.maybe_check(wait_on, self.seq, self.op)
                     backoff.sleep(self.deadline)
         path = storage.path_of(key)
         try:

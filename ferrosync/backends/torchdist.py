@@ -48,12 +48,13 @@ import torch
 import torch.distributed as dist
 
 from ..api import GradSync
-from ..codecs import ErrorFeedback, Int8Codec, accumulator_dtype, codec_for
+from ..codecs import accumulator_dtype
 from ..ddp import BACKEND_NAME
 from ..errors import ConfigError
 from ..storage import Counters
 from .common import accumulate, check_layouts, total_weight, weighted_copy
 from .common import translate_torch_error as _translate
+from .encoder import Encoder
 from .options import TorchOptions
 
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT")
@@ -75,7 +76,7 @@ class TorchDistSync(GradSync):
         self._counters = Counters()
         super().__init__(url, identity, timeout, self._counters, options.bucket_bytes)
         self._opts = options
-        self._ef = ErrorFeedback()
+        self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
         self._seq = 0
         self._owns_group = False
         self._cpu_group = None  # gloo group for CPU tensors when the default one is NCCL
@@ -184,7 +185,7 @@ class TorchDistSync(GradSync):
         if self.world_size == 1:
             return weight
         if self._opts.wire_dtype is not None and flat.dtype.is_floating_point:
-            codec = codec_for(flat.dtype, self._opts.wire_dtype)
+            codec = self._encoder.codec(flat.dtype)
             if not codec.raw:
                 # codec state belongs to what the data is (see api._stream), not its shape
                 return self._average_encoded(flat, weight, codec,
@@ -213,13 +214,8 @@ class TorchDistSync(GradSync):
             frame = self._pool.get("frame", 8 + -(-nbytes // 8) * 8, torch.uint8, flat.device)
             frame[:8].copy_(torch.tensor([weight], dtype=torch.float64).view(torch.uint8))
             if weight > 0:
-                x = flat.to(torch.float32)
-                if isinstance(codec, Int8Codec) and self._opts.error_feedback:
-                    sent = self._ef.compensate(ef_key, x)
-                    codec.encode(sent, frame[8 : 8 + nbytes])
-                    self._ef.remember(ef_key, sent, codec.decode(frame[8 : 8 + nbytes], n))
-                else:
-                    codec.encode(x, frame[8 : 8 + nbytes])
+                self._encoder.encode_into(flat.to(torch.float32), codec,
+                                          frame[8 : 8 + nbytes], ef_key)
             else:
                 frame[8:].zero_()
             gathered = self._pool.get("gathered", self.world_size * frame.numel(), torch.uint8,
@@ -283,7 +279,7 @@ class TorchDistSync(GradSync):
         close), and the peers' next collective on it fails at once."""
 
     def _shutdown(self, failure):
-        self._ef.clear()
+        self._encoder.clear()
         if self._owns_group and dist.is_initialized():
             try:
                 dist.destroy_process_group()

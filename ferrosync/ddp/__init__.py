@@ -27,9 +27,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-BACKEND_NAME = "ferrosync"
-#: JSON object of ``ferrosync.connect`` options for the backend, merged under ``pg_options``
-ENV_PG_OPTIONS = "FERROSYNC_PG_OPTIONS"
+from .constants import BACKEND_NAME, ENV_PG_OPTIONS
 
 _LAZY = {
     "hook": "comm_hook",

@@ -83,7 +83,7 @@ from ..api import GradSync, connect
 from ..codecs import FLOAT_DTYPES
 from ..env import ENV_URL
 from ..errors import ConfigError, SyncTimeout
-from . import BACKEND_NAME, ENV_PG_OPTIONS
+from .constants import BACKEND_NAME, ENV_PG_OPTIONS
 from .init_methods import location_of
 
 __all__ = ["SyncProcessGroup", "create_backend"]
@@ -333,21 +333,18 @@ class SyncProcessGroup(dist.ProcessGroup):
         async thread; return its ``Work``."""
         self._raise_failed()
         sync = self.sync
-        sync._check_usable()  # before any I/O: a closed or failed GradSync raises here
         work = _Pending(result, sync.rank, sync.url)
 
         def job() -> None:
-            try:
-                with torch.no_grad():
-                    sync._collective("allreduce", result, body)
-            except BaseException as exc:  # noqa: BLE001 - delivered by the Work
-                work._finish(exc)
-            else:
-                work._finish(None)
+            with torch.no_grad():
+                body()
 
+        # before any I/O: a closed or failed GradSync raises here, queueing nothing
+        handle = sync.submit("allreduce", job)
         with self._pending_lock:
             self._pending.append(work)
-        sync._run_async(job)
+        # the Work completes on the async thread, with the collective's error if any
+        handle.add_done_callback(lambda done: work._finish(done.exception()))
         self._settle_at_end_of_backward()
         return work
 

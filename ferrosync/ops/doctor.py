@@ -15,8 +15,12 @@ Checks (each ok / warn / fail / info; see docs/operations.md):
 * atomic publish: a second handle reads an object while it is being replaced over
   and over: never a torn or missing read (temp file + ``os.replace`` locally, one
   PUT on object stores), and no temp file left behind;
+* store: what the store guarantees and costs (``ferrosync.stores``): its conditional
+  create, read-after-write and delete visibility, list prices per 1,000 requests and
+  the driver settings for an emulator; the JSON report's ``store``;
 * exclusive create: a second create-if-absent of one name must fail (``os.link``
-  locally, ``If-None-Match`` on object stores): rendezvous relies on it;
+  locally, ``If-None-Match: *`` on S3 and Azure, ``ifGenerationMatch=0`` on GCS):
+  rendezvous and elastic rosters rely on it, and connect refuses a store without it;
 * atomic rename (file systems): a probe renamed within its directory, to a new name
   and over an existing one, must stay the same file (its inode) with nothing left
   under the old name; FUSE drivers known to rename by copy then delete (s3fs,
@@ -54,6 +58,7 @@ from ..storage import (
     mount_of,
     open_storage,
 )
+from ..stores import facts, store_of
 from .scan import human_bytes, namespace_names
 
 MiB = 1 << 20
@@ -110,6 +115,7 @@ class Doctor:
         #: what the probes found: True / False, None where not applicable or not run
         self.capabilities: dict[str, bool | None] = {"exclusive_create": None,
                                                      "atomic_rename": None}
+        self.store = store_of(url)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"
@@ -119,6 +125,7 @@ class Doctor:
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> dict:
+        self.check_store()
         try:
             usable = self.check_location()
         except (StorageError, OSError) as exc:
@@ -147,8 +154,22 @@ class Doctor:
             "checks": [c.__dict__ for c in self.checks],
             "measured": self.measured,
             "capabilities": self.capabilities,
+            "store": {**facts(self.store),
+                      "driver_class": type(getattr(self.storage, "fs", self.storage)).__name__},
             "recommended": self.recommend() if "latency" in self.measured else None,
         }
+
+    def check_store(self) -> None:
+        """What this kind of store guarantees and costs, as documented (no request)."""
+        st = self.store
+        prices = (", ".join(f"{k} ${v:g}" for k, v in st.prices.items())
+                  + f" per 1,000 ({st.price_basis})") if st.prices else "requests not billed"
+        text = (f"{st.name} via {st.driver}: create only if absent by "
+                f"{st.conditional_create}; read-after-write {st.read_after_write}; delete "
+                f"visibility {st.delete_visibility}; {prices}")
+        if st.emulator:
+            text += f"; emulator or compatible server: {st.emulator}"
+        self.add("store", "info", text.replace("`", ""))
 
     def check_location(self) -> bool:
         storage = self.storage
@@ -269,7 +290,7 @@ class Doctor:
 
     def check_exclusive(self) -> None:
         key = self.key("exclusive")
-        how = "os.link" if self.local else "conditional PUT (If-None-Match)"
+        how = "os.link" if self.local else self.store.create_request
         self.capabilities["exclusive_create"] = False
         try:
             self.storage.put(key, [b"first"], exclusive=True)
@@ -280,11 +301,13 @@ class Doctor:
             return
         except StorageError as exc:
             self.add("exclusive create", "fail", f"{how} is not supported here ({exc}); "
-                     "rendezvous needs it to keep two jobs from claiming one generation")
+                     "connect refuses this location: rendezvous needs it to keep two jobs "
+                     "from mixing, an elastic job to agree on its members")
             return
-        self.add("exclusive create", "warn", f"{how} is not enforced (the second create "
-                 "overwrote the first): two jobs sharing this URL are not detected at "
-                 "rendezvous; give every job its own URL")
+        self.add("exclusive create", "fail", f"{how} is not enforced (the second create "
+                 "overwrote the first): connect refuses this location, since two jobs "
+                 "sharing it could mix and an elastic job could not agree on its members; "
+                 "use a driver or store that creates only if absent")
 
     def check_rename(self) -> None:
         """Rename a probe within its directory, as a local publish does (file systems)."""

@@ -80,14 +80,14 @@ def model_signature(model: torch.nn.Module) -> list[list]:
             for name, t in model.state_dict().items()]
 
 
-def probe_location(storage: Storage, what: str) -> None:
+def probe_location(storage: Storage, what: str, *, exclusive: bool = True) -> None:
     """Fail now, with a ConfigError, if ``storage`` cannot be written and read back.
 
     ``ferrosync.storage.probe_location`` (the one probe every caller uses), called by
     the launcher or rank 0 before training, with ``what`` naming the location in the
     message ("sync URL", "checkpoint directory").
     """
-    probe_storage(storage, None, what=what)
+    probe_storage(storage, None, what=what, exclusive=exclusive)
 
 
 class CheckpointStore:
@@ -106,7 +106,8 @@ class CheckpointStore:
 
     def probe(self) -> None:
         """Rank 0, before training: the location must accept writes."""
-        probe_location(self.storage, "checkpoint directory")
+        # checkpoints are only ever overwritten: no exclusive create to require
+        probe_location(self.storage, "checkpoint directory", exclusive=False)
 
     def latest(self) -> dict | None:
         """The newest checkpoint's description (``latest.json``), or None if none."""

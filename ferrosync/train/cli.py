@@ -164,8 +164,9 @@ def _trainer_flags(p: argparse.ArgumentParser) -> None:
                    help="no progress bar on rank 0")
     g.add_argument("--storage-prices", metavar="KIND=USD,...",
                    help="object-store request prices in USD per 1,000 requests for the "
-                   "summary's cost per hour (default S3 Standard list prices: "
-                   "put=0.005,get=0.0004,delete=0,list=0.005)")
+                   "summary's cost per hour (default: the store's list prices, "
+                   "docs/operations.md; S3 Standard's, put=0.005,get=0.0004,delete=0,"
+                   "list=0.005, for a store not listed there)")
 
 
 def _checkpoint_flags(p: argparse.ArgumentParser) -> None:

@@ -146,7 +146,8 @@ class Trainer:
         if epochs is None and steps is None:
             raise ConfigError("give epochs or steps (or both: whichever ends first)")
         self.seed = integer("seed", seed)
-        self.storage_prices = parse_prices(storage_prices)
+        self.storage_prices = parse_prices(storage_prices)  # checked now, priced per store
+        self._storage_prices_given = storage_prices
         if (checkpoint_every or resume) and not checkpoint_dir:
             raise ConfigError("checkpoint_every and resume need checkpoint_dir",
                               hint="pass --checkpoint-dir DIR_OR_URL")
@@ -457,7 +458,9 @@ class Trainer:
             "sync_s": totals["sync_s"],
             **phases,
             "storage_requests": storage_requests,
-            **hourly(storage_requests, wall, self.storage_prices, billed=is_billed(sync.url)),
+            **hourly(storage_requests, wall,
+                     parse_prices(self._storage_prices_given, sync.url),
+                     billed=is_billed(sync.url)),
             "checkpoint_s": totals["checkpoint_s"],
             "checkpoints": totals["checkpoints"],
             "steps_this_run": steps_run,

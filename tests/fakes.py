@@ -1,0 +1,213 @@
+"""Fakes for fast, deterministic in-process unit tests: a clock and a storage.
+
+``FakeClock`` is time that moves only when the code under test sleeps (or a test
+advances it), so a wait that would last 30 s takes microseconds, and a timeout is
+reached at a known instant, whatever the machine's speed. Actions scheduled with
+``call_at`` run on the sleeping thread when their time comes: a test plays "rank 0
+announces after 0.5 s" into a rank's wait loop without a second thread, so no test
+depends on which of two threads runs first.
+
+``MemoryStorage`` is a real ``ferrosync.storage.Storage`` (the interface every
+store implements) holding objects in a dict, with what a test needs to provoke
+trouble: a latency per request on the fake clock, failures injected into the next
+matching requests, hooks run before a request (another process acting "just
+before"), and a log of every request.
+
+Modules that take their clock from ``time`` and their polling from ``Backoff`` are
+switched to the fake clock with ``clock.install(monkeypatch, module)``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import heapq
+import itertools
+import types
+
+from ferrosync.storage import Reader, Storage
+
+
+class FakeClock:
+    """Monotonic and wall time that advance only through ``sleep``/``advance``."""
+
+    def __init__(self, start: float = 1000.0, wall: float = 1.7e9) -> None:
+        self.now = start
+        self._wall_offset = wall - start
+        self._due: list[tuple[float, int, object]] = []
+        self._order = itertools.count()
+        self.slept = 0.0  # total fake seconds slept by the code under test
+
+    # -- what the code under test calls -----------------------------------------------------
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def time(self) -> float:
+        return self.now + self._wall_offset
+
+    def sleep(self, seconds: float) -> None:
+        self.slept += max(0.0, seconds)
+        self.advance(seconds)
+
+    def __call__(self) -> float:  # as a ``now`` function (liveness.ProcessClock)
+        return self.now
+
+    # -- what tests call -------------------------------------------------------------------------
+    def advance(self, seconds: float) -> None:
+        """Move time forward, running every action that falls due, in time order."""
+        end = self.now + max(0.0, seconds)
+        while self._due and self._due[0][0] <= end:
+            at, _, action = heapq.heappop(self._due)
+            self.now = max(self.now, at)
+            action()  # may sleep itself: time then runs on from inside it
+        self.now = max(self.now, end)
+
+    def call_at(self, at: float, action) -> None:
+        """Run ``action()`` once the clock passes ``at`` (on the thread that sleeps)."""
+        heapq.heappush(self._due, (at, next(self._order), action))
+
+    def call_later(self, delay: float, action) -> None:
+        self.call_at(self.now + delay, action)
+
+    def Backoff(self, initial: float, cap: float) -> FakeBackoff:  # noqa: N802 - the class it fakes
+        return FakeBackoff(self, initial, cap)
+
+    def install(self, monkeypatch, *modules) -> FakeClock:
+        """Make ``modules`` read time from this clock (their ``time`` name) and poll
+        with its back-off (their ``Backoff`` name, where they import one)."""
+        shim = types.SimpleNamespace(monotonic=self.monotonic, time=self.time,
+                                     sleep=self.sleep, perf_counter=self.perf_counter)
+        for module in modules:
+            monkeypatch.setattr(module, "time", shim)
+            if hasattr(module, "Backoff"):
+                monkeypatch.setattr(module, "Backoff", self.Backoff)
+        return self
+
+
+class FakeBackoff:
+    """``storage.Backoff`` on a fake clock: the same doubling schedule, no real sleep."""
+
+    def __init__(self, clock: FakeClock, initial: float, cap: float) -> None:
+        self._clock = clock
+        self.delay = initial
+        self._cap = cap
+
+    def sleep(self, deadline: float) -> None:
+        self._clock.sleep(max(0.0, min(self.delay, deadline - self._clock.now)))
+        self.delay = min(self.delay * 2, self._cap)
+
+
+class MemoryReader(Reader):
+    def __init__(self, data: bytes) -> None:
+        self._data = memoryview(data)
+        self.size = len(data)
+        self._pos = 0
+        self.closed = False
+
+    def readinto(self, buf) -> int:
+        view = memoryview(buf).cast("B")
+        n = min(len(view), self.size - self._pos)
+        view[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class MemoryStorage(Storage):
+    """A ``Storage`` in a dict. Puts are atomic (whole objects), as on every real store.
+
+    Args:
+        clock: a ``FakeClock`` each request advances by ``latency`` seconds.
+        can_recycle, cheap_deletes, round_trips_dominate: the store's traits.
+
+    Trouble on demand: ``fail(op, pattern, exc, times=1)`` raises ``exc`` from the
+    next ``times`` requests ``op`` ("put", "open", "delete", "park", "list") on keys
+    matching the glob ``pattern``; ``before(op, pattern, action)`` runs
+    ``action(key)`` once, just before the next such request. ``log`` lists every
+    request as ``(op, key)``.
+    """
+
+    def __init__(self, url: str = "mem://test", *, clock: FakeClock | None = None,
+                 latency: float = 0.0, can_recycle: bool = False,
+                 cheap_deletes: bool = True, round_trips_dominate: bool = False) -> None:
+        super().__init__(url)
+        self.objects: dict[str, bytes] = {}
+        self.clock = clock
+        self.latency = latency
+        self.can_recycle = can_recycle
+        self.cheap_deletes = cheap_deletes
+        self.round_trips_dominate = round_trips_dominate
+        self.log: list[tuple[str, str]] = []
+        self._failures: list[list] = []  # [op, pattern, exc, times left]
+        self._hooks: list[tuple[str, str, object]] = []
+        self._spares = itertools.count()
+
+    # -- trouble -----------------------------------------------------------------------------
+    def fail(self, op: str, pattern: str, exc: BaseException, *, times: int = 1) -> None:
+        self._failures.append([op, pattern, exc, times])
+
+    def before(self, op: str, pattern: str, action) -> None:
+        self._hooks.append((op, pattern, action))
+
+    def _request(self, op: str, key: str) -> None:
+        self.log.append((op, key))
+        for hook in list(self._hooks):
+            if hook[0] == op and fnmatch.fnmatchcase(key, hook[1]):
+                self._hooks.remove(hook)
+                hook[2](key)
+        if self.clock is not None and self.latency:
+            self.clock.advance(self.latency)  # not a sleep of the code under test
+        for failure in self._failures:
+            if failure[0] == op and failure[3] > 0 and fnmatch.fnmatchcase(key, failure[1]):
+                failure[3] -= 1
+                raise failure[2]
+
+    def requests(self, op: str, pattern: str = "*") -> list[str]:
+        """Keys of the logged ``op`` requests matching ``pattern``, in order."""
+        return [k for o, k in self.log if o == op and fnmatch.fnmatchcase(k, pattern)]
+
+    # -- the Storage interface ---------------------------------------------------------------
+    def put(self, key, parts, *, exclusive=False, reuse=None) -> int:
+        self._request("put", key)
+        data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        if exclusive and key in self.objects:
+            raise FileExistsError(self.path_of(key))
+        if reuse is not None and self.can_recycle:
+            self.objects.pop(reuse, None)  # its storage became this object
+        self.objects[key] = data
+        self.counters.add(puts=1, written=len(data))
+        return len(data)
+
+    def open(self, key):
+        self._request("open", key)
+        self.counters.add(gets=1)
+        data = self.objects.get(key)
+        if data is None:
+            return None
+        self.counters.add(read=len(data))
+        return MemoryReader(data)
+
+    def delete(self, keys) -> None:
+        for key in list(keys):
+            self._request("delete", key)
+            self.counters.add(deletes=1)
+            self.objects.pop(key, None)
+
+    def park(self, key):
+        if not self.can_recycle:
+            return None
+        self._request("park", key)
+        data = self.objects.pop(key, None)
+        if data is None:
+            return None
+        spare = f"{key.rsplit('/', 1)[0]}/.spare.{next(self._spares)}"
+        self.objects[spare] = data
+        return spare
+
+    def list(self, prefix=""):
+        self._request("list", prefix)
+        self.counters.add(lists=1)
+        return sorted((k, len(v)) for k, v in self.objects.items() if k.startswith(prefix))
