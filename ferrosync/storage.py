@@ -48,12 +48,18 @@ from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
 from . import names
-from .errors import ConfigError, StorageError
+from .errors import ConfigError, ShardCorrupt, StorageError
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
     "object_exists", "probe_location", "mount_of", "is_local_filesystem", "LOCAL_FILESYSTEMS",
+    "RECORD_LIMIT",
 ]
+
+#: the largest control record (rendezvous, heartbeat, abort marker, layout, error
+#: record): ``Storage.read``'s default bound. A larger object at such a name is not
+#: ferrosync's (planted, or a sparse file), and is refused before it is read.
+RECORD_LIMIT = 1 << 20
 
 # File and directory modes: owner and group only, never world-accessible (the
 # umask may remove more). Group access lets ranks run under different users of
@@ -91,6 +97,18 @@ def check_key(key: str) -> str:
         raise ConfigError(f"invalid storage key {key!r}",
                           hint="keys are relative paths without '..', '.' or empty parts")
     return key
+
+
+def oversized(path: str, size: int | None, max_bytes: int, rank: int | None) -> ShardCorrupt:
+    """The error for an object larger than any legal object of its kind (``size``
+    None: its size is not known, only that it is larger)."""
+    has = "is larger than" if size is None else f"has {size} bytes, more than"
+    return ShardCorrupt(
+        f"object {has} the {max_bytes} bytes an object of this kind can have (a planted "
+        "or sparse file, or not ferrosync's); refused unread",
+        rank=rank, path=path,
+        hint="remove it, find out who or what wrote it, and give every job a location "
+        "only its own ranks can write (and a secret, FERROSYNC_SECRET)")
 
 
 #: request kinds an object store bills differently (``costs.py``); ``requests`` counts
@@ -244,19 +262,41 @@ class Storage:
         """
         raise NotImplementedError
 
-    def open(self, key: str) -> Reader | None:
-        """A reader for ``key``, or None if it does not exist (the only "not yet")."""
+    def open(self, key: str, *, max_bytes: int | None = None,
+             rank: int | None = None) -> Reader | None:
+        """A reader for ``key``, or None if it does not exist (the only "not yet").
+
+        With ``max_bytes`` (the largest legal object of the kind the caller expects),
+        a larger object raises ``ShardCorrupt`` naming ``rank`` and the path before
+        any of it is read or buffered: storage's claimed size is checked first, and an
+        object store is asked for at most ``max_bytes + 1`` bytes. Without it, a local
+        reader streams (the caller checks ``size`` against what it expects before
+        reading), while an object store's reader holds the whole object.
+        """
         raise NotImplementedError
 
-    def read(self, key: str) -> bytes | None:
-        """The whole (small) object, or None if it does not exist."""
-        reader = self.open(key)
+    def read(self, key: str, *, max_bytes: int | None = RECORD_LIMIT,
+             rank: int | None = None) -> bytes | None:
+        """The whole object, or None if it does not exist.
+
+        Bounded by default to a control record's limit (``RECORD_LIMIT``): a larger
+        object is ``ShardCorrupt`` (see ``open``) after O(1) memory and one request.
+        A caller reading a bigger kind passes the largest legal size of that kind, or
+        ``max_bytes=None`` only where the bytes come from a trusted place.
+        """
+        reader = self.open(key, max_bytes=max_bytes, rank=rank)
         if reader is None:
             return None
         with reader:
             buf = bytearray(reader.size)
             n = reader.readinto(buf)
             return bytes(buf[:n])
+
+    def _check_size(self, key: str, size: int, max_bytes: int | None,
+                    rank: int | None) -> None:
+        """Refuse an object larger than the largest legal one of its kind."""
+        if max_bytes is not None and size > max_bytes:
+            raise oversized(self.path_of(key), size, max_bytes, rank)
 
     def delete(self, keys: Iterable[str]) -> None:
         raise NotImplementedError
@@ -679,7 +719,8 @@ class LocalStorage(Storage):
             "it was removed on purpose)",
         )
 
-    def open(self, key: str) -> Reader | None:
+    def open(self, key: str, *, max_bytes: int | None = None,
+             rank: int | None = None) -> Reader | None:
         self.counters.add(requests=1)
         try:
             fd, size = self._retry("opening", key, self._open_regular, key)
@@ -691,6 +732,11 @@ class LocalStorage(Storage):
                 fd, size = self._retry("opening", key, self._open_regular, key)
             except FileNotFoundError:
                 return None
+        try:
+            self._check_size(key, size, max_bytes, rank)  # by fstat: nothing read yet
+        except BaseException:
+            os.close(fd)
+            raise
         return _FdReader(fd, f"{self.root}/{key}", self.counters, size)
 
     def _open_regular(self, key: str, flags: int = _READ_FLAGS) -> tuple[int, int]:
@@ -1045,24 +1091,32 @@ class FsspecStorage(Storage):
         """Whether the object at ``path`` holds exactly ``data``."""
         self.counters.add(gets=1)
         try:
-            return self._cat(path) == data
+            return self._cat(path, len(data) + 1) == data
         except FileNotFoundError:
             return False
 
-    def open(self, key: str) -> Reader | None:
+    def open(self, key: str, *, max_bytes: int | None = None,
+             rank: int | None = None) -> Reader | None:
         self.counters.add(gets=1)
+        # bounded: ask for one byte more than the largest legal object, so an oversized
+        # one costs max_bytes + 1 bytes of memory and transfer, never its claimed size
+        end = None if max_bytes is None else max_bytes + 1
         try:
             # start=0 (by keyword: s3fs's second positional is version_id) makes s3fs
             # send one ranged GET instead of HEAD + GET, and a miss costs one request
             # instead of HEAD + LIST
-            data = self._retry("reading", key, self._cat, self._path(key))
+            data = self._retry("reading", key, self._cat, self._path(key), end)
         except FileNotFoundError:
             return None
         self.counters.add(read=len(data))
+        if max_bytes is not None and len(data) > max_bytes:
+            raise oversized(self.path_of(key), None, max_bytes, rank)
         return _BytesReader(data)
 
-    def _cat(self, path: str) -> bytes:
-        return self.fs.cat_file(path, start=0)
+    def _cat(self, path: str, end: int | None = None) -> bytes:
+        if end is None:
+            return self.fs.cat_file(path, start=0)
+        return self.fs.cat_file(path, start=0, end=end)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)

@@ -241,7 +241,7 @@ class Doctor:
         thread.start()
         try:
             while not done.is_set() or reads < 3:
-                data = self.second.read(key)
+                data = self.second.read(key, max_bytes=size)
                 reads += 1
                 version = _version_of(data, size)
                 if version is None:
@@ -420,7 +420,7 @@ class Doctor:
         self.storage.put(key, [data])
         t1 = time.perf_counter()
         back = bytearray(len(data))
-        reader = self.second.open(key)
+        reader = self.second.open(key, max_bytes=len(data))
         got = 0
         if reader is not None:
             with reader:

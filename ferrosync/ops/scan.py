@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field
 
 from .. import names
-from ..errors import StorageError
+from ..errors import ShardCorrupt, StorageError
 from ..storage import FsspecStorage, LocalStorage, Storage
 from ..wire import open_record
 
@@ -261,6 +261,9 @@ def decode_lenient(raw: bytes, key: str, secret: bytes | None) -> Record:
     record even when it cannot be verified. The JSON body is data only.
     """
     opened = open_record(raw, secret)
+    if opened.body is None and opened.auth in ("unsigned", "forged"):  # left unparsed
+        trust, problem = _DISTRUST[opened.auth]
+        return Record(key, None, trust, problem)
     if opened.body is None:
         return Record(key, None, "bad", f"not a ferrosync control record ({opened.problem})")
     if opened.trusted:
@@ -277,7 +280,7 @@ def read_record(storage: Storage, key: str, secret: bytes | None) -> Record | No
     """
     try:
         raw = storage.read(key)
-    except StorageError as exc:
+    except (StorageError, ShardCorrupt) as exc:  # ShardCorrupt: larger than any record
         return Record(key, None, "bad", f"unreadable: {exc}")
     if raw is None:
         return None

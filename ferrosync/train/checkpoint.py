@@ -148,7 +148,8 @@ class CheckpointStore:
         return self._load_key(key)
 
     def _load_key(self, key: str) -> dict:
-        raw = self.storage.read(key)
+        # a checkpoint has no size limit of its own; torch.load(weights_only) checks it
+        raw = self.storage.read(key, max_bytes=None)
         if raw is None:
             raise ConfigError(f"checkpoint {self.storage.path_of(key)} is missing",
                               hint="the directory was pruned by hand: restore the file "
