@@ -25,8 +25,12 @@ What goes, and why it is safe:
 * A temp file ``.{name}.{pid}.{hex}.tmp`` goes with its generation, or on its own
   when it outlived the watch window and its pid is none of its generation's running
   ranks (and, on a local directory, no live process here).
-* Records that cannot be verified (a MAC and no ``--secret``, or a bad MAC) are never
-  acted upon: their generation is kept and the reason printed.
+* Records that cannot be read, parsed or verified (junk, a MAC and no ``--secret``, a
+  bad MAC, a file larger than any record) are never acted upon and protect, never
+  unprotect: a junk abort marker keeps its generation, and a junk announcement above
+  a job's newest trusted one keeps that one protected as the job's newest
+  (``Namespace.maybe_newest``): a suspended job's generation is never removed because
+  of a file someone else put there.
 * On a local or NFS directory one ``gc`` at a time holds ``.ferrosync-gc.lock``
   (an ``flock``); jobs never take it, they are protected by liveness.
 * Nothing is followed: links, FIFOs, sockets and devices (which ferrosync never

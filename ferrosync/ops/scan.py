@@ -191,6 +191,26 @@ class Namespace:
         newest = self.newest
         return self.prefix_of(newest) if newest is not None else None
 
+    @property
+    def maybe_newest(self) -> set[str]:
+        """Every directory that may be this job's newest announced generation.
+
+        Walking the listed announcements from the highest number down, each directory
+        a record names is included (trusted or not), down to and including the newest
+        one that is trusted and names its directory (``settled``). A record gc cannot
+        read, parse or verify (junk at ``gen.99``, a forged or unverifiable one)
+        protects, never unprotects: it proves nothing about what is newest, so the
+        walk goes on below it and the generation it may pretend to supersede stays
+        protected."""
+        out: set[str] = set()
+        for number in sorted({o.number for o in self.of_kind("announcement")}, reverse=True):
+            prefix = self.prefix_of(number)
+            if prefix is not None:
+                out.add(prefix)
+            if self.settled(number):
+                break
+        return out
+
     def settled(self, number: int) -> bool:
         """True when this namespace can never announce another directory numbered
         ``number``: its announcement of that number is here, trusted, and names its
@@ -222,9 +242,10 @@ class Scan:
 
     @property
     def newest_prefixes(self) -> set[str]:
-        """The directories of each namespace's newest announced generation: a job that
-        was just announced may not have heartbeated yet, so each is protected."""
-        return {p for ns in self.namespaces.values() if (p := ns.newest_prefix) is not None}
+        """The directories that may be a namespace's newest announced generation
+        (``Namespace.maybe_newest``): a job that was just announced may not have
+        heartbeated yet, and a suspended one does not, so each is protected."""
+        return set().union(*(ns.maybe_newest for ns in self.namespaces.values()))
 
     def may_be_announced(self, gen: FoundGeneration) -> bool:
         """Could some job still announce this unannounced directory (or has it, in a

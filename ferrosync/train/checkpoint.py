@@ -35,6 +35,7 @@ import torch
 from ..errors import ConfigError, StorageError
 from ..storage import Storage, open_storage
 from ..storage import probe_location as probe_storage
+from ..wire import loads_bounded
 
 LATEST = "latest.json"
 FORMAT = 1
@@ -118,7 +119,7 @@ class CheckpointStore:
         if raw is None:
             return None
         try:
-            meta = json.loads(raw.decode())
+            meta = loads_bounded(raw.decode())
             int(meta["step"]), str(meta["file"])
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ConfigError(
