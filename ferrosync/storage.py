@@ -48,7 +48,7 @@ from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
 from . import names
-from .errors import ConfigError, ShardCorrupt, StorageError
+from .errors import ConfigError, FerrosyncError, ShardCorrupt, StorageError
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
@@ -1004,9 +1004,31 @@ class FsspecStorage(Storage):
             self._retry("creating", key, self._s3_create, key, path, data)
         else:
             mode = "create" if exclusive else "overwrite"
-            self._retry("writing", key, self._pipe, key, path, data, mode)
+            try:
+                self._retry("writing", key, self._pipe, key, path, data, mode)
+            except FileNotFoundError:
+                # a driver with real directories and no auto-mkdir (sftp, a local
+                # filesystem class): its parent is made on demand, then once more
+                self._make_parent(key, path)
+                try:
+                    self._retry("writing", key, self._pipe, key, path, data, mode)
+                except FileNotFoundError as exc:
+                    raise StorageError(
+                        f"cannot write: its directory does not exist ({exc})",
+                        path=self.path_of(key), hint="check that the URL is a writable "
+                        "location, and that nothing removes directories under it") from None
         self.counters.add(puts=1, written=len(data))
         return len(data)
+
+    def _make_parent(self, key: str, path: str) -> None:
+        parent = path.rpartition("/")[0]
+        if parent:
+            self.counters.add(requests=1)
+            try:
+                self._retry("creating the directory", key, self.fs.makedirs, parent,
+                            exist_ok=True)
+            except FileExistsError:
+                pass  # made meanwhile by another rank (a driver that ignores exist_ok)
 
     def _pipe(self, key: str, path: str, data: bytes, mode: str) -> None:
         try:
@@ -1150,14 +1172,24 @@ class FsspecStorage(Storage):
         return sorted((p[strip:], int(info.get("size") or 0)) for p, info in found.items()
                       if info.get("type") != "directory" and len(p) > strip)
 
+    #: seconds the first contact (``probe_bucket``) may take; None: the driver's own
+    #: timeouts (``open_storage(timeout=)`` sets it)
+    first_contact_timeout: float | None = None
+    #: where the store is, in words, for messages (S3: the endpoint and where it came
+    #: from); None: the URL says it
+    endpoint: str | None = None
+
     def probe_bucket(self) -> None:
-        """Fail early when the bucket (or container) is missing or unreadable."""
+        """Fail early, with a ``ConfigError`` saying what to check, when the bucket (or
+        container) is missing or unreadable, the endpoint cannot be reached (within
+        ``first_contact_timeout``), the credentials are missing or refused, or the URL
+        names an existing object rather than a prefix."""
         proto = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         if proto in ("memory",):
             return
         bucket = self.root.split("/", 1)[0]
         try:
-            self.fs.ls(bucket, refresh=True) if _accepts_refresh(self.fs) else self.fs.ls(bucket)
+            self._first_contact(self.fs, "_ls", "ls", bucket, refresh=True)
         except FileNotFoundError as exc:
             raise ConfigError(
                 f"bucket {bucket!r} does not exist",
@@ -1170,6 +1202,71 @@ class FsspecStorage(Storage):
                 path=self.url,
                 hint="check the credentials and the bucket policy",
             ) from exc
+        except Exception as exc:  # any driver's error: translated, or wrapped with the path
+            raise self._contact_error(proto, exc) from None
+        if self.root != bucket:
+            try:
+                is_object = self._first_contact(self.fs, "_isfile", "isfile", self.root)
+            except Exception:  # noqa: BLE001 - unknown: the first real request will say
+                is_object = False
+            if is_object:
+                raise ConfigError(
+                    "the URL names an existing object, not a prefix to keep a job's "
+                    "objects under", path=self.url,
+                    hint="pass the prefix (\"directory\") the job should use, e.g. "
+                    f"{self.url.rstrip('/')}-run/ or the URL without its last part")
+
+    def _first_contact(self, fs, async_name: str, name: str, *args, **kwargs):
+        """``fs.<name>(*args)``, bounded by ``first_contact_timeout`` where the driver is
+        asynchronous (the request is cancelled then)."""
+        if not _accepts_refresh(fs) or name != "ls":
+            kwargs.pop("refresh", None)
+        timeout = self.first_contact_timeout
+        if timeout and getattr(fs, "async_impl", False) and hasattr(fs, async_name):
+            from fsspec.asyn import sync
+
+            return sync(fs.loop, getattr(fs, async_name), *args, timeout=timeout, **kwargs)
+        return getattr(fs, name)(*args, **kwargs)
+
+    def _contact_error(self, proto: str, exc: BaseException) -> FerrosyncError:
+        """The error for a failed first contact: what is wrong, and what to check."""
+        where = self.endpoint or f"the {proto}:// store"
+        cause = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+        names = {type(c).__name__ for c in _causes(exc)}
+        code = _s3_code(exc)
+        if names & _NO_CREDENTIALS or code in _BAD_CREDENTIALS:
+            return ConfigError(
+                f"no usable credentials for {where} ({cause})", path=self.url,
+                hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+                "AWS_SESSION_TOKEN for temporary ones), or AWS_PROFILE, or pass "
+                "storage_options key/secret (anon=True for a public bucket)"
+                if proto in ("s3", "s3a") else "check the credentials the driver uses")
+        if names & _TIMED_OUT or isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            return ConfigError(
+                f"no answer from {where} within "
+                f"{self.first_contact_timeout or 'the driver timeout'} s ({cause})",
+                path=self.url, hint=_ENDPOINT_HINT if proto in ("s3", "s3a") else
+                "check that the store is reachable from this host")
+        if _is_transient(exc) or names & _UNREACHABLE:
+            return ConfigError(
+                f"cannot reach {where} ({cause})", path=self.url,
+                hint=_ENDPOINT_HINT if proto in ("s3", "s3a") else
+                "check that the store is reachable from this host")
+        return _storage_error("contacting the store", self.url, exc, False)
+
+
+# first-contact failures, by the class names of the errors behind them (botocore's and
+# aiohttp's, which need not be installed)
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "NoAuthTokenError"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                    "InvalidToken", "TokenRefreshRequired"}
+_TIMED_OUT = {"ConnectTimeoutError", "ReadTimeoutError", "FSTimeoutError"}
+_UNREACHABLE = {"EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
+                "ClientOSError", "gaierror"}
+_ENDPOINT_HINT = ("check the endpoint: storage_options endpoint_url, or $AWS_ENDPOINT_URL / "
+                  "$AWS_ENDPOINT_URL_S3 (for a local server such as MinIO or SeaweedFS), "
+                  "and that the server is running and reachable from this host")
 
 
 def _botocore_knows(operation: str, parameter: str) -> bool:
@@ -1262,15 +1359,37 @@ def is_local_filesystem(path: str) -> bool:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """(protocol, rest). A bare path, or ``file://``, is protocol "file"."""
+    """(protocol, rest). A bare path, or ``file://``, is protocol "file".
+
+    For ``file://`` the rest is the path (RFC 8089): ``file:///p`` and
+    ``file://localhost/p`` are both ``/p``; any other host is a ``ConfigError`` (ranks
+    started in different directories must never read a host name as a relative path).
+    """
     if "://" not in url:
         return "file", url
     parts = urlsplit(url)
-    return parts.scheme.lower(), url.split("://", 1)[1]
+    protocol, rest = parts.scheme.lower(), url.split("://", 1)[1]
+    if protocol == "file" and not rest.startswith("/"):
+        host, slash, path = rest.partition("/")
+        if host.lower() != "localhost":
+            raise ConfigError(
+                f"file:// URL {url!r} names the host {host!r}", path=url,
+                hint="ferrosync reads local paths only: write file:///abs/path (or "
+                "file://localhost/abs/path), or mount the remote directory and use its "
+                "local path")
+        rest = slash + path
+    return protocol, rest
 
 
-def open_storage(url: str, storage_options: dict | None = None) -> Storage:
-    """Storage for ``url``. Validates the URL; does no I/O on object stores yet."""
+def open_storage(url: str, storage_options: dict | None = None, *,
+                 timeout: float | None = None) -> Storage:
+    """Storage for ``url``. Validates the URL; does no I/O on object stores yet.
+
+    ``timeout`` (seconds; ``connect``'s) bounds the first contact with an object
+    store (``probe_bucket``) and, on S3, botocore's own connect/read timeouts and
+    retries, so a dead or mistyped endpoint fails within it. A missing fsspec driver
+    is a ``ConfigError`` with the ``pip install`` that adds it.
+    """
     protocol, rest = split_url(url)
     storage_options = dict(storage_options or {})
     if protocol in ("file", "local"):
@@ -1287,42 +1406,32 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         from fsspec.registry import known_implementations
     except ImportError as exc:  # pragma: no cover - fsspec is a hard dependency
         raise ConfigError("fsspec is not installed", hint="pip install fsspec") from exc
-    if protocol not in known_implementations and protocol not in fsspec.available_protocols():
+    if (protocol not in known_implementations and protocol not in fsspec.available_protocols()
+            and protocol not in fsspec.registry):  # register_implementation's
         raise ConfigError(
             f"unknown URL scheme {protocol!r} in {url!r}",
             hint="use a directory path, file://, an fsspec URL (s3://, gs://, memory://) "
             "or gloo://, nccl://, torch://",
         )
-    retries = None
-    if protocol == "s3":
-        # One retry layer, not three multiplied (botocore x s3fs x ours took 2 minutes
-        # to report a dead endpoint): botocore's adaptive mode backs off on 503 SlowDown
-        # and connection errors; s3fs and ferrosync then try once.
-        config = dict(storage_options.get("config_kwargs") or {})
-        config.setdefault("retries", {"mode": "adaptive", "max_attempts": 5})
-        config.setdefault("connect_timeout", 5)
-        config.setdefault("read_timeout", 60)
-        for key, value in _redundant_checksums_off().items():
-            config.setdefault(key, value)
-        if _s3_endpoint_uses_tls(storage_options):
-            s3_config = dict(config.get("s3") or {})
-            s3_config.setdefault("payload_signing_enabled", False)
-            config["s3"] = s3_config
-        storage_options["config_kwargs"] = config
-        if "session" not in storage_options:
-            storage_options["session"] = _s3_session_without_expect_continue()
-        retries = 0
+    # the driver first: everything below may import it (botocore for s3://)
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
-        package = {"s3": "'ferrosync[s3]' (s3fs)", "gs": "gcsfs", "gcs": "gcsfs",
-                   "az": "adlfs", "abfs": "adlfs"}.get(protocol)
-        fix = f"pip install {package}" if package else (
-            known_implementations.get(protocol, {}).get("err")
-            or f"install the fsspec driver for {protocol}")
         raise ConfigError(
-            f"the {protocol}:// driver is not installed ({exc})", path=url, hint=fix
+            f"the {protocol}:// driver is not installed ({exc})", path=url,
+            hint=_driver_hint(protocol, exc),
         ) from None
+    retries = None
+    endpoint = None
+    if protocol in ("s3", "s3a"):
+        endpoint = _s3_endpoint(storage_options)
+        try:
+            _s3_settings(storage_options, timeout)
+        except ImportError as exc:  # s3fs without botocore/aiobotocore
+            raise ConfigError(
+                f"the {protocol}:// driver is incomplete ({type(exc).__name__}: {exc})",
+                path=url, hint="pip install 'ferrosync[s3]'") from None
+        retries = 0
     try:
         # skip_instance_cache: our own instance, so our settings and caches are ours
         fs = cls(skip_instance_cache=True, **storage_options)
@@ -1335,6 +1444,8 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
     if isinstance(root, list):  # pragma: no cover - defensive
         root = root[0]
     storage = FsspecStorage(url, fs, root)
+    storage.first_contact_timeout = timeout
+    storage.endpoint = endpoint
     if retries is not None:
         storage.retries = retries
         if hasattr(fs, "retries"):
@@ -1342,6 +1453,66 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
 
     return storage
 
+
+def _driver_hint(protocol: str, exc: BaseException) -> str:
+    """The ``pip install`` that adds ``protocol``'s fsspec driver, from fsspec's own
+    ``known_implementations``: the driver's package, or (for drivers inside fsspec)
+    the module its import missed."""
+    from fsspec.registry import known_implementations
+
+    if protocol in ("s3", "s3a"):
+        return "pip install 'ferrosync[s3]'"
+    module = str(known_implementations.get(protocol, {}).get("class", "")).split(".")[0]
+    if module and module != "fsspec":
+        return f"pip install {module.replace('_', '-')}"
+    for cause in _causes(exc):
+        name = getattr(cause, "name", None)
+        if isinstance(cause, ImportError) and name:
+            return f"pip install {name.split('.')[0].replace('_', '-')}"
+    err = known_implementations.get(protocol, {}).get("err")
+    return f"install the fsspec driver for {protocol}://" + (f" ({err})" if err else "")
+
+
+def _s3_settings(storage_options: dict, timeout: float | None) -> None:
+    """botocore settings for s3fs, in ``storage_options`` (the user's own win).
+
+    One retry layer, not three multiplied (botocore x s3fs x ours took 2 minutes to
+    report a dead endpoint): botocore's adaptive mode backs off on 503 SlowDown and
+    connection errors; s3fs and ferrosync then try once. With ``timeout`` its connect
+    and read timeouts and its attempts fit in it: a closed port or an unreachable
+    endpoint is reported within ``connect``'s timeout, not after botocore's defaults.
+    """
+    connect_s, read_s, attempts = 5.0, 60.0, 5
+    if timeout is not None and timeout > 0:
+        connect_s = min(connect_s, max(0.5, timeout / 4))
+        read_s = min(read_s, max(1.0, timeout))
+        attempts = 5 if timeout >= 60 else 3 if timeout >= 15 else 2
+    config = dict(storage_options.get("config_kwargs") or {})
+    config.setdefault("retries", {"mode": "adaptive", "max_attempts": attempts})
+    config.setdefault("connect_timeout", connect_s)
+    config.setdefault("read_timeout", read_s)
+    for key, value in _redundant_checksums_off().items():
+        config.setdefault(key, value)
+    if _s3_endpoint_uses_tls(storage_options):
+        s3_config = dict(config.get("s3") or {})
+        s3_config.setdefault("payload_signing_enabled", False)
+        config["s3"] = s3_config
+    storage_options["config_kwargs"] = config
+    if "session" not in storage_options:
+        storage_options["session"] = _s3_session_without_expect_continue()
+
+
+def _s3_endpoint(storage_options: dict) -> str:
+    """The S3 endpoint ``storage_options`` (or the environment) point s3fs at, in
+    words, for error messages."""
+    client = storage_options.get("client_kwargs") or {}
+    for name, value in (("endpoint_url", storage_options.get("endpoint_url")),
+                        ("client_kwargs endpoint_url", client.get("endpoint_url")),
+                        ("$AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+                        ("$AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL"))):
+        if value:
+            return f"{value} (from {name})"
+    return "AWS S3 itself (no endpoint_url, $AWS_ENDPOINT_URL_S3 or $AWS_ENDPOINT_URL set)"
 
 
 def _redundant_checksums_off() -> dict:

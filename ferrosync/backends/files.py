@@ -69,7 +69,7 @@ class FileSync(GradSync):
         return StorageOptions.parse(options)
 
     def __init__(self, url: str, identity, timeout: float, options: StorageOptions) -> None:
-        storage = open_storage(url, options.storage_options)
+        storage = open_storage(url, options.storage_options, timeout=timeout)
         faults = load_faults(identity.rank)  # $FERROSYNC_FAULTS: tests and drills only
         if faults:
             storage = FaultyStorage(storage, faults)

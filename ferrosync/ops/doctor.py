@@ -168,8 +168,9 @@ class Doctor:
                 storage.probe_bucket()
             except ConfigError as exc:
                 if not isinstance(exc.__cause__, FileNotFoundError):  # a missing bucket
-                    self.add("location", "fail", str(exc))
-                    return False
+                    # unreachable, no credentials, an object for a prefix: bad usage,
+                    # one line and exit 2 (the CLI), not a report of checks
+                    raise
                 bucket = storage.root.split("/", 1)[0]
                 try:
                     storage.fs.mkdir(bucket)

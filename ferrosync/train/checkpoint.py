@@ -107,7 +107,7 @@ class CheckpointStore:
 
     def probe(self) -> None:
         """Rank 0, before training: the location must accept writes."""
-        probe_location(self.storage, "checkpoint directory")
+        probe_location(self.storage, what="checkpoint directory")
 
     def latest(self) -> dict | None:
         """The newest checkpoint's description (``latest.json``), or None if none."""
