@@ -177,10 +177,11 @@ def w_held(rank, world, url, secret, paused, go):
         return "ok", "", time.monotonic() - t0
 
 
-@pytest.mark.parametrize("secret", [None, "s3cret"], ids=["no-secret", "secret"])
-@pytest.mark.parametrize("name, what", [
-    ("abort.r1", "sparse-1TiB"), ("abort.r1", "sparse-1GiB"), ("abort.r1", "nested"),
-    ("abort.r1", "nested-record"), ("hb.r1", "sparse-1TiB"), ("hb.r1", "nested-record"),
+@pytest.mark.parametrize("name, what, secret", [
+    ("abort.r1", "sparse-1TiB", None), ("abort.r1", "sparse-1TiB", "s3cret"),
+    ("abort.r1", "sparse-1GiB", None), ("abort.r1", "nested", None),
+    ("abort.r1", "nested-record", None), ("abort.r1", "nested-record", "s3cret"),
+    ("hb.r1", "sparse-1TiB", "s3cret"), ("hb.r1", "nested-record", None),
 ])
 def test_hostile_bytes_at_a_running_jobs_records(tmp_path, name, what, secret):
     """Rank 1 is stopped (SIGSTOP: its heartbeat cannot replace what is planted);
