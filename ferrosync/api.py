@@ -257,6 +257,12 @@ class GradSync(abc.ABC):
             self._closed = True
             _LIVE.discard(self)
             return
+        interrupted = sys.exc_info()[1]
+        if isinstance(interrupted, KeyboardInterrupt) and self._failure is None and (
+                not self._closed):
+            # close() in a ``finally`` while Ctrl-C/SIGINT unwinds: the peers must read
+            # "interrupted", not a clean close ("ran fewer steps")
+            self._fail(interrupted)
         runner = self._runner
         if runner is not None:
             runner.stop()

@@ -135,6 +135,8 @@ def relay_text(exc: BaseException) -> str:
     ``MemoryError()`` and many others carry no message; a peer reading "rank 0
     reports: " with nothing after it learns nothing, so the type stands in for it.
     """
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (SIGINT or Ctrl-C)"
     text = getattr(exc, "what", None) or str(exc)
     return text if text.strip() else f"{type(exc).__name__} (raised without a message)"
 

@@ -28,3 +28,28 @@ def test_a_rank_without_any_world_size_is_refused(tmp_path, monkeypatch, rank):
     monkeypatch.setenv("RANK", "0")
     if rank == 0:
         ferrosync.connect(url, rank=0).close()
+
+
+def w_interrupted(rank, world, url):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a user's script
+    sync = ferrosync.connect(url, rank=rank, world_size=world, timeout=30,
+                             heartbeat_interval=0.2, heartbeat_timeout=5.0)
+    try:
+        x = torch.ones(4)
+        sync.average_(x)
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C between steps
+            wait_until(lambda: False, "the interrupt", timeout=10)
+        sync.average_(x)
+    finally:
+        sync.close()
+
+
+def test_an_interrupted_ranks_peers_read_that_it_was_interrupted(tmp_path):
+    procs, results = start_ranks(w_interrupted, 2, str(tmp_path / "run"))
+    out = collect(procs, results, timeout=60)
+    assert isinstance(out[1], RankFailure) and isinstance(out[1].error, KeyboardInterrupt)
+    err = out[0].error
+    assert isinstance(err, PeerFailed), out
+    assert "rank 1 failed" in str(err) and "interrupted (SIGINT or Ctrl-C)" in str(err), err
+    assert "fewer steps" not in str(err)
