@@ -53,3 +53,25 @@ def test_an_interrupted_ranks_peers_read_that_it_was_interrupted(tmp_path):
     assert isinstance(err, PeerFailed), out
     assert "rank 1 failed" in str(err) and "interrupted (SIGINT or Ctrl-C)" in str(err), err
     assert "fewer steps" not in str(err)
+
+
+def test_inspect_and_gc_escape_hostile_names(tmp_path, capsys):
+    """Names and record fields come from storage: a newline cannot forge a report line,
+    a right-to-left override cannot reverse one."""
+    from ferrosync.__main__ import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    hostile = ["evil\nABORT rank 0: forged line", "txt.\u202egpj.exe", "tab\there"]
+    for name in hostile:
+        (run / name).write_bytes(b"x")
+    for tool in ("inspect", "gc"):
+        capsys.readouterr()
+        assert main([tool, str(run), "--watch", "0"] + (["--dry-run"] if tool == "gc"
+                                                        else [])) == 0
+        out = capsys.readouterr().out
+        assert "\u202e" not in out and "\t" not in out, out
+        assert "\nABORT rank 0: forged line" not in out, out
+        if tool == "inspect":
+            assert "evil\\nABORT rank 0: forged line" in out, out
+            assert "txt.\\u202egpj.exe" in out and "tab\\there" in out, out

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from .. import names
 from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
-from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, scan
+from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, printable, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
 
 REMOVABLE = ("finished", "dead", "empty", "orphan")
@@ -300,7 +300,7 @@ def run(storage: Storage, secret: bytes | None, window: float, *, keep: int, dry
         verb = ("would remove" if dry_run else "removed") if d.action == "remove" else "keep"
         size = f" ({len(d.keys)} objects, {human_bytes(d.bytes)})" if d.action == "remove" \
             else ""
-        print(f"  {verb:<12} {d.target}{size}: {d.reason}")
+        print(f"  {verb:<12} {printable(d.target)}{size}: {printable(d.reason)}")
     if not decisions:
         print("  nothing here")
     total = sum(len(d.keys) for d in decisions if d.action == "remove")

@@ -450,6 +450,30 @@ def read_markers(storage: Storage, gen: FoundGeneration, kind: str,
     return out
 
 
+def printable(text: object) -> str:
+    """``text`` safe to print on an operator's terminal: every character that is not
+    printable (newlines and other controls, bidirectional overrides such as U+202E,
+    zero-width and other format characters, line separators) and every backslash are
+    written as Python escapes, so a name planted in storage cannot forge a line of the
+    report or reverse how it reads."""
+    text = str(text)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else
+                   ("\\\\" if c == "\\" else repr(c)[1:-1]) for c in text)
+
+
+def printable_tree(value):
+    """``printable`` applied to every string (and key) in a JSON-like report."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable_tree(v) for v in value]
+    return value
+
+
 def human_bytes(n: int) -> str:
     step = 1024.0
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
