@@ -230,3 +230,18 @@ def test_a_peer_failing_without_a_message_is_reported_with_its_type(tmp_path):
     err = out[0].error
     assert isinstance(err, PeerFailed), out
     assert "MemoryError (raised without a message)" in str(err), str(err)
+
+
+@pytest.mark.parametrize("what", ["sparse-1TiB", "nested"])
+def test_hostile_bytes_at_a_rendezvous_record(tmp_path, what):
+    """An announcement planted before the job starts: rank 0 refuses it, typed and at
+    once, naming itself and the path."""
+    url = str(tmp_path / "run")
+    namespace = os.path.join(url, f"rdzv.{os.environ['FERROSYNC_JOB']}")
+    os.makedirs(namespace)
+    plant(os.path.join(namespace, "gen.0"), what)
+    with pytest.raises(FerrosyncError) as info:
+        ferrosync.connect(url, rank=0, world_size=1, timeout=20)
+    assert str(info.value).startswith("rank 0, at ") and "gen.0" in str(info.value)
+    assert isinstance(info.value, ShardCorrupt if what.startswith("sparse") else
+                      ferrosync.ConfigError), info.value
