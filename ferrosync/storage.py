@@ -1604,7 +1604,12 @@ def probe_location(storage: Storage, rank: int | None = None, *,
     Whoever probes before ranks exist (a launcher) passes ``rank=None``: the probe is
     then named as rank 0's, which the tools recognise all the same.
     """
-    storage.probe_bucket()
+    try:
+        storage.probe_bucket()
+    except ConfigError as exc:
+        if exc.rank is not None or rank is None:
+            raise
+        raise ConfigError(exc.what, rank=rank, path=exc.path, hint=exc.hint) from exc.__cause__
     key = names.probe(0 if rank is None else rank)
     payload = b"ferrosync probe " + secrets.token_bytes(8)
     try:

@@ -153,7 +153,7 @@ def test_a_closed_port_fails_within_the_connect_timeout(tmp_path, capsys):
     # botocore's defaults alone took 21-32 s; its retries now fit in the timeout
     assert took < 15, took
     text = str(info.value)
-    assert f"http://127.0.0.1:{port} (from endpoint_url)" in text
+    assert text.startswith("rank 0, at ") and f"http://127.0.0.1:{port} (from endpoint_url)" in text
     assert "AWS_ENDPOINT_URL" in text
     from ferrosync.__main__ import main
 
