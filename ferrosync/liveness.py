@@ -75,8 +75,15 @@ import time
 import weakref
 
 from . import names
-from .errors import (LayoutMismatch, PeerFailed, ShardCorrupt, StorageError, error_class,
-                     relay_text, relayed)
+from .errors import (
+    LayoutMismatch,
+    PeerFailed,
+    ShardCorrupt,
+    StorageError,
+    error_class,
+    relay_text,
+    relayed,
+)
 from .storage import REQUEST_KINDS, Storage
 from .wire import decode_record, encode_record
 

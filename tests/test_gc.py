@@ -13,9 +13,9 @@ import os
 import signal
 
 import pytest
+from test_ops import FAST, NS, WATCH, generation_dirs, start_live, tool_json, w_steps
 
 from ranks import collect, run_ranks
-from test_ops import FAST, NS, WATCH, generation_dirs, start_live, tool_json, w_steps
 
 JUNK = ["garbage", "nested", "sparse"]
 

@@ -24,8 +24,7 @@ from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
 from .elastic_history import elastic_reports, is_elastic_namespace
 from .elastic_history import render as render_elastic
-from .scan import (FoundGeneration, Namespace, Scan, human_bytes, printable_tree, read_record,
-                   scan)
+from .scan import FoundGeneration, Namespace, Scan, human_bytes, printable_tree, read_record, scan
 from .watch import RankView, generation_status, judge, progress, stragglers
 
 

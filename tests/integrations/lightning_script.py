@@ -4,8 +4,8 @@
 strategy=DDPStrategy(process_group_backend=BACKEND))`` trains a linear model for a few
 steps, logging with ``sync_dist=True``, then tests it (``trainer.test``: Lightning's
 test loop runs under ``torch.inference_mode()``); every rank saves its final
-parameters and the values it logged to ``OUT.pt.rank<R>``. Lightning's subprocess launcher starts rank 1
-by rerunning this script. For ``BACKEND="ferrosync"`` the data goes to
+parameters and the values it logged to ``OUT.pt.rank<R>``. Lightning's subprocess
+launcher starts rank 1 by rerunning this script. For ``BACKEND="ferrosync"`` the data goes to
 ``$FERROSYNC_URL`` (Lightning initialises with ``env://`` and its own TCP store).
 """
 
