@@ -14,7 +14,9 @@ hook runs) and registers thin wrappers that import ``ferrosync.ddp`` on first us
 * the backend factory (``ferrosync.ddp.process_group.create_backend``);
 * the init_method handlers of ``ferrosync.ddp.init_methods``: bare paths, the
   object-store schemes, and torch's ``file://`` and ``env://`` handlers wrapped so
-  they only change what torch itself would reject.
+  they only change what torch itself would reject. What they take over is decided
+  here (``takes_over_env``, ``takes_over_file``) without importing ferrosync: a
+  plain gloo ``env://`` or ``file://`` rendezvous imports nothing of it.
 
 Every registration is idempotent and leaves a registration already there alone;
 ``import ferrosync`` afterwards sees them and registers nothing twice. Any
@@ -39,6 +41,8 @@ OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss",
                   "hdfs", "webhdfs")
 #: torch handlers that ferrosync wraps: scheme -> factory name in init_methods
 WRAPPED = {"file": "_file_handler", "env": "_env_handler"}
+#: == ferrosync.env.ENV_URL
+ENV_URL = "FERROSYNC_URL"
 
 #: the exception that stopped the last ``autoload`` (None: it registered, or was off)
 last_error: BaseException | None = None
@@ -85,6 +89,30 @@ def register() -> bool:
     return True
 
 
+# -- which init_methods are ferrosync's own (the one home of these rules) -----------------
+#
+# ferrosync only takes over what torch itself would reject; everything else goes to
+# torch's handler directly, without importing anything of ferrosync: a gloo user's
+# ``init_process_group("gloo", "env://")`` costs what it costs without ferrosync.
+
+def takes_over_env(url: str) -> bool:
+    """``env://`` is ferrosync's only without ``MASTER_ADDR`` (where torch fails) and
+    with ``$FERROSYNC_URL`` set."""
+    return not os.environ.get("MASTER_ADDR") and bool(os.environ.get(ENV_URL, "").strip())
+
+
+def takes_over_file(url: str) -> bool:
+    """``file://`` is ferrosync's only when it names a directory (or ends in ``/``),
+    where torch's FileStore fails ("Is a directory")."""
+    from urllib.parse import urlsplit
+
+    path = urlsplit(url).path
+    return bool(path) and (path.endswith("/") or os.path.isdir(path))
+
+
+TAKES_OVER = {"file": takes_over_file, "env": takes_over_env}
+
+
 def _init_methods():
     import importlib
 
@@ -106,9 +134,15 @@ def _object_store_handler(url: str, **kwargs):
 
 
 def _lazy_wrapper(factory: str, torch_handler):
-    """torch's handler wrapped by ``init_methods.<factory>``, built on first use."""
+    """torch's handler wrapped by ``init_methods.<factory>``, built on first use: a URL
+    ferrosync does not take over (``TAKES_OVER``) goes straight to torch's handler,
+    and nothing of ferrosync is imported for it."""
+    scheme = next(k for k, v in WRAPPED.items() if v == factory)
 
     def handler(url: str, **kwargs):
+        if not TAKES_OVER[scheme](url):
+            yield from torch_handler(url, **kwargs)
+            return
         yield from getattr(_init_methods(), factory)(torch_handler)(url, **kwargs)
 
     handler.ferrosync_wraps = torch_handler

@@ -26,6 +26,8 @@ from .errors import ConfigError, StorageError
 from .validate import cli_number
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+#: seconds the tools give their first contact with an object store (probe_bucket)
+TOOL_CONTACT_TIMEOUT = 30.0
 
 
 def _json_object(text: str) -> dict:
@@ -108,7 +110,8 @@ def _secret(args) -> bytes | None:
 def _dispatch(args) -> int:
     from .storage import open_storage
 
-    storage = open_storage(args.url, args.storage_options)
+    # the first contact is bounded: a dead endpoint or missing credentials is one line
+    storage = open_storage(args.url, args.storage_options, timeout=TOOL_CONTACT_TIMEOUT)
     try:
         if args.command == "doctor":
             from .ops import doctor

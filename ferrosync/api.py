@@ -34,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 
 import torch
 
@@ -220,6 +221,12 @@ class GradSync(OwnershipGuard, abc.ABC):
         """
         if self._close_forked_copy():
             return
+        interrupted = sys.exc_info()[1]
+        if isinstance(interrupted, KeyboardInterrupt) and self._failure is None and (
+                not self._closed):
+            # close() in a ``finally`` while Ctrl-C/SIGINT unwinds: the peers must read
+            # "interrupted", not a clean close ("ran fewer steps")
+            self._fail(interrupted)
         runner = self._runner
         if runner is not None:
             runner.stop()
@@ -462,6 +469,13 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
     if min_ranks != 1 or max_ranks is not None:
         raise ConfigError("min_ranks and max_ranks apply to elastic jobs only",
                           hint="pass elastic=True, or drop min_ranks/max_ranks")
+    if rank is not None and world_size is None and discover().source == "default":
+        raise ConfigError(
+            f"rank={rank} given, but no world size: not as world_size=, and none in the "
+            "environment",
+            hint="pass world_size= as well; world sizes come from connect(world_size=...), "
+            "or from WORLD_SIZE (torchrun, python -m ferrosync.train) or SLURM_NTASKS "
+            "(srun) in every rank's environment")
     identity = discover(rank, world_size)
     if "local" in options and options["local"] is None:
         del options["local"]  # local=None: the flat (one-level) backend

@@ -127,3 +127,22 @@ def error_class(name: str) -> type[FerrosyncError]:
         ConfigError, SyncTimeout, PeerFailed, ShardCorrupt, LayoutMismatch, DuplicateRank,
         StorageError)}
     return known.get(name, PeerFailed)
+
+
+def relay_text(exc: BaseException) -> str:
+    """What peers are told of ``exc`` (abort markers, error records): never empty.
+
+    ``MemoryError()`` and many others carry no message; a peer reading "rank 0
+    reports: " with nothing after it learns nothing, so the type stands in for it.
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (SIGINT or Ctrl-C)"
+    text = getattr(exc, "what", None) or str(exc)
+    return text if text.strip() else f"{type(exc).__name__} (raised without a message)"
+
+
+def relayed(message: object) -> str:
+    """A peer's relayed message as a reader shows it: one that is empty or missing
+    (an old writer's, or a planted record's) says so instead of vanishing."""
+    text = "" if message is None else str(message)
+    return text if text.strip() else "(no message given: see that rank's log)"

@@ -41,7 +41,7 @@ import time
 
 from . import names, validate
 from .errors import ConfigError
-from .storage import Reader, Storage, _storage_error, _write_file
+from .storage import RECORD_LIMIT, Reader, Storage, _storage_error, _write_file
 
 ENV_FAULTS = "FERROSYNC_FAULTS"
 PHASES = ("write", "publish", "read", "reduce")
@@ -127,7 +127,7 @@ class FaultyStorage(Storage):
             self._damage(action, key, fault.get("offset"))
 
     def _damage(self, action: str, key: str, offset) -> None:
-        data = self._inner.read(key)
+        data = self._inner.read(key, max_bytes=None)  # damaging its own test objects
         if data is None:
             return
         if action == "delete":
@@ -151,7 +151,7 @@ class FaultyStorage(Storage):
             name = names.contribution(found.collective, rank, found.slice)
         source = names.within(directory, name)
         deadline = time.monotonic() + _REPLAY_WAIT_S
-        while (data := self._inner.read(source)) is None:
+        while (data := self._inner.read(source, max_bytes=None)) is None:
             if time.monotonic() > deadline:
                 raise ConfigError(f"replay fault: {source} never appeared",
                                   path=self.path_of(source))
@@ -188,18 +188,18 @@ class FaultyStorage(Storage):
             self._act(fault, key)
         return n
 
-    def open(self, key):
+    def open(self, key, *, max_bytes=None, rank=None):
         fault = self._match("read", key)
         if fault is not None:
             self._act(fault, key)
-        reader = self._inner.open(key)
+        reader = self._inner.open(key, max_bytes=max_bytes, rank=rank)
         if reader is None:
             return None
         fault = self._match("reduce", key)
         return _AfterReader(reader, self, fault, key) if fault is not None else reader
 
-    def read(self, key):
-        return self._inner.read(key)
+    def read(self, key, *, max_bytes=RECORD_LIMIT, rank=None):
+        return self._inner.read(key, max_bytes=max_bytes, rank=rank)
 
     def delete(self, keys):
         self._inner.delete(keys)

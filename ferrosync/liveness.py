@@ -75,7 +75,15 @@ import time
 import weakref
 
 from . import names
-from .errors import LayoutMismatch, PeerFailed, ShardCorrupt, StorageError, error_class
+from .errors import (
+    LayoutMismatch,
+    PeerFailed,
+    ShardCorrupt,
+    StorageError,
+    error_class,
+    relay_text,
+    relayed,
+)
 from .storage import REQUEST_KINDS, Storage
 from .wire import decode_record, encode_record
 
@@ -292,7 +300,7 @@ def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,
         "rank": rank,
         "collective": collective,
         "type": type(exc).__name__,
-        "message": str(exc)[:4000],
+        "message": relay_text(exc)[:4000],
         "pid": os.getpid(),
         "host": socket.gethostname(),
     }
@@ -360,11 +368,11 @@ class PeerMonitor:
             if peer == self._rank:
                 continue
             abort_path = abort_key(self._prefix, peer)
-            data = self._storage.read(abort_path)
+            data = self._storage.read(abort_path, rank=self._rank)
             if data is not None:
                 raise self._peer_error(peer, abort_path, data, collective, now)
             hb_path = heartbeat_key(self._prefix, peer)
-            raw = self._storage.read(hb_path)
+            raw = self._storage.read(hb_path, rank=self._rank)
             beat = None
             if raw is not None:
                 try:
@@ -441,7 +449,7 @@ class PeerMonitor:
         try:
             record = decode_record(data, self._key, path=self._storage.path_of(path),
                                    rank=self._rank)
-            what = f"{record.get('type')}: {record.get('message')}"
+            what = f"{record.get('type')}: {relayed(record.get('message'))}"
             where = record.get("collective")
             cls = error_class(str(record.get("type")))
         except ShardCorrupt as exc:

@@ -205,7 +205,7 @@ class Claim:
 
     def check_objection(self) -> None:
         key = objection_key(self.ns, self.rank, self.attempt)
-        raw = self.storage.read(key)
+        raw = self.storage.read(key, rank=self.rank)
         if raw is None:
             return
         path = self.storage.path_of(key)
@@ -370,7 +370,7 @@ def _read_announcement(plan: _Plan, g: int) -> dict | None:
     if g < 0:
         return None
     key = gen_key(plan.ns, g)
-    raw = plan.storage.read(key)
+    raw = plan.storage.read(key, rank=plan.rank)
     if raw is None:
         return None
     path = plan.storage.path_of(key)
@@ -415,7 +415,7 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
             latest = first_missing(storage, lambda n, r=r: join_key(plan.ns, r, n), start) - 1
             path = join_key(plan.ns, r, latest)
             try:
-                record = decode_record(storage.read(path) or b"", plan.key,
+                record = decode_record(storage.read(path, rank=0) or b"", plan.key,
                                        path=storage.path_of(path), rank=0)
             except ShardCorrupt as exc:
                 record = {}

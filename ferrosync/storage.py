@@ -48,13 +48,18 @@ from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
 from . import names
-from .errors import ConfigError, StorageError
+from .errors import ConfigError, FerrosyncError, ShardCorrupt, StorageError
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
     "object_exists", "probe_location", "mount_of", "is_local_filesystem", "LOCAL_FILESYSTEMS",
-    "ExclusiveCreateUnsupported", "gcs_driver",
+    "ExclusiveCreateUnsupported", "gcs_driver", "RECORD_LIMIT",
 ]
+
+#: the largest control record (rendezvous, heartbeat, abort marker, layout, error
+#: record): ``Storage.read``'s default bound. A larger object at such a name is not
+#: ferrosync's (planted, or a sparse file), and is refused before it is read.
+RECORD_LIMIT = 1 << 20
 
 # File and directory modes: owner and group only, never world-accessible (the
 # umask may remove more). Group access lets ranks run under different users of
@@ -92,6 +97,18 @@ def check_key(key: str) -> str:
         raise ConfigError(f"invalid storage key {key!r}",
                           hint="keys are relative paths without '..', '.' or empty parts")
     return key
+
+
+def oversized(path: str, size: int | None, max_bytes: int, rank: int | None) -> ShardCorrupt:
+    """The error for an object larger than any legal object of its kind (``size``
+    None: its size is not known, only that it is larger)."""
+    has = "is larger than" if size is None else f"has {size} bytes, more than"
+    return ShardCorrupt(
+        f"object {has} the {max_bytes} bytes an object of this kind can have (a planted "
+        "or sparse file, or not ferrosync's); refused unread",
+        rank=rank, path=path,
+        hint="remove it, find out who or what wrote it, and give every job a location "
+        "only its own ranks can write (and a secret, FERROSYNC_SECRET)")
 
 
 #: request kinds an object store bills differently (``costs.py``); ``requests`` counts
@@ -245,19 +262,41 @@ class Storage:
         """
         raise NotImplementedError
 
-    def open(self, key: str) -> Reader | None:
-        """A reader for ``key``, or None if it does not exist (the only "not yet")."""
+    def open(self, key: str, *, max_bytes: int | None = None,
+             rank: int | None = None) -> Reader | None:
+        """A reader for ``key``, or None if it does not exist (the only "not yet").
+
+        With ``max_bytes`` (the largest legal object of the kind the caller expects),
+        a larger object raises ``ShardCorrupt`` naming ``rank`` and the path before
+        any of it is read or buffered: storage's claimed size is checked first, and an
+        object store is asked for at most ``max_bytes + 1`` bytes. Without it, a local
+        reader streams (the caller checks ``size`` against what it expects before
+        reading), while an object store's reader holds the whole object.
+        """
         raise NotImplementedError
 
-    def read(self, key: str) -> bytes | None:
-        """The whole (small) object, or None if it does not exist."""
-        reader = self.open(key)
+    def read(self, key: str, *, max_bytes: int | None = RECORD_LIMIT,
+             rank: int | None = None) -> bytes | None:
+        """The whole object, or None if it does not exist.
+
+        Bounded by default to a control record's limit (``RECORD_LIMIT``): a larger
+        object is ``ShardCorrupt`` (see ``open``) after O(1) memory and one request.
+        A caller reading a bigger kind passes the largest legal size of that kind, or
+        ``max_bytes=None`` only where the bytes come from a trusted place.
+        """
+        reader = self.open(key, max_bytes=max_bytes, rank=rank)
         if reader is None:
             return None
         with reader:
             buf = bytearray(reader.size)
             n = reader.readinto(buf)
             return bytes(buf[:n])
+
+    def _check_size(self, key: str, size: int, max_bytes: int | None,
+                    rank: int | None) -> None:
+        """Refuse an object larger than the largest legal one of its kind."""
+        if max_bytes is not None and size > max_bytes:
+            raise oversized(self.path_of(key), size, max_bytes, rank)
 
     def delete(self, keys: Iterable[str]) -> None:
         raise NotImplementedError
@@ -680,7 +719,8 @@ class LocalStorage(Storage):
             "it was removed on purpose)",
         )
 
-    def open(self, key: str) -> Reader | None:
+    def open(self, key: str, *, max_bytes: int | None = None,
+             rank: int | None = None) -> Reader | None:
         self.counters.add(requests=1)
         try:
             fd, size = self._retry("opening", key, self._open_regular, key)
@@ -692,6 +732,11 @@ class LocalStorage(Storage):
                 fd, size = self._retry("opening", key, self._open_regular, key)
             except FileNotFoundError:
                 return None
+        try:
+            self._check_size(key, size, max_bytes, rank)  # by fstat: nothing read yet
+        except BaseException:
+            os.close(fd)
+            raise
         return _FdReader(fd, f"{self.root}/{key}", self.counters, size)
 
     def _open_regular(self, key: str, flags: int = _READ_FLAGS) -> tuple[int, int]:
@@ -1022,9 +1067,31 @@ class FsspecStorage(Storage):
                                              hint=EXCLUSIVE_CREATE_HINT)
         else:
             mode = "create" if exclusive else "overwrite"
-            self._retry("writing", key, self._pipe, key, path, data, mode)
+            try:
+                self._retry("writing", key, self._pipe, key, path, data, mode)
+            except FileNotFoundError:
+                # a driver with real directories and no auto-mkdir (sftp, a local
+                # filesystem class): its parent is made on demand, then once more
+                self._make_parent(key, path)
+                try:
+                    self._retry("writing", key, self._pipe, key, path, data, mode)
+                except FileNotFoundError as exc:
+                    raise StorageError(
+                        f"cannot write: its directory does not exist ({exc})",
+                        path=self.path_of(key), hint="check that the URL is a writable "
+                        "location, and that nothing removes directories under it") from None
         self.counters.add(puts=1, written=len(data))
         return len(data)
+
+    def _make_parent(self, key: str, path: str) -> None:
+        parent = path.rpartition("/")[0]
+        if parent:
+            self.counters.add(requests=1)
+            try:
+                self._retry("creating the directory", key, self.fs.makedirs, parent,
+                            exist_ok=True)
+            except FileExistsError:
+                pass  # made meanwhile by another rank (a driver that ignores exist_ok)
 
     def _pipe(self, key: str, path: str, data: bytes, mode: str) -> None:
         try:
@@ -1114,24 +1181,32 @@ class FsspecStorage(Storage):
         """Whether the object at ``path`` holds exactly ``data``."""
         self.counters.add(gets=1)
         try:
-            return self._cat(path) == data
+            return self._cat(path, len(data) + 1) == data
         except FileNotFoundError:
             return False
 
-    def open(self, key: str) -> Reader | None:
+    def open(self, key: str, *, max_bytes: int | None = None,
+             rank: int | None = None) -> Reader | None:
         self.counters.add(gets=1)
+        # bounded: ask for one byte more than the largest legal object, so an oversized
+        # one costs max_bytes + 1 bytes of memory and transfer, never its claimed size
+        end = None if max_bytes is None else max_bytes + 1
         try:
             # start=0 (by keyword: s3fs's second positional is version_id) makes s3fs
             # send one ranged GET instead of HEAD + GET, and a miss costs one request
             # instead of HEAD + LIST
-            data = self._retry("reading", key, self._cat, self._path(key))
+            data = self._retry("reading", key, self._cat, self._path(key), end)
         except FileNotFoundError:
             return None
         self.counters.add(read=len(data))
+        if max_bytes is not None and len(data) > max_bytes:
+            raise oversized(self.path_of(key), None, max_bytes, rank)
         return _BytesReader(data)
 
-    def _cat(self, path: str) -> bytes:
-        return self.fs.cat_file(path, start=0)
+    def _cat(self, path: str, end: int | None = None) -> bytes:
+        if end is None:
+            return self.fs.cat_file(path, start=0)
+        return self.fs.cat_file(path, start=0, end=end)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
@@ -1165,8 +1240,18 @@ class FsspecStorage(Storage):
         return sorted((p[strip:], int(info.get("size") or 0)) for p, info in found.items()
                       if info.get("type") != "directory" and len(p) > strip)
 
+    #: seconds the first contact (``probe_bucket``) may take; None: the driver's own
+    #: timeouts (``open_storage(timeout=)`` sets it)
+    first_contact_timeout: float | None = None
+    #: where the store is, in words, for messages (S3: the endpoint and where it came
+    #: from); None: the URL says it
+    endpoint: str | None = None
+
     def probe_bucket(self) -> None:
-        """Fail early when the bucket (or container) is missing or unreadable."""
+        """Fail early, with a ``ConfigError`` saying what to check, when the bucket (or
+        container) is missing or unreadable, the endpoint cannot be reached (within
+        ``first_contact_timeout``), the credentials are missing or refused, or the URL
+        names an existing object rather than a prefix."""
         from fsspec.implementations.memory import MemoryFileSystem
 
         proto = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
@@ -1174,7 +1259,7 @@ class FsspecStorage(Storage):
             return  # a dictionary in this process (or a driver built on one): no bucket
         bucket = self.root.split("/", 1)[0]
         try:
-            self.fs.ls(bucket, refresh=True) if _accepts_refresh(self.fs) else self.fs.ls(bucket)
+            self._first_contact(self.fs, "_ls", "ls", bucket, refresh=True)
         except FileNotFoundError as exc:
             raise ConfigError(
                 f"bucket {bucket!r} does not exist",
@@ -1187,6 +1272,71 @@ class FsspecStorage(Storage):
                 path=self.url,
                 hint="check the credentials and the bucket policy",
             ) from exc
+        except Exception as exc:  # any driver's error: translated, or wrapped with the path
+            raise self._contact_error(proto, exc) from None
+        if self.root != bucket:
+            try:
+                is_object = self._first_contact(self.fs, "_isfile", "isfile", self.root)
+            except Exception:  # noqa: BLE001 - unknown: the first real request will say
+                is_object = False
+            if is_object:
+                raise ConfigError(
+                    "the URL names an existing object, not a prefix to keep a job's "
+                    "objects under", path=self.url,
+                    hint="pass the prefix (\"directory\") the job should use, e.g. "
+                    f"{self.url.rstrip('/')}-run/ or the URL without its last part")
+
+    def _first_contact(self, fs, async_name: str, name: str, *args, **kwargs):
+        """``fs.<name>(*args)``, bounded by ``first_contact_timeout`` where the driver is
+        asynchronous (the request is cancelled then)."""
+        if not _accepts_refresh(fs) or name != "ls":
+            kwargs.pop("refresh", None)
+        timeout = self.first_contact_timeout
+        if timeout and getattr(fs, "async_impl", False) and hasattr(fs, async_name):
+            from fsspec.asyn import sync
+
+            return sync(fs.loop, getattr(fs, async_name), *args, timeout=timeout, **kwargs)
+        return getattr(fs, name)(*args, **kwargs)
+
+    def _contact_error(self, proto: str, exc: BaseException) -> FerrosyncError:
+        """The error for a failed first contact: what is wrong, and what to check."""
+        where = self.endpoint or f"the {proto}:// store"
+        cause = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
+        names = {type(c).__name__ for c in _causes(exc)}
+        code = _s3_code(exc)
+        if names & _NO_CREDENTIALS or code in _BAD_CREDENTIALS:
+            return ConfigError(
+                f"no usable credentials for {where} ({cause})", path=self.url,
+                hint="set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+                "AWS_SESSION_TOKEN for temporary ones), or AWS_PROFILE, or pass "
+                "storage_options key/secret (anon=True for a public bucket)"
+                if proto in ("s3", "s3a") else "check the credentials the driver uses")
+        if names & _TIMED_OUT or isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+            return ConfigError(
+                f"no answer from {where} within "
+                f"{self.first_contact_timeout or 'the driver timeout'} s ({cause})",
+                path=self.url, hint=_ENDPOINT_HINT if proto in ("s3", "s3a") else
+                "check that the store is reachable from this host")
+        if _is_transient(exc) or names & _UNREACHABLE:
+            return ConfigError(
+                f"cannot reach {where} ({cause})", path=self.url,
+                hint=_ENDPOINT_HINT if proto in ("s3", "s3a") else
+                "check that the store is reachable from this host")
+        return _storage_error("contacting the store", self.url, exc, False)
+
+
+# first-contact failures, by the class names of the errors behind them (botocore's and
+# aiohttp's, which need not be installed)
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                   "NoAuthTokenError"}
+_BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                    "InvalidToken", "TokenRefreshRequired"}
+_TIMED_OUT = {"ConnectTimeoutError", "ReadTimeoutError", "FSTimeoutError"}
+_UNREACHABLE = {"EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
+                "ClientOSError", "gaierror"}
+_ENDPOINT_HINT = ("check the endpoint: storage_options endpoint_url, or $AWS_ENDPOINT_URL / "
+                  "$AWS_ENDPOINT_URL_S3 (for a local server such as MinIO or SeaweedFS), "
+                  "and that the server is running and reachable from this host")
 
 
 def _botocore_knows(operation: str, parameter: str) -> bool:
@@ -1279,15 +1429,37 @@ def is_local_filesystem(path: str) -> bool:
 
 
 def split_url(url: str) -> tuple[str, str]:
-    """(protocol, rest). A bare path, or ``file://``, is protocol "file"."""
+    """(protocol, rest). A bare path, or ``file://``, is protocol "file".
+
+    For ``file://`` the rest is the path (RFC 8089): ``file:///p`` and
+    ``file://localhost/p`` are both ``/p``; any other host is a ``ConfigError`` (ranks
+    started in different directories must never read a host name as a relative path).
+    """
     if "://" not in url:
         return "file", url
     parts = urlsplit(url)
-    return parts.scheme.lower(), url.split("://", 1)[1]
+    protocol, rest = parts.scheme.lower(), url.split("://", 1)[1]
+    if protocol == "file" and not rest.startswith("/"):
+        host, slash, path = rest.partition("/")
+        if host.lower() != "localhost":
+            raise ConfigError(
+                f"file:// URL {url!r} names the host {host!r}", path=url,
+                hint="ferrosync reads local paths only: write file:///abs/path (or "
+                "file://localhost/abs/path), or mount the remote directory and use its "
+                "local path")
+        rest = slash + path
+    return protocol, rest
 
 
-def open_storage(url: str, storage_options: dict | None = None) -> Storage:
-    """Storage for ``url``. Validates the URL; does no I/O on object stores yet."""
+def open_storage(url: str, storage_options: dict | None = None, *,
+                 timeout: float | None = None) -> Storage:
+    """Storage for ``url``. Validates the URL; does no I/O on object stores yet.
+
+    ``timeout`` (seconds; ``connect``'s) bounds the first contact with an object
+    store (``probe_bucket``) and, on S3, botocore's own connect/read timeouts and
+    retries, so a dead or mistyped endpoint fails within it. A missing fsspec driver
+    is a ``ConfigError`` with the ``pip install`` that adds it.
+    """
     protocol, rest = split_url(url)
     storage_options = dict(storage_options or {})
     if protocol in ("file", "local"):
@@ -1311,38 +1483,27 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
             hint="use a directory path, file://, an fsspec URL (s3://, gs://, memory://) "
             "or gloo://, nccl://, torch://",
         )
-    retries = None
-    if protocol == "s3":
-        # One retry layer, not three multiplied (botocore x s3fs x ours took 2 minutes
-        # to report a dead endpoint): botocore's adaptive mode backs off on 503 SlowDown
-        # and connection errors; s3fs and ferrosync then try once.
-        config = dict(storage_options.get("config_kwargs") or {})
-        config.setdefault("retries", {"mode": "adaptive", "max_attempts": 5})
-        config.setdefault("connect_timeout", 5)
-        config.setdefault("read_timeout", 60)
-        for key, value in _redundant_checksums_off().items():
-            config.setdefault(key, value)
-        if _s3_endpoint_uses_tls(storage_options):
-            s3_config = dict(config.get("s3") or {})
-            s3_config.setdefault("payload_signing_enabled", False)
-            config["s3"] = s3_config
-        storage_options["config_kwargs"] = config
-        if "session" not in storage_options:
-            storage_options["session"] = _s3_session_without_expect_continue()
-        retries = 0
+    # the driver first: everything below may import it (botocore for s3://)
     try:
         cls = fsspec.get_filesystem_class(protocol)
     except (ImportError, ValueError) as exc:
-        package = {"s3": "'ferrosync[s3]' (s3fs)", "gs": "gcsfs", "gcs": "gcsfs",
-                   "az": "adlfs", "abfs": "adlfs"}.get(protocol)
-        fix = f"pip install {package}" if package else (
-            known_implementations.get(protocol, {}).get("err")
-            or f"install the fsspec driver for {protocol}")
         raise ConfigError(
-            f"the {protocol}:// driver is not installed ({exc})", path=url, hint=fix
+            f"the {protocol}:// driver is not installed ({exc})", path=url,
+            hint=_driver_hint(protocol, exc),
         ) from None
     if protocol in ("gs", "gcs"):
         cls = gcs_driver(cls, storage_options)
+    retries = None
+    endpoint = None
+    if protocol in ("s3", "s3a"):
+        endpoint = _s3_endpoint(storage_options)
+        try:
+            _s3_settings(storage_options, timeout)
+        except ImportError as exc:  # s3fs without botocore/aiobotocore
+            raise ConfigError(
+                f"the {protocol}:// driver is incomplete ({type(exc).__name__}: {exc})",
+                path=url, hint="pip install 'ferrosync[s3]'") from None
+        retries = 0
     try:
         # skip_instance_cache: our own instance, so our settings and caches are ours
         fs = cls(skip_instance_cache=True, **storage_options)
@@ -1359,6 +1520,8 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
         # MemoryFileSystem strips only "memory://"): its own scheme is no part of a path
         root = fs._strip_protocol(root[len(protocol) + 3:])
     storage = FsspecStorage(url, fs, root)
+    storage.first_contact_timeout = timeout
+    storage.endpoint = endpoint
     if retries is not None:
         storage.retries = retries
         if hasattr(fs, "retries"):
@@ -1366,6 +1529,66 @@ def open_storage(url: str, storage_options: dict | None = None) -> Storage:
 
     return storage
 
+
+def _driver_hint(protocol: str, exc: BaseException) -> str:
+    """The ``pip install`` that adds ``protocol``'s fsspec driver, from fsspec's own
+    ``known_implementations``: the driver's package, or (for drivers inside fsspec)
+    the module its import missed."""
+    from fsspec.registry import known_implementations
+
+    if protocol in ("s3", "s3a"):
+        return "pip install 'ferrosync[s3]'"
+    module = str(known_implementations.get(protocol, {}).get("class", "")).split(".")[0]
+    if module and module != "fsspec":
+        return f"pip install {module.replace('_', '-')}"
+    for cause in _causes(exc):
+        name = getattr(cause, "name", None)
+        if isinstance(cause, ImportError) and name:
+            return f"pip install {name.split('.')[0].replace('_', '-')}"
+    err = known_implementations.get(protocol, {}).get("err")
+    return f"install the fsspec driver for {protocol}://" + (f" ({err})" if err else "")
+
+
+def _s3_settings(storage_options: dict, timeout: float | None) -> None:
+    """botocore settings for s3fs, in ``storage_options`` (the user's own win).
+
+    One retry layer, not three multiplied (botocore x s3fs x ours took 2 minutes to
+    report a dead endpoint): botocore's adaptive mode backs off on 503 SlowDown and
+    connection errors; s3fs and ferrosync then try once. With ``timeout`` its connect
+    and read timeouts and its attempts fit in it: a closed port or an unreachable
+    endpoint is reported within ``connect``'s timeout, not after botocore's defaults.
+    """
+    connect_s, read_s, attempts = 5.0, 60.0, 5
+    if timeout is not None and timeout > 0:
+        connect_s = min(connect_s, max(0.5, timeout / 4))
+        read_s = min(read_s, max(1.0, timeout))
+        attempts = 5 if timeout >= 60 else 3 if timeout >= 15 else 2
+    config = dict(storage_options.get("config_kwargs") or {})
+    config.setdefault("retries", {"mode": "adaptive", "max_attempts": attempts})
+    config.setdefault("connect_timeout", connect_s)
+    config.setdefault("read_timeout", read_s)
+    for key, value in _redundant_checksums_off().items():
+        config.setdefault(key, value)
+    if _s3_endpoint_uses_tls(storage_options):
+        s3_config = dict(config.get("s3") or {})
+        s3_config.setdefault("payload_signing_enabled", False)
+        config["s3"] = s3_config
+    storage_options["config_kwargs"] = config
+    if "session" not in storage_options:
+        storage_options["session"] = _s3_session_without_expect_continue()
+
+
+def _s3_endpoint(storage_options: dict) -> str:
+    """The S3 endpoint ``storage_options`` (or the environment) point s3fs at, in
+    words, for error messages."""
+    client = storage_options.get("client_kwargs") or {}
+    for name, value in (("endpoint_url", storage_options.get("endpoint_url")),
+                        ("client_kwargs endpoint_url", client.get("endpoint_url")),
+                        ("$AWS_ENDPOINT_URL_S3", os.environ.get("AWS_ENDPOINT_URL_S3")),
+                        ("$AWS_ENDPOINT_URL", os.environ.get("AWS_ENDPOINT_URL"))):
+        if value:
+            return f"{value} (from {name})"
+    return "AWS S3 itself (no endpoint_url, $AWS_ENDPOINT_URL_S3 or $AWS_ENDPOINT_URL set)"
 
 
 def _redundant_checksums_off() -> dict:
@@ -1462,7 +1685,12 @@ def probe_location(storage: Storage, rank: int | None = None, *,
     Whoever probes before ranks exist (a launcher) passes ``rank=None``: the probe is
     then named as rank 0's, which the tools recognise all the same.
     """
-    storage.probe_bucket()
+    try:
+        storage.probe_bucket()
+    except ConfigError as exc:
+        if exc.rank is not None or rank is None:
+            raise
+        raise ConfigError(exc.what, rank=rank, path=exc.path, hint=exc.hint) from exc.__cause__
     key = names.probe(0 if rank is None else rank)
     payload = b"ferrosync probe " + secrets.token_bytes(8)
     creates = True

@@ -47,15 +47,18 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import struct
 import sys
 import zlib
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import xxhash
 
 from .errors import ShardCorrupt
+from .storage import RECORD_LIMIT
 
 MAGIC = b"FSYN"
 VERSION = 1
@@ -295,7 +298,40 @@ def layout_digest(signature: str) -> bytes:
 # their canonical JSON, so a tenant without the key cannot forge an abort, keep a
 # dead rank "alive", or steer a rendezvous.
 
-_RECORD_LIMIT = 1 << 20  # a control record larger than this is not ours
+_RECORD_LIMIT = RECORD_LIMIT  # a control record larger than this is not ours
+#: the deepest JSON nesting ferrosync reads (its own records nest 3 levels at most);
+#: deeper input is refused before the parser recurses (``[`` * 500,000 would raise
+#: RecursionError from inside ``json``)
+JSON_MAX_DEPTH = 64
+# a JSON string literal: brackets inside one do not nest (unrolled, so linear time)
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+
+
+def json_depth(data: bytes | str) -> int:
+    """How deeply ``data``'s arrays and objects nest, counted without parsing (one
+    vectorised pass over the bytes outside string literals); for malformed input an
+    upper bound of what a parser would reach."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    outside = np.frombuffer(_JSON_STRING.sub(b'""', bytes(data)), dtype=np.uint8)
+    if not outside.size:
+        return 0
+    step = ((outside == ord("[")) | (outside == ord("{"))).astype(np.int32)
+    step -= ((outside == ord("]")) | (outside == ord("}"))).astype(np.int32)
+    return int(np.cumsum(step).max(initial=0))
+
+
+def loads_bounded(data: bytes | str, max_depth: int = JSON_MAX_DEPTH):
+    """``json.loads`` of untrusted ``data`` that never recurses past ``max_depth``:
+    deeper (or malformed) input raises ``ValueError``, never ``RecursionError``."""
+    depth = json_depth(data)
+    if depth > max_depth:
+        raise ValueError(f"JSON nested {depth} levels deep, more than the {max_depth} "
+                         "ferrosync reads")
+    try:
+        return json.loads(data)
+    except RecursionError:  # pragma: no cover - the depth check comes first
+        raise ValueError("JSON nested too deeply") from None
 
 
 def encode_record(record: dict, key: bytes | None) -> bytes:
@@ -337,28 +373,34 @@ def open_record(data: bytes, key: bytes | None) -> OpenedRecord:
 
     The one place these checks live: ``decode_record`` (the collective path) refuses
     anything but a trusted record, the operator tools show every record with how far
-    it can be trusted. The body is JSON only, never unpickled.
+    it can be trusted. The body is JSON only, never unpickled. The envelope
+    (``{"v", "body", "mac"}``, strings only) is parsed one level deep; with a key the
+    body is parsed only once its MAC matches (``unsigned`` and ``forged`` records
+    come back without a body), and every parse is depth-bounded (``loads_bounded``).
     """
     try:
         if len(data) > _RECORD_LIMIT:
             raise ValueError(f"{len(data)} bytes is too large for a control record")
-        outer = json.loads(data)
+        outer = loads_bounded(data, max_depth=1)
         if not isinstance(outer, dict) or outer.get("v") != VERSION:
             raise ValueError("not a version-1 ferrosync record")
         body = outer["body"]
         if not isinstance(body, str):
             raise TypeError("record body is not a string")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        body_bytes = body.encode("utf-8", "surrogatepass")
+    except (ValueError, KeyError, TypeError) as exc:  # UnicodeError is a ValueError
         return OpenedRecord(None, "malformed", str(exc))
     if key is None:
         auth = "unverifiable" if "mac" in outer else "plain"
     elif "mac" not in outer:
         auth = "unsigned"
     else:
-        mac = hmac.new(key, body.encode(), "sha256").hexdigest()
+        mac = hmac.new(key, body_bytes, "sha256").hexdigest()
         auth = "verified" if hmac.compare_digest(mac, str(outer["mac"])) else "forged"
+    if auth in ("unsigned", "forged"):
+        return OpenedRecord(None, auth, "not parsed: its MAC does not match the secret")
     try:
-        record = json.loads(body)
+        record = loads_bounded(body)
         if not isinstance(record, dict):
             raise ValueError("record body is not an object")
     except ValueError as exc:  # json.JSONDecodeError is a ValueError

@@ -220,8 +220,11 @@ def test_unmodified_script_with_two_processes(tmp_path):
 # -- the hook itself, in this process -------------------------------------------------------
 
 def test_schemes_match_init_methods():
+    from ferrosync.env import ENV_URL
+
     assert ferrosync_autoload.OBJECT_SCHEMES == init_methods.OBJECT_SCHEMES
     assert ferrosync_autoload.BACKEND_NAME == "ferrosync"
+    assert ferrosync_autoload.ENV_URL == ENV_URL
 
 
 def test_hook_never_raises(monkeypatch):
@@ -266,3 +269,31 @@ def test_hook_imports_only_torch():
            for alias in node.names}
     top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
     assert top <= {"__future__", "os"}, top  # torch and ferrosync only inside functions
+
+
+def test_a_gloo_user_imports_nothing_of_ferrosync(tmp_path):
+    """``init_process_group("gloo")`` through ``env://`` and a ``file://`` store file:
+    the hook's wrappers hand both to torch without importing ferrosync (they are not
+    ferrosync's forms). This checkout's hook is loaded (first on PYTHONPATH)."""
+    if _entry_point() is None:
+        pytest.skip("ferrosync's torch.backends entry point is not installed (pip install -e .)")
+    store = tmp_path / "store"
+    record = run_python(PROLOGUE + f"""
+import os, socket
+import torch, torch.distributed as dist
+import ferrosync_autoload
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+dist.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
+dist.destroy_process_group()
+after_env = "ferrosync" in sys.modules
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+t = torch.ones(2); dist.all_reduce(t); dist.destroy_process_group()
+print(json.dumps({{**state(), "after_env": after_env, "hook_file": ferrosync_autoload.__file__}}))
+""", tmp_path, PYTHONPATH=ROOT)
+    assert record["hook_file"] == HOOK_FILE
+    assert record["backend"] and record["env_wraps"] == "_env_rendezvous_handler"
+    assert record["after_env"] is False and record["package"] is False, record
+    assert record["heavy"] == []

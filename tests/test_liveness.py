@@ -26,7 +26,7 @@ from ferrosync.liveness import (
     freeze_bound,
     heartbeat_key,
 )
-from ferrosync.storage import Counters
+from ferrosync.storage import RECORD_LIMIT, Counters, oversized
 from ferrosync.wire import encode_record
 from ranks import collect, read_heartbeat, start_ranks, wait_until
 
@@ -48,8 +48,11 @@ class FakeStorage:
             raise self.fail_puts
         self.objects[key] = b"".join(bytes(p) for p in parts)
 
-    def read(self, key):
-        return self.objects.get(key)
+    def read(self, key, *, max_bytes=RECORD_LIMIT, rank=None):
+        data = self.objects.get(key)
+        if data is not None and max_bytes is not None and len(data) > max_bytes:
+            raise oversized(self.path_of(key), len(data), max_bytes, rank)
+        return data
 
     def path_of(self, key):
         return f"fake://{key}"

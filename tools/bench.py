@@ -331,7 +331,7 @@ def raw_floor_ms(scheme: str, options: dict, nbytes: int, iters: int) -> float:
     for i in range(iters + 1):
         t0 = time.perf_counter()
         storage.put(f"x{i}", [data])
-        got = storage.read(f"x{i}")
+        got = storage.read(f"x{i}", max_bytes=nbytes)
         times.append(time.perf_counter() - t0)
         assert got is not None and len(got) == nbytes
         storage.delete([f"x{i}"])

@@ -69,7 +69,7 @@ class FileSync(GradSync):
         return StorageOptions.parse(options)
 
     def __init__(self, url: str, identity, timeout: float, options: StorageOptions) -> None:
-        storage = open_storage(url, options.storage_options)
+        storage = open_storage(url, options.storage_options, timeout=timeout)
         faults = load_faults(identity.rank)  # $FERROSYNC_FAULTS: tests and drills only
         if faults:
             storage = FaultyStorage(storage, faults)
@@ -156,7 +156,8 @@ class FileSync(GradSync):
     def _open(self, name: str, src: int, expected: Expected, wait_on, what: str):
         """Wait for ``name`` (written by rank ``src``) and check it against ``expected``."""
         objects = self._objects
-        incoming = objects.wait_open(name, wait_on, what)
+        incoming = objects.wait_open(name, wait_on, what,
+                                     expected.codec.nbytes(expected.part.count))
         try:
             expected.check(incoming.header, src, incoming.path, self.rank,
                            lambda other, theirs: objects.mismatch(other, theirs,

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..api import GradSync
 from ..codecs import accumulator_dtype
 from ..env import Identity
-from ..errors import ConfigError, FerrosyncError, error_class
+from ..errors import ConfigError, FerrosyncError, error_class, relay_text, relayed
 from ..registry import storage_backend
 from ..storage import Counters
 from .common import check_layouts, weighted_copy
@@ -221,7 +221,7 @@ class HierarchicalSync(GradSync):
         """Leader, after a failed status went out: the error itself, as JSON."""
         try:
             text = json.dumps({"type": type(exc).__name__,
-                               "message": getattr(exc, "what", str(exc))}).encode()
+                               "message": relay_text(exc)}).encode()
             msg = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
             data = text[: _MESSAGE_BYTES]
             msg[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -246,7 +246,7 @@ class HierarchicalSync(GradSync):
             info = {"type": "PeerFailed", "message": "(unreadable)"}
         cls = error_class(str(info.get("type")))
         raise cls(f"the leader of node {self.node} (rank {self.rank - self.local_rank}) "
-                  f"reports: {info.get('message')}", rank=self.rank, path=self.url,
+                  f"reports: {relayed(info.get('message'))}", rank=self.rank, path=self.url,
                   hint="see the leader's log; every rank of every node stops")
 
     def _leader_step(self, fn, failed_buffer: torch.Tensor | None = None):

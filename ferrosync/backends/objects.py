@@ -24,8 +24,10 @@ from ..errors import (
     ShardCorrupt,
     SyncTimeout,
     error_class,
+    relay_text,
+    relayed,
 )
-from ..storage import Backoff, object_exists
+from ..storage import RECORD_LIMIT, Backoff, object_exists
 from ..wire import (
     DTYPE_CODES,
     FLAG_AUTH,
@@ -35,6 +37,7 @@ from ..wire import (
     Header,
     decode_record,
     encode_record,
+    loads_bounded,
     parse_header,
     seal,
 )
@@ -106,7 +109,7 @@ class GenerationObjects:
 
     def publish_error(self, name: str, exc: BaseException) -> None:
         """Publish an error record where peers wait, so they fail now, not at timeout."""
-        body = json.dumps({"type": type(exc).__name__, "message": getattr(exc, "what", str(exc))})
+        body = json.dumps({"type": type(exc).__name__, "message": relay_text(exc)})
         payload = body.encode()
         header = Header(
             kind=KIND_ERROR, dtype=DTYPE_CODES[torch.uint8], codec=0, rank=self.rank,
@@ -130,21 +133,24 @@ class GenerationObjects:
                          [encode_record(layout, self.key)])
 
     # -- waiting and opening -----------------------------------------------------------------
-    def wait_open(self, name: str, wait_on, what: str) -> Incoming:
+    def wait_open(self, name: str, wait_on, what: str, payload_nbytes: int) -> Incoming:
         """Block until object ``name`` exists and return it opened, header checked.
 
         Polls the exact name with back-off; while waiting, deletes garbage and checks
         the peers in ``wait_on`` (abort markers, heartbeats) once per interval. An
-        error record raises the error its writer reported.
+        error record raises the error its writer reported. ``payload_nbytes`` is the
+        payload the layout expects: a larger object (or error record) is refused by
+        its size, before a byte of its payload is read or buffered.
         """
         key = self.key_of(name)
         storage = self.storage
+        limit = HEADER_SIZE + MAC_SIZE + max(payload_nbytes, RECORD_LIMIT)
         with self._stats.phase("wait_s"):
-            reader = storage.open(key)
+            reader = storage.open(key, max_bytes=limit, rank=self.rank)
             if reader is None:
                 self.recycler.flush()
                 backoff = Backoff(*self._poll)
-                while (reader := storage.open(key)) is None:
+                while (reader := storage.open(key, max_bytes=limit, rank=self.rank)) is None:
                     # first, as it ticks this process's clock: a freeze that just ended
                     # is known before the deadline is judged, whichever thread of this
                     # process runs first after it
@@ -187,6 +193,13 @@ class GenerationObjects:
         incoming = Incoming(reader, header, bytes(raw[: header.size]), path, self.key,
                             self.rank)
         if header.kind == KIND_ERROR:
+            if header.payload_nbytes > RECORD_LIMIT:  # its whole payload is buffered
+                raise ShardCorrupt(
+                    f"error record of {header.payload_nbytes} bytes, more than the "
+                    f"{RECORD_LIMIT} an error record can have; refused unread",
+                    rank=self.rank, collective=self.seq, path=path,
+                    hint="something else writes under this URL: give each job its own "
+                    "URL, and set a secret (FERROSYNC_SECRET)")
             raise self._remote_error(incoming)
         return incoming
 
@@ -206,9 +219,9 @@ class GenerationObjects:
     def _remote_error(self, incoming: Incoming):
         data = incoming.read_bytes()
         try:
-            info = json.loads(data.decode())
+            info = loads_bounded(data)
             cls = error_class(info.get("type", ""))
-            message = str(info.get("message", ""))
+            message = relayed(info.get("message"))
         except (ValueError, UnicodeDecodeError, AttributeError):
             cls, message = PeerFailed, "(unreadable error record)"
         return cls(f"rank {incoming.header.rank} reports: {message}", rank=self.rank,

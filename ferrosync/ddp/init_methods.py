@@ -46,6 +46,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
 
+import ferrosync_autoload  # the rules for which init_methods are ferrosync's
+
 from ..env import ENV_URL, discover
 from ..errors import ConfigError, StorageError
 from ..storage import DIR_MODE, file_kind
@@ -245,7 +247,7 @@ def _file_handler(torch_handler):
 
     def handler(url: str, **kwargs):
         parts = urlsplit(url)
-        if parts.path and (parts.path.endswith("/") or os.path.isdir(parts.path)):
+        if ferrosync_autoload.takes_over_file(url):
             rank, world_size = _identity(parts.query, url)
             yield _directory_store(parts.path, world_size), rank, world_size
             raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
@@ -260,7 +262,7 @@ def _env_handler(torch_handler):
     a process-local ``EnvStore`` (see the module docstring)."""
 
     def handler(url: str, **kwargs):
-        if os.environ.get(ENV_MASTER_ADDR) or not os.environ.get(ENV_URL, "").strip():
+        if not ferrosync_autoload.takes_over_env(url):
             yield from torch_handler(url, **kwargs)
             return
         parts = urlsplit(url)

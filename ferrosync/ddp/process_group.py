@@ -70,6 +70,7 @@ import datetime
 import json
 import os
 import re
+import sys
 import threading
 import warnings
 from functools import reduce
@@ -81,12 +82,12 @@ from torch.futures import Future
 from .. import validate
 from ..api import GradSync, connect
 from ..codecs import FLOAT_DTYPES
-from ..env import ENV_URL
+from ..env import ENV_SECRET, ENV_URL
 from ..errors import ConfigError, SyncTimeout
 from .constants import BACKEND_NAME, ENV_PG_OPTIONS
 from .init_methods import location_of
 
-__all__ = ["SyncProcessGroup", "create_backend"]
+__all__ = ["SyncProcessGroup", "create_backend", "ObjectCollectiveWarning"]
 
 _Op = dist.ReduceOp.RedOpType
 _AVERAGED = FLOAT_DTYPES  # the dtypes GradSync.average_ takes
@@ -108,6 +109,146 @@ _UNSUPPORTED_HINT = (
     "reduce_scatter, reduce, gather, scatter and barrier; use backend 'gloo' or 'nccl' "
     "for the rest"
 )
+
+
+class ObjectCollectiveWarning(UserWarning):
+    """An object collective ran on a group whose storage objects carry no MAC."""
+
+
+#: torch's collectives that pickle on one rank and unpickle on the others
+_OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object",
+                                 "scatter_object_list", "send_object_list",
+                                 "recv_object_list"})
+_objects_warned = False  # one warning per process
+
+
+def _object_collective_calling(depth: int = 12) -> str | None:
+    """The torch object collective (``broadcast_object_list``, ...) this call comes
+    from, found on the calling thread's stack; None for a tensor collective."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in _OBJECT_COLLECTIVES and str(
+                frame.f_globals.get("__name__", "")).startswith("torch.distributed"):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+def _unauthenticated(sync: GradSync) -> bool:
+    """Whether ``sync`` moves bytes through shared storage without a MAC (a storage
+    GradSync, or a hierarchical one's leaders, without a secret). gloo and nccl
+    transports never touch storage: their peers are the job's own processes."""
+    for holder in (sync, getattr(sync, "_inter", None)):
+        for name in ("_secret", "_key"):  # ElasticSync: _secret (its _key is a method)
+            value = getattr(holder, name, _ABSENT)
+            if value is not _ABSENT and not callable(value):
+                return value is None
+    return False
+
+
+_ABSENT = object()
+
+
+def _warn_object_collective(sync: GradSync) -> None:
+    """Warn once per process when an object collective runs without a secret."""
+    global _objects_warned
+    if _objects_warned or not _unauthenticated(sync):
+        return
+    name = _object_collective_calling()
+    if name is None:
+        return
+    _objects_warned = True
+    warnings.warn(
+        f"rank {sync.rank}: {name} on the ferrosync process group at {sync.url} runs "
+        "without a secret: object collectives unpickle what other ranks wrote to shared "
+        "storage, and without a secret anyone who can write there can replace those "
+        "bytes (their checksum needs no key) and run code in every rank. Set the same "
+        f"secret on every rank: {ENV_SECRET}=<random string> in each rank's environment "
+        "(python -m ferrosync.train gives the ranks it launches one) or "
+        "pg_options={'secret': ...}; docs/ddp.md#security-of-object-collectives",
+        ObjectCollectiveWarning, stacklevel=4)
+
+
+def _needs_stand_ins(args) -> bool:
+    """Whether a collective's arguments need ``_StandIns``: the caller is in inference
+    mode, or passes an inference tensor."""
+    if torch.is_inference_mode_enabled():
+        return True
+    return any(t.is_inference() for t in _tensors_in(args))
+
+
+def _tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+
+
+class _StandIns:
+    """Normal tensors standing in for a collective's inference tensors.
+
+    Inference mode is per thread, and an inference tensor may be changed in place only
+    inside it: the overlapped allreduce runs on a library thread (never in inference
+    mode), and the GradSync's pooled buffers must not be created as inference tensors
+    (a later collective outside inference mode could not reuse them). So the
+    collective always runs outside inference mode on stand-ins: each inference tensor
+    is cloned (a normal tensor), and ``restore`` copies the results back inside
+    inference mode, on whichever thread finishes the collective. Tensors that are not
+    inference tensors are used as they are, as with gloo.
+    """
+
+    def __init__(self, args) -> None:
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.inference_mode(False):
+            self.args = self._swap(args)
+
+    def _swap(self, value):
+        if isinstance(value, torch.Tensor):
+            if not value.is_inference():
+                return value
+            stand = value.clone()
+            self._pairs.append((value, stand))
+            return stand
+        if isinstance(value, list):
+            return [self._swap(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self._swap(v) for v in value)
+        return value
+
+    def restore(self) -> None:
+        if self._pairs:
+            with torch.inference_mode(), torch.no_grad():
+                for original, stand in self._pairs:
+                    original.copy_(stand)
+
+    def original(self, value):
+        """``value`` (a result built from the stand-ins) with the originals back."""
+        back = {id(stand): original for original, stand in self._pairs}
+        if isinstance(value, torch.Tensor):
+            return back.get(id(value), value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.original(v) for v in value)
+        return value
+
+
+def _inference_safe(method):
+    """Run a synchronous collective method outside inference mode on ``_StandIns``
+    when the caller is in inference mode or passes inference tensors (see there)."""
+    def wrapper(self, *args, **kwargs):
+        if not _needs_stand_ins(args):
+            return method(self, *args, **kwargs)
+        stand_ins = _StandIns(args)
+        with torch.inference_mode(False):
+            work = method(self, *stand_ins.args, **kwargs)
+        stand_ins.restore()
+        return _Done(stand_ins.original(work.result()))
+
+    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
+    wrapper.__qualname__ = method.__qualname__
+    return wrapper
 
 
 class _Done(dist._Work):
@@ -320,17 +461,25 @@ class SyncProcessGroup(dist.ProcessGroup):
         op = _reduce_op(opts)
         self._check_op(op, tensors)
         tensors = list(tensors)
+        # inference tensors (Lightning's test loop): the collective runs on normal
+        # stand-ins outside inference mode, the results are copied back inside it
+        stand_ins = _StandIns(tensors) if _needs_stand_ins(tensors) else None
+        work_on = stand_ins.args if stand_ins is not None else tensors
         if self.overlap and all(t.device.type == "cpu" for t in tensors):
-            return self._start(lambda: self._allreduce(tensors, op), tensors)
+            return self._start(lambda: self._allreduce(work_on, op), tensors,
+                               stand_ins)
         self._settle()
-        with torch.no_grad():
-            self._allreduce(tensors, op)
+        with torch.no_grad(), torch.inference_mode(False):
+            self._allreduce(work_on, op)
+        if stand_ins is not None:
+            stand_ins.restore()
         return _Done(tensors)
 
     # -- the async allreduce ------------------------------------------------------------------
-    def _start(self, body, result) -> _Pending:
-        """Run ``body`` (after ``_check_op``) as the next collective on the GradSync's
-        async thread; return its ``Work``."""
+    def _start(self, body, result, stand_ins: _StandIns | None) -> _Pending:
+        """Run ``body`` (after ``_check_op``; it works on ``result``'s tensors, or on
+        their ``stand_ins``) as the next collective on the GradSync's async thread;
+        return its ``Work``, whose value is ``result``."""
         self._raise_failed()
         sync = self.sync
         work = _Pending(result, sync.rank, sync.url)
@@ -338,6 +487,8 @@ class SyncProcessGroup(dist.ProcessGroup):
         def job() -> None:
             with torch.no_grad():
                 body()
+            if stand_ins is not None:
+                stand_ins.restore()  # before the Work completes: waiters see results
 
         # before any I/O: a closed or failed GradSync raises here, queueing nothing
         handle = sync.submit("allreduce", job)
@@ -380,15 +531,19 @@ class SyncProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts)
 
+    @_inference_safe
     def broadcast(self, tensors, opts=None):
         self._settle()
+        _warn_object_collective(self.sync)
         src = 0 if opts is None else opts.rootRank
         with torch.no_grad():
             self.sync.broadcast_(list(tensors), src=src)
         return _Done(tensors)
 
+    @_inference_safe
     def allgather(self, output_tensors, input_tensors, opts=None):
         self._settle()
+        _warn_object_collective(self.sync)
         if len(output_tensors) != len(input_tensors):
             raise self._error(f"allgather got {len(output_tensors)} output lists for "
                               f"{len(input_tensors)} inputs")
@@ -411,8 +566,10 @@ class SyncProcessGroup(dist.ProcessGroup):
             single(output, input, opts)
         return _Done(outputs)
 
+    @_inference_safe
     def _allgather_base(self, output, input, opts=None):
         self._settle()
+        _warn_object_collective(self.sync)
         self._check_world_times("all_gather_into_tensor output", output, input)
         with torch.no_grad():
             parts = self.sync.all_gather(input)
@@ -426,6 +583,7 @@ class SyncProcessGroup(dist.ProcessGroup):
     all_gather_single = _allgather_base
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
+    @_inference_safe
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         self._settle()
         op = _reduce_op(opts)
@@ -440,6 +598,7 @@ class SyncProcessGroup(dist.ProcessGroup):
                 self._take_own_slice(out, flat)
         return _Done(output_tensors)
 
+    @_inference_safe
     def _reduce_scatter_base(self, output, input, opts=None):
         self._settle()
         op = _reduce_op(opts)
@@ -462,6 +621,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         n = out.numel()
         out.copy_(flat[self.sync.rank * n:(self.sync.rank + 1) * n].view(out.shape))
 
+    @_inference_safe
     def reduce(self, tensors, opts=None):
         self._settle()
         op = _reduce_op(opts)
@@ -473,8 +633,10 @@ class SyncProcessGroup(dist.ProcessGroup):
             self._allreduce(work, op)
         return _Done(tensors)
 
+    @_inference_safe
     def gather(self, output_tensors, input_tensors, opts=None):
         self._settle()
+        _warn_object_collective(self.sync)
         root = 0 if opts is None else opts.rootRank
         (inp,) = input_tensors
         if self.sync.rank == root:
@@ -487,8 +649,10 @@ class SyncProcessGroup(dist.ProcessGroup):
                     out.copy_(part.view(out.shape))
         return _Done(output_tensors)
 
+    @_inference_safe
     def scatter(self, output_tensors, input_tensors, opts=None):
         self._settle()
+        _warn_object_collective(self.sync)
         root = 0 if opts is None else opts.rootRank
         (out,) = output_tensors
         world = self.sync.world_size
@@ -512,6 +676,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         self._settle()
         return _Done([])
 
+    @_inference_safe
     def barrier(self, opts=None):
         self._settle()
         self.sync.barrier()

@@ -317,7 +317,8 @@ class ElasticSync(GradSync):
         raw = self._agreement.take(round_, member)
         if raw is None:
             with self._stats.phase("read_s"):
-                raw = self._storage.read(key)
+                # TODO(elastic): bound by the contribution's size known from the layout
+                raw = self._storage.read(key, max_bytes=None)
         if raw is None:
             raise MemberDropped(
                 f"the contribution of member {member} to round {round_} is gone: this "

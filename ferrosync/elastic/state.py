@@ -137,7 +137,8 @@ class StateStore:
             fresh = pointer is not None and (min_round is None or pointer["round"] >= min_round)
             if fresh:
                 key = self._key(names.elastic_state(pointer["round"]))
-                raw = self._storage.read(key)
+                # TODO(elastic): bound by the state's size known from its layout
+                raw = self._storage.read(key, max_bytes=None)
                 if raw is not None:
                     break
             elif min_round is None:

@@ -189,8 +189,9 @@ class Doctor:
                 storage.probe_bucket()
             except ConfigError as exc:
                 if not isinstance(exc.__cause__, FileNotFoundError):  # a missing bucket
-                    self.add("location", "fail", str(exc))
-                    return False
+                    # unreachable, no credentials, an object for a prefix: bad usage,
+                    # one line and exit 2 (the CLI), not a report of checks
+                    raise
                 bucket = storage.root.split("/", 1)[0]
                 try:
                     storage.fs.mkdir(bucket)
@@ -262,7 +263,7 @@ class Doctor:
         thread.start()
         try:
             while not done.is_set() or reads < 3:
-                data = self.second.read(key)
+                data = self.second.read(key, max_bytes=size)
                 reads += 1
                 version = _version_of(data, size)
                 if version is None:
@@ -443,7 +444,7 @@ class Doctor:
         self.storage.put(key, [data])
         t1 = time.perf_counter()
         back = bytearray(len(data))
-        reader = self.second.open(key)
+        reader = self.second.open(key, max_bytes=len(data))
         got = 0
         if reader is not None:
             with reader:

@@ -54,10 +54,10 @@ def find_jobs(keys) -> dict[str, ElasticJob]:
 
 
 def _read(storage: Storage, key: str, secret: bytes | None, problems: list[str]) -> dict | None:
-    raw = storage.read(key)
-    if raw is None:
-        return None  # deleted since the listing
     try:
+        raw = storage.read(key)  # ShardCorrupt when larger than any record
+        if raw is None:
+            return None  # deleted since the listing
         return decode_record(raw, secret, path=storage.path_of(key))
     except ShardCorrupt as exc:
         problems.append(f"{key}: {exc.what}")

@@ -25,8 +25,12 @@ What goes, and why it is safe:
 * A temp file ``.{name}.{pid}.{hex}.tmp`` goes with its generation, or on its own
   when it outlived the watch window and its pid is none of its generation's running
   ranks (and, on a local directory, no live process here).
-* Records that cannot be verified (a MAC and no ``--secret``, or a bad MAC) are never
-  acted upon: their generation is kept and the reason printed.
+* Records that cannot be read, parsed or verified (junk, a MAC and no ``--secret``, a
+  bad MAC, a file larger than any record) are never acted upon and protect, never
+  unprotect: a junk abort marker keeps its generation, and a junk announcement above
+  a job's newest trusted one keeps that one protected as the job's newest
+  (``Namespace.maybe_newest``): a suspended job's generation is never removed because
+  of a file someone else put there.
 * On a local or NFS directory one ``gc`` at a time holds ``.ferrosync-gc.lock``
   (an ``flock``); jobs never take it, they are protected by liveness.
 * Nothing is followed: links, FIFOs, sockets and devices (which ferrosync never
@@ -45,7 +49,7 @@ from dataclasses import dataclass, field
 from .. import names
 from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
-from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, scan
+from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, printable, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
 
 REMOVABLE = ("finished", "dead", "empty", "orphan")
@@ -296,7 +300,7 @@ def run(storage: Storage, secret: bytes | None, window: float, *, keep: int, dry
         verb = ("would remove" if dry_run else "removed") if d.action == "remove" else "keep"
         size = f" ({len(d.keys)} objects, {human_bytes(d.bytes)})" if d.action == "remove" \
             else ""
-        print(f"  {verb:<12} {d.target}{size}: {d.reason}")
+        print(f"  {verb:<12} {printable(d.target)}{size}: {printable(d.reason)}")
     if not decisions:
         print("  nothing here")
     total = sum(len(d.keys) for d in decisions if d.action == "remove")

@@ -24,7 +24,7 @@ from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
 from .elastic_history import elastic_reports, is_elastic_namespace
 from .elastic_history import render as render_elastic
-from .scan import FoundGeneration, Namespace, Scan, human_bytes, read_record, scan
+from .scan import FoundGeneration, Namespace, Scan, human_bytes, printable_tree, read_record, scan
 from .watch import RankView, generation_status, judge, progress, stragglers
 
 
@@ -253,6 +253,9 @@ def build_report(storage: Storage, secret: bytes | None, window: float,
 # -- text rendering ---------------------------------------------------------------------------
 
 def render(report: dict) -> str:
+    # every name and record field came from storage: escaped, so a key with a newline
+    # or a bidirectional override cannot forge or reorder what the operator reads
+    report = printable_tree(report)
     watched = (f"heartbeats watched up to {report['watch_s']:g} s" if report["watch_s"] > 0
                else "heartbeats not watched (--watch 0): liveness not judged")
     lines = [f"ferrosync inspect {report['url']}  ({watched})"]

@@ -38,7 +38,7 @@ import os
 from dataclasses import dataclass, field
 
 from .. import names
-from ..errors import StorageError
+from ..errors import ShardCorrupt, StorageError
 from ..storage import FsspecStorage, LocalStorage, Storage
 from ..wire import open_record
 
@@ -191,6 +191,26 @@ class Namespace:
         newest = self.newest
         return self.prefix_of(newest) if newest is not None else None
 
+    @property
+    def maybe_newest(self) -> set[str]:
+        """Every directory that may be this job's newest announced generation.
+
+        Walking the listed announcements from the highest number down, each directory
+        a record names is included (trusted or not), down to and including the newest
+        one that is trusted and names its directory (``settled``). A record gc cannot
+        read, parse or verify (junk at ``gen.99``, a forged or unverifiable one)
+        protects, never unprotects: it proves nothing about what is newest, so the
+        walk goes on below it and the generation it may pretend to supersede stays
+        protected."""
+        out: set[str] = set()
+        for number in sorted({o.number for o in self.of_kind("announcement")}, reverse=True):
+            prefix = self.prefix_of(number)
+            if prefix is not None:
+                out.add(prefix)
+            if self.settled(number):
+                break
+        return out
+
     def settled(self, number: int) -> bool:
         """True when this namespace can never announce another directory numbered
         ``number``: its announcement of that number is here, trusted, and names its
@@ -222,9 +242,10 @@ class Scan:
 
     @property
     def newest_prefixes(self) -> set[str]:
-        """The directories of each namespace's newest announced generation: a job that
-        was just announced may not have heartbeated yet, so each is protected."""
-        return {p for ns in self.namespaces.values() if (p := ns.newest_prefix) is not None}
+        """The directories that may be a namespace's newest announced generation
+        (``Namespace.maybe_newest``): a job that was just announced may not have
+        heartbeated yet, and a suspended one does not, so each is protected."""
+        return set().union(*(ns.maybe_newest for ns in self.namespaces.values()))
 
     def may_be_announced(self, gen: FoundGeneration) -> bool:
         """Could some job still announce this unannounced directory (or has it, in a
@@ -261,6 +282,9 @@ def decode_lenient(raw: bytes, key: str, secret: bytes | None) -> Record:
     record even when it cannot be verified. The JSON body is data only.
     """
     opened = open_record(raw, secret)
+    if opened.body is None and opened.auth in ("unsigned", "forged"):  # left unparsed
+        trust, problem = _DISTRUST[opened.auth]
+        return Record(key, None, trust, problem)
     if opened.body is None:
         return Record(key, None, "bad", f"not a ferrosync control record ({opened.problem})")
     if opened.trusted:
@@ -277,7 +301,7 @@ def read_record(storage: Storage, key: str, secret: bytes | None) -> Record | No
     """
     try:
         raw = storage.read(key)
-    except StorageError as exc:
+    except (StorageError, ShardCorrupt) as exc:  # ShardCorrupt: larger than any record
         return Record(key, None, "bad", f"unreadable: {exc}")
     if raw is None:
         return None
@@ -424,6 +448,30 @@ def read_markers(storage: Storage, gen: FoundGeneration, kind: str,
         if record is not None:
             out[rank] = record
     return out
+
+
+def printable(text: object) -> str:
+    """``text`` safe to print on an operator's terminal: every character that is not
+    printable (newlines and other controls, bidirectional overrides such as U+202E,
+    zero-width and other format characters, line separators) and every backslash are
+    written as Python escapes, so a name planted in storage cannot forge a line of the
+    report or reverse how it reads."""
+    text = str(text)
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else
+                   ("\\\\" if c == "\\" else repr(c)[1:-1]) for c in text)
+
+
+def printable_tree(value):
+    """``printable`` applied to every string (and key) in a JSON-like report."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable_tree(k): printable_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [printable_tree(v) for v in value]
+    return value
 
 
 def human_bytes(n: int) -> str:

@@ -136,6 +136,10 @@ def _rank_view(rank: int, obs: Observation | None, abort: Record | None,
                interval: float) -> RankView:
     if abort is not None and abort.usable:
         return RankView(rank, "aborted", obs, abort)
+    if abort is not None:
+        # an abort marker that cannot be read or trusted proves nothing either way: the
+        # rank is not judged (gc keeps its generation) rather than taken for stale
+        return RankView(rank, "untrusted", obs, abort, abort.problem)
     last = obs.last if obs is not None else None
     if last is None:
         problem = abort.problem if abort is not None else None

@@ -35,6 +35,7 @@ import torch
 from ..errors import ConfigError, StorageError
 from ..storage import Storage, open_storage
 from ..storage import probe_location as probe_storage
+from ..wire import loads_bounded
 
 LATEST = "latest.json"
 FORMAT = 1
@@ -107,7 +108,7 @@ class CheckpointStore:
     def probe(self) -> None:
         """Rank 0, before training: the location must accept writes."""
         # checkpoints are only ever overwritten: no exclusive create to require
-        probe_location(self.storage, "checkpoint directory", exclusive=False)
+        probe_location(self.storage, what="checkpoint directory", exclusive=False)
 
     def latest(self) -> dict | None:
         """The newest checkpoint's description (``latest.json``), or None if none."""
@@ -119,7 +120,7 @@ class CheckpointStore:
         if raw is None:
             return None
         try:
-            meta = json.loads(raw.decode())
+            meta = loads_bounded(raw.decode())
             int(meta["step"]), str(meta["file"])
         except (ValueError, KeyError, TypeError, UnicodeDecodeError):
             raise ConfigError(
@@ -149,7 +150,8 @@ class CheckpointStore:
         return self._load_key(key)
 
     def _load_key(self, key: str) -> dict:
-        raw = self.storage.read(key)
+        # a checkpoint has no size limit of its own; torch.load(weights_only) checks it
+        raw = self.storage.read(key, max_bytes=None)
         if raw is None:
             raise ConfigError(f"checkpoint {self.storage.path_of(key)} is missing",
                               hint="the directory was pruned by hand: restore the file "

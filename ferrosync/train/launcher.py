@@ -33,6 +33,7 @@ import collections
 import ctypes
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -48,6 +49,7 @@ from ..env import (
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
     ENV_RANK,
+    ENV_SECRET,
     ENV_URL,
     ENV_WORLD_SIZE,
 )
@@ -82,9 +84,10 @@ def launch(args, argv: list[str]) -> int:
         # out the members that other commands start
         job = os.environ.get(ENV_JOB, "") if args.elastic else launch_job_id()
         port = free_port()
+        secret = launch_secret(args.elastic)
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
-            envs.append(_rank_env(rank, args.nproc, url, per_node, job, port))
+            envs.append(_rank_env(rank, args.nproc, url, per_node, job, port, secret))
         return Supervisor(commands, envs, url=url, elastic=args.elastic).run()
     finally:
         if created is not None:
@@ -101,6 +104,31 @@ def launch_job_id() -> str:
     not used here: one allocation may run several launches.
     """
     return os.environ.get(ENV_JOB) or f"launch-{uuid.uuid4().hex[:16]}"
+
+
+def launch_secret(elastic: bool) -> str | None:
+    """A fresh secret for the ranks of this launch, or None (with a warning on stderr
+    where the ranks run without one).
+
+    Without a secret, anyone who can write to the sync location can forge what ranks
+    read, and object collectives (``broadcast_object_list``, ...) unpickle it. A
+    fixed-size launch starts every rank itself, so it can give them one nobody else
+    knows: ``$FERROSYNC_SECRET``, set in each rank's environment only. Not when the
+    user set a secret (kept), nor for ``--elastic`` members (members started by other
+    commands must share the user's secret), nor when the user named the job
+    (``$FERROSYNC_JOB``: a restart under that name must read the earlier launches'
+    records, which a new secret would reject).
+    """
+    if os.environ.get(ENV_SECRET):
+        return None
+    if elastic or os.environ.get(ENV_JOB):
+        why = "--elastic members" if elastic else f"a job named by ${ENV_JOB}"
+        print(f"ferrosync.train: warning: {why} run without a secret: anyone who can "
+              "write to the sync location can forge what the ranks read (and run code "
+              f"through object collectives); set the same {ENV_SECRET} for every "
+              "process of the job", file=sys.stderr, flush=True)
+        return None
+    return secrets.token_hex(32)
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -144,11 +172,12 @@ def torchrun_env(rank: int, world_size: int, per_node: int, job: str, port: int)
 
 
 def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None,
-              job: str | None = None, port: int | None = None) -> dict:
+              job: str | None = None, port: int | None = None,
+              secret: str | None = None) -> dict:
     """A rank's environment; ``per_node`` < world_size simulates several nodes.
 
-    Every rank of a launch must get the same ``job`` and ``port`` (``launch`` passes
-    them); the defaults suit a single call."""
+    Every rank of a launch must get the same ``job``, ``port`` and ``secret``
+    (``launch`` passes them; ``launch_secret``); the defaults suit a single call."""
     per_node = per_node or world_size
     env = dict(os.environ)
     job = launch_job_id() if job is None else job  # "": no job id (an elastic launch)
@@ -157,6 +186,8 @@ def _rank_env(rank: int, world_size: int, url: str, per_node: int | None = None,
     env.pop(ENV_JOB, None)
     if job:
         env[ENV_JOB] = job
+    if secret:
+        env[ENV_SECRET] = secret
     env.update({
         ENV_URL: url,
         ENV_CHILD: "1",

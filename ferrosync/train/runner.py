@@ -172,7 +172,9 @@ def check_sync_url(url: str, options: dict) -> None:
     if split_url(url)[0] in TORCH_SCHEMES:
         return
     backend_for(url, options).check_options(options)  # raises ConfigError on bad options
-    probe_location(open_storage(url, options.get("storage_options")), "sync URL")
+    # the first contact with an object store is bounded: a dead endpoint is one line
+    probe_location(open_storage(url, options.get("storage_options"), timeout=60.0),
+                   what="sync URL")
 
 
 def preflight(args, world_size: int) -> None:

@@ -2,9 +2,10 @@
 
 ``python lightning_script.py BACKEND OUT.pt``: ``Trainer(accelerator="cpu", devices=2,
 strategy=DDPStrategy(process_group_backend=BACKEND))`` trains a linear model for a few
-steps, logging with ``sync_dist=True``; every rank saves its final parameters and the
-values it logged to ``OUT.pt.rank<R>``. Lightning's subprocess launcher starts rank 1
-by rerunning this script. For ``BACKEND="ferrosync"`` the data goes to
+steps, logging with ``sync_dist=True``, then tests it (``trainer.test``: Lightning's
+test loop runs under ``torch.inference_mode()``); every rank saves its final
+parameters and the values it logged to ``OUT.pt.rank<R>``. Lightning's subprocess
+launcher starts rank 1 by rerunning this script. For ``BACKEND="ferrosync"`` the data goes to
 ``$FERROSYNC_URL`` (Lightning initialises with ``env://`` and its own TCP store).
 """
 
@@ -44,6 +45,12 @@ class Tiny(L.LightningModule):
         self.log("loss", loss, sync_dist=True, on_step=True, on_epoch=True)
         return loss
 
+    def test_step(self, batch, batch_idx):
+        # trainer.test() runs under torch.inference_mode(): the all_reduce of sync_dist
+        # gets inference tensors (on the ferrosync backend, on its overlapped path)
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.logged.append(float(self.trainer.callback_metrics["loss_step"]))
 
@@ -77,6 +84,10 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         deterministic=True)
     trainer.fit(model, data)
+    fit_calls = len(CALLS)
+    epoch_loss = float(trainer.callback_metrics["loss_epoch"])  # test() resets the metrics
+    # then test, as users do: Lightning's test loop runs in inference mode
+    tested = trainer.test(model, data, verbose=False)
     rank = trainer.global_rank
     assert trainer.world_size == 2, trainer.world_size
     pg = torch.distributed.group.WORLD
@@ -84,9 +95,11 @@ def main() -> None:
         "backend": torch.distributed.get_backend(pg),
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "logged": model.logged,
-        "epoch_loss": float(trainer.callback_metrics["loss_epoch"]),
+        "epoch_loss": epoch_loss,
         "steps": trainer.global_step,
-        "all_reduce": CALLS,
+        "all_reduce": CALLS[:fit_calls],
+        "test_all_reduce": CALLS[fit_calls:],
+        "test_loss": tested[0]["test_loss"],
         "lightning": L.__version__,
     }, f"{out}.rank{rank}")
     # Lightning leaves the group alive; a gloo group still referenced at interpreter

@@ -49,3 +49,13 @@ def test_lightning_sync_dist_sends_int64_avg(runs):
         assert ("torch.int64", "AVG") in r["all_reduce"], r["all_reduce"]
     for r in runs["gloo"]:
         assert {op for _, op in r["all_reduce"]} == {"SUM"}
+
+
+def test_lightning_test_after_fit_works_like_gloo(runs):
+    """``trainer.test()`` after ``fit``: sync_dist all_reduces of inference tensors
+    (torch.inference_mode is per thread; the ferrosync group's allreduce runs on a
+    library thread) give gloo's values on every rank."""
+    fs, gloo = runs["ferrosync"], runs["gloo"]
+    assert all(r["test_all_reduce"] for r in fs + gloo), [r["test_all_reduce"] for r in fs]
+    assert all(r["test_loss"] == gloo[0]["test_loss"] for r in fs + gloo), \
+        [r["test_loss"] for r in fs + gloo]
