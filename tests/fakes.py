@@ -181,12 +181,13 @@ class MemoryStorage(Storage):
         self.counters.add(puts=1, written=len(data))
         return len(data)
 
-    def open(self, key):
+    def open(self, key, *, max_bytes=None, rank=None):
         self._request("open", key)
         self.counters.add(gets=1)
         data = self.objects.get(key)
         if data is None:
             return None
+        self._check_size(key, len(data), max_bytes, rank)  # Storage's one size rule
         self.counters.add(read=len(data))
         return MemoryReader(data)
 

@@ -29,6 +29,7 @@ POLL = (0.001, 0.05)
 INTERVAL = 0.5
 N = 16
 DIGEST = layout_digest("float32[16]")
+NBYTES = N * 4  # the payload the layout expects
 
 
 @pytest.fixture
@@ -72,7 +73,7 @@ def test_a_sealed_object_is_opened_with_its_header_checked(storage, clock):
     me, peer = member(storage, clock, 0), member(storage, clock, 1)
     start(me, peer)
     payload = contribute(peer, 2.5)
-    with me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution") as incoming:
+    with me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES) as incoming:
         assert (incoming.header.rank, incoming.header.collective) == (1, 1)
         assert incoming.header.generation == GEN.tag
         assert incoming.read_bytes() == payload
@@ -100,7 +101,7 @@ def test_an_object_arriving_later_is_picked_up_within_one_poll(storage, clock):
     start(me, peer)
     begun = clock.now
     clock.call_later(0.7, lambda: contribute(peer))
-    with me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution"):
+    with me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES):
         pass
     assert 0.7 <= clock.now - begun <= 0.7 + POLL[1] + 0.01
 
@@ -114,7 +115,7 @@ def test_a_missing_object_times_out_at_the_deadline_naming_the_missing_ranks(sto
     me.gathering = {1: names.contribution(1, 1), 2: names.contribution(1, 2)}
     begun = clock.now
     with pytest.raises(SyncTimeout, match=r"ranks \[2\]") as info:
-        me.wait_open(names.contribution(1, 2), [1, 2], "the contributions")
+        me.wait_open(names.contribution(1, 2), [1, 2], "the contributions", NBYTES)
     assert 5.0 <= clock.now - begun <= 5.0 + POLL[1] + 0.01
     assert info.value.collective == 1 and "average" in str(info.value)
 
@@ -126,7 +127,7 @@ def test_a_peers_abort_marker_ends_the_wait_with_the_peers_error(storage, clock)
                                                 LayoutMismatch("tensors differ"), 1, None))
     begun = clock.now
     with pytest.raises(LayoutMismatch, match="rank 1 failed at collective 1"):
-        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution")
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
     assert clock.now - begun <= 1.0 + INTERVAL + POLL[1] + 0.01  # within one check
 
 
@@ -136,7 +137,7 @@ def test_a_silent_peer_is_dead_after_the_heartbeat_timeout_not_the_collective_on
     start(me)
     begun = clock.now
     with pytest.raises(PeerFailed, match="rank 1 looks dead: no heartbeat"):
-        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution")
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
     assert 3.0 <= clock.now - begun <= 3.0 + 2 * INTERVAL + POLL[1]
 
 
@@ -146,7 +147,7 @@ def test_a_pause_of_this_process_restarts_the_collective_timeout(storage, clock)
     begun = clock.now
     clock.call_later(1.0, lambda: clock.advance(10.0))  # SIGSTOP for 10 s at t = 1 s
     with pytest.raises(SyncTimeout):
-        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution")
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
     # the 5 s count again from the resumption, not from the start
     assert 1.0 + 10.0 + 5.0 <= clock.now - begun <= 16.0 + POLL[1] + 0.01
 
@@ -159,7 +160,7 @@ def test_an_object_of_another_generation_is_refused(storage, clock):
     start(me, stranger)
     contribute(stranger)
     with pytest.raises(ShardCorrupt, match="belongs to generation tag fedcba9876543210"):
-        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution")
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
 
 
 def test_an_object_of_another_collective_is_refused(storage, clock):
@@ -168,7 +169,7 @@ def test_an_object_of_another_collective_is_refused(storage, clock):
     start(peer)  # the peer is one collective ahead and writes under collective 1's name
     contribute(peer, name=names.contribution(1, 1))
     with pytest.raises(ShardCorrupt, match="collective 2, expected .* collective 1"):
-        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution")
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
 
 
 @pytest.mark.parametrize("change", [-4, 4], ids=["truncated", "appended"])
@@ -180,7 +181,17 @@ def test_a_size_that_disagrees_with_the_header_is_refused(storage, clock, change
     data = storage.objects[key]
     storage.objects[key] = data[:change] if change < 0 else data + b"\0" * change
     with pytest.raises(ShardCorrupt, match=f"object has {len(data) + change} bytes"):
-        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution")
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
+
+
+def test_an_object_larger_than_the_layout_allows_is_refused_by_its_size(storage, clock):
+    # a planted giant at a peer's name: refused by the size storage reports, before a
+    # byte of it is read (the layout says what the largest legal contribution is)
+    me, peer = member(storage, clock, 0), member(storage, clock, 1)
+    start(me, peer)
+    storage.objects[me.key_of(names.contribution(1, 1))] = bytes(2 << 20)
+    with pytest.raises(ShardCorrupt, match="can have"):
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
 
 
 def test_a_secret_refuses_an_object_without_a_mac(storage, clock):
@@ -189,7 +200,7 @@ def test_a_secret_refuses_an_object_without_a_mac(storage, clock):
     start(me, forger)
     contribute(forger)
     with pytest.raises(ShardCorrupt, match="carries no MAC"):
-        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution")
+        me.wait_open(names.contribution(1, 1), [1], "rank 1's contribution", NBYTES)
 
 
 def test_an_error_record_raises_the_error_its_writer_reported(storage, clock):
@@ -197,7 +208,7 @@ def test_an_error_record_raises_the_error_its_writer_reported(storage, clock):
     start(me, peer)
     peer.publish_error(names.result(1), LayoutMismatch("rank 1 summed other tensors"))
     with pytest.raises(LayoutMismatch, match="rank 1 reports: rank 1 summed other tensors"):
-        me.wait_open(names.result(1), [1], "the result")
+        me.wait_open(names.result(1), [1], "the result", NBYTES)
 
 
 def test_an_unreadable_error_record_is_still_a_peer_failure(storage, clock):
@@ -209,7 +220,7 @@ def test_an_unreadable_error_record_is_still_a_peer_failure(storage, clock):
                     total=len(junk), weight=0.0, layout=b"\0" * 8, payload_nbytes=len(junk))
     peer.put(names.result(1), header, [junk])
     with pytest.raises(PeerFailed, match="unreadable error record"):
-        me.wait_open(names.result(1), [1], "the result")
+        me.wait_open(names.result(1), [1], "the result", NBYTES)
 
 
 # -- naming the difference of a layout mismatch ----------------------------------------------
