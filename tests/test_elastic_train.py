@@ -231,6 +231,24 @@ def test_a_job_that_lost_every_member_resumes_with_another_count(tmp_path):
     assert c[0]["step"] == at + 1 and {r["members"] for r in c} == {3}
 
 
+@pytest.mark.parametrize("strategy", [("grad",), ("local-sgd", "--sync-every", 5),
+                                      ("diloco", "--sync-every", 5)])
+def test_publish_every_works_for_every_strategy(tmp_path, strategy):
+    """``--publish-every K`` publishes at the founding round too: the strategy's state
+    (DiLoCo's global copy and outer optimizer) must exist by then, for every strategy."""
+    url = str(tmp_path / "job")
+    flags = ("--min-ranks", "2", "--steps", 20, "--publish-every", 5, "--strategy",
+             *strategy, *FAST)
+    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b")}
+    finals = finals_of(procs, procs)
+    assert len({f["param_digest"] for f in finals.values()}) == 1, finals
+    assert all(f["steps"] == 20 and f["ranks_agree"] for f in finals.values()), finals
+    # the published state is the job's end, readable by a process that comes later
+    code, out, err = finish(member(tmp_path, url, "c", *flags))
+    assert code == 0, err[-2000:]
+    assert final_of(out)["param_digest"] == finals["a"]["param_digest"]
+
+
 def test_a_finished_job_reports_without_training(tmp_path):
     url = str(tmp_path / "job")
     flags = ("--steps", 30, "--strategy", "local-sgd", "--sync-every", 10)

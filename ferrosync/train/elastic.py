@@ -188,7 +188,8 @@ class ElasticTrainer(Trainer):
 
     def _bootstrap(self, sync) -> str:
         """Collective for founders (one round), local for a newcomer: start from the
-        job's state. Returns the phase to continue from."""
+        job's state. Returns the phase to continue from. Publishes nothing: the
+        strategy's state exists only once it is attached (``fit`` publishes then)."""
         founding = not sync.contributors
         if founding:
             state = sync.read_state()
@@ -212,7 +213,6 @@ class ElasticTrainer(Trainer):
                 tensors = [t.detach() for t in self.model.state_dict().values()
                            if t.is_floating_point()]
                 sync.average_(tensors, weight=1.0 if sync.rank == 0 else 0.0)
-            self._after_round(sync, TRAINING)
         return phase
 
     def _changes(self, sync) -> int:
@@ -242,6 +242,7 @@ class ElasticTrainer(Trainer):
         # training randomness (dropout, augmentation) differs per member
         seed_streams(derived_seed(self.seed, sync.member_id))
         self._published = -1
+        founding = not sync.contributors  # before the bootstrap's round changes it
         phase = self._bootstrap(sync)
         if phase == SUMMARISED:  # the job had ended before this member came
             return self._report(self._ended_summary(sync.url), rank=0)
@@ -249,6 +250,10 @@ class ElasticTrainer(Trainer):
         strategy = self.strategy
         strategy.attach(self.model, self.optimizer, sync)  # elastic: broadcasts nothing
         strategy.begin(self.total_steps, self.step)
+        if founding:
+            # after attach: a strategy's state (DiLoCo's global copy and outer
+            # optimizer) exists only from there, and --publish-every is due at once
+            self._after_round(sync, TRAINING)
         metrics = (MetricsWriter(self.metrics_path, resume_step=self.step)
                    if self.metrics_path else None)
         bar = self._progress_bar()
