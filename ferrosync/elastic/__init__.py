@@ -26,7 +26,6 @@ was dropped; it may ``connect`` again to rejoin as a new member.
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 import warnings
@@ -38,6 +37,7 @@ import torch
 from .. import names, validate
 from ..api import GradSync
 from ..backends.common import accumulate, divide_into, total_weight
+from ..backends.incoming import Expected, Part
 from ..backends.options import (
     BackendOptions,
     _dict_or_none,
@@ -47,7 +47,7 @@ from ..backends.options import (
     _secret,
     option,
 )
-from ..codecs import CODEC_RAW, accumulator_dtype, as_uint8
+from ..codecs import RawCodec, accumulator_dtype, as_uint8
 from ..env import Identity
 from ..errors import (
     ConfigError,
@@ -59,24 +59,26 @@ from ..errors import (
 )
 from ..storage import open_storage, probe_location
 from ..wire import (
-    DTYPE_CODES,
     FLAG_EMPTY,
+    HEADER_SIZE,
     KIND_CONTRIB,
-    Header,
+    MAC_SIZE,
     PayloadCheck,
     decode_record,
     encode_record,
+    job_key,
+    job_tag,
     parse_header,
     seal,
 )
 from .membership import ABORTED, LEFT, Heartbeat, Roster, Rosters, Watch
-from .rounds import Agreement
+from .rounds import Agreement, read_sized
 from .state import PublishedState, StateStore
 
 __all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic", "peek_state"]
 
 #: contributions carry the bytes of every bucket of a call, so their header says uint8
-_UINT8 = DTYPE_CODES[torch.uint8]
+_BYTES = RawCodec(torch.uint8)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,8 @@ def peek_state(url: str, options: dict, timeout: float = 300.0) -> PublishedStat
     checked = ElasticOptions.parse(options)
     storage = open_storage(url, checked.storage_options)
     try:
-        store = StateStore(storage, names.elastic_namespace(checked.job), checked.secret)
+        namespace = names.elastic_namespace(checked.job)
+        store = StateStore(storage, namespace, job_key(checked.secret, namespace))
         return store.read(time.monotonic() + timeout, None, None)
     finally:
         storage.close()
@@ -143,10 +146,14 @@ class ElasticSync(GradSync):
         storage = open_storage(url, options.storage_options)
         super().__init__(url, Identity(0, 1, 0, 1, "elastic"), timeout, storage.counters)
         self._storage = storage
-        self._secret = options.secret
         self.job = options.job
         self.member_id = secrets.token_hex(8)
         self._ns = names.elastic_namespace(self.job)
+        # every record and object of the job is sealed with the job's own key and its
+        # header names the job (wire.job_key, wire.job_tag): an object copied from
+        # another job that shares the secret fails its MAC, never enters an average
+        self._secret = job_key(options.secret, self._ns)
+        self._tag = job_tag(self._ns)
         interval = options.heartbeat_interval or storage.heartbeat_interval
         if options.heartbeat_timeout <= 2 * interval:
             self._closed = True
@@ -282,17 +289,26 @@ class ElasticSync(GradSync):
             if send else []
         nbytes = sum(p.nbytes for p in parts)
         total = sum(f.numel() * f.element_size() for f in flats)
-        header = Header(kind=KIND_CONTRIB, dtype=_UINT8, codec=CODEC_RAW, rank=pos,
-                        world_size=len(prev.members), generation=round_, collective=round_,
-                        count=total, offset=0, total=total, weight=weight, layout=digest,
-                        payload_nbytes=nbytes, flags=0 if send and total else FLAG_EMPTY)
+        header = self._expected(round_, prev, digest, total).header(
+            pos, weight=weight, nbytes=nbytes, flags=0 if send and total else FLAG_EMPTY)
         key = self._key(names.elastic_contribution(round_, self.member_id))
-        with self._stats.phase("write_s"):
-            self._storage.put(key, [seal(header, parts, self._secret), *parts], exclusive=True)
+        try:
+            with self._stats.phase("write_s"):
+                self._storage.put(key, [seal(header, parts, self._secret), *parts],
+                                  exclusive=True)
+        except FileExistsError:
+            # only this member writes this name: whatever lies there was planted
+            raise ShardCorrupt(
+                f"an object already lies under this member's contribution to round "
+                f"{round_} (planted by something else: this member never wrote it)",
+                rank=self.rank, collective=round_, path=self._storage.path_of(key),
+                hint="let nothing else write under this URL; set a secret so planted "
+                "objects are refused by every member") from None
         self._mine.append((round_, key))
         with self._stats.phase("wait_s"):
             roster = self._agreement.wait(round_, prev, list(prev.members[:pos]),
-                                          time.monotonic() + self.timeout)
+                                          time.monotonic() + self.timeout,
+                                          sizes=self.contribution_sizes(total))
         if self.member_id not in roster.contributors:
             self._storage.delete([key])
             raise MemberDropped(
@@ -308,16 +324,49 @@ class ElasticSync(GradSync):
             self._mine = [(r, k) for r, k in self._mine if r > round_ - 2]
         return prev, roster
 
+    def _expected(self, round_: int, prev: Roster, digest: bytes, total: int) -> Expected:
+        """What every contribution to ``round_`` says about itself (the storage
+        transport's header and checks): this job's tag, the round, the writer's rank in
+        roster ``round_ - 1`` (which names the member), the layout and the size."""
+        return Expected(KIND_CONTRIB, torch.uint8, _BYTES, digest, Part.whole(total),
+                        len(prev.members), self._tag, round_)
+
+    def contribution_sizes(self, total: int) -> tuple[int, int]:
+        """The two legal sizes of a contribution of ``total`` payload bytes: empty (a
+        zero weight, a barrier) and full; anything else is not one."""
+        head = HEADER_SIZE + (MAC_SIZE if self._secret is not None else 0)
+        return head, head + total
+
     def _contribution(self, round_: int, member: str, prev: Roster, digest: bytes,
                       flats: list[torch.Tensor]) -> tuple[float, list | None]:
         """(weight, one tensor per flat, or None when empty) of ``member``'s verified
-        contribution to ``round_``."""
+        contribution to ``round_``: its size is one of the two legal ones before a byte
+        is read, its MAC (or checksum) verified before any field is used, and every
+        header field checked against the round's ``Expected``."""
         key = self._key(names.elastic_contribution(round_, member))
         path = self._storage.path_of(key)
+        total = sum(f.numel() * f.element_size() for f in flats)
+        def mismatch(src, _theirs):
+            return LayoutMismatch(
+                f"member {member} (rank {src}) called round {round_} with another layout "
+                "(operation, dtypes or shapes) than this member", rank=self.rank,
+                collective=round_, path=path,
+                hint="every member must call the same collectives in order")
+
+        def wrong_size(reader):
+            # another size is another layout, or a forgery: the header (crc-checked, not
+            # yet authenticated) tells which to report; either way nothing is used
+            head = bytearray(HEADER_SIZE)
+            got = reader.readinto(head)
+            header = parse_header(head[:got], path=path, rank=self.rank, key=self._secret)
+            if header.layout != digest:
+                raise mismatch(prev.members.index(member), header.layout)
+
         raw = self._agreement.take(round_, member)
         if raw is None:
             with self._stats.phase("read_s"):
-                raw = self._storage.read(key)
+                raw = read_sized(self._storage, key, self.contribution_sizes(total),
+                                 rank=self.rank, collective=round_, wrong_size=wrong_size)
         if raw is None:
             raise MemberDropped(
                 f"the contribution of member {member} to round {round_} is gone: this "
@@ -328,23 +377,17 @@ class ElasticSync(GradSync):
         payload = memoryview(raw)[header.size:]
         check.update(payload)
         check.finish()
-        if header.layout != digest:
-            raise LayoutMismatch(
-                f"member {member} called round {round_} with another layout (operation, "
-                "dtypes or shapes) than this member", rank=self.rank, collective=round_,
-                path=path, hint="every member must call the same collectives in order")
-        total = sum(f.numel() * f.element_size() for f in flats)
-        good = (header.kind == KIND_CONTRIB and header.generation == round_
-                and header.collective == round_ and header.codec == CODEC_RAW
-                and header.rank == prev.members.index(member)
-                and header.world_size == len(prev.members)
-                and header.dtype == _UINT8 and header.count == total
-                and math.isfinite(header.weight) and header.weight >= 0
-                and header.payload_nbytes == (0 if header.flags & FLAG_EMPTY else total))
-        if not good:
-            raise ShardCorrupt(f"contribution of member {member} does not match round "
-                               f"{round_}'s", rank=self.rank, collective=round_, path=path,
-                               hint="let nothing else write under this URL")
+        if header.generation != self._tag or header.collective != round_:
+            raise ShardCorrupt(
+                f"the object under member {member}'s contribution to round {round_} belongs "
+                f"to job tag {header.generation:016x} round {header.collective} (this job: "
+                f"{self._tag:016x}); a copied or replayed object", rank=self.rank,
+                collective=round_, path=path,
+                hint="give each job its own id and set a secret; let nothing else write "
+                "under this URL")
+
+        self._expected(round_, prev, digest, total).check(
+            header, prev.members.index(member), path, self.rank, mismatch)
         if header.flags & FLAG_EMPTY:
             return header.weight, None
         views, offset = [], 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 from .. import names
-from ..errors import MemberDropped, SyncTimeout
+from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
 from ..storage import Backoff, Storage, object_exists
 from .membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
 
@@ -30,6 +30,30 @@ KEEP_BUDGET = 256 << 20
 #: a waiting member checks every this many looks (one per heartbeat interval) whether
 #: its round's roster was already pruned; rare, because each check costs two GETs
 PRUNED_CHECK_EVERY = 4
+
+
+def read_sized(storage: Storage, key: str, sizes, *, rank: int | None = None,
+               collective: int | None = None, wrong_size=None) -> bytes | None:
+    """The object at ``key`` if its size is one of ``sizes`` (the legal sizes of that
+    object, known from the round's layout), None if it does not exist; any other size
+    is an error before more than a header is read (a forged object may claim any
+    size): ``wrong_size(reader)`` may raise a more precise one."""
+    reader = storage.open(key)
+    if reader is None:
+        return None
+    with reader:
+        if reader.size not in sizes:
+            if wrong_size is not None:
+                wrong_size(reader)
+            raise ShardCorrupt(
+                f"object has {reader.size} bytes; an object of this round has "
+                f"{' or '.join(map(str, sorted(set(sizes))))}", rank=rank,
+                collective=collective, path=storage.path_of(key),
+                hint="let nothing else write under this URL (set a secret); members of "
+                "one job must call the same collectives with the same layouts")
+        buf = bytearray(reader.size)
+        n = reader.readinto(buf)
+        return bytes(buf[:n])
 
 
 class Agreement:
@@ -50,19 +74,27 @@ class Agreement:
         self._kept: dict[tuple[int, str], bytes] = {}  # see contributed()
         self._kept_bytes = 0
         self.waiting_on = "the roster's writer"  # for the timeout message
+        #: the legal sizes of this round's contributions (None: unknown, as for a
+        #: joiner), set by ``wait``
+        self.sizes: tuple[int, ...] | None = None
 
     def contributed(self, round_: int, member: str) -> bool:
         seen = self._present.setdefault(round_, set())
         if member in seen:
             return True
         key = self._rosters.key(names.elastic_contribution(round_, member))
-        if not self._storage.round_trips_dominate:
-            found = object_exists(self._storage, key)  # an open on a local disk: cheap
+        if not self._storage.round_trips_dominate or self.sizes is None:
+            # an open on a local disk: cheap (and a joiner does not know the layout)
+            found = object_exists(self._storage, key)
         else:
             # an object store has no cheaper existence check than the GET that fetches
             # the object: keep the bytes for the reduce (up to a budget) instead of
             # fetching them twice
-            raw = self._storage.read(key)
+            try:
+                raw = read_sized(self._storage, key, self.sizes)
+            except ShardCorrupt:  # not kept: the reduce reads it again and says why
+                self._present.setdefault(round_, set()).add(member)
+                return True
             found = raw is not None
             if found and self._kept_bytes + len(raw) <= KEEP_BUDGET:
                 self._kept[(round_, member)] = raw
@@ -128,10 +160,11 @@ class Agreement:
         return not any(self._watch.alive(m) for m in predecessors)
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
-             deadline: float, on_look=None) -> Roster:
+             deadline: float, on_look=None, sizes: tuple[int, ...] | None = None) -> Roster:
         """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
         after ``deadline``. ``on_look()`` is called once per check interval while the
         roster is missing (a joiner's "has the job ended?"); it may raise."""
+        self.sizes = sizes
         backoff = Backoff(*self._poll)
         checker = not predecessors
         next_look, looks = 0.0, 0
