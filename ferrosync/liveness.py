@@ -150,6 +150,53 @@ class ProcessClock:
 
 PROCESS_CLOCK = ProcessClock()
 
+
+class SilenceClocks:
+    """The one rule of when a peer is dead: its heartbeat counter has not changed for
+    ``timeout`` seconds of this process's clock while this process ran (time before
+    ``resumed_at``, the end of this process's latest freeze, is nobody's silence).
+
+    ``observe(peer, beat, now)`` records one read of ``peer``'s counter and returns
+    how long it has been silent. The fixed-size backend's ``PeerMonitor`` and an
+    elastic job's ``Watch`` both judge with it; the elastic job also asks whether a
+    read is *fresh* evidence of life (``fresh``): the counter moved since a read at
+    most ``fresh_window`` ago, which a first read, or a read long after the previous
+    one, cannot tell. Peers that die together are therefore observed together and
+    judged in one pass instead of one timeout after another.
+    """
+
+    def __init__(self, timeout: float, interval: float, *,
+                 clock: ProcessClock | None = None) -> None:
+        self.timeout = timeout
+        #: read by the clock: a gap in this process's ticks longer than this is a freeze
+        self.freeze_bound = freeze_bound(interval)
+        #: set by the clock to the end of the latest freeze (0: none yet)
+        self.resumed_at = 0.0
+        #: a counter that moved since a read this recent is proof the peer runs now
+        self.fresh_window = 2 * interval + self.freeze_bound
+        # peer -> (last beat seen, when it was first seen, when it was last read)
+        self._seen: dict[object, tuple[object, float, float]] = {}
+        self._fresh: dict[object, bool] = {}
+        (clock or PROCESS_CLOCK).watch(self)
+
+    def observe(self, peer, beat, now: float) -> float:
+        """Record a read of ``peer``'s counter at ``now``; seconds it has been silent."""
+        last = self._seen.get(peer)
+        if last is None or last[0] != beat:
+            self._fresh[peer] = last is not None and now - last[2] <= self.fresh_window
+            self._seen[peer] = (beat, now, now)
+            return 0.0
+        self._fresh[peer] = False
+        self._seen[peer] = (beat, last[1], now)
+        return now - max(last[1], self.resumed_at)
+
+    def silent(self, peer, beat, now: float) -> bool:
+        return self.observe(peer, beat, now) > self.timeout
+
+    def fresh(self, peer) -> bool:
+        """Whether the latest read of ``peer`` showed its counter moving recently."""
+        return self._fresh.get(peer, False)
+
 # (id(storage), prefix, rank) -> the Heartbeat writing hb.r{rank} there; lets the
 # monitor of the same rank read its own heartbeat's failures
 _HEARTBEATS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -329,14 +376,13 @@ class PeerMonitor:
         self._key = key
         self._url = url
         self._clock = clock or PROCESS_CLOCK
-        # peer -> (last beat seen, when it was first seen), on this process's clock
-        self._seen: dict[int, tuple[object, float]] = {}
+        self._silence = SilenceClocks(timeout, interval, clock=self._clock)
         self._next_check = 0.0
-        #: read by the clock: a gap in this process's ticks longer than this is a freeze
-        self.freeze_bound = freeze_bound(interval)
-        #: set by the clock to the end of the latest freeze (0: none yet)
-        self.resumed_at = 0.0
-        self._clock.watch(self)
+
+    @property
+    def resumed_at(self) -> float:
+        """The end of this process's latest freeze (0: none yet)."""
+        return self._silence.resumed_at
 
     def maybe_check(self, ranks, collective: int, op: str) -> None:
         """``check`` at most once per interval (call it from every poll iteration)."""
@@ -353,9 +399,6 @@ class PeerMonitor:
     def check(self, ranks, collective: int, op: str) -> None:
         now = self._clock.tick()
         self._check_own_heartbeat(collective, now)
-        # silence is only counted from the moment this process last resumed: a peer
-        # is not to blame for time during which this process could not look
-        resumed = self.resumed_at
         for peer in ranks:
             if peer == self._rank:
                 continue
@@ -393,11 +436,9 @@ class PeerMonitor:
                         rank=self._rank, collective=collective, path=self._url,
                         hint="every rank must call the same collectives in the same order",
                     )
-            last = self._seen.get(peer)
-            if last is None or last[0] != beat:
-                self._seen[peer] = (beat, now)
-                continue
-            silent = now - max(last[1], resumed)
+            # silence is only counted from the moment this process last resumed: a
+            # peer is not to blame for time during which this process could not look
+            silent = self._silence.observe(peer, beat, now)
             if silent > self._timeout:
                 what = "no heartbeat" if beat is None else f"heartbeat stuck at {beat}"
                 raise PeerFailed(

@@ -457,3 +457,44 @@ def test_records_without_the_jobs_secret_are_refused(tmp_path):
     # each member holds another key: neither may act on the other's join entry
     got = run_ranks(w_secret, 2, str(tmp_path), timeout=60, expect_errors=True)
     assert all(isinstance(g.error, ShardCorrupt) and "MAC" in str(g.error) for g in got), got
+
+
+def w_cohort(index, _world, url, rounds, hb_timeout, gate):
+    opts = dict(FAST, heartbeat_timeout=hb_timeout)
+    open(os.path.join(gate, str(index)), "w").close()
+    wait_until(lambda: len(os.listdir(gate)) == 4, "all four members at the gate")
+    sync = ferrosync.connect(url, elastic=True, min_ranks=2, job="cohort", timeout=TIMEOUT,
+                             **opts)
+    while sync.world_size < 4:
+        sync.barrier()
+    log = []
+    for k in range(rounds):
+        t = torch.full((4,), 10.0 ** index)
+        began = time.monotonic()
+        total = sync.average_([t])
+        log.append((total, t[0].item(), time.monotonic() - began, sync.world_size))
+        if k == 2 and sync.rank in (0, 1):  # the checker and the next in line die together
+            os.kill(os.getpid(), signal.SIGKILL)
+    sync.close()
+    return log
+
+
+def test_members_killed_together_leave_together(tmp_path):
+    """Ranks 0 and 1 (the roster's checker and its successor) are SIGKILLed in the same
+    round: the survivors drop both in one roster, after about one heartbeat timeout
+    (both silence clocks run at once), not one timeout per dead member."""
+    hb_timeout = 5.0
+    gate = tmp_path.parent / f"{tmp_path.name}-gate"
+    gate.mkdir()
+    got = run_ranks(w_cohort, 4, str(tmp_path), 6, hb_timeout, str(gate), timeout=120,
+                    expect_errors=True)
+    stay = [i for i, g in enumerate(got) if isinstance(g, list) and len(g) == 6]
+    assert len(stay) == 2, got
+    for i in stay:
+        log = got[i]
+        assert [x[3] for x in log] == [4] * 3 + [2] * 3, log  # 4 -> 2 in one round
+        assert [x[0] for x in log] == [4.0] * 3 + [2.0] * 3, log
+        assert [x[1] for x in log][3:] == pytest.approx([avg_of(stay)] * 3)
+        print(f"member {i}: the drop round took {log[3][2]:.2f} s")
+        # one timeout per dead member would be >= 2 x hb_timeout
+        assert log[3][2] < 2 * hb_timeout, f"the drop took {log[3][2]:.1f} s"

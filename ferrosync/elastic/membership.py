@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .. import names
 from ..errors import ShardCorrupt, SyncTimeout
-from ..liveness import PROCESS_CLOCK, freeze_bound
+from ..liveness import PROCESS_CLOCK, SilenceClocks
 from ..storage import Storage
 from ..wire import decode_record, encode_record
 
@@ -104,10 +104,15 @@ class Heartbeat:
 
 
 class Watch:
-    """Whether other members are alive, judged from their heartbeats.
+    """Whether other members are alive, judged from their heartbeats with the one
+    liveness rule (``liveness.SilenceClocks``).
 
     A member whose heartbeat was never seen counts as silent from the first look, so
     a member that died before its first beat is declared gone after ``timeout`` too.
+    ``fresh(member)`` says whether the latest look saw the member's counter move
+    recently (proof that it runs now): a first look, or a look long after the
+    previous one, is not, so a reader keeps looking at the members after it and
+    members that died together start their silence clocks together.
     """
 
     def __init__(self, storage: Storage, namespace: str, secret: bytes | None,
@@ -117,12 +122,7 @@ class Watch:
         self._secret = secret
         self._timeout = timeout
         self._url = url
-        self._seen: dict[str, tuple[object, float]] = {}  # id -> (beat, when it changed)
-        # the ProcessClock sets resumed_at when this process resumes from a gap longer
-        # than freeze_bound in its own timeline (it was frozen, or could not run)
-        self.freeze_bound = freeze_bound(interval)
-        self.resumed_at: float | None = None
-        PROCESS_CLOCK.watch(self)
+        self._silence = SilenceClocks(timeout, interval)
 
     def state(self, member_id: str) -> str:
         """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out)."""
@@ -138,17 +138,14 @@ class Watch:
             beat, state = record.get("beat"), record["state"]
         if state != ALIVE:
             return state
-        now = PROCESS_CLOCK.tick()
-        last = self._seen.get(member_id)
-        if last is None or last[0] != beat:
-            self._seen[member_id] = (beat, now)
-            return ALIVE
-        # silence counts from the later of the last new beat and this process's resume
-        since = last[1] if self.resumed_at is None else max(last[1], self.resumed_at)
-        return "silent" if now - since > self._timeout else ALIVE
+        silent = self._silence.silent(member_id, beat, PROCESS_CLOCK.tick())
+        return "silent" if silent else ALIVE
 
     def alive(self, member_id: str) -> bool:
         return self.state(member_id) == ALIVE
+
+    def fresh(self, member_id: str) -> bool:
+        return self._silence.fresh(member_id)
 
 
 @dataclass(frozen=True)

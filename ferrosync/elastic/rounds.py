@@ -111,16 +111,32 @@ class Agreement:
             self._kept_bytes -= len(raw)
         return raw
 
-    def complete(self, prev: Roster, round_: int) -> Roster | None:
+    def complete(self, prev: Roster, round_: int, full: bool) -> Roster | None:
         """The roster of ``round_`` if it can be decided now (written, or the winner's
-        read back), else None with ``waiting_on`` saying why."""
-        survivors = []
+        read back), else None with ``waiting_on`` saying why.
+
+        The cheap pass (every poll) looks at the contributions in order up to the first
+        missing one and at that member's heartbeat. A ``full`` pass (once per check
+        interval, and whenever the first missing member is gone) looks at every
+        contribution and judges every missing member in one pass, so members that die
+        together start their silence clocks together and leave in one roster."""
+        survivors, missing = [], []
         for i, member in enumerate(prev.members):
             if self.contributed(round_, member):
                 survivors.append(member)
-            elif self._watch.alive(member):
-                self.waiting_on = f"member {member} (rank {i}), alive but not contributed"
-                return None
+                continue
+            missing.append((i, member))
+            if not full:
+                if self._watch.alive(member):
+                    self.waiting_on = f"member {member} (rank {i}), alive but not contributed"
+                    return None
+                return self.complete(prev, round_, True)
+        alive = [(i, m) for i, m in missing if self._watch.alive(m)]  # all, no short cut
+        if alive:
+            i, member = alive[0]
+            self.waiting_on = (f"member {member} (rank {i}), alive but not contributed"
+                               + (f", and {len(alive) - 1} more" if len(alive) > 1 else ""))
+            return None
         joiners: list[str] = []
         n = prev.join_next
         room = (1 << 62) if self._max is None else self._max - len(survivors)
@@ -156,8 +172,20 @@ class Agreement:
                 hint="connect again with elastic=True to rejoin as a new member")
 
     def is_checker(self, predecessors: list[str]) -> bool:
-        """True when every member before this one is gone (see the module docstring)."""
-        return not any(self._watch.alive(m) for m in predecessors)
+        """True when every member before this one is gone (see the module docstring).
+
+        Looks at the predecessors in order and stops at the first one seen running
+        now (its counter moved since a recent look): in a healthy job that is one
+        read, member 0's. One that is merely not yet timed out (stale, or looked at
+        for the first time) does not stop the look, so the members behind it start
+        their silence clocks now, not one timeout later."""
+        gone = True
+        for member in predecessors:
+            if self._watch.alive(member):
+                gone = False
+                if self._watch.fresh(member):
+                    break
+        return gone
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
              deadline: float, on_look=None, sizes: tuple[int, ...] | None = None) -> Roster:
@@ -167,7 +195,9 @@ class Agreement:
         self.sizes = sizes
         backoff = Backoff(*self._poll)
         checker = not predecessors
-        next_look, looks = 0.0, 0
+        next_look, looks, full = 0.0, 0, False
+        # a round that ends within a check interval (a healthy one) needs no full pass
+        next_full = time.monotonic() + self._check_interval
         while True:
             roster = self._rosters.read(round_)
             if roster is None:
@@ -182,8 +212,11 @@ class Agreement:
                         checker = self.is_checker(predecessors)
                         self.waiting_on = "the checker (the first live member) to write it"
                     next_look = now + self._check_interval
+                if now >= next_full:
+                    full, next_full = True, now + self._check_interval
                 if checker:
-                    roster = self.complete(prev, round_)
+                    roster = self.complete(prev, round_, full)
+                    full = False
             if roster is not None:
                 for old in [r for r in self._present if r <= round_]:
                     del self._present[old]
