@@ -219,8 +219,9 @@ class Heartbeat:
     """Rewrites ``hb.r{rank}`` every ``interval`` seconds from a daemon thread.
 
     ``set_position`` is called by the collective code (cheap: it only stores the
-    position, the next beat publishes it). ``stop`` joins the thread and writes a
-    final beat with state "closed" or "aborted".
+    position, the next beat publishes it). ``stop`` writes a final beat with state
+    "closed" or "aborted" (an elastic member: "left" or "aborted") and ends the
+    thread; no "running" beat is written after it.
 
     A failed write is retried at the next beat, never raised from the thread: the
     error is kept in ``last_error`` and the start of the current run of failures in
@@ -229,19 +230,27 @@ class Heartbeat:
     """
 
     def __init__(self, storage: Storage, prefix: str, rank: int, interval: float,
-                 key: bytes | None, generation: int, *, clock: ProcessClock | None = None
-                 ) -> None:
+                 key: bytes | None, generation: int, *, clock: ProcessClock | None = None,
+                 name: str | None = None, fields: dict | None = None,
+                 running: str = "running") -> None:
+        """``name`` (default ``names.heartbeat(rank)``), ``fields`` (added to every
+        record) and ``running`` (the state while beating) parameterise it for an
+        elastic job's members (``hb.{id}``, state ``alive``, then ``left``/``aborted``)."""
         self._storage = storage
         self._prefix = prefix
-        self._key = heartbeat_key(prefix, rank)
+        self._key = names.within(prefix, name) if name else heartbeat_key(prefix, rank)
         self._secret = key
         self._interval = interval
         self._clock = clock or PROCESS_CLOCK
         self._lock = threading.Lock()
+        # writes are serialised in beat order: a beat still in flight when ``stop``
+        # writes the final state must not land after it (S3 keeps the last PUT)
+        self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._record = {
+            **(fields or {}),
             "beat": 0,
-            "state": "running",
+            "state": running,
             "rank": rank,
             "generation": generation,
             "collective": 0,
@@ -288,7 +297,19 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             self._beat()
 
+    def announce(self, state: str) -> None:
+        """Publish ``state`` now (e.g. "aborted" while failing); later beats keep it."""
+        self._beat(state)
+
     def _beat(self, state: str | None = None) -> None:
+        with self._write_lock:
+            # once stop began, only the final state is written: a periodic beat that
+            # waited for the lock must not publish "running" after it
+            if state is None and self._stop.is_set():
+                return
+            self._write(state)
+
+    def _write(self, state: str | None) -> None:
         # ticks on both sides of the write: a slow write is a gap in this thread's
         # timeline, which must not look like a freeze (see the module docstring)
         now = self._clock.tick()
@@ -317,14 +338,21 @@ class Heartbeat:
         self._clock.tick()
 
     def stop(self, state: str = "closed") -> None:
+        """Stop beating and publish ``state`` at once (never raises): the final state
+        is what peers act on (a leave seen within their next look), so it is written
+        before waiting for the thread, and tried again if the write fails."""
         self._stop.set()
+        for attempt in range(3):
+            self._beat(state)
+            if self.failing_since is None:
+                break
+            time.sleep(0.05 * (attempt + 1))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(5.0, 2 * self._interval))
         self._thread = None
         key = (id(self._storage), self._prefix, self._record["rank"])
         if _HEARTBEATS.get(key) is self:
             del _HEARTBEATS[key]
-        self._beat(state)
 
 
 def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,

@@ -498,3 +498,56 @@ def test_members_killed_together_leave_together(tmp_path):
         print(f"member {i}: the drop round took {log[3][2]:.2f} s")
         # one timeout per dead member would be >= 2 x hb_timeout
         assert log[3][2] < 2 * hb_timeout, f"the drop took {log[3][2]:.1f} s"
+
+
+def w_term(index, _world, url, files, how):
+    """Members average until five rounds after a member left; SIGTERM makes that one
+    leave: its handler calls ``close()`` in the middle of whatever the member was doing
+    (``how`` = "close") and exits, or raises ``SystemExit`` out of the ``with`` block
+    (``how`` = "exit")."""
+    sync = ferrosync.connect(url, elastic=True, min_ranks=2, job="term", timeout=TIMEOUT,
+                             heartbeat_interval=0.2, heartbeat_timeout=60.0)
+    closed = os.path.join(files, "closed")
+
+    def on_term(*_):
+        if how == "close":
+            sync.close()
+        with open(closed + ".tmp", "w") as f:
+            f.write(repr(time.time()))
+        os.rename(closed + ".tmp", closed)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    log = []
+    with sync:
+        while True:
+            sync.average_([torch.full((4,), 10.0 ** index)])
+            log.append((sync.round, sync.world_size, time.time()))
+            if sync.round == 20:
+                with open(os.path.join(files, f"at20.{index}"), "w") as f:
+                    f.write(str(os.getpid()))
+            if os.path.exists(closed):
+                at = float(open(closed).read())
+                if sum(1 for _, _, t in log if t > at) >= 5:
+                    return log
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_member_closed_from_a_signal_handler_is_seen_within_a_round(tmp_path, how):
+    """A member that catches SIGTERM and calls ``close()`` (or leaves its ``with``
+    block through ``SystemExit``) mid-round is a visible leave: with a heartbeat
+    timeout of 60 s, the others drop it in the round after the close (the round in
+    flight may still count it), never by its silence."""
+    files = tmp_path / "files"
+    files.mkdir()
+    procs, results = start_ranks(w_term, 3, str(tmp_path / "store"), str(files), how)
+    wait_until(lambda: len(list(files.glob("at20.*"))) == 3, "round 20", timeout=60)
+    os.kill(int((files / "at20.1").read_text()), signal.SIGTERM)
+    got = collect(procs, results, timeout=90)
+    closed = float((files / "closed").read_text())
+    for index in (0, 2):
+        log = got[index]
+        assert isinstance(log, list), got
+        after = [world for _, world, at in log if at > closed]
+        assert after.count(3) <= 1 and after[-1] == 2, (after, log[-8:])

@@ -71,7 +71,7 @@ from ..wire import (
     parse_header,
     seal,
 )
-from .membership import ABORTED, LEFT, Heartbeat, Roster, Rosters, Watch
+from .membership import ABORTED, LEFT, Roster, Rosters, Watch, heartbeat
 from .rounds import Agreement, read_sized
 from .state import PublishedState, StateStore
 
@@ -169,8 +169,7 @@ class ElasticSync(GradSync):
                                     max_ranks=max_ranks, poll=poll, check_interval=interval,
                                     url=url)
         self._state = StateStore(storage, self._ns, self._secret)
-        self._heartbeat = Heartbeat(storage, self._key(names.elastic_heartbeat(self.member_id)),
-                                    self.member_id, interval, self._secret)
+        self._heartbeat = heartbeat(storage, self._ns, self.member_id, interval, self._secret)
         self._mine: list[tuple[int, str]] = []  # (round, key) of own contributions
         self.membership: list[str] = []
         self.membership_changes = 0
@@ -494,7 +493,7 @@ class ElasticSync(GradSync):
 
     def _publish_abort(self, exc):
         # the others drop this member at once instead of after the heartbeat timeout
-        self._heartbeat.write(ABORTED)
+        self._heartbeat.announce(ABORTED)
 
     def _shutdown(self, failure):
         # own contributions stay: slower members may still be reading the last ones

@@ -2,9 +2,10 @@
 
 Pieces:
 
-* ``Heartbeat``: a daemon thread rewriting ``hb.{id}`` with an increasing ``beat`` and a
-  ``state`` (``alive``, then ``left`` on a graceful close or ``aborted`` on a failure,
-  written at once so the others need not wait out the heartbeat timeout).
+* ``heartbeat(...)``: the one heartbeat writer (``liveness.Heartbeat``) rewriting
+  ``hb.{id}`` with an increasing ``beat`` and a ``state`` (``alive``, then ``left`` on a
+  graceful close or ``aborted`` on a failure, written at once so the others need not
+  wait out the heartbeat timeout).
 * ``Watch``: tells whether another member is alive. A member is gone when its
   heartbeat says ``left``/``aborted``, or when its ``beat`` has not changed for
   ``timeout`` seconds of *this* process's monotonic clock (another host's clock is
@@ -24,20 +25,14 @@ else is refused as ``ShardCorrupt``.
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-import threading
 import time
 from dataclasses import dataclass
 
 from .. import names
 from ..errors import ShardCorrupt, SyncTimeout
-from ..liveness import PROCESS_CLOCK, SilenceClocks
+from ..liveness import PROCESS_CLOCK, Heartbeat, SilenceClocks
 from ..storage import Storage
 from ..wire import decode_record, encode_record
-
-_log = logging.getLogger(__name__)
 
 ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
 _STATES = (ALIVE, LEFT, ABORTED)
@@ -46,61 +41,13 @@ _STATES = (ALIVE, LEFT, ABORTED)
 ROSTER_RETENTION = 64
 
 
-class Heartbeat:
-    """Rewrites this member's heartbeat every ``interval`` seconds (daemon thread).
-
-    ``stop(state)`` ends the thread and writes ``state`` once more, so a graceful
-    leave (``left``) or a failure (``aborted``) is visible to the others at once.
-    """
-
-    def __init__(self, storage: Storage, key: str, member_id: str, interval: float,
-                 secret: bytes | None) -> None:
-        self._storage = storage
-        self._key = key
-        self._id = member_id
-        self._interval = interval
-        self._secret = secret
-        self._beat = 0
-        self._state = ALIVE
-        self._stop = threading.Event()
-        self._write_lock = threading.Lock()  # the thread and stop() never interleave
-        self._thread = threading.Thread(target=self._run, name=f"ferrosync-el-hb-{member_id}",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self.write()  # visible before anyone can wait on it (join entries come after)
-        self._thread.start()
-
-    def write(self, state: str | None = None) -> None:
-        with self._write_lock:
-            if state is not None:
-                self._state = state
-            self._beat += 1
-            record = {"id": self._id, "beat": self._beat, "state": self._state,
-                      "pid": os.getpid(), "host": socket.gethostname()}
-            self._storage.put(self._key, [encode_record(record, self._secret)])
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            # ticks on both sides of the write: a slow write is not a freeze
-            PROCESS_CLOCK.tick()
-            try:
-                self.write()
-            except Exception:  # noqa: BLE001 - the others will time us out; keep trying
-                _log.warning("elastic member %s: heartbeat write failed", self._id,
-                             exc_info=True)
-            PROCESS_CLOCK.tick()
-
-    def stop(self, state: str) -> None:
-        """Stop beating and publish ``state`` (best effort, never raises)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self._interval * 2 + 5)
-        try:
-            self.write(state)
-        except Exception:  # noqa: BLE001 - shutting down: the timeout covers it
-            _log.warning("elastic member %s: could not publish %s", self._id, state,
-                         exc_info=True)
+def heartbeat(storage: Storage, namespace: str, member_id: str, interval: float,
+              secret: bytes | None) -> Heartbeat:
+    """The heartbeat of member ``member_id``: ``liveness.Heartbeat`` writing ``hb.{id}``
+    with the member's id and the elastic states (``alive``, ``left``, ``aborted``)."""
+    return Heartbeat(storage, namespace, 0, interval, secret, 0,
+                     name=names.elastic_heartbeat(member_id), fields={"id": member_id},
+                     running=ALIVE)
 
 
 class Watch:
