@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -410,3 +411,37 @@ def test_read_state_refuses_a_manifest_that_does_not_match(tmp_path):
         with pytest.raises(ShardCorrupt, match="no valid manifest"):
             sync.read_state()
 
+
+
+def test_one_member_started_after_total_loss_trains_from_the_newest_state(tmp_path):
+    """Every member is SIGKILLed (their last contributions stay on storage); one new
+    member, started alone, resumes from the newest published step after about one
+    heartbeat timeout: the dead members leave in one roster, not one after another,
+    and it does not wait for a dead member to publish the state."""
+    url = str(tmp_path / "job")
+    flags = ("--min-ranks", "1", "--steps", 400, "--publish-every", 20,
+             "--model", "train_models:paced_mlp", *FAST)
+    first = {n: member(tmp_path, url, n, *flags) for n in ("a", "b", "c")}
+    wait_until(lambda: min(last_step(tmp_path, n) for n in first) >= 45
+               and {r["members"] for r in metrics(tmp_path, "a")[-1:]} == {3},
+               "three members past step 45", timeout=120)
+    for proc in first.values():
+        proc.send_signal(signal.SIGKILL)
+    for proc in first.values():
+        finish(proc)
+    killed_at = max(last_step(tmp_path, n) for n in first)
+    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
+                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    (job,) = json.loads(out.stdout)["elastic_jobs"]
+    newest = job["state"]["step"]  # the newest published state
+    started = time.monotonic()
+    procs = {"d": member(tmp_path, url, "d", *flags)}
+    wait_for(procs, lambda: last_step(tmp_path, "d") >= 0, "the new member trains")
+    took = time.monotonic() - started
+    (final,) = finals_of(procs, ["d"]).values()
+    at = final["joined_at_step"]
+    assert at == newest and killed_at - 40 <= at <= killed_at, (at, newest, killed_at)
+    assert final["steps"] == 400 and final["members"] == 1
+    # the old way waited one timeout per dead member, then for a dead rank 0's state
+    print(f"the new member trained {took:.1f} s after it started (heartbeat_timeout 3 s)")
+    assert took < 3 * 3 + 20, took

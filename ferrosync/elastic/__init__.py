@@ -172,7 +172,6 @@ class ElasticSync(GradSync):
         self._heartbeat = heartbeat(storage, self._ns, self.member_id, interval, self._secret)
         self._mine: list[tuple[int, str]] = []  # (round, key) of own contributions
         self.membership: list[str] = []
-        self.membership_changes = 0
         self._roster: Roster | None = None
         started = False
         try:
@@ -205,6 +204,18 @@ class ElasticSync(GradSync):
         """The members whose contributions made the latest round (roster order); empty
         in the roster that admitted this member when it founded (or re-founded) the job."""
         return list(self._roster.contributors)
+
+    @property
+    def founding(self) -> bool:
+        """No member of the current roster contributed to the round that made it: the
+        members start the job, or restart it after every member was lost."""
+        return self._roster.founding
+
+    @property
+    def membership_changes(self) -> int:
+        """The rounds whose membership changed over the job's life (the first roster
+        counts none): the job's count, read from the roster, the same on every member."""
+        return self._roster.changes
 
     @property
     def newcomers(self) -> list[str]:
@@ -265,8 +276,6 @@ class ElasticSync(GradSync):
         """Make ``roster`` current: rank, world size and the membership counters."""
         members = list(roster.members)
         self._changed = members != self.membership
-        if self._changed and self._roster is not None:
-            self.membership_changes += 1
         self.membership = members
         self._roster = roster
         self.rank = members.index(self.member_id)
@@ -313,6 +322,14 @@ class ElasticSync(GradSync):
             raise MemberDropped(
                 f"this member was dropped from round {round_}: the others found it gone "
                 "(heartbeat silent past heartbeat_timeout) before its contribution came",
+                collective=round_, path=self._storage.path_of(key),
+                hint="connect again with elastic=True to rejoin as a new member")
+        if self.member_id not in roster.members:
+            # its contribution counts in this round (others read it: it stays), but the
+            # checker knew it gone (left, aborted, or silent past the timeout)
+            raise MemberDropped(
+                f"this member was dropped after round {round_}: the others found it gone "
+                "(heartbeat said left/aborted, or silent past heartbeat_timeout)",
                 collective=round_, path=self._storage.path_of(key),
                 hint="connect again with elastic=True to rejoin as a new member")
         # everyone who reads round r has finished it once roster r+2 exists (its

@@ -36,6 +36,12 @@ from ..wire import decode_record, encode_record
 
 ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
 _STATES = (ALIVE, LEFT, ABORTED)
+#: member ids this process has judged gone, by job namespace: a member never comes back
+#: under its id (one that was dropped while alive rejoins under a new one), so the
+#: judgement outlives the member that made it (a newcomer that connects again after its
+#: state's publisher died knows at once that the job's old members are gone)
+_GONE: dict[str, set[str]] = {}
+
 #: rosters older than this many rounds are deleted by the roster writer; a joiner
 #: finds a recent one through the ``latest`` hint, which is at most a few rounds old
 ROSTER_RETENTION = 64
@@ -70,9 +76,13 @@ class Watch:
         self._timeout = timeout
         self._url = url
         self._silence = SilenceClocks(timeout, interval)
+        self.gone = _GONE.setdefault(storage.path_of(namespace), set())
 
     def state(self, member_id: str) -> str:
-        """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out)."""
+        """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out);
+        a member once judged gone stays gone (and is not read again)."""
+        if member_id in self.gone:
+            return "gone"
         key = names.within(self._ns, names.elastic_heartbeat(member_id))
         raw = self._storage.read(key)
         beat, state = None, ALIVE
@@ -83,10 +93,11 @@ class Watch:
                                    path=self._storage.path_of(key),
                                    hint="let nothing else write under this URL")
             beat, state = record.get("beat"), record["state"]
+        if state == ALIVE and self._silence.silent(member_id, beat, PROCESS_CLOCK.tick()):
+            state = "silent"
         if state != ALIVE:
-            return state
-        silent = self._silence.silent(member_id, beat, PROCESS_CLOCK.tick())
-        return "silent" if silent else ALIVE
+            self.gone.add(member_id)
+        return state
 
     def alive(self, member_id: str) -> bool:
         return self.state(member_id) == ALIVE
@@ -100,26 +111,37 @@ class Roster:
     """The agreement of round ``round``.
 
     ``contributors``: whose contributions round ``round`` sums, in this order.
-    ``members``: who takes part in the next round (contributors plus admitted
-    joiners); a member's rank is its index here. ``join_next``: the first join
-    entry not yet consumed.
+    ``members``: who takes part in the next round (the contributors not known to be
+    gone, then the admitted joiners); a member's rank is its index here.
+    ``join_next``: the first join entry not yet consumed. ``changes``: the rounds
+    whose ``members`` differed from the previous round's, over the job's life (the
+    first roster counts none): the job's count, the same on every member.
     """
 
     round: int
     contributors: tuple[str, ...]
     members: tuple[str, ...]
     join_next: int
+    changes: int = 0
+
+    @property
+    def founding(self) -> bool:
+        """No member of the next round contributed to this one: they start (or restart,
+        after every member was lost) the job."""
+        return not set(self.members) & set(self.contributors)
 
     def record(self) -> dict:
         return {"round": self.round, "contributors": list(self.contributors),
-                "members": list(self.members), "join_next": self.join_next}
+                "members": list(self.members), "join_next": self.join_next,
+                "changes": self.changes}
 
     @classmethod
     def from_record(cls, record: dict, round_: int, path: str) -> Roster:
         try:
             roster = cls(int(record["round"]), tuple(record["contributors"]),
-                         tuple(record["members"]), int(record["join_next"]))
-            ok = (roster.round == round_ and roster.join_next >= 0
+                         tuple(record["members"]), int(record["join_next"]),
+                         int(record.get("changes", 0)))
+            ok = (roster.round == round_ and roster.join_next >= 0 and roster.changes >= 0
                   and all(names.is_member_id(m) for m in roster.members + roster.contributors)
                   and len(set(roster.members)) == len(roster.members))
         except (KeyError, TypeError, ValueError):

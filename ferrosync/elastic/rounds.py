@@ -150,11 +150,16 @@ class Agreement:
             if member in survivors or member in joiners or self._watch.state(member) != ALIVE:
                 continue
             joiners.append(member)
-        if len(survivors) + len(joiners) < max(self._min, 1):
-            self.waiting_on = (f"joiners: {len(survivors) + len(joiners)} member(s), "
+        # a contributor this member already knows to be gone (judged while it looked
+        # for the checker: no extra read) counts in this round but not in the next, so
+        # a job whose members all died restarts with the newcomers alone
+        members = [m for m in survivors if m not in self._watch.gone] + joiners
+        if len(members) < max(self._min, 1):
+            self.waiting_on = (f"joiners: {len(members)} member(s), "
                                f"fewer than min_ranks={self._min}")
             return None
-        roster = Roster(round_, tuple(survivors), tuple(survivors + joiners), n)
+        changes = prev.changes + (prev.round >= 0 and tuple(members) != prev.members)
+        roster = Roster(round_, tuple(survivors), tuple(members), n, changes)
         return self._rosters.create(roster)
 
     def _check_not_pruned(self, round_: int) -> None:

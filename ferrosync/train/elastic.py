@@ -19,7 +19,7 @@ leave whenever they do. What keeps them one model:
   for it for at most one of its steps. If no such state comes (the publisher is
   gone, or half the timeout passed), it leaves gracefully and joins again
   (``RejoinNeeded``).
-* **Founding.** Members admitted by a roster that nobody contributed to start the
+* **Founding.** Members admitted by a roster none of whose members contributed to it start the
   job, or restart it after every member went: they resume from the newest
   published state (any number of members), else from ``seed``, and take rank 0's
   copy in one round (an average in which only rank 0 has weight, so a founder that
@@ -190,7 +190,7 @@ class ElasticTrainer(Trainer):
         """Collective for founders (one round), local for a newcomer: start from the
         job's state. Returns the phase to continue from. Publishes nothing: the
         strategy's state exists only once it is attached (``fit`` publishes then)."""
-        founding = not sync.contributors
+        founding = sync.founding
         if founding:
             state = sync.read_state()
         else:
@@ -204,7 +204,6 @@ class ElasticTrainer(Trainer):
                                    f"admitted in round {sync.round}")
         phase = self._load(state, sync.url, sync.rank) if state is not None else TRAINING
         self.joined_at = self.step
-        self._changes_at = sync.membership_changes
         if founding and phase != TRAINING:
             return SUMMARISED  # the job is over: report it, touch nothing
         if founding:
@@ -216,7 +215,10 @@ class ElasticTrainer(Trainer):
         return phase
 
     def _changes(self, sync) -> int:
-        return self.membership_changes + sync.membership_changes - self._changes_at
+        """The job's membership changes: counted in its rosters, the same on every
+        member and over the job's whole life (a restart after every member was lost
+        continues the count)."""
+        return sync.membership_changes
 
     def _after_round(self, sync, phase: str) -> None:
         """Every member after a round: rank 0 publishes the state when newcomers need
@@ -242,7 +244,7 @@ class ElasticTrainer(Trainer):
         # training randomness (dropout, augmentation) differs per member
         seed_streams(derived_seed(self.seed, sync.member_id))
         self._published = -1
-        founding = not sync.contributors  # before the bootstrap's round changes it
+        founding = sync.founding  # before the bootstrap's round changes it
         phase = self._bootstrap(sync)
         if phase == SUMMARISED:  # the job had ended before this member came
             return self._report(self._ended_summary(sync.url), rank=0)
