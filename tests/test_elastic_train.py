@@ -445,3 +445,26 @@ def test_one_member_started_after_total_loss_trains_from_the_newest_state(tmp_pa
     # the old way waited one timeout per dead member, then for a dead rank 0's state
     print(f"the new member trained {took:.1f} s after it started (heartbeat_timeout 3 s)")
     assert took < 3 * 3 + 20, took
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--model", "train_models:paced_tanh_mlp"), "model"),
+    (("--model", "train_models:paced_mlp", "--lr", "0.5"), "optimizer"),
+    (("--model", "train_models:wide_mlp"), "model"),
+], ids=["other-activation", "other-lr", "other-shapes"])
+def test_a_newcomer_that_does_not_fit_is_refused_alone(tmp_path, flags, words):
+    """A newcomer with another model structure (same shapes, another activation),
+    another learning rate or other shapes is refused before it writes anything, with
+    a one-line error naming the difference; the running members go on and count no
+    membership change."""
+    url = str(tmp_path / "job")
+    job = ("--min-ranks", "2", "--steps", 1500, *FAST)
+    procs = {n: member(tmp_path, url, n, "--model", "train_models:paced_mlp", *job)
+             for n in ("a", "b")}
+    wait_for(procs, lambda: last_step(tmp_path, "a") >= 10, "the job past step 10")
+    code, _, err = finish(member(tmp_path, url, "c", *job, *flags))
+    assert code == 2 and "does not fit the elastic job" in err and words in err, err[-2000:]
+    assert "Traceback" not in err and last_step(tmp_path, "a") < 1500, err[-2000:]
+    finals = finals_of(procs, ("a", "b"))
+    assert all(f["membership_changes"] == 0 and f["members"] == 2 for f in finals.values())
+    assert len({f["param_digest"] for f in finals.values()}) == 1

@@ -26,6 +26,7 @@ was dropped; it may ``connect`` again to rejoin as a new member.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 import warnings
@@ -67,6 +68,7 @@ from ..wire import (
     decode_record,
     encode_record,
     job_key,
+    open_record,
     job_tag,
     parse_header,
     seal,
@@ -101,6 +103,10 @@ class ElasticOptions(BackendOptions):
                                         check=_positive_or_none)
     poll_max: float | None = option(None, "longest polling sleep, seconds",
                                     check=_positive_or_none)
+    spec: dict | None = option(None, "what every member must agree on (plain JSON: "
+                               "model fingerprint, learning rate, ...); a member whose "
+                               "spec differs from the job's record is refused before it "
+                               "writes anything", check=_dict_or_none)
 
 
 def connect_elastic(url: str, timeout: float, min_ranks, max_ranks, options: dict):
@@ -176,7 +182,10 @@ class ElasticSync(GradSync):
         started = False
         try:
             probe_location(storage, None)
-            storage.makedirs(self._ns)
+            # nothing is written under the job before its record is verified: a member
+            # with another secret or spec is refused without disturbing the job
+            self._check_job(options.spec)
+            self._check_ended()
             storage.put(self._key(names.elastic_member(self.member_id)),
                         [encode_record({"id": self.member_id, "min_ranks": min_ranks},
                                        self._secret)], exclusive=True)
@@ -247,6 +256,49 @@ class ElasticSync(GradSync):
                     path=self._storage.path_of(self._key(names.elastic_join(entry))),
                     hint="check that the heartbeat can be written, then connect again")
             prev = roster
+
+    def _check_job(self, spec: dict | None) -> None:
+        """Verify the job's record (sealed with the job's key) and compare ``spec`` with
+        the one it holds; the first member writes it. ``ConfigError`` naming every
+        difference, or naming the secret when the record was sealed with another key."""
+        key = self._key(names.ELASTIC_JOB_RECORD)
+        path = self._storage.path_of(key)
+        mine = dict(spec or {})
+        try:
+            json.dumps(mine, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"spec must be plain JSON: {exc}") from None
+        raw = self._storage.read(key)
+        if raw is None:
+            self._storage.makedirs(self._ns)
+            try:
+                self._storage.put(key, [encode_record({"spec": mine}, self._secret)],
+                                  exclusive=True)
+                return
+            except FileExistsError:  # another member was first: check against its record
+                raw = self._storage.read(key)
+        opened = open_record(raw, self._secret)
+        if opened.auth in ("forged", "unsigned", "unverifiable"):
+            raise ConfigError(
+                "the elastic job's record is sealed with another key: this member's "
+                "secret differs from the job's" if opened.auth != "unverifiable" else
+                "the elastic job's record is sealed with a secret and this member has none",
+                path=path, hint="start every member of a job with the job's secret "
+                "(FERROSYNC_SECRET), or use another job id")
+        record = decode_record(raw, self._secret, path=path)
+        theirs = record.get("spec")
+        if not isinstance(theirs, dict):
+            raise ShardCorrupt("the elastic job's record holds no spec", path=path,
+                               hint="let nothing else write under this URL")
+        if not theirs or not mine:
+            return  # one side states nothing to compare (a plain connect)
+        differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+        if differ:
+            text = "; ".join(f"{k} {theirs.get(k)!r} (here {mine.get(k)!r})" for k in differ)
+            raise ConfigError(f"this member does not fit the elastic job at {self.url}: the "
+                              f"job runs with {text}", path=path,
+                              hint="start every member with the same model and flags (or "
+                              "use another job id / URL)")
 
     def _check_ended(self) -> None:
         """``JobEnded`` if a member marked the job as ended (``end_job``)."""

@@ -33,6 +33,9 @@ leave whenever they do. What keeps them one model:
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import sys
 import time
@@ -137,6 +140,23 @@ class ElasticTrainer(Trainer):
                               hint="lower --batch-size")
         self.total_steps = min(s for s in (steps, epochs and epochs * self.steps_per_epoch)
                                if s)
+
+    # -- the job's record and state ---------------------------------------------------
+    def job_spec(self) -> dict:
+        """What every member of the job must agree on, for ``connect(spec=...)``: a
+        newcomer whose spec differs is refused before it writes anything (the job's
+        record, docs/elastic.md#joining). The model's structure (not only its shapes),
+        the optimizer and its settings (the learning rate), the strategy and its
+        settings, the global steps, the batch size and the seed."""
+        optimizer = {"class": type(self.optimizer).__name__,
+                     "groups": [{k: _plain(v) for k, v in sorted(g.items()) if k != "params"}
+                                for g in self.optimizer.param_groups]}
+        strategy = {"name": self.strategy.name,
+                    **{k: _plain(getattr(self.strategy, k, None))
+                       for k in self.strategy.settings}}
+        return {"model": model_fingerprint(self.model), "optimizer": optimizer,
+                "strategy": strategy, "total_steps": self.total_steps,
+                "batch_size": self.batch_size, "seed": self.seed}
 
     # -- the job's state -------------------------------------------------------------
     def _state(self, phase: str, changes: int) -> tuple[dict, dict]:
@@ -349,6 +369,32 @@ class _Alone:
 class _NoCounters:
     def snapshot(self) -> dict:
         return {}
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of the module tree: every submodule's name and class, every parameter's
+    and buffer's name, shape and dtype. Two models with the same parameter shapes but
+    another activation module (``nn.ReLU`` against ``nn.Tanh``) differ; a functional
+    call inside ``forward`` is not seen."""
+    tree = [[name, f"{type(m).__module__}.{type(m).__qualname__}"]
+            for name, m in model.named_modules()]
+    tensors = [[name, list(t.shape), str(t.dtype)] for name, t in
+               [*model.named_parameters(), *model.named_buffers()]]
+    text = json.dumps({"modules": tree, "tensors": tensors}, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _plain(value):
+    """``value`` as plain JSON for the job's spec (tuples as lists, others by repr)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _plain(value.item())
+    return repr(value)
 
 
 def metrics_path_for(path: str | None) -> str | None:
