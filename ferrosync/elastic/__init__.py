@@ -75,7 +75,7 @@ from ..wire import (
 )
 from .membership import ABORTED, LEFT, Roster, Rosters, Watch, heartbeat
 from .rounds import Agreement, read_sized
-from .state import PublishedState, StateStore
+from .state import DEFAULT_MAX_STATE_BYTES, PublishedState, StateStore
 
 __all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic", "peek_state"]
 
@@ -585,7 +585,8 @@ class ElasticSync(GradSync):
         return self._state.fetch(tensors, time.monotonic() + self.timeout, self.rank)
 
     def read_state(self, min_round: int | None = None, timeout: float | None = None, *,
-                   publisher: str | None = None) -> PublishedState | None:
+                   publisher: str | None = None,
+                   max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> PublishedState | None:
         """The newest published state as new tensors (by name) and its ``meta``, for a
         joiner that cannot shape the tensors itself. Not a collective.
 
@@ -594,7 +595,8 @@ class ElasticSync(GradSync):
         raises ``SyncTimeout`` if none comes; with ``publisher`` (a member id, e.g.
         ``membership[0]``) too, the wait ends with ``PeerFailed`` as soon as that
         member is gone (left, aborted or silent). Without ``min_round``, returns None
-        when nothing was published yet."""
+        when nothing was published yet. A manifest declaring more than ``max_bytes``
+        (default 16 GiB) is ``ShardCorrupt`` before anything is allocated by it."""
         self._check_usable()
         wait = self.timeout if timeout is None else validate.number(
             "timeout", timeout, positive=True)
@@ -608,8 +610,9 @@ class ElasticSync(GradSync):
                                  collective=min_round, path=self._storage.path_of(key),
                                  hint="connect again to join through another round")
 
+        max_bytes = validate.integer("max_bytes", max_bytes, minimum=0)
         return self._state.read(time.monotonic() + wait, self.rank, min_round,
-                                give_up if publisher is not None else None)
+                                give_up if publisher is not None else None, max_bytes)
 
     def __repr__(self) -> str:
         return (f"ElasticSync(url={self.url!r}, member={self.member_id}, rank={self.rank}, "

@@ -43,7 +43,8 @@ from collections import deque
 
 import torch
 
-from ..errors import ConfigError, PeerFailed, SyncTimeout
+from ..costs import hourly, is_billed
+from ..errors import ConfigError, PeerFailed, RejoinNeeded, SyncTimeout
 from ..stats import PHASES
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .batching import batch_of
@@ -58,11 +59,6 @@ ELASTIC_STRATEGIES = (GradAveraging, LocalSGD, DiLoCo)
 #: ``meta["phase"]`` of a published state: training goes on; the last step is done
 #: (the summary round comes next); the summary round is done too
 TRAINING, FINISHED, SUMMARISED = "training", "finished", "summarised"
-
-
-class RejoinNeeded(Exception):
-    """A newcomer found no state for the round that admitted it (its publisher left
-    first): close gracefully and connect again, as a new member."""
 
 
 class GlobalBatches:
@@ -211,14 +207,19 @@ class ElasticTrainer(Trainer):
         job's state. Returns the phase to continue from. Publishes nothing: the
         strategy's state exists only once it is attached (``fit`` publishes then)."""
         founding = sync.founding
+        # the largest state this model can have: the model, and per parameter byte the
+        # optimizer's and the strategy's copies (AdamW: 2, DiLoCo: 2) with room to spare
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        bound = 8 * model_bytes + (16 << 20)
         if founding:
-            state = sync.read_state()
+            state = sync.read_state(max_bytes=bound)
         else:
             try:  # rank 0 publishes it after the round that admitted this member
                 state = sync.read_state(min_round=sync.round, publisher=sync.membership[0],
-                                        timeout=sync.timeout / 2)
+                                        timeout=sync.timeout / 2, max_bytes=bound)
             except (SyncTimeout, PeerFailed) as exc:
-                raise RejoinNeeded(str(exc)) from exc
+                raise RejoinNeeded(str(exc), path=sync.url,
+                                   hint="connect again as a new member") from exc
             if state.round != sync.round:  # only after being dropped: start over
                 raise RejoinNeeded(f"the state is from round {state.round}, this member was "
                                    f"admitted in round {sync.round}")
@@ -312,6 +313,14 @@ class ElasticTrainer(Trainer):
         self.rank, self.world_size = sync.rank, sync.world_size
         summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
                                   samples, start_step)
+        # the rates are the job's: the summed counts over the longest member's time, the
+        # same numbers on every member (one more round: every member's wall time)
+        walls = sync.all_gather(torch.tensor([wall], dtype=torch.float64))
+        job_wall = max(float(w[0]) for w in walls)
+        summary.update(hourly(summary["storage_requests"], job_wall, self.storage_prices,
+                              billed=is_billed(sync.url)),
+                       samples_per_s=summary["samples"] / job_wall if job_wall > 0 else 0.0,
+                       job_wall_s=job_wall)
         self._after_round(sync, SUMMARISED)
         sync.end_job()  # later comers report instead of waiting for a round
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
