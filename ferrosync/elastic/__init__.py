@@ -30,8 +30,6 @@ import json
 import secrets
 import time
 import warnings
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -39,15 +37,7 @@ from .. import names, validate
 from ..api import GradSync
 from ..backends.common import accumulate, divide_into, total_weight
 from ..backends.incoming import Expected, Part
-from ..backends.options import (
-    BackendOptions,
-    _dict_or_none,
-    _job,
-    _positive,
-    _positive_or_none,
-    _secret,
-    option,
-)
+from ..backends.options import ElasticOptions
 from ..codecs import RawCodec, accumulator_dtype, as_uint8
 from ..env import Identity
 from ..errors import (
@@ -81,32 +71,6 @@ __all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic",
 
 #: contributions carry the bytes of every bucket of a call, so their header says uint8
 _BYTES = RawCodec(torch.uint8)
-
-
-@dataclass(frozen=True)
-class ElasticOptions(BackendOptions):
-    """Options of an elastic job (a subset of the storage backend's)."""
-
-    scope: ClassVar[str] = "an elastic job"
-
-    job: str | None = option(None, "job id: elastic jobs with different ids never meet",
-                             check=_job)
-    secret: bytes | None = option(None, "shared key: every record carries an HMAC-SHA256",
-                                  check=_secret)
-    storage_options: dict | None = option(None, "passed to the fsspec filesystem",
-                                          check=_dict_or_none)
-    heartbeat_interval: float | None = option(None, "seconds between heartbeats",
-                                              check=_positive_or_none)
-    heartbeat_timeout: float = option(20.0, "a member silent this long is dropped",
-                                      check=_positive)
-    poll_initial: float | None = option(None, "first polling sleep, seconds",
-                                        check=_positive_or_none)
-    poll_max: float | None = option(None, "longest polling sleep, seconds",
-                                    check=_positive_or_none)
-    spec: dict | None = option(None, "what every member must agree on (plain JSON: "
-                               "model fingerprint, learning rate, ...); a member whose "
-                               "spec differs from the job's record is refused before it "
-                               "writes anything", check=_dict_or_none)
 
 
 def connect_elastic(url: str, timeout: float, min_ranks, max_ranks, options: dict):
