@@ -12,9 +12,9 @@ a SeaweedFS server started on loopback, tools/seaweed.py):
 * **close**: 3 members; one catches SIGTERM and calls ``close()`` from its handler.
   Printed: seconds from the SIGTERM to the end of the first round without it.
 * **total loss**: 2 members publish their state every round and are SIGKILLed; one new
-  member is started. Printed: seconds from the new member's ``connect`` to the end of
-  its first round (its Python start-up is printed apart), and the round of the
-  state it resumed from against the newest published one.
+  member is started. Printed: seconds from the start of the new member's ``connect``
+  to the end of its first round (its Python start-up is printed apart), and the round
+  of the state it resumed from against the newest published one.
 
 Times are wall-clock times of one host (``time.time()`` in every process), so they are
 comparable here. The numbers and the command that produced them are printed.
@@ -43,6 +43,8 @@ def member(args) -> None:
     import ferrosync
 
     options = json.loads(args.options)
+    with open(args.log, "a") as log:
+        log.write(json.dumps({"connecting": time.time()}) + "\n")
     sync = ferrosync.connect(args.url, elastic=True, min_ranks=args.min_ranks,
                              job=args.job, timeout=120, **options)
 
@@ -163,9 +165,9 @@ def total_loss(url, options, workdir) -> tuple[float, float, int, int]:
         job.start(9, 1, "--resume")
         job.wait(lambda: job.rows(9), "the new member's first round", timeout=300)
         rows = _rows(job.log(9))
-        connected = next(r["connected"] for r in rows if "connected" in r)
+        connecting = next(r["connecting"] for r in rows if "connecting" in r)
         resumed = next(r["resumed"] for r in rows if "resumed" in r)
-        return job.rows(9)[0]["at"] - connected, connected - started, resumed, newest
+        return job.rows(9)[0]["at"] - connecting, connecting - started, resumed, newest
     finally:
         job.stop()
 
