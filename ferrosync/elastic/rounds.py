@@ -13,7 +13,10 @@ healthy job that is member 0 alone; every other member polls the roster object a
 once per heartbeat interval, the heartbeat of the first predecessor it finds alive
 (member 0's). When the checker dies or leaves, the next live member takes over as
 soon as it sees that (at once for a graceful leave, after the heartbeat timeout for
-a silent death).
+a silent death). Once per check interval of waiting the checker makes a full pass
+(every contribution, every missing member's heartbeat in one pass), and a waiting
+member looks past predecessors that are not seen running now, so members that die
+together are judged together (``Agreement.complete``, ``Agreement.is_checker``).
 """
 
 from __future__ import annotations

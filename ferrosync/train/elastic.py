@@ -143,16 +143,20 @@ class ElasticTrainer(Trainer):
         newcomer whose spec differs is refused before it writes anything (the job's
         record, docs/elastic.md#joining). The model's structure (not only its shapes),
         the optimizer and its settings (the learning rate), the strategy and its
-        settings, the global steps, the batch size and the seed."""
+        settings, the global steps, the batch size and the seed. Taken once, before
+        training: a rejoin compares the configuration, not the optimizer's state."""
+        if getattr(self, "_spec", None) is not None:
+            return self._spec
         optimizer = {"class": type(self.optimizer).__name__,
                      "groups": [{k: _plain(v) for k, v in sorted(g.items()) if k != "params"}
                                 for g in self.optimizer.param_groups]}
         strategy = {"name": self.strategy.name,
                     **{k: _plain(getattr(self.strategy, k, None))
                        for k in self.strategy.settings}}
-        return {"model": model_fingerprint(self.model), "optimizer": optimizer,
-                "strategy": strategy, "total_steps": self.total_steps,
-                "batch_size": self.batch_size, "seed": self.seed}
+        self._spec = {"model": model_fingerprint(self.model), "optimizer": optimizer,
+                      "strategy": strategy, "total_steps": self.total_steps,
+                      "batch_size": self.batch_size, "seed": self.seed}
+        return self._spec
 
     # -- the job's state -------------------------------------------------------------
     def _state(self, phase: str, changes: int) -> tuple[dict, dict]:
