@@ -458,14 +458,10 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
                 "rank and world_size cannot be given with elastic=True: an elastic "
                 "member's rank and world size follow the membership agreed each round",
                 hint="drop rank=/world_size= (read sync.rank and sync.world_size instead)")
-        from .registry import storage_backend
+        from .registry import elastic_connector
 
-        if backend_for(url, options) is not storage_backend():
-            raise ConfigError(f"elastic=True needs a storage URL (a directory or an "
-                              f"object store, without local=), got {url!r}")
-        from .elastic import connect_elastic
-
-        return connect_elastic(url.strip(), float(timeout), min_ranks, max_ranks, options)
+        return elastic_connector(url, options)(url.strip(), float(timeout), min_ranks,
+                                               max_ranks, options)
     if min_ranks != 1 or max_ranks is not None:
         raise ConfigError("min_ranks and max_ranks apply to elastic jobs only",
                           hint="pass elastic=True, or drop min_ranks/max_ranks")

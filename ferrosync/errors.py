@@ -94,6 +94,12 @@ class MemberDropped(PeerFailed):
     the round it needed is gone). It may connect again as a new member."""
 
 
+class RejoinNeeded(FerrosyncError, RuntimeError):
+    """A newcomer to an elastic job found no state for the round that admitted it (its
+    publisher left first): close gracefully and connect again, as a new member (the
+    trainer does so by itself)."""
+
+
 class ShardCorrupt(FerrosyncError, ValueError):
     """A stored object failed its checks (magic, checksum, MAC, size); never averaged."""
 

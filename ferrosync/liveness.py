@@ -158,6 +158,53 @@ class ProcessClock:
 
 PROCESS_CLOCK = ProcessClock()
 
+
+class SilenceClocks:
+    """The one rule of when a peer is dead: its heartbeat counter has not changed for
+    ``timeout`` seconds of this process's clock while this process ran (time before
+    ``resumed_at``, the end of this process's latest freeze, is nobody's silence).
+
+    ``observe(peer, beat, now)`` records one read of ``peer``'s counter and returns
+    how long it has been silent. The fixed-size backend's ``PeerMonitor`` and an
+    elastic job's ``Watch`` both judge with it; the elastic job also asks whether a
+    read is *fresh* evidence of life (``fresh``): the counter moved since a read at
+    most ``fresh_window`` ago, which a first read, or a read long after the previous
+    one, cannot tell. Peers that die together are therefore observed together and
+    judged in one pass instead of one timeout after another.
+    """
+
+    def __init__(self, timeout: float, interval: float, *,
+                 clock: ProcessClock | None = None) -> None:
+        self.timeout = timeout
+        #: read by the clock: a gap in this process's ticks longer than this is a freeze
+        self.freeze_bound = freeze_bound(interval)
+        #: set by the clock to the end of the latest freeze (0: none yet)
+        self.resumed_at = 0.0
+        #: a counter that moved since a read this recent is proof the peer runs now
+        self.fresh_window = 2 * interval + self.freeze_bound
+        # peer -> (last beat seen, when it was first seen, when it was last read)
+        self._seen: dict[object, tuple[object, float, float]] = {}
+        self._fresh: dict[object, bool] = {}
+        (clock or PROCESS_CLOCK).watch(self)
+
+    def observe(self, peer, beat, now: float) -> float:
+        """Record a read of ``peer``'s counter at ``now``; seconds it has been silent."""
+        last = self._seen.get(peer)
+        if last is None or last[0] != beat:
+            self._fresh[peer] = last is not None and now - last[2] <= self.fresh_window
+            self._seen[peer] = (beat, now, now)
+            return 0.0
+        self._fresh[peer] = False
+        self._seen[peer] = (beat, last[1], now)
+        return now - max(last[1], self.resumed_at)
+
+    def silent(self, peer, beat, now: float) -> bool:
+        return self.observe(peer, beat, now) > self.timeout
+
+    def fresh(self, peer) -> bool:
+        """Whether the latest read of ``peer`` showed its counter moving recently."""
+        return self._fresh.get(peer, False)
+
 # (id(storage), prefix, rank) -> the Heartbeat writing hb.r{rank} there; lets the
 # monitor of the same rank read its own heartbeat's failures
 _HEARTBEATS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -180,8 +227,9 @@ class Heartbeat:
     """Rewrites ``hb.r{rank}`` every ``interval`` seconds from a daemon thread.
 
     ``set_position`` is called by the collective code (cheap: it only stores the
-    position, the next beat publishes it). ``stop`` joins the thread and writes a
-    final beat with state "closed" or "aborted".
+    position, the next beat publishes it). ``stop`` writes a final beat with state
+    "closed" or "aborted" (an elastic member: "left" or "aborted") and ends the
+    thread; no "running" beat is written after it.
 
     A failed write is retried at the next beat, never raised from the thread: the
     error is kept in ``last_error`` and the start of the current run of failures in
@@ -190,19 +238,27 @@ class Heartbeat:
     """
 
     def __init__(self, storage: Storage, prefix: str, rank: int, interval: float,
-                 key: bytes | None, generation: int, *, clock: ProcessClock | None = None
-                 ) -> None:
+                 key: bytes | None, generation: int, *, clock: ProcessClock | None = None,
+                 name: str | None = None, fields: dict | None = None,
+                 running: str = "running") -> None:
+        """``name`` (default ``names.heartbeat(rank)``), ``fields`` (added to every
+        record) and ``running`` (the state while beating) parameterise it for an
+        elastic job's members (``hb.{id}``, state ``alive``, then ``left``/``aborted``)."""
         self._storage = storage
         self._prefix = prefix
-        self._key = heartbeat_key(prefix, rank)
+        self._key = names.within(prefix, name) if name else heartbeat_key(prefix, rank)
         self._secret = key
         self._interval = interval
         self._clock = clock or PROCESS_CLOCK
         self._lock = threading.Lock()
+        # writes are serialised in beat order: a beat still in flight when ``stop``
+        # writes the final state must not land after it (S3 keeps the last PUT)
+        self._write_lock = threading.Lock()
         self._stop = threading.Event()
         self._record = {
+            **(fields or {}),
             "beat": 0,
-            "state": "running",
+            "state": running,
             "rank": rank,
             "generation": generation,
             "collective": 0,
@@ -249,7 +305,19 @@ class Heartbeat:
         while not self._stop.wait(self._interval):
             self._beat()
 
+    def announce(self, state: str) -> None:
+        """Publish ``state`` now (e.g. "aborted" while failing); later beats keep it."""
+        self._beat(state)
+
     def _beat(self, state: str | None = None) -> None:
+        with self._write_lock:
+            # once stop began, only the final state is written: a periodic beat that
+            # waited for the lock must not publish "running" after it
+            if state is None and self._stop.is_set():
+                return
+            self._write(state)
+
+    def _write(self, state: str | None) -> None:
         # ticks on both sides of the write: a slow write is a gap in this thread's
         # timeline, which must not look like a freeze (see the module docstring)
         now = self._clock.tick()
@@ -278,14 +346,21 @@ class Heartbeat:
         self._clock.tick()
 
     def stop(self, state: str = "closed") -> None:
+        """Stop beating and publish ``state`` at once (never raises): the final state
+        is what peers act on (a leave seen within their next look), so it is written
+        before waiting for the thread, and tried again if the write fails."""
         self._stop.set()
+        for attempt in range(3):
+            self._beat(state)
+            if self.failing_since is None:
+                break
+            time.sleep(0.05 * (attempt + 1))
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(5.0, 2 * self._interval))
         self._thread = None
         key = (id(self._storage), self._prefix, self._record["rank"])
         if _HEARTBEATS.get(key) is self:
             del _HEARTBEATS[key]
-        self._beat(state)
 
 
 def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,
@@ -337,14 +412,13 @@ class PeerMonitor:
         self._key = key
         self._url = url
         self._clock = clock or PROCESS_CLOCK
-        # peer -> (last beat seen, when it was first seen), on this process's clock
-        self._seen: dict[int, tuple[object, float]] = {}
+        self._silence = SilenceClocks(timeout, interval, clock=self._clock)
         self._next_check = 0.0
-        #: read by the clock: a gap in this process's ticks longer than this is a freeze
-        self.freeze_bound = freeze_bound(interval)
-        #: set by the clock to the end of the latest freeze (0: none yet)
-        self.resumed_at = 0.0
-        self._clock.watch(self)
+
+    @property
+    def resumed_at(self) -> float:
+        """The end of this process's latest freeze (0: none yet)."""
+        return self._silence.resumed_at
 
     def maybe_check(self, ranks, collective: int, op: str) -> None:
         """``check`` at most once per interval (call it from every poll iteration)."""
@@ -361,9 +435,6 @@ class PeerMonitor:
     def check(self, ranks, collective: int, op: str) -> None:
         now = self._clock.tick()
         self._check_own_heartbeat(collective, now)
-        # silence is only counted from the moment this process last resumed: a peer
-        # is not to blame for time during which this process could not look
-        resumed = self.resumed_at
         for peer in ranks:
             if peer == self._rank:
                 continue
@@ -401,11 +472,9 @@ class PeerMonitor:
                         rank=self._rank, collective=collective, path=self._url,
                         hint="every rank must call the same collectives in the same order",
                     )
-            last = self._seen.get(peer)
-            if last is None or last[0] != beat:
-                self._seen[peer] = (beat, now)
-                continue
-            silent = now - max(last[1], resumed)
+            # silence is only counted from the moment this process last resumed: a
+            # peer is not to blame for time during which this process could not look
+            silent = self._silence.observe(peer, beat, now)
             if silent > self._timeout:
                 what = "no heartbeat" if beat is None else f"heartbeat stuck at {beat}"
                 raise PeerFailed(

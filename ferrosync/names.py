@@ -224,6 +224,7 @@ def parse(name: str) -> Name:
 #     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
 #     state / state.{r}  the published training state and its pointer (``elastic_state``)
 #     ended              the job is over: joiners stop waiting (``ELASTIC_ENDED``)
+#     job                what every member must agree on (``ELASTIC_JOB_RECORD``)
 #
 # Member ids are 16 lowercase hex digits, so ``hb.{id}`` never reads as ``hb.r{k}`` and
 # ``join.{n}`` never as ``join.r{k}.{n}``.
@@ -236,6 +237,8 @@ ELASTIC_LATEST = "latest"
 ELASTIC_STATE_POINTER = "state"
 #: the job's end marker (exclusive create by any member, never removed)
 ELASTIC_ENDED = "ended"
+#: the job's record: what its members agree on (exclusive create by the first member)
+ELASTIC_JOB_RECORD = "job"
 _MEMBER_ID = re.compile(r"[0-9a-f]{16}")
 
 
@@ -289,6 +292,7 @@ _ELASTIC_PATTERNS = (
     ("elastic_state_pointer", re.escape(ELASTIC_STATE_POINTER), ()),
     ("elastic_state", rf"state\.{_N}", ("collective",)),
     ("elastic_ended", re.escape(ELASTIC_ENDED), ()),
+    ("elastic_job", re.escape(ELASTIC_JOB_RECORD), ()),
 )
 _ELASTIC_COMPILED = tuple((kind, re.compile(p), f) for kind, p, f in _ELASTIC_PATTERNS)
 #: what ``parse_elastic`` can answer (``collective`` holds the round, ``token`` the id)

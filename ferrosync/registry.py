@@ -21,6 +21,8 @@ STORAGE_BACKEND = "ferrosync.backends.files:FileSync"
 
 
 HIERARCHICAL_BACKEND = "ferrosync.backends.hierarchical:HierarchicalSync"
+#: an elastic job's member: the storage transport with membership agreed each round
+ELASTIC_BACKEND = "ferrosync.elastic:connect_elastic"
 
 
 def _load(target: str):
@@ -46,3 +48,14 @@ def backend_for(url: str, options: dict | None = None):
     if (options or {}).get("local") is not None:
         return _load(HIERARCHICAL_BACKEND)
     return storage_backend()
+
+
+def elastic_connector(url: str, options: dict | None = None):
+    """``connect_elastic`` for ``connect(url, elastic=True)``: elastic jobs run on the
+    storage transport only (a directory or an object store, without ``local=``)."""
+    from .errors import ConfigError
+
+    if backend_for(url, options) is not storage_backend():
+        raise ConfigError(f"elastic=True needs a storage URL (a directory or an "
+                          f"object store, without local=), got {url!r}")
+    return _load(ELASTIC_BACKEND)

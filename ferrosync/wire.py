@@ -424,3 +424,24 @@ def decode_record(data: bytes, key: bytes | None, *, path: str, rank: int | None
         f"unreadable control record ({problem})", rank=rank, path=path,
         hint="set the same secret on every rank, and let nothing else write under this URL",
     )
+
+
+# -- keys ---------------------------------------------------------------------------------
+
+def job_key(secret: bytes | None, namespace: str) -> bytes | None:
+    """The key that seals the objects and records of the job in ``namespace``, derived
+    from the shared ``secret`` (None without one): HMAC-SHA256(secret, label +
+    namespace). Jobs that share a secret (a team-wide ``FERROSYNC_SECRET``) get
+    different keys, so an object copied from one job into another fails its MAC
+    instead of entering the other job's average; the secret itself never seals
+    anything such a copy could be replayed with."""
+    if secret is None:
+        return None
+    return hmac.new(secret, b"ferrosync job key v1\0" + namespace.encode(), "sha256").digest()
+
+
+def job_tag(namespace: str) -> int:
+    """A 64-bit tag of the job in ``namespace`` for the header's generation field, so an
+    object names its job even without a secret (then covered by the checksum only)."""
+    return int.from_bytes(xxhash.xxh3_64_digest(b"ferrosync job\0" + namespace.encode()),
+                          "little")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import ferrosync
-from ferrosync.errors import ConfigError, LayoutMismatch, PeerFailed, ShardCorrupt, SyncTimeout
+from ferrosync.errors import ConfigError, LayoutMismatch, PeerFailed, SyncTimeout
 from ranks import collect, run_ranks, start_ranks, wait_until
 
 # short enough to keep the file fast, long enough for a loaded 2-core machine
@@ -454,6 +454,104 @@ def w_secret(index, _world, url):
 
 
 def test_records_without_the_jobs_secret_are_refused(tmp_path):
-    # each member holds another key: neither may act on the other's join entry
+    # each member holds another key: the one that comes second finds the job's record
+    # sealed with another key and is refused before it writes anything; the first
+    # waits alone for min_ranks and times out
     got = run_ranks(w_secret, 2, str(tmp_path), timeout=60, expect_errors=True)
-    assert all(isinstance(g.error, ShardCorrupt) and "MAC" in str(g.error) for g in got), got
+    errors = sorted((type(g.error).__name__, str(g.error)) for g in got)
+    assert [kind for kind, _ in errors] == ["ConfigError", "SyncTimeout"], errors
+    assert "secret differs from the job's" in errors[0][1], errors
+
+
+def w_cohort(index, _world, url, rounds, hb_timeout, gate):
+    opts = dict(FAST, heartbeat_timeout=hb_timeout)
+    open(os.path.join(gate, str(index)), "w").close()
+    wait_until(lambda: len(os.listdir(gate)) == 4, "all four members at the gate")
+    sync = ferrosync.connect(url, elastic=True, min_ranks=2, job="cohort", timeout=TIMEOUT,
+                             **opts)
+    while sync.world_size < 4:
+        sync.barrier()
+    log = []
+    for k in range(rounds):
+        t = torch.full((4,), 10.0 ** index)
+        began = time.monotonic()
+        total = sync.average_([t])
+        log.append((total, t[0].item(), time.monotonic() - began, sync.world_size))
+        if k == 2 and sync.rank in (0, 1):  # the checker and the next in line die together
+            os.kill(os.getpid(), signal.SIGKILL)
+    sync.close()
+    return log
+
+
+def test_members_killed_together_leave_together(tmp_path):
+    """Ranks 0 and 1 (the roster's checker and its successor) are SIGKILLed in the same
+    round: the survivors drop both in one roster, after about one heartbeat timeout
+    (both silence clocks run at once), not one timeout per dead member."""
+    hb_timeout = 5.0
+    gate = tmp_path.parent / f"{tmp_path.name}-gate"
+    gate.mkdir()
+    got = run_ranks(w_cohort, 4, str(tmp_path), 6, hb_timeout, str(gate), timeout=120,
+                    expect_errors=True)
+    stay = [i for i, g in enumerate(got) if isinstance(g, list) and len(g) == 6]
+    assert len(stay) == 2, got
+    for i in stay:
+        log = got[i]
+        assert [x[3] for x in log] == [4] * 3 + [2] * 3, log  # 4 -> 2 in one round
+        assert [x[0] for x in log] == [4.0] * 3 + [2.0] * 3, log
+        assert [x[1] for x in log][3:] == pytest.approx([avg_of(stay)] * 3)
+        print(f"member {i}: the drop round took {log[3][2]:.2f} s")
+        # one timeout per dead member would be >= 2 x hb_timeout
+        assert log[3][2] < 2 * hb_timeout, f"the drop took {log[3][2]:.1f} s"
+
+
+def w_term(index, _world, url, files, how):
+    """Members average until five rounds after a member left; SIGTERM makes that one
+    leave: its handler calls ``close()`` in the middle of whatever the member was doing
+    (``how`` = "close") and exits, or raises ``SystemExit`` out of the ``with`` block
+    (``how`` = "exit")."""
+    sync = ferrosync.connect(url, elastic=True, min_ranks=2, job="term", timeout=TIMEOUT,
+                             heartbeat_interval=0.2, heartbeat_timeout=60.0)
+    closed = os.path.join(files, "closed")
+
+    def on_term(*_):
+        if how == "close":
+            sync.close()
+        with open(closed + ".tmp", "w") as f:
+            f.write(repr(time.time()))
+        os.rename(closed + ".tmp", closed)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    log = []
+    with sync:
+        while True:
+            sync.average_([torch.full((4,), 10.0 ** index)])
+            log.append((sync.round, sync.world_size, time.time()))
+            if sync.round == 20:
+                with open(os.path.join(files, f"at20.{index}"), "w") as f:
+                    f.write(str(os.getpid()))
+            if os.path.exists(closed):
+                at = float(open(closed).read())
+                if sum(1 for _, _, t in log if t > at) >= 5:
+                    return log
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["close", "exit"])
+def test_a_member_closed_from_a_signal_handler_is_seen_within_a_round(tmp_path, how):
+    """A member that catches SIGTERM and calls ``close()`` (or leaves its ``with``
+    block through ``SystemExit``) mid-round is a visible leave: with a heartbeat
+    timeout of 60 s, the others drop it in the round after the close (the round in
+    flight may still count it), never by its silence."""
+    files = tmp_path / "files"
+    files.mkdir()
+    procs, results = start_ranks(w_term, 3, str(tmp_path / "store"), str(files), how)
+    wait_until(lambda: len(list(files.glob("at20.*"))) == 3, "round 20", timeout=60)
+    os.kill(int((files / "at20.1").read_text()), signal.SIGTERM)
+    got = collect(procs, results, timeout=90)
+    closed = float((files / "closed").read_text())
+    for index in (0, 2):
+        log = got[index]
+        assert isinstance(log, list), got
+        after = [world for _, world, at in log if at > closed]
+        assert after.count(3) <= 1 and after[-1] == 2, (after, log[-8:])

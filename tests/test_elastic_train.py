@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -231,6 +232,24 @@ def test_a_job_that_lost_every_member_resumes_with_another_count(tmp_path):
     assert c[0]["step"] == at + 1 and {r["members"] for r in c} == {3}
 
 
+@pytest.mark.parametrize("strategy", [("grad",), ("local-sgd", "--sync-every", 5),
+                                      ("diloco", "--sync-every", 5)])
+def test_publish_every_works_for_every_strategy(tmp_path, strategy):
+    """``--publish-every K`` publishes at the founding round too: the strategy's state
+    (DiLoCo's global copy and outer optimizer) must exist by then, for every strategy."""
+    url = str(tmp_path / "job")
+    flags = ("--min-ranks", "2", "--steps", 20, "--publish-every", 5, "--strategy",
+             *strategy, *FAST)
+    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b")}
+    finals = finals_of(procs, procs)
+    assert len({f["param_digest"] for f in finals.values()}) == 1, finals
+    assert all(f["steps"] == 20 and f["ranks_agree"] for f in finals.values()), finals
+    # the published state is the job's end, readable by a process that comes later
+    code, out, err = finish(member(tmp_path, url, "c", *flags))
+    assert code == 0, err[-2000:]
+    assert final_of(out)["param_digest"] == finals["a"]["param_digest"]
+
+
 def test_a_finished_job_reports_without_training(tmp_path):
     url = str(tmp_path / "job")
     flags = ("--steps", 30, "--strategy", "local-sgd", "--sync-every", 10)
@@ -392,3 +411,60 @@ def test_read_state_refuses_a_manifest_that_does_not_match(tmp_path):
         with pytest.raises(ShardCorrupt, match="no valid manifest"):
             sync.read_state()
 
+
+
+def test_one_member_started_after_total_loss_trains_from_the_newest_state(tmp_path):
+    """Every member is SIGKILLed (their last contributions stay on storage); one new
+    member, started alone, resumes from the newest published step after about one
+    heartbeat timeout: the dead members leave in one roster, not one after another,
+    and it does not wait for a dead member to publish the state."""
+    url = str(tmp_path / "job")
+    flags = ("--min-ranks", "1", "--steps", 400, "--publish-every", 20,
+             "--model", "train_models:paced_mlp", *FAST)
+    first = {n: member(tmp_path, url, n, *flags) for n in ("a", "b", "c")}
+    wait_until(lambda: min(last_step(tmp_path, n) for n in first) >= 45
+               and {r["members"] for r in metrics(tmp_path, "a")[-1:]} == {3},
+               "three members past step 45", timeout=120)
+    for proc in first.values():
+        proc.send_signal(signal.SIGKILL)
+    for proc in first.values():
+        finish(proc)
+    killed_at = max(last_step(tmp_path, n) for n in first)
+    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
+                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    (job,) = json.loads(out.stdout)["elastic_jobs"]
+    newest = job["state"]["step"]  # the newest published state
+    started = time.monotonic()
+    procs = {"d": member(tmp_path, url, "d", *flags)}
+    wait_for(procs, lambda: last_step(tmp_path, "d") >= 0, "the new member trains")
+    took = time.monotonic() - started
+    (final,) = finals_of(procs, ["d"]).values()
+    at = final["joined_at_step"]
+    assert at == newest and killed_at - 40 <= at <= killed_at, (at, newest, killed_at)
+    assert final["steps"] == 400 and final["members"] == 1
+    # the old way waited one timeout per dead member, then for a dead rank 0's state
+    print(f"the new member trained {took:.1f} s after it started (heartbeat_timeout 3 s)")
+    assert took < 3 * 3 + 20, took
+
+
+@pytest.mark.parametrize("flags, words", [
+    (("--model", "train_models:paced_tanh_mlp"), "model"),
+    (("--model", "train_models:paced_mlp", "--lr", "0.5"), "optimizer"),
+    (("--model", "train_models:wide_mlp"), "model"),
+], ids=["other-activation", "other-lr", "other-shapes"])
+def test_a_newcomer_that_does_not_fit_is_refused_alone(tmp_path, flags, words):
+    """A newcomer with another model structure (same shapes, another activation),
+    another learning rate or other shapes is refused before it writes anything, with
+    a one-line error naming the difference; the running members go on and count no
+    membership change."""
+    url = str(tmp_path / "job")
+    job = ("--min-ranks", "2", "--steps", 1500, *FAST)
+    procs = {n: member(tmp_path, url, n, "--model", "train_models:paced_mlp", *job)
+             for n in ("a", "b")}
+    wait_for(procs, lambda: last_step(tmp_path, "a") >= 10, "the job past step 10")
+    code, _, err = finish(member(tmp_path, url, "c", *job, *flags))
+    assert code == 2 and "does not fit the elastic job" in err and words in err, err[-2000:]
+    assert "Traceback" not in err and last_step(tmp_path, "a") < 1500, err[-2000:]
+    finals = finals_of(procs, ("a", "b"))
+    assert all(f["membership_changes"] == 0 and f["members"] == 2 for f in finals.values())
+    assert len({f["param_digest"] for f in finals.values()}) == 1

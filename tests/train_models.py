@@ -89,3 +89,12 @@ class PacedMLP(torch.nn.Module):
 
 def paced_mlp() -> torch.nn.Module:
     return PacedMLP()
+
+
+def paced_tanh_mlp() -> torch.nn.Module:
+    """``paced_mlp`` with Tanh instead of ReLU: the same parameter shapes, another model."""
+    model = PacedMLP()
+    for i, layer in enumerate(model.net):
+        if isinstance(layer, torch.nn.ReLU):
+            model.net[i] = torch.nn.Tanh()
+    return model

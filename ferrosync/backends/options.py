@@ -319,4 +319,46 @@ class HierarchicalOptions(BackendOptions):
 
 
 #: which options class documents which README table
-TABLES = {"storage": StorageOptions, "torch": TorchOptions, "hierarchical": HierarchicalOptions}
+@dataclass(frozen=True)
+class ElasticOptions(BackendOptions):
+    """Options of an elastic job's member (``connect(url, elastic=True)``,
+    docs/elastic.md): the storage transport's, less what a roster decides (``reduce``,
+    buckets), plus the job's ``spec``."""
+
+    scope: ClassVar[str] = "an elastic job"
+
+    job: str | None = option(
+        None, "job id: elastic jobs with different ids never meet; their objects live in "
+        "`el.{job}/`", shown=f"`${ENV_JOB}`, else the scheduler's job id", check=_job)
+    secret: bytes | None = option(
+        None, "shared key: every record and object is sealed with a key derived from it "
+        "per job (HMAC-SHA256); anything without a valid one is refused",
+        shown=f"`${ENV_SECRET}`", check=_secret)
+    storage_options: dict | None = option(
+        None, "passed to the fsspec filesystem (credentials, `endpoint_url`, ...)",
+        shown="`None`", check=_dict_or_none)
+    heartbeat_interval: float | None = option(
+        None, "seconds between heartbeats", shown="1 s local, 2 s object stores",
+        check=_positive_or_none)
+    heartbeat_timeout: float = option(
+        20.0, "a member silent this long is dropped (members silent together leave "
+        "together); must exceed twice `heartbeat_interval`", shown="20 s", check=_positive)
+    poll_initial: float | None = option(
+        None, "first polling sleep, seconds", shown="20 µs local, 5 ms object stores",
+        check=_positive_or_none)
+    poll_max: float | None = option(
+        None, "longest polling sleep, seconds", shown="10 ms local, 200 ms object stores",
+        check=_positive_or_none)
+    spec: dict | None = option(
+        None, "what every member must agree on (plain JSON; the trainer's: model "
+        "fingerprint, optimizer and lr, strategy, steps, batch size, seed): a newcomer "
+        "whose spec differs from the job's record is refused before it writes anything",
+        shown="`None`", check=_dict_or_none)
+
+    def _check_together(self) -> None:
+        if self.poll_initial and self.poll_max and self.poll_initial > self.poll_max:
+            raise ConfigError("poll_initial must not exceed poll_max")
+
+
+TABLES = {"storage": StorageOptions, "torch": TorchOptions, "hierarchical": HierarchicalOptions,
+          "elastic": ElasticOptions}

@@ -26,28 +26,19 @@ was dropped; it may ``connect`` again to rejoin as a new member.
 
 from __future__ import annotations
 
-import math
+import json
 import secrets
 import time
 import warnings
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
 from .. import names, validate
 from ..api import GradSync
 from ..backends.common import accumulate, divide_into, total_weight
-from ..backends.options import (
-    BackendOptions,
-    _dict_or_none,
-    _job,
-    _positive,
-    _positive_or_none,
-    _secret,
-    option,
-)
-from ..codecs import CODEC_RAW, accumulator_dtype, as_uint8
+from ..backends.incoming import Expected, Part
+from ..backends.options import ElasticOptions
+from ..codecs import RawCodec, accumulator_dtype, as_uint8
 from ..env import Identity
 from ..errors import (
     ConfigError,
@@ -59,46 +50,27 @@ from ..errors import (
 )
 from ..storage import open_storage, probe_location
 from ..wire import (
-    DTYPE_CODES,
     FLAG_EMPTY,
+    HEADER_SIZE,
     KIND_CONTRIB,
-    Header,
+    MAC_SIZE,
     PayloadCheck,
     decode_record,
     encode_record,
+    job_key,
+    job_tag,
+    open_record,
     parse_header,
     seal,
 )
-from .membership import ABORTED, LEFT, Heartbeat, Roster, Rosters, Watch
-from .rounds import Agreement
-from .state import PublishedState, StateStore
+from .membership import ABORTED, LEFT, Roster, Rosters, Watch, heartbeat
+from .rounds import Agreement, read_sized
+from .state import DEFAULT_MAX_STATE_BYTES, PublishedState, StateStore
 
 __all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic", "peek_state"]
 
 #: contributions carry the bytes of every bucket of a call, so their header says uint8
-_UINT8 = DTYPE_CODES[torch.uint8]
-
-
-@dataclass(frozen=True)
-class ElasticOptions(BackendOptions):
-    """Options of an elastic job (a subset of the storage backend's)."""
-
-    scope: ClassVar[str] = "an elastic job"
-
-    job: str | None = option(None, "job id: elastic jobs with different ids never meet",
-                             check=_job)
-    secret: bytes | None = option(None, "shared key: every record carries an HMAC-SHA256",
-                                  check=_secret)
-    storage_options: dict | None = option(None, "passed to the fsspec filesystem",
-                                          check=_dict_or_none)
-    heartbeat_interval: float | None = option(None, "seconds between heartbeats",
-                                              check=_positive_or_none)
-    heartbeat_timeout: float = option(20.0, "a member silent this long is dropped",
-                                      check=_positive)
-    poll_initial: float | None = option(None, "first polling sleep, seconds",
-                                        check=_positive_or_none)
-    poll_max: float | None = option(None, "longest polling sleep, seconds",
-                                    check=_positive_or_none)
+_BYTES = RawCodec(torch.uint8)
 
 
 def connect_elastic(url: str, timeout: float, min_ranks, max_ranks, options: dict):
@@ -118,7 +90,8 @@ def peek_state(url: str, options: dict, timeout: float = 300.0) -> PublishedStat
     checked = ElasticOptions.parse(options)
     storage = open_storage(url, checked.storage_options)
     try:
-        store = StateStore(storage, names.elastic_namespace(checked.job), checked.secret)
+        namespace = names.elastic_namespace(checked.job)
+        store = StateStore(storage, namespace, job_key(checked.secret, namespace))
         return store.read(time.monotonic() + timeout, None, None)
     finally:
         storage.close()
@@ -143,10 +116,14 @@ class ElasticSync(GradSync):
         storage = open_storage(url, options.storage_options)
         super().__init__(url, Identity(0, 1, 0, 1, "elastic"), timeout, storage.counters)
         self._storage = storage
-        self._secret = options.secret
         self.job = options.job
         self.member_id = secrets.token_hex(8)
         self._ns = names.elastic_namespace(self.job)
+        # every record and object of the job is sealed with the job's own key and its
+        # header names the job (wire.job_key, wire.job_tag): an object copied from
+        # another job that shares the secret fails its MAC, never enters an average
+        self._secret = job_key(options.secret, self._ns)
+        self._tag = job_tag(self._ns)
         interval = options.heartbeat_interval or storage.heartbeat_interval
         if options.heartbeat_timeout <= 2 * interval:
             self._closed = True
@@ -162,16 +139,17 @@ class ElasticSync(GradSync):
                                     max_ranks=max_ranks, poll=poll, check_interval=interval,
                                     url=url)
         self._state = StateStore(storage, self._ns, self._secret)
-        self._heartbeat = Heartbeat(storage, self._key(names.elastic_heartbeat(self.member_id)),
-                                    self.member_id, interval, self._secret)
+        self._heartbeat = heartbeat(storage, self._ns, self.member_id, interval, self._secret)
         self._mine: list[tuple[int, str]] = []  # (round, key) of own contributions
         self.membership: list[str] = []
-        self.membership_changes = 0
         self._roster: Roster | None = None
         started = False
         try:
             probe_location(storage, None)
-            storage.makedirs(self._ns)
+            # nothing is written under the job before its record is verified: a member
+            # with another secret or spec is refused without disturbing the job
+            self._check_job(options.spec)
+            self._check_ended()
             storage.put(self._key(names.elastic_member(self.member_id)),
                         [encode_record({"id": self.member_id, "min_ranks": min_ranks},
                                        self._secret)], exclusive=True)
@@ -199,6 +177,18 @@ class ElasticSync(GradSync):
         """The members whose contributions made the latest round (roster order); empty
         in the roster that admitted this member when it founded (or re-founded) the job."""
         return list(self._roster.contributors)
+
+    @property
+    def founding(self) -> bool:
+        """No member of the current roster contributed to the round that made it: the
+        members start the job, or restart it after every member was lost."""
+        return self._roster.founding
+
+    @property
+    def membership_changes(self) -> int:
+        """The rounds whose membership changed over the job's life (the first roster
+        counts none): the job's count, read from the roster, the same on every member."""
+        return self._roster.changes
 
     @property
     def newcomers(self) -> list[str]:
@@ -231,6 +221,49 @@ class ElasticSync(GradSync):
                     hint="check that the heartbeat can be written, then connect again")
             prev = roster
 
+    def _check_job(self, spec: dict | None) -> None:
+        """Verify the job's record (sealed with the job's key) and compare ``spec`` with
+        the one it holds; the first member writes it. ``ConfigError`` naming every
+        difference, or naming the secret when the record was sealed with another key."""
+        key = self._key(names.ELASTIC_JOB_RECORD)
+        path = self._storage.path_of(key)
+        mine = dict(spec or {})
+        try:
+            json.dumps(mine, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"spec must be plain JSON: {exc}") from None
+        raw = self._storage.read(key)
+        if raw is None:
+            self._storage.makedirs(self._ns)
+            try:
+                self._storage.put(key, [encode_record({"spec": mine}, self._secret)],
+                                  exclusive=True)
+                return
+            except FileExistsError:  # another member was first: check against its record
+                raw = self._storage.read(key)
+        opened = open_record(raw, self._secret)
+        if opened.auth in ("forged", "unsigned", "unverifiable"):
+            raise ConfigError(
+                "the elastic job's record is sealed with another key: this member's "
+                "secret differs from the job's" if opened.auth != "unverifiable" else
+                "the elastic job's record is sealed with a secret and this member has none",
+                path=path, hint="start every member of a job with the job's secret "
+                "(FERROSYNC_SECRET), or use another job id")
+        record = decode_record(raw, self._secret, path=path)
+        theirs = record.get("spec")
+        if not isinstance(theirs, dict):
+            raise ShardCorrupt("the elastic job's record holds no spec", path=path,
+                               hint="let nothing else write under this URL")
+        if not theirs or not mine:
+            return  # one side states nothing to compare (a plain connect)
+        differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+        if differ:
+            text = "; ".join(f"{k} {theirs.get(k)!r} (here {mine.get(k)!r})" for k in differ)
+            raise ConfigError(f"this member does not fit the elastic job at {self.url}: the "
+                              f"job runs with {text}", path=path,
+                              hint="start every member with the same model and flags (or "
+                              "use another job id / URL)")
+
     def _check_ended(self) -> None:
         """``JobEnded`` if a member marked the job as ended (``end_job``)."""
         key = self._key(names.ELASTIC_ENDED)
@@ -259,8 +292,6 @@ class ElasticSync(GradSync):
         """Make ``roster`` current: rank, world size and the membership counters."""
         members = list(roster.members)
         self._changed = members != self.membership
-        if self._changed and self._roster is not None:
-            self.membership_changes += 1
         self.membership = members
         self._roster = roster
         self.rank = members.index(self.member_id)
@@ -282,22 +313,39 @@ class ElasticSync(GradSync):
             if send else []
         nbytes = sum(p.nbytes for p in parts)
         total = sum(f.numel() * f.element_size() for f in flats)
-        header = Header(kind=KIND_CONTRIB, dtype=_UINT8, codec=CODEC_RAW, rank=pos,
-                        world_size=len(prev.members), generation=round_, collective=round_,
-                        count=total, offset=0, total=total, weight=weight, layout=digest,
-                        payload_nbytes=nbytes, flags=0 if send and total else FLAG_EMPTY)
+        header = self._expected(round_, prev, digest, total).header(
+            pos, weight=weight, nbytes=nbytes, flags=0 if send and total else FLAG_EMPTY)
         key = self._key(names.elastic_contribution(round_, self.member_id))
-        with self._stats.phase("write_s"):
-            self._storage.put(key, [seal(header, parts, self._secret), *parts], exclusive=True)
+        try:
+            with self._stats.phase("write_s"):
+                self._storage.put(key, [seal(header, parts, self._secret), *parts],
+                                  exclusive=True)
+        except FileExistsError:
+            # only this member writes this name: whatever lies there was planted
+            raise ShardCorrupt(
+                f"an object already lies under this member's contribution to round "
+                f"{round_} (planted by something else: this member never wrote it)",
+                rank=self.rank, collective=round_, path=self._storage.path_of(key),
+                hint="let nothing else write under this URL; set a secret so planted "
+                "objects are refused by every member") from None
         self._mine.append((round_, key))
         with self._stats.phase("wait_s"):
             roster = self._agreement.wait(round_, prev, list(prev.members[:pos]),
-                                          time.monotonic() + self.timeout)
+                                          time.monotonic() + self.timeout,
+                                          sizes=self.contribution_sizes(total))
         if self.member_id not in roster.contributors:
             self._storage.delete([key])
             raise MemberDropped(
                 f"this member was dropped from round {round_}: the others found it gone "
                 "(heartbeat silent past heartbeat_timeout) before its contribution came",
+                collective=round_, path=self._storage.path_of(key),
+                hint="connect again with elastic=True to rejoin as a new member")
+        if self.member_id not in roster.members:
+            # its contribution counts in this round (others read it: it stays), but the
+            # checker knew it gone (left, aborted, or silent past the timeout)
+            raise MemberDropped(
+                f"this member was dropped after round {round_}: the others found it gone "
+                "(heartbeat said left/aborted, or silent past heartbeat_timeout)",
                 collective=round_, path=self._storage.path_of(key),
                 hint="connect again with elastic=True to rejoin as a new member")
         # everyone who reads round r has finished it once roster r+2 exists (its
@@ -308,17 +356,49 @@ class ElasticSync(GradSync):
             self._mine = [(r, k) for r, k in self._mine if r > round_ - 2]
         return prev, roster
 
+    def _expected(self, round_: int, prev: Roster, digest: bytes, total: int) -> Expected:
+        """What every contribution to ``round_`` says about itself (the storage
+        transport's header and checks): this job's tag, the round, the writer's rank in
+        roster ``round_ - 1`` (which names the member), the layout and the size."""
+        return Expected(KIND_CONTRIB, torch.uint8, _BYTES, digest, Part.whole(total),
+                        len(prev.members), self._tag, round_)
+
+    def contribution_sizes(self, total: int) -> tuple[int, int]:
+        """The two legal sizes of a contribution of ``total`` payload bytes: empty (a
+        zero weight, a barrier) and full; anything else is not one."""
+        head = HEADER_SIZE + (MAC_SIZE if self._secret is not None else 0)
+        return head, head + total
+
     def _contribution(self, round_: int, member: str, prev: Roster, digest: bytes,
                       flats: list[torch.Tensor]) -> tuple[float, list | None]:
         """(weight, one tensor per flat, or None when empty) of ``member``'s verified
-        contribution to ``round_``."""
+        contribution to ``round_``: its size is one of the two legal ones before a byte
+        is read, its MAC (or checksum) verified before any field is used, and every
+        header field checked against the round's ``Expected``."""
         key = self._key(names.elastic_contribution(round_, member))
         path = self._storage.path_of(key)
+        total = sum(f.numel() * f.element_size() for f in flats)
+        def mismatch(src, _theirs):
+            return LayoutMismatch(
+                f"member {member} (rank {src}) called round {round_} with another layout "
+                "(operation, dtypes or shapes) than this member", rank=self.rank,
+                collective=round_, path=path,
+                hint="every member must call the same collectives in order")
+
+        def wrong_size(reader):
+            # another size is another layout, or a forgery: the header (crc-checked, not
+            # yet authenticated) tells which to report; either way nothing is used
+            head = bytearray(HEADER_SIZE)
+            got = reader.readinto(head)
+            header = parse_header(head[:got], path=path, rank=self.rank, key=self._secret)
+            if header.layout != digest:
+                raise mismatch(prev.members.index(member), header.layout)
+
         raw = self._agreement.take(round_, member)
         if raw is None:
             with self._stats.phase("read_s"):
-                # TODO(elastic): bound by the contribution's size known from the layout
-                raw = self._storage.read(key, max_bytes=None)
+                raw = read_sized(self._storage, key, self.contribution_sizes(total),
+                                 rank=self.rank, collective=round_, wrong_size=wrong_size)
         if raw is None:
             raise MemberDropped(
                 f"the contribution of member {member} to round {round_} is gone: this "
@@ -329,23 +409,17 @@ class ElasticSync(GradSync):
         payload = memoryview(raw)[header.size:]
         check.update(payload)
         check.finish()
-        if header.layout != digest:
-            raise LayoutMismatch(
-                f"member {member} called round {round_} with another layout (operation, "
-                "dtypes or shapes) than this member", rank=self.rank, collective=round_,
-                path=path, hint="every member must call the same collectives in order")
-        total = sum(f.numel() * f.element_size() for f in flats)
-        good = (header.kind == KIND_CONTRIB and header.generation == round_
-                and header.collective == round_ and header.codec == CODEC_RAW
-                and header.rank == prev.members.index(member)
-                and header.world_size == len(prev.members)
-                and header.dtype == _UINT8 and header.count == total
-                and math.isfinite(header.weight) and header.weight >= 0
-                and header.payload_nbytes == (0 if header.flags & FLAG_EMPTY else total))
-        if not good:
-            raise ShardCorrupt(f"contribution of member {member} does not match round "
-                               f"{round_}'s", rank=self.rank, collective=round_, path=path,
-                               hint="let nothing else write under this URL")
+        if header.generation != self._tag or header.collective != round_:
+            raise ShardCorrupt(
+                f"the object under member {member}'s contribution to round {round_} belongs "
+                f"to job tag {header.generation:016x} round {header.collective} (this job: "
+                f"{self._tag:016x}); a copied or replayed object", rank=self.rank,
+                collective=round_, path=path,
+                hint="give each job its own id and set a secret; let nothing else write "
+                "under this URL")
+
+        self._expected(round_, prev, digest, total).check(
+            header, prev.members.index(member), path, self.rank, mismatch)
         if header.flags & FLAG_EMPTY:
             return header.weight, None
         views, offset = [], 0
@@ -452,7 +526,7 @@ class ElasticSync(GradSync):
 
     def _publish_abort(self, exc):
         # the others drop this member at once instead of after the heartbeat timeout
-        self._heartbeat.write(ABORTED)
+        self._heartbeat.announce(ABORTED)
 
     def _shutdown(self, failure):
         # own contributions stay: slower members may still be reading the last ones
@@ -475,7 +549,8 @@ class ElasticSync(GradSync):
         return self._state.fetch(tensors, time.monotonic() + self.timeout, self.rank)
 
     def read_state(self, min_round: int | None = None, timeout: float | None = None, *,
-                   publisher: str | None = None) -> PublishedState | None:
+                   publisher: str | None = None,
+                   max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> PublishedState | None:
         """The newest published state as new tensors (by name) and its ``meta``, for a
         joiner that cannot shape the tensors itself. Not a collective.
 
@@ -484,7 +559,8 @@ class ElasticSync(GradSync):
         raises ``SyncTimeout`` if none comes; with ``publisher`` (a member id, e.g.
         ``membership[0]``) too, the wait ends with ``PeerFailed`` as soon as that
         member is gone (left, aborted or silent). Without ``min_round``, returns None
-        when nothing was published yet."""
+        when nothing was published yet. A manifest declaring more than ``max_bytes``
+        (default 16 GiB) is ``ShardCorrupt`` before anything is allocated by it."""
         self._check_usable()
         wait = self.timeout if timeout is None else validate.number(
             "timeout", timeout, positive=True)
@@ -498,8 +574,9 @@ class ElasticSync(GradSync):
                                  collective=min_round, path=self._storage.path_of(key),
                                  hint="connect again to join through another round")
 
+        max_bytes = validate.integer("max_bytes", max_bytes, minimum=0)
         return self._state.read(time.monotonic() + wait, self.rank, min_round,
-                                give_up if publisher is not None else None)
+                                give_up if publisher is not None else None, max_bytes)
 
     def __repr__(self) -> str:
         return (f"ElasticSync(url={self.url!r}, member={self.member_id}, rank={self.rank}, "

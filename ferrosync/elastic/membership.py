@@ -2,9 +2,10 @@
 
 Pieces:
 
-* ``Heartbeat``: a daemon thread rewriting ``hb.{id}`` with an increasing ``beat`` and a
-  ``state`` (``alive``, then ``left`` on a graceful close or ``aborted`` on a failure,
-  written at once so the others need not wait out the heartbeat timeout).
+* ``heartbeat(...)``: the one heartbeat writer (``liveness.Heartbeat``) rewriting
+  ``hb.{id}`` with an increasing ``beat`` and a ``state`` (``alive``, then ``left`` on a
+  graceful close or ``aborted`` on a failure, written at once so the others need not
+  wait out the heartbeat timeout).
 * ``Watch``: tells whether another member is alive. A member is gone when its
   heartbeat says ``left``/``aborted``, or when its ``beat`` has not changed for
   ``timeout`` seconds of *this* process's monotonic clock (another host's clock is
@@ -24,90 +25,47 @@ else is refused as ``ShardCorrupt``.
 
 from __future__ import annotations
 
-import logging
-import os
-import socket
-import threading
 import time
 from dataclasses import dataclass
 
 from .. import names
 from ..errors import ShardCorrupt, SyncTimeout
-from ..liveness import PROCESS_CLOCK, freeze_bound
+from ..liveness import PROCESS_CLOCK, Heartbeat, SilenceClocks
 from ..storage import Storage
 from ..wire import decode_record, encode_record
 
-_log = logging.getLogger(__name__)
-
 ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
 _STATES = (ALIVE, LEFT, ABORTED)
+#: member ids this process has judged gone, by job namespace: a member never comes back
+#: under its id (one that was dropped while alive rejoins under a new one), so the
+#: judgement outlives the member that made it (a newcomer that connects again after its
+#: state's publisher died knows at once that the job's old members are gone)
+_GONE: dict[str, set[str]] = {}
+
 #: rosters older than this many rounds are deleted by the roster writer; a joiner
 #: finds a recent one through the ``latest`` hint, which is at most a few rounds old
 ROSTER_RETENTION = 64
 
 
-class Heartbeat:
-    """Rewrites this member's heartbeat every ``interval`` seconds (daemon thread).
-
-    ``stop(state)`` ends the thread and writes ``state`` once more, so a graceful
-    leave (``left``) or a failure (``aborted``) is visible to the others at once.
-    """
-
-    def __init__(self, storage: Storage, key: str, member_id: str, interval: float,
-                 secret: bytes | None) -> None:
-        self._storage = storage
-        self._key = key
-        self._id = member_id
-        self._interval = interval
-        self._secret = secret
-        self._beat = 0
-        self._state = ALIVE
-        self._stop = threading.Event()
-        self._write_lock = threading.Lock()  # the thread and stop() never interleave
-        self._thread = threading.Thread(target=self._run, name=f"ferrosync-el-hb-{member_id}",
-                                        daemon=True)
-
-    def start(self) -> None:
-        self.write()  # visible before anyone can wait on it (join entries come after)
-        self._thread.start()
-
-    def write(self, state: str | None = None) -> None:
-        with self._write_lock:
-            if state is not None:
-                self._state = state
-            self._beat += 1
-            record = {"id": self._id, "beat": self._beat, "state": self._state,
-                      "pid": os.getpid(), "host": socket.gethostname()}
-            self._storage.put(self._key, [encode_record(record, self._secret)])
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            # ticks on both sides of the write: a slow write is not a freeze
-            PROCESS_CLOCK.tick()
-            try:
-                self.write()
-            except Exception:  # noqa: BLE001 - the others will time us out; keep trying
-                _log.warning("elastic member %s: heartbeat write failed", self._id,
-                             exc_info=True)
-            PROCESS_CLOCK.tick()
-
-    def stop(self, state: str) -> None:
-        """Stop beating and publish ``state`` (best effort, never raises)."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(self._interval * 2 + 5)
-        try:
-            self.write(state)
-        except Exception:  # noqa: BLE001 - shutting down: the timeout covers it
-            _log.warning("elastic member %s: could not publish %s", self._id, state,
-                         exc_info=True)
+def heartbeat(storage: Storage, namespace: str, member_id: str, interval: float,
+              secret: bytes | None) -> Heartbeat:
+    """The heartbeat of member ``member_id``: ``liveness.Heartbeat`` writing ``hb.{id}``
+    with the member's id and the elastic states (``alive``, ``left``, ``aborted``)."""
+    return Heartbeat(storage, namespace, 0, interval, secret, 0,
+                     name=names.elastic_heartbeat(member_id), fields={"id": member_id},
+                     running=ALIVE)
 
 
 class Watch:
-    """Whether other members are alive, judged from their heartbeats.
+    """Whether other members are alive, judged from their heartbeats with the one
+    liveness rule (``liveness.SilenceClocks``).
 
     A member whose heartbeat was never seen counts as silent from the first look, so
     a member that died before its first beat is declared gone after ``timeout`` too.
+    ``fresh(member)`` says whether the latest look saw the member's counter move
+    recently (proof that it runs now): a first look, or a look long after the
+    previous one, is not, so a reader keeps looking at the members after it and
+    members that died together start their silence clocks together.
     """
 
     def __init__(self, storage: Storage, namespace: str, secret: bytes | None,
@@ -117,15 +75,14 @@ class Watch:
         self._secret = secret
         self._timeout = timeout
         self._url = url
-        self._seen: dict[str, tuple[object, float]] = {}  # id -> (beat, when it changed)
-        # the ProcessClock sets resumed_at when this process resumes from a gap longer
-        # than freeze_bound in its own timeline (it was frozen, or could not run)
-        self.freeze_bound = freeze_bound(interval)
-        self.resumed_at: float | None = None
-        PROCESS_CLOCK.watch(self)
+        self._silence = SilenceClocks(timeout, interval)
+        self.gone = _GONE.setdefault(storage.path_of(namespace), set())
 
     def state(self, member_id: str) -> str:
-        """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out)."""
+        """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out);
+        a member once judged gone stays gone (and is not read again)."""
+        if member_id in self.gone:
+            return "gone"
         key = names.within(self._ns, names.elastic_heartbeat(member_id))
         raw = self._storage.read(key)
         beat, state = None, ALIVE
@@ -136,19 +93,17 @@ class Watch:
                                    path=self._storage.path_of(key),
                                    hint="let nothing else write under this URL")
             beat, state = record.get("beat"), record["state"]
+        if state == ALIVE and self._silence.silent(member_id, beat, PROCESS_CLOCK.tick()):
+            state = "silent"
         if state != ALIVE:
-            return state
-        now = PROCESS_CLOCK.tick()
-        last = self._seen.get(member_id)
-        if last is None or last[0] != beat:
-            self._seen[member_id] = (beat, now)
-            return ALIVE
-        # silence counts from the later of the last new beat and this process's resume
-        since = last[1] if self.resumed_at is None else max(last[1], self.resumed_at)
-        return "silent" if now - since > self._timeout else ALIVE
+            self.gone.add(member_id)
+        return state
 
     def alive(self, member_id: str) -> bool:
         return self.state(member_id) == ALIVE
+
+    def fresh(self, member_id: str) -> bool:
+        return self._silence.fresh(member_id)
 
 
 @dataclass(frozen=True)
@@ -156,26 +111,37 @@ class Roster:
     """The agreement of round ``round``.
 
     ``contributors``: whose contributions round ``round`` sums, in this order.
-    ``members``: who takes part in the next round (contributors plus admitted
-    joiners); a member's rank is its index here. ``join_next``: the first join
-    entry not yet consumed.
+    ``members``: who takes part in the next round (the contributors not known to be
+    gone, then the admitted joiners); a member's rank is its index here.
+    ``join_next``: the first join entry not yet consumed. ``changes``: the rounds
+    whose ``members`` differed from the previous round's, over the job's life (the
+    first roster counts none): the job's count, the same on every member.
     """
 
     round: int
     contributors: tuple[str, ...]
     members: tuple[str, ...]
     join_next: int
+    changes: int = 0
+
+    @property
+    def founding(self) -> bool:
+        """No member of the next round contributed to this one: they start (or restart,
+        after every member was lost) the job."""
+        return not set(self.members) & set(self.contributors)
 
     def record(self) -> dict:
         return {"round": self.round, "contributors": list(self.contributors),
-                "members": list(self.members), "join_next": self.join_next}
+                "members": list(self.members), "join_next": self.join_next,
+                "changes": self.changes}
 
     @classmethod
     def from_record(cls, record: dict, round_: int, path: str) -> Roster:
         try:
             roster = cls(int(record["round"]), tuple(record["contributors"]),
-                         tuple(record["members"]), int(record["join_next"]))
-            ok = (roster.round == round_ and roster.join_next >= 0
+                         tuple(record["members"]), int(record["join_next"]),
+                         int(record.get("changes", 0)))
+            ok = (roster.round == round_ and roster.join_next >= 0 and roster.changes >= 0
                   and all(names.is_member_id(m) for m in roster.members + roster.contributors)
                   and len(set(roster.members)) == len(roster.members))
         except (KeyError, TypeError, ValueError):

@@ -13,7 +13,10 @@ healthy job that is member 0 alone; every other member polls the roster object a
 once per heartbeat interval, the heartbeat of the first predecessor it finds alive
 (member 0's). When the checker dies or leaves, the next live member takes over as
 soon as it sees that (at once for a graceful leave, after the heartbeat timeout for
-a silent death).
+a silent death). Once per check interval of waiting the checker makes a full pass
+(every contribution, every missing member's heartbeat in one pass), and a waiting
+member looks past predecessors that are not seen running now, so members that die
+together are judged together (``Agreement.complete``, ``Agreement.is_checker``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import time
 
 from .. import names
-from ..errors import MemberDropped, SyncTimeout
+from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
 from ..storage import Backoff, Storage, object_exists
 from .membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
 
@@ -30,6 +33,32 @@ KEEP_BUDGET = 256 << 20
 #: a waiting member checks every this many looks (one per heartbeat interval) whether
 #: its round's roster was already pruned; rare, because each check costs two GETs
 PRUNED_CHECK_EVERY = 4
+
+
+def read_sized(storage: Storage, key: str, sizes, *, rank: int | None = None,
+               collective: int | None = None, wrong_size=None) -> bytes | None:
+    """The object at ``key`` if its size is one of ``sizes`` (the legal sizes of that
+    object, known from the round's layout), None if it does not exist; any other size
+    is an error before more than a header is read (a forged object may claim any
+    size): ``wrong_size(reader)`` may raise a more precise one."""
+    sizes = tuple(sizes)
+    # bounded by the largest legal size: an object store is asked for no more than that
+    reader = storage.open(key, max_bytes=max(sizes), rank=rank)
+    if reader is None:
+        return None
+    with reader:
+        if reader.size not in sizes:
+            if wrong_size is not None:
+                wrong_size(reader)
+            raise ShardCorrupt(
+                f"object has {reader.size} bytes; an object of this round has "
+                f"{' or '.join(map(str, sorted(set(sizes))))}", rank=rank,
+                collective=collective, path=storage.path_of(key),
+                hint="let nothing else write under this URL (set a secret); members of "
+                "one job must call the same collectives with the same layouts")
+        buf = bytearray(reader.size)
+        n = reader.readinto(buf)
+        return bytes(buf[:n])
 
 
 class Agreement:
@@ -50,19 +79,27 @@ class Agreement:
         self._kept: dict[tuple[int, str], bytes] = {}  # see contributed()
         self._kept_bytes = 0
         self.waiting_on = "the roster's writer"  # for the timeout message
+        #: the legal sizes of this round's contributions (None: unknown, as for a
+        #: joiner), set by ``wait``
+        self.sizes: tuple[int, ...] | None = None
 
     def contributed(self, round_: int, member: str) -> bool:
         seen = self._present.setdefault(round_, set())
         if member in seen:
             return True
         key = self._rosters.key(names.elastic_contribution(round_, member))
-        if not self._storage.round_trips_dominate:
-            found = object_exists(self._storage, key)  # an open on a local disk: cheap
+        if not self._storage.round_trips_dominate or self.sizes is None:
+            # an open on a local disk: cheap (and a joiner does not know the layout)
+            found = object_exists(self._storage, key)
         else:
             # an object store has no cheaper existence check than the GET that fetches
             # the object: keep the bytes for the reduce (up to a budget) instead of
             # fetching them twice
-            raw = self._storage.read(key)
+            try:
+                raw = read_sized(self._storage, key, self.sizes)
+            except ShardCorrupt:  # not kept: the reduce reads it again and says why
+                self._present.setdefault(round_, set()).add(member)
+                return True
             found = raw is not None
             if found and self._kept_bytes + len(raw) <= KEEP_BUDGET:
                 self._kept[(round_, member)] = raw
@@ -79,16 +116,32 @@ class Agreement:
             self._kept_bytes -= len(raw)
         return raw
 
-    def complete(self, prev: Roster, round_: int) -> Roster | None:
+    def complete(self, prev: Roster, round_: int, full: bool) -> Roster | None:
         """The roster of ``round_`` if it can be decided now (written, or the winner's
-        read back), else None with ``waiting_on`` saying why."""
-        survivors = []
+        read back), else None with ``waiting_on`` saying why.
+
+        The cheap pass (every poll) looks at the contributions in order up to the first
+        missing one and at that member's heartbeat. A ``full`` pass (once per check
+        interval, and whenever the first missing member is gone) looks at every
+        contribution and judges every missing member in one pass, so members that die
+        together start their silence clocks together and leave in one roster."""
+        survivors, missing = [], []
         for i, member in enumerate(prev.members):
             if self.contributed(round_, member):
                 survivors.append(member)
-            elif self._watch.alive(member):
-                self.waiting_on = f"member {member} (rank {i}), alive but not contributed"
-                return None
+                continue
+            missing.append((i, member))
+            if not full:
+                if self._watch.alive(member):
+                    self.waiting_on = f"member {member} (rank {i}), alive but not contributed"
+                    return None
+                return self.complete(prev, round_, True)
+        alive = [(i, m) for i, m in missing if self._watch.alive(m)]  # all, no short cut
+        if alive:
+            i, member = alive[0]
+            self.waiting_on = (f"member {member} (rank {i}), alive but not contributed"
+                               + (f", and {len(alive) - 1} more" if len(alive) > 1 else ""))
+            return None
         joiners: list[str] = []
         n = prev.join_next
         room = (1 << 62) if self._max is None else self._max - len(survivors)
@@ -102,11 +155,16 @@ class Agreement:
             if member in survivors or member in joiners or self._watch.state(member) != ALIVE:
                 continue
             joiners.append(member)
-        if len(survivors) + len(joiners) < max(self._min, 1):
-            self.waiting_on = (f"joiners: {len(survivors) + len(joiners)} member(s), "
+        # a contributor this member already knows to be gone (judged while it looked
+        # for the checker: no extra read) counts in this round but not in the next, so
+        # a job whose members all died restarts with the newcomers alone
+        members = [m for m in survivors if m not in self._watch.gone] + joiners
+        if len(members) < max(self._min, 1):
+            self.waiting_on = (f"joiners: {len(members)} member(s), "
                                f"fewer than min_ranks={self._min}")
             return None
-        roster = Roster(round_, tuple(survivors), tuple(survivors + joiners), n)
+        changes = prev.changes + (prev.round >= 0 and tuple(members) != prev.members)
+        roster = Roster(round_, tuple(survivors), tuple(members), n, changes)
         return self._rosters.create(roster)
 
     def _check_not_pruned(self, round_: int) -> None:
@@ -124,17 +182,32 @@ class Agreement:
                 hint="connect again with elastic=True to rejoin as a new member")
 
     def is_checker(self, predecessors: list[str]) -> bool:
-        """True when every member before this one is gone (see the module docstring)."""
-        return not any(self._watch.alive(m) for m in predecessors)
+        """True when every member before this one is gone (see the module docstring).
+
+        Looks at the predecessors in order and stops at the first one seen running
+        now (its counter moved since a recent look): in a healthy job that is one
+        read, member 0's. One that is merely not yet timed out (stale, or looked at
+        for the first time) does not stop the look, so the members behind it start
+        their silence clocks now, not one timeout later."""
+        gone = True
+        for member in predecessors:
+            if self._watch.alive(member):
+                gone = False
+                if self._watch.fresh(member):
+                    break
+        return gone
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
-             deadline: float, on_look=None) -> Roster:
+             deadline: float, on_look=None, sizes: tuple[int, ...] | None = None) -> Roster:
         """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
         after ``deadline``. ``on_look()`` is called once per check interval while the
         roster is missing (a joiner's "has the job ended?"); it may raise."""
+        self.sizes = sizes
         backoff = Backoff(*self._poll)
         checker = not predecessors
-        next_look, looks = 0.0, 0
+        next_look, looks, full = 0.0, 0, False
+        # a round that ends within a check interval (a healthy one) needs no full pass
+        next_full = time.monotonic() + self._check_interval
         while True:
             roster = self._rosters.read(round_)
             if roster is None:
@@ -149,8 +222,11 @@ class Agreement:
                         checker = self.is_checker(predecessors)
                         self.waiting_on = "the checker (the first live member) to write it"
                     next_look = now + self._check_interval
+                if now >= next_full:
+                    full, next_full = True, now + self._check_interval
                 if checker:
-                    roster = self.complete(prev, round_)
+                    roster = self.complete(prev, round_, full)
+                    full = False
             if roster is not None:
                 for old in [r for r in self._present if r <= round_]:
                     del self._present[old]

@@ -31,7 +31,9 @@ from ..flat import check_tensors, layout_signature
 from ..storage import Backoff, Storage
 from ..wire import (
     DTYPE_CODES,
+    HEADER_SIZE,
     KIND_BROADCAST,
+    MAC_SIZE,
     Header,
     PayloadCheck,
     decode_record,
@@ -40,12 +42,15 @@ from ..wire import (
     parse_header,
     seal,
 )
+from .rounds import read_sized
 
 _UINT8 = DTYPE_CODES[torch.uint8]
 #: the dtypes a manifest may name, by name (a fixed list: nothing else is constructed)
 _DTYPES = {str(d).replace("torch.", ""): d for d in DTYPE_CODES}
 #: how often a reader waiting for a newer state reads the pointer (first, longest; s)
 _POLL = (0.02, 0.5)
+#: the largest state ``read_state`` allocates unless told otherwise (``max_bytes``)
+DEFAULT_MAX_STATE_BYTES = 16 << 30
 
 
 @dataclass(frozen=True)
@@ -126,19 +131,21 @@ class StateStore:
                                hint="let nothing else write under this URL")
         return record
 
-    def _object(self, deadline: float, rank: int, min_round: int | None,
+    def _object(self, deadline: float, rank: int, min_round: int | None, size_of,
                 give_up=None):
         """(pointer record, verified header, payload) of the newest state, waiting until
         deadline for one published after ``min_round``; None if none was published.
-        ``give_up()``, asked while waiting, raises to end the wait early."""
+        ``size_of(pointer)`` is the payload's size the reader expects (from its own
+        tensors, or the manifest checked against its bound): the object is read only
+        at that size. ``give_up()``, asked while waiting, raises to end the wait early."""
+        head = HEADER_SIZE + (MAC_SIZE if self._secret is not None else 0)
         backoff = Backoff(*_POLL)
         while True:
             pointer = self._pointer(rank)
             fresh = pointer is not None and (min_round is None or pointer["round"] >= min_round)
             if fresh:
                 key = self._key(names.elastic_state(pointer["round"]))
-                # TODO(elastic): bound by the state's size known from its layout
-                raw = self._storage.read(key, max_bytes=None)
+                raw = read_sized(self._storage, key, (head + size_of(pointer),), rank=rank)
                 if raw is not None:
                     break
             elif min_round is None:
@@ -169,7 +176,21 @@ class StateStore:
         _, tensors = _named(tensors)
         check_tensors(tensors, op="fetch_state", rank=rank, path=self._storage.url,
                       in_place=True, dtypes=tuple(DTYPE_CODES))
-        found = self._object(deadline, rank, None)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+
+        def size_of(pointer):
+            manifest_bytes(pointer, rank, self._storage.url, None)  # a valid manifest
+            return nbytes  # what these tensors hold: another size is another layout
+
+        try:
+            found = self._object(deadline, rank, None, size_of)
+        except ShardCorrupt as exc:
+            if "bytes; an object of this round has" in exc.what:
+                raise LayoutMismatch("the published state has other dtypes or shapes than "
+                                     "the tensors given", rank=rank, path=exc.path,
+                                     hint="fetch into tensors shaped like the published "
+                                     "ones") from None
+            raise
         if found is None:
             return None
         pointer, header, payload, path = found
@@ -181,8 +202,11 @@ class StateStore:
         return pointer["round"]
 
     def read(self, deadline: float, rank: int, min_round: int | None,
-             give_up=None) -> PublishedState | None:
-        found = self._object(deadline, rank, min_round, give_up)
+             give_up=None, max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> PublishedState | None:
+        found = self._object(
+            deadline, rank, min_round,
+            lambda pointer: manifest_bytes(pointer, rank, self._storage.url, max_bytes),
+            give_up)
         if found is None:
             return None
         pointer, header, payload, path = found
@@ -197,8 +221,23 @@ class StateStore:
                               meta if isinstance(meta, dict) else {})
 
 
-def _from_manifest(pointer: dict, rank: int, path: str) -> tuple[list[str], list[torch.Tensor]]:
-    """Empty tensors as the pointer's manifest describes them, checked as untrusted."""
+def manifest_bytes(pointer: dict, rank: int, path: str, max_bytes: int | None) -> int:
+    """The bytes the pointer's manifest declares, checked as untrusted input before
+    anything is read or allocated by it: ``ShardCorrupt`` if it is malformed, or if it
+    declares more than ``max_bytes`` (the largest state the reader accepts)."""
+    _check_manifest(pointer, rank, path)
+    manifest = pointer["manifest"]
+    nbytes = sum(math.prod(s) * _DTYPES[d].itemsize
+                 for d, s in zip(manifest["dtypes"], manifest["shapes"]))
+    if max_bytes is not None and nbytes > max_bytes:
+        raise ShardCorrupt(f"the state's manifest declares {nbytes} bytes, more than the "
+                           f"{max_bytes} this reader accepts", rank=rank, path=path,
+                           hint="let nothing else write under this URL; pass a larger "
+                           "max_bytes to read_state for a state that large")
+    return nbytes
+
+
+def _check_manifest(pointer: dict, rank: int, path: str) -> None:
     manifest = pointer.get("manifest")
     try:
         labels, dtypes, shapes = manifest["names"], manifest["dtypes"], manifest["shapes"]
@@ -216,7 +255,15 @@ def _from_manifest(pointer: dict, rank: int, path: str) -> tuple[list[str], list
         raise ShardCorrupt("the state pointer carries no valid manifest (published by an "
                            "older ferrosync, or garbled)", rank=rank, path=path,
                            hint="publish the state again with this version")
-    return labels, [torch.empty(s, dtype=_DTYPES[d]) for d, s in zip(dtypes, shapes)]
+
+
+def _from_manifest(pointer: dict, rank: int, path: str) -> tuple[list[str], list[torch.Tensor]]:
+    """Empty tensors as the pointer's manifest describes them: called only once the
+    manifest was checked (``manifest_bytes``) and the object of that size verified."""
+    _check_manifest(pointer, rank, path)
+    manifest = pointer["manifest"]
+    return manifest["names"], [torch.empty(s, dtype=_DTYPES[d])
+                               for d, s in zip(manifest["dtypes"], manifest["shapes"])]
 
 
 def _copy_into(tensors: list[torch.Tensor], header: Header, payload, rank: int,

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from .. import names
 from ..errors import ShardCorrupt
 from ..storage import Storage
-from ..wire import decode_record
+from ..wire import decode_record, job_key
 
 
 @dataclass
@@ -66,6 +66,7 @@ def _read(storage: Storage, key: str, secret: bytes | None, problems: list[str])
 
 def job_history(storage: Storage, job: ElasticJob, secret: bytes | None) -> dict:
     """The job's rounds still on storage, and who joined or was dropped at each."""
+    secret = job_key(secret, job.namespace)  # each job's records are sealed with its key
     rosters = {}
     for round_, entry in sorted(job.rosters.items()):
         record = _read(storage, entry["key"], secret, job.problems)

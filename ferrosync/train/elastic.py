@@ -19,7 +19,7 @@ leave whenever they do. What keeps them one model:
   for it for at most one of its steps. If no such state comes (the publisher is
   gone, or half the timeout passed), it leaves gracefully and joins again
   (``RejoinNeeded``).
-* **Founding.** Members admitted by a roster that nobody contributed to start the
+* **Founding.** Members admitted by a roster none of whose members contributed to it start the
   job, or restart it after every member went: they resume from the newest
   published state (any number of members), else from ``seed``, and take rank 0's
   copy in one round (an average in which only rank 0 has weight, so a founder that
@@ -33,6 +33,9 @@ leave whenever they do. What keeps them one model:
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
 import os
 import sys
 import time
@@ -40,7 +43,8 @@ from collections import deque
 
 import torch
 
-from ..errors import ConfigError, PeerFailed, SyncTimeout
+from ..costs import hourly, is_billed
+from ..errors import ConfigError, PeerFailed, RejoinNeeded, SyncTimeout
 from ..stats import PHASES
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .batching import batch_of
@@ -55,11 +59,6 @@ ELASTIC_STRATEGIES = (GradAveraging, LocalSGD, DiLoCo)
 #: ``meta["phase"]`` of a published state: training goes on; the last step is done
 #: (the summary round comes next); the summary round is done too
 TRAINING, FINISHED, SUMMARISED = "training", "finished", "summarised"
-
-
-class RejoinNeeded(Exception):
-    """A newcomer found no state for the round that admitted it (its publisher left
-    first): close gracefully and connect again, as a new member."""
 
 
 class GlobalBatches:
@@ -138,6 +137,27 @@ class ElasticTrainer(Trainer):
         self.total_steps = min(s for s in (steps, epochs and epochs * self.steps_per_epoch)
                                if s)
 
+    # -- the job's record and state ---------------------------------------------------
+    def job_spec(self) -> dict:
+        """What every member of the job must agree on, for ``connect(spec=...)``: a
+        newcomer whose spec differs is refused before it writes anything (the job's
+        record, docs/elastic.md#joining). The model's structure (not only its shapes),
+        the optimizer and its settings (the learning rate), the strategy and its
+        settings, the global steps, the batch size and the seed. Taken once, before
+        training: a rejoin compares the configuration, not the optimizer's state."""
+        if getattr(self, "_spec", None) is not None:
+            return self._spec
+        optimizer = {"class": type(self.optimizer).__name__,
+                     "groups": [{k: _plain(v) for k, v in sorted(g.items()) if k != "params"}
+                                for g in self.optimizer.param_groups]}
+        strategy = {"name": self.strategy.name,
+                    **{k: _plain(getattr(self.strategy, k, None))
+                       for k in self.strategy.settings}}
+        self._spec = {"model": model_fingerprint(self.model), "optimizer": optimizer,
+                      "strategy": strategy, "total_steps": self.total_steps,
+                      "batch_size": self.batch_size, "seed": self.seed}
+        return self._spec
+
     # -- the job's state -------------------------------------------------------------
     def _state(self, phase: str, changes: int) -> tuple[dict, dict]:
         tensors, skeleton = {}, {}
@@ -188,22 +208,27 @@ class ElasticTrainer(Trainer):
 
     def _bootstrap(self, sync) -> str:
         """Collective for founders (one round), local for a newcomer: start from the
-        job's state. Returns the phase to continue from."""
-        founding = not sync.contributors
+        job's state. Returns the phase to continue from. Publishes nothing: the
+        strategy's state exists only once it is attached (``fit`` publishes then)."""
+        founding = sync.founding
+        # the largest state this model can have: the model, and per parameter byte the
+        # optimizer's and the strategy's copies (AdamW: 2, DiLoCo: 2) with room to spare
+        model_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        bound = 8 * model_bytes + (16 << 20)
         if founding:
-            state = sync.read_state()
+            state = sync.read_state(max_bytes=bound)
         else:
             try:  # rank 0 publishes it after the round that admitted this member
                 state = sync.read_state(min_round=sync.round, publisher=sync.membership[0],
-                                        timeout=sync.timeout / 2)
+                                        timeout=sync.timeout / 2, max_bytes=bound)
             except (SyncTimeout, PeerFailed) as exc:
-                raise RejoinNeeded(str(exc)) from exc
+                raise RejoinNeeded(str(exc), path=sync.url,
+                                   hint="connect again as a new member") from exc
             if state.round != sync.round:  # only after being dropped: start over
                 raise RejoinNeeded(f"the state is from round {state.round}, this member was "
                                    f"admitted in round {sync.round}")
         phase = self._load(state, sync.url, sync.rank) if state is not None else TRAINING
         self.joined_at = self.step
-        self._changes_at = sync.membership_changes
         if founding and phase != TRAINING:
             return SUMMARISED  # the job is over: report it, touch nothing
         if founding:
@@ -212,11 +237,13 @@ class ElasticTrainer(Trainer):
                 tensors = [t.detach() for t in self.model.state_dict().values()
                            if t.is_floating_point()]
                 sync.average_(tensors, weight=1.0 if sync.rank == 0 else 0.0)
-            self._after_round(sync, TRAINING)
         return phase
 
     def _changes(self, sync) -> int:
-        return self.membership_changes + sync.membership_changes - self._changes_at
+        """The job's membership changes: counted in its rosters, the same on every
+        member and over the job's whole life (a restart after every member was lost
+        continues the count)."""
+        return sync.membership_changes
 
     def _after_round(self, sync, phase: str) -> None:
         """Every member after a round: rank 0 publishes the state when newcomers need
@@ -242,6 +269,7 @@ class ElasticTrainer(Trainer):
         # training randomness (dropout, augmentation) differs per member
         seed_streams(derived_seed(self.seed, sync.member_id))
         self._published = -1
+        founding = sync.founding  # before the bootstrap's round changes it
         phase = self._bootstrap(sync)
         if phase == SUMMARISED:  # the job had ended before this member came
             return self._report(self._ended_summary(sync.url), rank=0)
@@ -249,6 +277,10 @@ class ElasticTrainer(Trainer):
         strategy = self.strategy
         strategy.attach(self.model, self.optimizer, sync)  # elastic: broadcasts nothing
         strategy.begin(self.total_steps, self.step)
+        if founding:
+            # after attach: a strategy's state (DiLoCo's global copy and outer
+            # optimizer) exists only from there, and --publish-every is due at once
+            self._after_round(sync, TRAINING)
         metrics = (MetricsWriter(self.metrics_path, resume_step=self.step)
                    if self.metrics_path else None)
         bar = self._progress_bar()
@@ -285,6 +317,14 @@ class ElasticTrainer(Trainer):
         self.rank, self.world_size = sync.rank, sync.world_size
         summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
                                   samples, start_step)
+        # the rates are the job's: the summed counts over the longest member's time, the
+        # same numbers on every member (one more round: every member's wall time)
+        walls = sync.all_gather(torch.tensor([wall], dtype=torch.float64))
+        job_wall = max(float(w[0]) for w in walls)
+        summary.update(hourly(summary["storage_requests"], job_wall, self.storage_prices,
+                              billed=is_billed(sync.url)),
+                       samples_per_s=summary["samples"] / job_wall if job_wall > 0 else 0.0,
+                       job_wall_s=job_wall)
         self._after_round(sync, SUMMARISED)
         sync.end_job()  # later comers report instead of waiting for a round
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
@@ -342,6 +382,32 @@ class _Alone:
 class _NoCounters:
     def snapshot(self) -> dict:
         return {}
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of the module tree: every submodule's name and class, every parameter's
+    and buffer's name, shape and dtype. Two models with the same parameter shapes but
+    another activation module (``nn.ReLU`` against ``nn.Tanh``) differ; a functional
+    call inside ``forward`` is not seen."""
+    tree = [[name, f"{type(m).__module__}.{type(m).__qualname__}"]
+            for name, m in model.named_modules()]
+    tensors = [[name, list(t.shape), str(t.dtype)] for name, t in
+               [*model.named_parameters(), *model.named_buffers()]]
+    text = json.dumps({"modules": tree, "tensors": tensors}, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _plain(value):
+    """``value`` as plain JSON for the job's spec (tuples as lists, others by repr)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return _plain(value.item())
+    return repr(value)
 
 
 def metrics_path_for(path: str | None) -> str | None:

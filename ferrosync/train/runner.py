@@ -235,7 +235,8 @@ def run_member(trainer: ElasticTrainer, args, url: str) -> int:
     while True:
         try:
             sync = connect(url, elastic=True, min_ranks=args.min_ranks or 1,
-                           max_ranks=args.max_ranks, timeout=timeout, **args.sync_options)
+                           max_ranks=args.max_ranks, timeout=timeout,
+                           spec=trainer.job_spec(), **args.sync_options)
         except JobEnded:  # it ended before this member got in: report its model
             summary = trainer.report_ended(peek_state(url, args.sync_options, timeout), url)
             break
