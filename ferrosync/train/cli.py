@@ -105,6 +105,9 @@ def _launching_flags(p: argparse.ArgumentParser) -> None:
                    "for testing --local)")
     g.add_argument("--timeout", type=_positive, metavar="S",
                    help="seconds any single wait for peers may last (default 300)")
+    g.add_argument("--verbose", action="store_true",
+                   help="a rank that fails prints the full traceback before its one-line "
+                   "error (without it: the one line only)")
     g.add_argument("script", nargs="?", metavar="SCRIPT",
                    help="a Python script to run on every rank instead of the built-in "
                    "trainer; it calls ferrosync.connect() with no arguments")

@@ -164,14 +164,28 @@ def _checkpoint_options(args) -> dict | None:
 
 # -- checks the launcher makes before starting any rank ------------------------------------
 
+def check_sync_options(url: str, options: dict, *, elastic: bool = False) -> None:
+    """``--sync-option``s against the options of the backend that will serve ``url``
+    (``backends/options.py`` through the backend's own ``check_options``, the parser
+    ``connect`` uses): a ConfigError naming the first bad one, before any rank starts."""
+    from ..registry import backend_for
+
+    if elastic:
+        from ..elastic import ElasticSync
+
+        ElasticSync.check_options(options)
+    else:
+        backend_for(url, options).check_options(options)
+
+
 def check_sync_url(url: str, options: dict) -> None:
-    """Options and reachability of a storage sync URL (torch URLs are checked by ranks)."""
-    from ..registry import TORCH_SCHEMES, backend_for
+    """Reachability of a storage sync URL (torch URLs are checked by ranks); writes a
+    probe, so it comes after the read-only checks."""
+    from ..registry import TORCH_SCHEMES
     from ..storage import open_storage, split_url
 
     if split_url(url)[0] in TORCH_SCHEMES:
         return
-    backend_for(url, options).check_options(options)  # raises ConfigError on bad options
     probe_location(open_storage(url, options.get("storage_options")), "sync URL")
 
 
@@ -180,6 +194,7 @@ def preflight(args, world_size: int) -> None:
     strategy = _strategy(args)
     model_fn = _model_fn(args)
     resolve_device(args.device)
+    _check_strategy_fits(strategy, model_fn)
     if args.data:
         resolve(args.data, "--data")
     if args.loss:
@@ -192,6 +207,20 @@ def preflight(args, world_size: int) -> None:
             check_compatible(meta, model=model_fn(), world_size=world_size,
                              strategy=strategy.name, url=store.url)
         store.probe()
+
+
+def _check_strategy_fits(strategy, model_fn) -> None:
+    """The strategy's settings against the model (``--fragments`` against its parameter
+    tensors), with the model built on the meta device: no memory, no weights. A factory
+    that cannot build there (it loads weights, moves itself to a device) is left to the
+    ranks, which run the same check in ``Strategy.attach``."""
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception:  # noqa: BLE001 - any failure here is re-checked by every rank
+        return
+    if isinstance(model, torch.nn.Module):
+        strategy.check_model(model)
 
 
 # -- one rank ------------------------------------------------------------------------------
