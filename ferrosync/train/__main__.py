@@ -33,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(ENV_CHILD, None)  # a nested launch from a user script is a launcher
         from .runner import run_rank
 
+        if args.script is None:  # the built-in trainer's warnings read like its errors
+            import warnings
+
+            warnings.formatwarning = _one_line_warning
+
         return run_rank(args)
     except ConfigError as exc:
         _error(exc, args)
@@ -46,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         fail_open_syncs(exc)  # peers learn now (what the excepthook would have done)
         _error(exc, args)
         return 1
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    text = " ".join(str(message).split())
+    return f"ferrosync.train: warning: {text.removeprefix('ferrosync: ')}\n"
 
 
 def _error(exc: BaseException, args) -> None:

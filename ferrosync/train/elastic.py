@@ -46,7 +46,14 @@ from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .batching import batch_of
 from .metrics import MetricsWriter, final_line, format_summary
 from .state_tree import flatten, unflatten
-from .trainer import LOSS_WINDOW, Trainer, _close, derived_seed, seed_streams
+from .trainer import (
+    LOSS_WINDOW,
+    Trainer,
+    _close,
+    check_same_data,
+    derived_seed,
+    seed_streams,
+)
 
 __all__ = ["ElasticTrainer", "GlobalBatches", "RejoinNeeded", "ELASTIC_STRATEGIES"]
 
@@ -149,7 +156,8 @@ class ElasticTrainer(Trainer):
         meta = {"step": self.step, "epoch": self.data.epoch, "position": self.data.position,
                 "phase": phase, "membership_changes": changes, "skeleton": skeleton,
                 "strategy": self.strategy.name, "batch_size": self.batch_size,
-                "seed": self.seed, "total_steps": self.total_steps}
+                "seed": self.seed, "total_steps": self.total_steps,
+                "data": self.data_fingerprint.hex()}
         return tensors, meta
 
     def _load(self, state, url: str, rank: int | None) -> str:
@@ -165,6 +173,13 @@ class ElasticTrainer(Trainer):
                               rank=rank, path=url,
                               hint="start every member with the same flags (or use "
                               "another job id / URL)")
+        if "data" in meta:  # a newcomer trains on the data the job trained on
+            try:
+                theirs = bytes.fromhex(str(meta["data"]))
+            except ValueError:
+                theirs = b""  # not a fingerprint: it cannot match
+            check_same_data([theirs, self.data_fingerprint], rank=rank, what="member",
+                            path=url)
         try:
             trees = {part: unflatten(meta["skeleton"][part], state.tensors)
                      for part in ("model", "optimizer", "strategy")}

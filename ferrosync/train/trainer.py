@@ -25,14 +25,16 @@ the sync), the optimizer and strategy state, and the position inside the epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
 import random
 import sys
 import time
+import warnings
 from collections import deque
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy
 import torch
@@ -53,6 +55,7 @@ from .checkpoint import (
     model_signature,
     restore_rng,
 )
+from .fingerprint import SIZE, fingerprint, length_of
 from .metrics import MetricsWriter, final_line, format_summary, param_digest
 
 __all__ = ["Trainer", "resolve_device"]
@@ -170,6 +173,8 @@ class Trainer:
 
         self._build_model(model_fn, optimizer_fn)
         self._build_data(dataset, n, num_workers, epochs=epochs, steps=steps)
+        # compared across ranks at the start of fit: the same data everywhere
+        self.data_fingerprint = fingerprint(dataset, n)
         self.step, self.epoch, self.consumed = 0, 0, 0
         self.resumed_from = None
         self.checkpoints = (CheckpointStore(checkpoint_dir, storage_options)
@@ -198,6 +203,10 @@ class Trainer:
     def _build_data(self, dataset, n: int, num_workers: int, *, epochs: int | None,
                     steps: int | None) -> None:
         """This rank's sampler and loader, and the run's length in optimizer steps."""
+        if n < self.world_size:
+            raise ConfigError(f"the dataset has {n} samples, fewer than the {self.world_size} "
+                              "ranks: some ranks would have no data", rank=self.rank,
+                              hint="start fewer ranks (--nproc) or give more data")
         self.sampler = ShardSampler(n, rank=self.rank, world_size=self.world_size,
                                     shuffle=True, seed=self.seed)
         # the loader gets its own generator: creating an iterator must not draw from
@@ -206,6 +215,12 @@ class Trainer:
                                    num_workers=num_workers,
                                    generator=torch.Generator().manual_seed(self.seed))
         self.steps_per_epoch = -(-len(self.sampler) // self.batch_size)
+        if self.batch_size > len(self.sampler) and self.rank == 0:
+            warnings.warn(
+                f"ferrosync: batch size {self.batch_size} is larger than a rank's shard of "
+                f"{len(self.sampler)} samples ({n} samples / {self.world_size} ranks): every "
+                "step is a whole epoch of one smaller batch; lower --batch-size",
+                stacklevel=3)
         limits = [s for s in (steps, epochs and epochs * self.steps_per_epoch) if s]
         self.total_steps = min(limits)
 
@@ -285,6 +300,7 @@ class Trainer:
                 f"built for rank {self.rank} of {self.world_size}",
                 hint="build the Trainer with the same rank/world_size (or the same environment)",
             )
+        self._check_same_data(sync)
         strategy = self.strategy
         strategy.attach(self.model, self.optimizer, sync)
         strategy.begin(self.total_steps, self.step)
@@ -338,6 +354,13 @@ class Trainer:
             print(format_summary(summary), flush=True)
             print(final_line(summary), flush=True)
         return summary
+
+    def _check_same_data(self, sync) -> None:
+        """Collective (``all_gather`` of ``fingerprint.SIZE`` bytes): every rank holds the
+        same dataset, or every rank raises the same ``ConfigError`` before any step."""
+        mine = torch.frombuffer(bytearray(self.data_fingerprint), dtype=torch.uint8)
+        check_same_data([bytes(t.tolist()) for t in sync.all_gather(mine)], rank=sync.rank,
+                        path=sync.url)
 
     def _batches(self):
         """This rank's batches, epoch after epoch, for as long as the loop asks."""
@@ -419,22 +442,21 @@ class Trainer:
             with torch.no_grad():
                 evaluation = dict(self.eval_fn(self.model) or {})
         stats = sync.stats["total"]
-        mine = sum(losses) / len(losses) if losses else math.nan
-        numbers = torch.tensor(
-            [stats["bytes_written"], stats["bytes_read"], stats["requests"], mine,
-             self.step, samples, *requests], dtype=torch.float64)
-        digest = param_digest(self.model)
-        packed = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8),
-                            numbers.view(torch.uint8)])
-        gathered = sync.all_gather(packed)
-        digests = [bytes(g[:32].tolist()).hex() for g in gathered]
-        per_rank = [g[32:].clone().view(torch.float64).tolist() for g in gathered]
-        rank_losses = [r[3] for r in per_rank if math.isfinite(r[3])]
+        mine = RankReport(
+            digest=param_digest(self.model),
+            bytes_written=stats["bytes_written"], bytes_read=stats["bytes_read"],
+            requests=stats["requests"],
+            loss=sum(losses) / len(losses) if losses else math.nan,
+            steps=self.step, samples=samples, storage_requests=tuple(requests))
+        per_rank = [RankReport.unpack(g) for g in sync.all_gather(mine.pack())]
+        digests = [r.digest.hex() for r in per_rank]
+        rank_losses = [r.loss for r in per_rank if math.isfinite(r.loss)]
         phases = {p: stats[p] - stats_begin[p] for p in PHASES}
         steps_run = self.step - start_step
         accuracy = evaluation.get("accuracy")
-        storage_requests = {k: int(sum(r[6 + i] for r in per_rank))
+        storage_requests = {k: int(sum(r.storage_requests[i] for r in per_rank))
                             for i, k in enumerate(_REQUEST_KEYS)}
+        samples_total = sum(r.samples for r in per_rank)
         return {
             "steps": self.step,
             "epochs": self.step / self.steps_per_epoch,
@@ -446,12 +468,12 @@ class Trainer:
             "param_digest": digests[self.rank],
             "rank_digests": digests,
             "ranks_agree": len(set(digests)) == 1,
-            "bytes_written": int(sum(r[0] for r in per_rank)),
-            "bytes_read": int(sum(r[1] for r in per_rank)),
-            "requests": int(sum(r[2] for r in per_rank)),
-            "rank_steps": [int(r[4]) for r in per_rank],
-            "samples": int(sum(r[5] for r in per_rank)),
-            "samples_per_s": sum(r[5] for r in per_rank) / wall if wall > 0 else 0.0,
+            "bytes_written": int(sum(r.bytes_written for r in per_rank)),
+            "bytes_read": int(sum(r.bytes_read for r in per_rank)),
+            "requests": int(sum(r.requests for r in per_rank)),
+            "rank_steps": [int(r.steps) for r in per_rank],
+            "samples": int(samples_total),
+            "samples_per_s": samples_total / wall if wall > 0 else 0.0,
             "wall_s": wall,
             "compute_s": totals["compute_s"],
             "sync_s": totals["sync_s"],
@@ -464,6 +486,62 @@ class Trainer:
             "resumed_from": self.resumed_from,
             **self.strategy.summary(),
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """What each rank contributes to the summary, gathered in one ``all_gather``:
+    the parameter digest (32 bytes) then the numbers as float64, in field order."""
+
+    digest: bytes
+    bytes_written: float
+    bytes_read: float
+    requests: float
+    loss: float  # NaN: this rank trained no batch
+    steps: float
+    samples: float
+    storage_requests: tuple  # one per _REQUEST_KEYS
+
+    DIGEST_BYTES: ClassVar[int] = 32
+    NUMBERS: ClassVar[tuple[str, ...]] = ("bytes_written", "bytes_read", "requests", "loss",
+                                          "steps", "samples")
+
+    def pack(self) -> torch.Tensor:
+        numbers = torch.tensor([*(getattr(self, n) for n in self.NUMBERS),
+                                *self.storage_requests], dtype=torch.float64)
+        return torch.cat([torch.frombuffer(bytearray(self.digest), dtype=torch.uint8),
+                          numbers.view(torch.uint8)])
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> RankReport:
+        digest = bytes(packed[:cls.DIGEST_BYTES].tolist())
+        values = packed[cls.DIGEST_BYTES:].clone().view(torch.float64).tolist()
+        fixed = len(cls.NUMBERS)
+        return cls(digest=digest, **dict(zip(cls.NUMBERS, values[:fixed])),
+                   storage_requests=tuple(values[fixed:]))
+
+
+def check_same_data(prints: list[bytes], *, rank: int | None = None, what: str = "rank",
+                    path: str | None = None) -> None:
+    """Raise the one ``ConfigError`` for ranks whose dataset fingerprints (in rank
+    order) differ from rank 0's: the data factory is not deterministic."""
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if not differ:
+        return
+    lengths = {r: length_of(prints[r]) if len(prints[r]) == SIZE else None
+               for r in (0, *differ)}
+    if len(set(lengths.values())) > 1:
+        how = ", ".join(f"{n} samples on {what} {r}" for r, n in lengths.items())
+    else:
+        how = (f"{lengths[0]} samples each, but other samples on {what}"
+               f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} than on "
+               f"{what} 0")
+    raise ConfigError(
+        f"the {what}s built different datasets ({how}); every {what} must train on the "
+        "same data, so the data factory (--data) must be deterministic", rank=rank, path=path,
+        hint="seed every random generator it uses (e.g. torch.Generator().manual_seed(0) "
+        "passed to torch.randn, numpy.random.default_rng(0), random.Random(0)), or load "
+        "the data from a file")
 
 
 def resolve_device(device, local_rank: int = 0) -> torch.device:
