@@ -57,3 +57,20 @@ def three() -> TensorDataset:
     """3 samples: fewer than 4 ranks."""
     g = torch.Generator().manual_seed(1)
     return _pairs(torch.randn(3, FEATURES, generator=g))
+
+
+class _FailsOnRank1(torch.nn.Module):
+    """The demo's shapes; its forward raises on rank 1 (a bug in the user's model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(FEATURES, CLASSES)
+
+    def forward(self, x):
+        if os.environ.get("RANK") == "1":
+            raise RuntimeError("shape trouble on rank 1")
+        return self.lin(x)
+
+
+def fails_on_rank1() -> torch.nn.Module:
+    return _FailsOnRank1()

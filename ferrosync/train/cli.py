@@ -30,6 +30,7 @@ STRATEGY_FLAGS = known_settings()
 TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
                  "checkpoint_every", "resume", "strategy", "model", "data", "loss",
                  "optimizer", "device", "keep_checkpoints", "sync_options", "no_progress",
+                 "tensorboard",
                  "timeout", "storage_prices", "publish_every", *STRATEGY_FLAGS)
 
 EPILOG = f"""\
@@ -163,6 +164,11 @@ def _trainer_flags(p: argparse.ArgumentParser) -> None:
                    help="torch device (default cuda:LOCAL_RANK when CUDA is available, else cpu)")
     g.add_argument("--metrics", metavar="PATH",
                    help="rank 0 appends one JSON line per optimizer step to this local file")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="rank 0 also writes TensorBoard scalars per optimizer step to DIR "
+                   "(loss, batch accuracy, lr, compute and sync time, bytes, requests; "
+                   "members with --elastic; eval loss and accuracy at the end); needs "
+                   "pip install 'ferrosync[tensorboard]'")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar on rank 0")
     g.add_argument("--storage-prices", metavar="KIND=USD,...",

@@ -44,7 +44,7 @@ from ..errors import ConfigError, PeerFailed, SyncTimeout
 from ..stats import PHASES
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .batching import batch_of
-from .metrics import MetricsWriter, final_line, format_summary
+from .metrics import MetricsWriter, TensorBoardWriter, final_line, format_summary
 from .state_tree import flatten, unflatten
 from .trainer import (
     LOSS_WINDOW,
@@ -266,6 +266,8 @@ class ElasticTrainer(Trainer):
         strategy.begin(self.total_steps, self.step)
         metrics = (MetricsWriter(self.metrics_path, resume_step=self.step)
                    if self.metrics_path else None)
+        if self.tensorboard_dir:  # every member writes its own, like its metrics file
+            self._board = TensorBoardWriter(self.tensorboard_dir)
         bar = self._progress_bar()
         totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
         losses: deque[float] = deque(maxlen=LOSS_WINDOW)
@@ -286,6 +288,7 @@ class ElasticTrainer(Trainer):
                     self._after_round(sync, TRAINING)
                 if metrics is not None:
                     metrics.write({**record, "members": world})
+                self._board_write({**record, "members": world})
                 self.rank, self.world_size = sync.rank, sync.world_size
                 if bar is not None:
                     self._update_bar(bar, record, samples, totals["sync_s"],
@@ -294,6 +297,9 @@ class ElasticTrainer(Trainer):
                 strategy.finish(self.model, self.optimizer)
                 phase = FINISHED
                 self._after_round(sync, FINISHED)
+        except BaseException:
+            self._board_close(None)
+            raise
         finally:
             _close(bar, metrics)
         wall = time.perf_counter() - begin
@@ -305,6 +311,7 @@ class ElasticTrainer(Trainer):
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
                        membership_changes=self._changes(sync), members=sync.world_size,
                        joined_at_step=self.joined_at, elastic=True)
+        self._board_close(summary)
         return self._report(summary, rank=sync.rank)
 
     def report_ended(self, state, url: str) -> dict:
@@ -360,7 +367,8 @@ class _NoCounters:
 
 
 def metrics_path_for(path: str | None) -> str | None:
-    """Each local member of ``--nproc N --elastic`` writes its own file: ``PATH.K``."""
+    """Each local member of ``--nproc N --elastic`` writes its own file (or TensorBoard
+    directory): ``PATH.K``."""
     if path is None or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) <= 1:
         return path
     return f"{path}.{os.environ.get('LOCAL_RANK', '0')}"

@@ -25,6 +25,7 @@ from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
 from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, STRATEGY_FLAGS, resolve
 from .elastic import ElasticTrainer, RejoinNeeded, metrics_path_for
+from .metrics import require_tensorboard
 from .trainer import Trainer, resolve_device
 
 LOSSES = {
@@ -137,11 +138,13 @@ def build_trainer(args) -> Trainer:
             _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,
             min_ranks=args.min_ranks or 1, publish_every=args.publish_every,
             metrics_path=metrics_path_for(args.metrics),
+            tensorboard_dir=metrics_path_for(args.tensorboard),
             device=resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0) or 0)))
     else:
         trainer = Trainer(
             _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,
-            metrics_path=args.metrics, checkpoint_dir=args.checkpoint_dir,
+            metrics_path=args.metrics, tensorboard_dir=args.tensorboard,
+            checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, resume=args.resume,
             keep_checkpoints=args.keep_checkpoints or 2,
             storage_options=_checkpoint_options(args), device=args.device)
@@ -195,6 +198,8 @@ def preflight(args, world_size: int) -> None:
     model_fn = _model_fn(args)
     resolve_device(args.device)
     _check_strategy_fits(strategy, model_fn)
+    if args.tensorboard:
+        require_tensorboard()
     if args.data:
         resolve(args.data, "--data")
     if args.loss:

@@ -56,7 +56,14 @@ from .checkpoint import (
     restore_rng,
 )
 from .fingerprint import SIZE, fingerprint, length_of
-from .metrics import MetricsWriter, final_line, format_summary, param_digest
+from .metrics import (
+    MetricsWriter,
+    TensorBoardWriter,
+    final_line,
+    format_summary,
+    param_digest,
+    require_tensorboard,
+)
 
 __all__ = ["Trainer", "resolve_device"]
 
@@ -91,6 +98,8 @@ class Trainer:
             ``ferrosync.strategies``: ``LocalSGD``, ``DiLoCo``).
         seed: model initialisation, data order and per-rank RNG seeds derive from it.
         metrics_path: rank 0 writes one JSON line per step there (a local path).
+        tensorboard_dir: rank 0 writes TensorBoard scalars there (``TensorBoardWriter``;
+            needs the ``tensorboard`` package: ``pip install 'ferrosync[tensorboard]'``).
         checkpoint_dir: directory or fsspec URL, visible to every rank.
         checkpoint_every: write a checkpoint every this many optimizer steps (and at
             the end); needs ``checkpoint_dir``.
@@ -126,6 +135,7 @@ class Trainer:
         strategy: Strategy | None = None,
         seed: int = 0,
         metrics_path: str | None = None,
+        tensorboard_dir: str | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None,
         resume: bool = False,
@@ -168,6 +178,11 @@ class Trainer:
             raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
                               f"{type(self.strategy).__name__}")
         self.metrics_path = metrics_path
+        if tensorboard_dir is not None:
+            require_tensorboard()  # a missing package is bad input, found before any I/O
+        self.tensorboard_dir = tensorboard_dir
+        self._board: TensorBoardWriter | None = None
+        self._batch_accuracy: float | None = None
         self.progress, self.report = progress, report
         self.device = resolve_device(device, identity.local_rank)
 
@@ -307,6 +322,8 @@ class Trainer:
         metrics = None
         if self.metrics_path and self.rank == 0:
             metrics = MetricsWriter(self.metrics_path, resume_step=self.resumed_from)
+        if self.tensorboard_dir and self.rank == 0:
+            self._board = TensorBoardWriter(self.tensorboard_dir)
         bar = self._progress_bar()
         totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
         losses: deque[float] = deque(maxlen=LOSS_WINDOW)
@@ -331,6 +348,7 @@ class Trainer:
                 totals["sync_s"] += record["sync_s"]
                 if metrics is not None:
                     metrics.write(record)
+                self._board_write(record)
                 if bar is not None:
                     self._update_bar(bar, record, samples, totals["sync_s"],
                                      time.perf_counter() - begin)
@@ -342,11 +360,15 @@ class Trainer:
                     totals["checkpoint_s"] += self._save_checkpoint(sync)
                     totals["checkpoints"] += 1
             strategy.finish(self.model, self.optimizer)
+        except BaseException:
+            self._board_close(None)
+            raise
         finally:
             _close(bar, metrics)
         wall = time.perf_counter() - begin
         summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
                                   samples, start_step)
+        self._board_close(summary)
         if self.report and self.rank == 0:
             if not summary["ranks_agree"]:
                 print(f"ferrosync.train: ranks ended with DIFFERENT parameters: "
@@ -362,6 +384,20 @@ class Trainer:
         check_same_data([bytes(t.tolist()) for t in sync.all_gather(mine)], rank=sync.rank,
                         path=sync.url)
 
+    def _board_write(self, record: dict) -> None:
+        if self._board is not None:
+            trained = record["loss"] is not None  # an idle step trained no batch
+            self._board.write({**record,
+                               "accuracy": self._batch_accuracy if trained else None})
+
+    def _board_close(self, summary: dict | None) -> None:
+        """The end's eval numbers (``summary``; None after a failure), then close."""
+        board, self._board = self._board, None
+        if board is not None:
+            if summary is not None:
+                board.final(summary)
+            board.close()
+
     def _batches(self):
         """This rank's batches, epoch after epoch, for as long as the loop asks."""
         while True:
@@ -375,8 +411,11 @@ class Trainer:
         x = x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
         y = y.to(self.device, non_blocking=True) if isinstance(y, torch.Tensor) else y
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(x), y)
+        output = self.model(x)
+        loss = self.loss_fn(output, y)
         loss.backward()
+        self._batch_accuracy = (_batch_accuracy(output, y) if self._board is not None
+                                else None)
         telemetry = self.strategy.step(self.model, self.optimizer)
         loss_value = float(loss.detach())  # after the step: no extra device sync before it
         self.step += 1
@@ -559,6 +598,17 @@ def resolve_device(device, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"device {device!r} needs CUDA, which is not available here",
                           hint="drop --device to train on the CPU")
     return resolved
+
+
+def _batch_accuracy(output, target) -> float | None:
+    """The batch's share of ``argmax(output) == target`` for classification (class-index
+    targets, one row of scores per sample), else None."""
+    if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)
+            and output.dim() == 2 and target.dim() == 1 and len(output) == len(target)
+            and not target.is_floating_point() and target.dtype != torch.bool):
+        return None
+    with torch.no_grad():
+        return float((output.argmax(dim=-1) == target).float().mean())
 
 
 def _close(*outputs) -> None:
