@@ -20,7 +20,10 @@ DETERMINISTIC = "the data factory (--data) must be deterministic"
 
 
 def _error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if "error" in line]
+    """The lines that report an error: the launcher's own, or its report of a rank's."""
+    return [line for line in stderr.splitlines()
+            if line.startswith("ferrosync.train: error: ") or " failed with exit code" in line
+            or " failed too" in line]
 
 
 # -- the dataset fingerprint ----------------------------------------------------------------

@@ -65,6 +65,7 @@ _DELIMITER = re.compile(rb"[\r\n]")
 #: rank's back and reports it once, naming the rank
 ERROR_PREFIX = "ferrosync.train: error: "
 _ERROR = ERROR_PREFIX.encode()
+_RANK_PREFIX = re.compile(r"^(?:\w+: )?rank \d+(?:, |: )")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -379,13 +380,13 @@ class Supervisor:
             self._say(f"{self.word} {first} {how}" + (f": {error}" if error else ""))
             # another rank's own error once more only if it says something new (a peer
             # reporting the first failure, PeerFailed, does not)
-            told = {error}
+            told = {_unranked(error)}
             others = []
             for rank in sorted(set(failed[1:])):
                 line = self.pumps[rank][1].error_line()
-                if self.pumps[rank][1].error is not None and line not in told \
+                if self.pumps[rank][1].error is not None and _unranked(line) not in told \
                         and not line.startswith("PeerFailed"):
-                    told.add(line)
+                    told.add(_unranked(line))
                     self._say(f"{self.word} {rank} failed too: {line}")
                 else:
                     others.append(rank)
@@ -400,6 +401,12 @@ class Supervisor:
         if final is not None:
             _write(sys.stdout, self.out_lock, final + b"\n")
         return code
+
+
+def _unranked(error: str) -> str:
+    """An error line without the rank it starts with: every rank's copy of the same
+    error (each names itself) compares equal."""
+    return _RANK_PREFIX.sub("", error, count=1)
 
 
 def _write(stream, lock: threading.Lock, data: bytes) -> None:
