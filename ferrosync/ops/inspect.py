@@ -16,6 +16,7 @@ clock (docs/design.md#no-cross-host-clocks); wall-clock ages are printed for inf
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 from ..costs import hourly, is_billed
@@ -47,9 +48,27 @@ def rank_report(view: RankView) -> dict:
     if view.abort is not None:
         a = view.abort
         out["abort"] = {"type": a.get("type"), "message": a.get("message"),
+                        "description": describe_abort(a.get("type"), a.get("message")),
                         "collective": a.get("collective"), "host": a.get("host"),
                         "pid": a.get("pid"), "trust": a.trust, "problem": a.problem}
     return out
+
+
+def describe_abort(kind, message) -> str:
+    """An abort marker's cause as a reader wants it: ``terminated by SIGTERM`` for a
+    rank whose signal handler exited with 128 + the signal's number (the trainer's
+    SIGTERM handler raises ``SystemExit(143)``), else ``Type: message``."""
+    if kind == "SystemExit":
+        try:
+            code = int(str(message))
+        except ValueError:
+            code = None
+        if code is not None and code > 128:
+            try:
+                return f"terminated by {signal.Signals(code - 128).name}"
+            except ValueError:
+                pass  # not a signal's number: an ordinary exit code
+    return f"{kind}: {message}"
 
 
 def _request_rate(heartbeat) -> dict:
@@ -383,7 +402,7 @@ def _render_generation(gen: dict) -> list[str]:
                      + (f", ${cost:,.4f}/hour at S3 list prices" if cost is not None else ""))
     for a in gen["aborts"]:
         where = f" at collective {a['collective']}" if a.get("collective") is not None else ""
-        lines.append(f"  ABORT rank {a['rank']}{where}: {a.get('type')}: {a.get('message')}"
+        lines.append(f"  ABORT rank {a['rank']}{where}: {a['description']}"
                      + (f"  [{a['trust']}: {a['problem']}]" if a.get("problem") else ""))
     if gen["temp_files"]:
         lines.append(f"  temp files: {len(gen['temp_files'])} (a killed writer's, or one "
