@@ -289,6 +289,8 @@ class ElasticTrainer(Trainer):
                 if metrics is not None:
                     metrics.write({**record, "members": world})
                 self._board_write({**record, "members": world})
+                for hook in self.step_hooks:
+                    hook()
                 self.rank, self.world_size = sync.rank, sync.world_size
                 if bar is not None:
                     self._update_bar(bar, record, samples, totals["sync_s"],

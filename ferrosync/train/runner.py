@@ -26,6 +26,7 @@ from .checkpoint import CheckpointStore, check_compatible, probe_location
 from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, STRATEGY_FLAGS, resolve
 from .elastic import ElasticTrainer, RejoinNeeded, metrics_path_for
 from .metrics import require_tensorboard
+from .threads import share_threads
 from .trainer import Trainer, resolve_device
 
 LOSSES = {
@@ -247,9 +248,14 @@ def run_rank(args) -> int:
     if not url:
         raise ConfigError("--sync URL is required without --nproc (or set FERROSYNC_URL)",
                           hint="for a run on this machine use --nproc N")
+    # a process started by hand shares the host's cores with its siblings (the
+    # launcher's ranks have OMP_NUM_THREADS=1 and are left alone)
+    share = share_threads()
     if args.script is not None:
         return run_script(args, url)
     trainer = build_trainer(args)
+    if share is not None:
+        trainer.step_hooks.append(share.adjust)
     if args.elastic:
         return run_member(trainer, args, url)
     with connect(url, timeout=args.timeout or 300.0, **args.sync_options) as sync:

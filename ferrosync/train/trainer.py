@@ -183,6 +183,9 @@ class Trainer:
         self.tensorboard_dir = tensorboard_dir
         self._board: TensorBoardWriter | None = None
         self._batch_accuracy: float | None = None
+        #: called with no arguments after every step, on the training thread (the
+        #: command line's ``ThreadShare.adjust``)
+        self.step_hooks: list[Callable[[], object]] = []
         self.progress, self.report = progress, report
         self.device = resolve_device(device, identity.local_rank)
 
@@ -349,6 +352,8 @@ class Trainer:
                 if metrics is not None:
                     metrics.write(record)
                 self._board_write(record)
+                for hook in self.step_hooks:
+                    hook()
                 if bar is not None:
                     self._update_bar(bar, record, samples, totals["sync_s"],
                                      time.perf_counter() - begin)
