@@ -16,11 +16,11 @@ clock (docs/design.md#no-cross-host-clocks); wall-clock ages are printed for inf
 from __future__ import annotations
 
 import json
-import signal
 import time
 
 from ..costs import hourly, is_billed
 from ..errors import StorageError
+from ..liveness import describe_abort
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
 from .elastic_history import elastic_reports, is_elastic_namespace
@@ -52,23 +52,6 @@ def rank_report(view: RankView) -> dict:
                         "collective": a.get("collective"), "host": a.get("host"),
                         "pid": a.get("pid"), "trust": a.trust, "problem": a.problem}
     return out
-
-
-def describe_abort(kind, message) -> str:
-    """An abort marker's cause as a reader wants it: ``terminated by SIGTERM`` for a
-    rank whose signal handler exited with 128 + the signal's number (the trainer's
-    SIGTERM handler raises ``SystemExit(143)``), else ``Type: message``."""
-    if kind == "SystemExit":
-        try:
-            code = int(str(message))
-        except ValueError:
-            code = None
-        if code is not None and code > 128:
-            try:
-                return f"terminated by {signal.Signals(code - 128).name}"
-            except ValueError:
-                pass  # not a signal's number: an ordinary exit code
-    return f"{kind}: {message}"
 
 
 def _request_rate(heartbeat) -> dict:

@@ -121,7 +121,7 @@ class ThreadShare:
             pid, _, started = entry.partition(".")
             if not pid.isdigit():
                 continue
-            if int(pid) == self.pid or _alive(int(pid), started):
+            if entry == self.name or _alive(int(pid), started):
                 live += 1
                 continue
             try:
