@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,9 +65,9 @@ def main() -> None:
             print(f"{mode:8s} wall_s {wall:7.2f}", flush=True)
     lo_d, hi_d = min(results["default"]), max(results["default"])
     lo_p, hi_p = min(results["pinned"]), max(results["pinned"])
+    ratio = statistics.median(results["default"]) / statistics.median(results["pinned"])
     print(f"default (no OMP_NUM_THREADS): {lo_d:.2f}-{hi_d:.2f} s; "
-          f"OMP_NUM_THREADS=1: {lo_p:.2f}-{hi_p:.2f} s; ratio of medians "
-          f"{sorted(results['default'])[len(results['default']) // 2] / sorted(results['pinned'])[len(results['pinned']) // 2]:.2f}x")
+          f"OMP_NUM_THREADS=1: {lo_p:.2f}-{hi_p:.2f} s; ratio of medians {ratio:.2f}x")
     print(f"cores {os.cpu_count()}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("member command: " + " ".join(member_command("DIR", args.steps)) + "  (twice)")
     print("command: python tools/bench_threads.py " + " ".join(sys.argv[1:]))
