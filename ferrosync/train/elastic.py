@@ -227,7 +227,9 @@ class ElasticTrainer(Trainer):
                 tensors = [t.detach() for t in self.model.state_dict().values()
                            if t.is_floating_point()]
                 sync.average_(tensors, weight=1.0 if sync.rank == 0 else 0.0)
-            self._after_round(sync, TRAINING)
+            # newcomers admitted by this round get the state once the strategy is
+            # attached (fit): DiLoCo's outer optimizer does not exist before
+            self._founded = True
         return phase
 
     def _changes(self, sync) -> int:
@@ -257,6 +259,7 @@ class ElasticTrainer(Trainer):
         # training randomness (dropout, augmentation) differs per member
         seed_streams(derived_seed(self.seed, sync.member_id))
         self._published = -1
+        self._founded = False
         phase = self._bootstrap(sync)
         if phase == SUMMARISED:  # the job had ended before this member came
             return self._report(self._ended_summary(sync.url), rank=0)
@@ -264,6 +267,9 @@ class ElasticTrainer(Trainer):
         strategy = self.strategy
         strategy.attach(self.model, self.optimizer, sync)  # elastic: broadcasts nothing
         strategy.begin(self.total_steps, self.step)
+        if self._founded:  # no collective since the founding round: still its state
+            self._founded = False
+            self._after_round(sync, TRAINING)
         metrics = (MetricsWriter(self.metrics_path, resume_step=self.step)
                    if self.metrics_path else None)
         if self.tensorboard_dir:  # every member writes its own, like its metrics file
