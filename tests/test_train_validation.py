@@ -132,24 +132,34 @@ def test_a_rank_error_reaches_the_launcher_as_one_line(tmp_path, verbose):
 
 
 def test_duplicate_rank_is_one_line(tmp_path):
-    """Two launches with one job id on one URL: each launch reports DuplicateRank (or a
-    peer's failure) in one line, without a traceback."""
+    """A second launch with the running one's job id on its URL: the second reports
+    DuplicateRank in one line, naming the rank, without a traceback."""
     import subprocess
+    import time
 
     from train_cli import cli_env, command
 
-    args = ("--nproc", 2, "--steps", 300, "--sync", tmp_path / "sync", "--no-progress")
+    sync, metrics = tmp_path / "sync", tmp_path / "m.jsonl"
     env = cli_env(FERROSYNC_JOB="same")
-    procs = [subprocess.Popen(command(*args), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
-    stderr = "".join(err for _, err in outs)
-    assert "DuplicateRank" in stderr, stderr
-    assert "Traceback" not in stderr
-    for proc, (_, err) in zip(procs, outs):
-        if proc.returncode != 0:
-            failed = [line for line in err.splitlines() if " failed with exit code" in line]
-            assert len(failed) == 1, err
+    first = subprocess.Popen(command("--nproc", 2, "--steps", 1_000_000, "--sync", sync,
+                                     "--metrics", metrics, "--no-progress"),
+                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and first.poll() is None, "never trained"
+            time.sleep(0.05)
+        second = subprocess.run(command("--nproc", 2, "--steps", 5, "--sync", sync,
+                                        "--no-progress"), cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=120)
+    finally:
+        first.terminate()  # SIGTERM: the launcher stops its ranks
+        first.wait(timeout=60)
+    assert second.returncode == 1, second.stderr
+    assert "DuplicateRank" in second.stderr and "Traceback" not in second.stderr
+    failed = [line for line in second.stderr.splitlines() if " failed with exit code" in line]
+    assert len(failed) == 1 and "DuplicateRank: rank " in failed[0], second.stderr
 
 
 # -- FERROSYNC_JOB --------------------------------------------------------------------------
