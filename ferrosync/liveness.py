@@ -69,6 +69,7 @@ held lock; the process clock is reset in the child (``os.register_at_fork``).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -363,6 +364,23 @@ class Heartbeat:
             del _HEARTBEATS[key]
 
 
+def describe_abort(kind, message) -> str:
+    """An abort marker's cause as a reader wants it: ``terminated by SIGTERM`` for a
+    rank whose signal handler exited with 128 + the signal's number (the trainer's
+    SIGTERM handler raises ``SystemExit(143)``), else ``Type: message``."""
+    if kind == "SystemExit":
+        try:
+            code = int(str(message))
+        except ValueError:
+            code = None
+        if code is not None and code > 128:
+            try:
+                return f"terminated by {signal.Signals(code - 128).name}"
+            except ValueError:
+                pass  # not a signal's number: an ordinary exit code
+    return f"{kind}: {message}"
+
+
 def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,
                   collective: int | None, key: bytes | None) -> BaseException | None:
     """Write this rank's abort marker once; best effort (we are already failing).
@@ -518,14 +536,18 @@ class PeerMonitor:
         try:
             record = decode_record(data, self._key, path=self._storage.path_of(path),
                                    rank=self._rank)
-            what = f"{record.get('type')}: {relayed(record.get('message'))}"
+            what = describe_abort(record.get("type"), relayed(record.get("message")))
             where = record.get("collective")
             cls = error_class(str(record.get("type")))
         except ShardCorrupt as exc:
             what, where = f"(unreadable abort marker: {exc})", None
+        at = f" at collective {where}" if where is not None else ""
+        # "rank 1 was terminated by SIGTERM at collective 8", else "rank 1 failed at
+        # collective 8 with RuntimeError: ..."
+        how = (f"was {what}{at}" if what.startswith("terminated by ")
+               else f"failed{at} with {what}")
         return cls(
-            f"rank {peer} failed" + (f" at collective {where}" if where is not None else "")
-            + f" with {what}" + self._own_trouble(now),
+            f"rank {peer} {how}" + self._own_trouble(now),
             rank=self._rank, collective=collective, path=self._storage.path_of(path),
             hint=f"see rank {peer}'s log for the cause, fix it, and restart the job",
         )

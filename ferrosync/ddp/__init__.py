@@ -36,7 +36,7 @@ _LAZY = {
     "register_scheme": "init_methods",
 }
 
-__all__ = ["BACKEND_NAME", "ENV_PG_OPTIONS", "register", *_LAZY]
+__all__ = ["BACKEND_NAME", "ENV_PG_OPTIONS", "register", "stats", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -50,6 +50,41 @@ def _create_backend(backend_opts, pg_options):
     from .process_group import create_backend
 
     return create_backend(backend_opts, pg_options)
+
+
+def stats(group=None) -> dict:
+    """The ``stats`` of the GradSync behind a ``"ferrosync"`` process group: bytes,
+    requests and seconds per phase, ``{"total": {...}, "last": {...}}`` as
+    ``GradSync.stats`` (see ``ferrosync.stats``).
+
+    Local (no collective, no I/O): this rank's numbers. ``group``: a process group
+    (default: the default group, after ``init_process_group("ferrosync", ...)``) or
+    the ``SyncProcessGroup`` that ``wrap`` built. Raises ``ConfigError`` when no group
+    is initialised or the group runs another backend.
+    """
+    from ..errors import ConfigError
+    from .process_group import SyncProcessGroup
+
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("ferrosync.ddp.stats(): no default process group",
+                              hint="call dist.init_process_group('ferrosync', ...) first, or "
+                              "pass group=")
+        group = dist.distributed_c10d._get_default_group()
+    found = group if isinstance(group, SyncProcessGroup) else None
+    if found is None and isinstance(group, dist.ProcessGroup):
+        try:  # torch wraps the backend a factory returned in a ProcessGroup
+            backend = group._get_backend(torch.device("cpu"))
+        except (RuntimeError, AttributeError, ValueError):
+            backend = None
+        if isinstance(backend, SyncProcessGroup):
+            found = backend
+    if found is None:
+        name = getattr(group, "name", lambda: type(group).__name__)
+        raise ConfigError(f"ferrosync.ddp.stats(): the group is not a {BACKEND_NAME!r} "
+                          f"process group ({name() if callable(name) else name})",
+                          hint=f"pass a group created with backend {BACKEND_NAME!r}")
+    return found.sync.stats
 
 
 def register() -> bool:

@@ -135,19 +135,32 @@ class Doctor:
             # a second handle: its own fsspec instance (no shared caches) or file handles
             self.second = open_storage(self.url, self.options)
             try:
-                self.storage.makedirs(self.prefix)
-                if self.local:
-                    self.check_filesystem()
-                for check in (self.check_atomic, self.check_exclusive, self.check_rename,
-                              self.check_visibility, self.check_permissions,
-                              self.check_latency, self.check_throughput):
+                # a location doctor cannot write to (read-only mount, no permission) is
+                # a finding, reported as the failed check, not an abort of the whole run
+                try:
+                    self.storage.makedirs(self.prefix)
+                    writable = True
+                except (StorageError, OSError) as exc:
+                    self.add("writable", "fail", f"cannot create the scratch directory "
+                             f"{self.prefix}/ here: {exc}; the write checks were skipped")
+                    writable = False
+                checks = [self.check_filesystem] if self.local else []
+                if writable:
+                    checks += [self.check_atomic, self.check_exclusive, self.check_rename,
+                               self.check_visibility, self.check_permissions,
+                               self.check_latency, self.check_throughput]
+                for check in checks:
                     try:
                         check()
                     except (StorageError, OSError) as exc:
                         self.add(check.__name__[6:], "fail", f"storage failed: {exc}")
                 self.check_safety()
             finally:
-                self.cleanup()
+                try:
+                    self.cleanup()
+                except (StorageError, OSError) as exc:
+                    self.add("cleanup", "warn", f"could not list or remove {self.prefix}/: "
+                             f"{exc} (`ferrosync gc` removes probe objects)")
                 self.second.close()
         return {
             "url": self.storage.url,

@@ -20,6 +20,7 @@ import time
 
 from ..costs import hourly, is_billed
 from ..errors import StorageError
+from ..liveness import describe_abort
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
 from .elastic_history import elastic_reports, is_elastic_namespace
@@ -47,6 +48,7 @@ def rank_report(view: RankView) -> dict:
     if view.abort is not None:
         a = view.abort
         out["abort"] = {"type": a.get("type"), "message": a.get("message"),
+                        "description": describe_abort(a.get("type"), a.get("message")),
                         "collective": a.get("collective"), "host": a.get("host"),
                         "pid": a.get("pid"), "trust": a.trust, "problem": a.problem}
     return out
@@ -386,7 +388,7 @@ def _render_generation(gen: dict) -> list[str]:
                      + (f", ${cost:,.4f}/hour at S3 list prices" if cost is not None else ""))
     for a in gen["aborts"]:
         where = f" at collective {a['collective']}" if a.get("collective") is not None else ""
-        lines.append(f"  ABORT rank {a['rank']}{where}: {a.get('type')}: {a.get('message')}"
+        lines.append(f"  ABORT rank {a['rank']}{where}: {a['description']}"
                      + (f"  [{a['trust']}: {a['problem']}]" if a.get("problem") else ""))
     if gen["temp_files"]:
         lines.append(f"  temp files: {len(gen['temp_files'])} (a killed writer's, or one "

@@ -67,6 +67,11 @@ class Strategy:
         self._sync_bytes = 0
 
     # -- the loop's hooks -----------------------------------------------------------
+    def check_model(self, model: torch.nn.Module, rank: int | None = None) -> None:
+        """Local: raise ``ConfigError`` if the settings cannot work with ``model`` (its
+        parameters may be on the meta device: the launcher checks before any rank
+        starts). ``attach`` calls it too. Nothing to check by default."""
+
     def attach(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sync) -> None:
         """Every rank, once, before training: start from identical state.
 

@@ -137,14 +137,18 @@ class StreamingDiLoCo(DiLoCo):
                 f"overlap {self.overlap_steps}")
 
     # -- setup ----------------------------------------------------------------------
+    def check_model(self, model, rank: int | None = None) -> None:
+        tensors = sum(1 for _ in model.parameters())
+        if tensors < self.fragments:
+            raise ConfigError(
+                f"--fragments {self.fragments} is more than the model's {tensors} "
+                "parameter tensors", rank=rank,
+                hint=f"use --fragments {max(1, tensors)} or less")
+
     def attach(self, model, optimizer, sync) -> None:
         super().attach(model, optimizer, sync)
+        self.check_model(model, rank=sync.rank)
         self._params = [p.detach() for p in model.parameters()]
-        if len(self._params) < self.fragments:
-            raise ConfigError(
-                f"--fragments {self.fragments} is more than the model's "
-                f"{len(self._params)} parameter tensors", rank=sync.rank,
-                hint=f"use --fragments {max(1, len(self._params))} or less")
         self._parts = partition([p.numel() for p in self._params], self.fragments)
         restored, self._restored_stream = self._restored_stream, None
         if restored is not None:

@@ -7,7 +7,8 @@ Run:
 
 ``python -m ferrosync.train --help`` lists every flag. Exit codes: 0 when every rank
 succeeded, 2 for bad input (found by the launcher or by a rank), 130 after Ctrl-C,
-1 for any other failure.
+1 for any other failure. Every error is one line on stderr, ``ferrosync.train: error:
+...`` (a rank's full traceback comes first with ``--verbose``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     from .launcher import ENV_CHILD
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    args = None
     try:
         args = parse_args(argv)
         if args.nproc is not None and not os.environ.get(ENV_CHILD):
@@ -31,14 +33,50 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop(ENV_CHILD, None)  # a nested launch from a user script is a launcher
         from .runner import run_rank
 
+        if args.script is None:  # the built-in trainer's warnings read like its errors
+            import warnings
+
+            warnings.formatwarning = _one_line_warning
+
         return run_rank(args)
     except ConfigError as exc:
-        text = " ".join(str(exc).split())  # one line, whatever the message held
-        print(f"ferrosync.train: error: {text}", file=sys.stderr, flush=True)
+        _error(exc, args)
         return 2
     except KeyboardInterrupt:
         print("ferrosync.train: interrupted", file=sys.stderr, flush=True)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a rank's failure, reported as one line
+        from ..api import fail_open_syncs
+
+        fail_open_syncs(exc)  # peers learn now (what the excepthook would have done)
+        _error(exc, args)
+        return 1
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    text = " ".join(str(message).split())
+    return f"ferrosync.train: warning: {text.removeprefix('ferrosync: ')}\n"
+
+
+def _error(exc: BaseException, args) -> None:
+    """One line on stderr: ferrosync's own errors (whose messages name the rank, the
+    path and what to do) as they are, anything else with its type; the traceback
+    before it with ``--verbose``."""
+    from ..errors import ConfigError, FerrosyncError
+
+    verbose = bool(getattr(args, "verbose", False))
+    if verbose:
+        import traceback
+
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    text = " ".join(str(exc).split())  # one line, whatever the message held
+    if type(exc) is not ConfigError:  # bad input reads as a sentence; the rest by type
+        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    if not isinstance(exc, FerrosyncError) and not verbose:
+        text += " (--verbose for the traceback)"
+    from .launcher import ERROR_PREFIX
+
+    print(ERROR_PREFIX + text, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ STRATEGY_FLAGS = known_settings()
 TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
                  "checkpoint_every", "resume", "strategy", "model", "data", "loss",
                  "optimizer", "device", "keep_checkpoints", "sync_options", "no_progress",
+                 "tensorboard",
                  "timeout", "storage_prices", "publish_every", *STRATEGY_FLAGS)
 
 EPILOG = f"""\
@@ -105,6 +106,9 @@ def _launching_flags(p: argparse.ArgumentParser) -> None:
                    "for testing --local)")
     g.add_argument("--timeout", type=_positive, metavar="S",
                    help="seconds any single wait for peers may last (default 300)")
+    g.add_argument("--verbose", action="store_true",
+                   help="a rank that fails prints the full traceback before its one-line "
+                   "error (without it: the one line only)")
     g.add_argument("script", nargs="?", metavar="SCRIPT",
                    help="a Python script to run on every rank instead of the built-in "
                    "trainer; it calls ferrosync.connect() with no arguments")
@@ -160,6 +164,11 @@ def _trainer_flags(p: argparse.ArgumentParser) -> None:
                    help="torch device (default cuda:LOCAL_RANK when CUDA is available, else cpu)")
     g.add_argument("--metrics", metavar="PATH",
                    help="rank 0 appends one JSON line per optimizer step to this local file")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="rank 0 also writes TensorBoard scalars per optimizer step to DIR "
+                   "(loss, batch accuracy, lr, compute and sync time, bytes, requests; "
+                   "members with --elastic; eval loss and accuracy at the end); needs "
+                   "pip install 'ferrosync[tensorboard]'")
     g.add_argument("--no-progress", action="store_true",
                    help="no progress bar on rank 0")
     g.add_argument("--storage-prices", metavar="KIND=USD,...",

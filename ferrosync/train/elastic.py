@@ -48,9 +48,16 @@ from ..errors import ConfigError, PeerFailed, RejoinNeeded, SyncTimeout
 from ..stats import PHASES
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .batching import batch_of
-from .metrics import MetricsWriter, final_line, format_summary
+from .metrics import MetricsWriter, TensorBoardWriter, final_line, format_summary
 from .state_tree import flatten, unflatten
-from .trainer import LOSS_WINDOW, Trainer, _close, derived_seed, seed_streams
+from .trainer import (
+    LOSS_WINDOW,
+    Trainer,
+    _close,
+    check_same_data,
+    derived_seed,
+    seed_streams,
+)
 
 __all__ = ["ElasticTrainer", "GlobalBatches", "RejoinNeeded", "ELASTIC_STRATEGIES"]
 
@@ -169,7 +176,8 @@ class ElasticTrainer(Trainer):
         meta = {"step": self.step, "epoch": self.data.epoch, "position": self.data.position,
                 "phase": phase, "membership_changes": changes, "skeleton": skeleton,
                 "strategy": self.strategy.name, "batch_size": self.batch_size,
-                "seed": self.seed, "total_steps": self.total_steps}
+                "seed": self.seed, "total_steps": self.total_steps,
+                "data": self.data_fingerprint.hex()}
         return tensors, meta
 
     def _load(self, state, url: str, rank: int | None) -> str:
@@ -185,6 +193,13 @@ class ElasticTrainer(Trainer):
                               rank=rank, path=url,
                               hint="start every member with the same flags (or use "
                               "another job id / URL)")
+        if "data" in meta:  # a newcomer trains on the data the job trained on
+            try:
+                theirs = bytes.fromhex(str(meta["data"]))
+            except ValueError:
+                theirs = b""  # not a fingerprint: it cannot match
+            check_same_data([theirs, self.data_fingerprint], rank=rank, what="member",
+                            path=url)
         try:
             trees = {part: unflatten(meta["skeleton"][part], state.tensors)
                      for part in ("model", "optimizer", "strategy")}
@@ -283,6 +298,8 @@ class ElasticTrainer(Trainer):
             self._after_round(sync, TRAINING)
         metrics = (MetricsWriter(self.metrics_path, resume_step=self.step)
                    if self.metrics_path else None)
+        if self.tensorboard_dir:  # every member writes its own, like its metrics file
+            self._board = TensorBoardWriter(self.tensorboard_dir)
         bar = self._progress_bar()
         totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
         losses: deque[float] = deque(maxlen=LOSS_WINDOW)
@@ -303,6 +320,9 @@ class ElasticTrainer(Trainer):
                     self._after_round(sync, TRAINING)
                 if metrics is not None:
                     metrics.write({**record, "members": world})
+                self._board_write({**record, "members": world})
+                for hook in self.step_hooks:
+                    hook()
                 self.rank, self.world_size = sync.rank, sync.world_size
                 if bar is not None:
                     self._update_bar(bar, record, samples, totals["sync_s"],
@@ -311,6 +331,9 @@ class ElasticTrainer(Trainer):
                 strategy.finish(self.model, self.optimizer)
                 phase = FINISHED
                 self._after_round(sync, FINISHED)
+        except BaseException:
+            self._board_close(None)
+            raise
         finally:
             _close(bar, metrics)
         wall = time.perf_counter() - begin
@@ -330,6 +353,7 @@ class ElasticTrainer(Trainer):
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
                        membership_changes=self._changes(sync), members=sync.world_size,
                        joined_at_step=self.joined_at, elastic=True)
+        self._board_close(summary)
         return self._report(summary, rank=sync.rank)
 
     def report_ended(self, state, url: str) -> dict:
@@ -411,7 +435,8 @@ def _plain(value):
 
 
 def metrics_path_for(path: str | None) -> str | None:
-    """Each local member of ``--nproc N --elastic`` writes its own file: ``PATH.K``."""
+    """Each local member of ``--nproc N --elastic`` writes its own file (or TensorBoard
+    directory): ``PATH.K``."""
     if path is None or int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) <= 1:
         return path
     return f"{path}.{os.environ.get('LOCAL_RANK', '0')}"

@@ -63,19 +63,27 @@ LOOPBACK = "127.0.0.1"
 GRACE_S = 5.0
 POLL_S = 0.05
 _DELIMITER = re.compile(rb"[\r\n]")
+#: how every error line of the launcher and of a rank begins: the launcher holds a
+#: rank's back and reports it once, naming the rank
+ERROR_PREFIX = "ferrosync.train: error: "
+_ERROR = ERROR_PREFIX.encode()
+_RANK_PREFIX = re.compile(r"^(?:\w+: )?rank \d+(?:, |: )")
 _PR_SET_PDEATHSIG = 1
 
 
 def launch(args, argv: list[str]) -> int:
     """Run ``args.nproc`` ranks of ``python -m ferrosync.train argv``; the exit code."""
-    from .runner import check_sync_url, preflight
+    from .runner import check_sync_options, check_sync_url, preflight
 
+    # every check that writes nothing, before anything is created or started
+    check_sync_options(args.sync or tempfile.gettempdir(), args.sync_options,
+                       elastic=args.elastic)
+    if args.script is None:
+        preflight(args, args.nproc)
     url, created = args.sync, None
     if url is None:
         url = created = tempfile.mkdtemp(prefix="ferrosync-train-")
     try:
-        if args.script is None:
-            preflight(args, args.nproc)
         if created is None:  # after the read-only checks: this one writes a probe
             check_sync_url(url, args.sync_options)
         commands, envs = [], []
@@ -225,12 +233,15 @@ class _Pump(threading.Thread):
     """
 
     def __init__(self, rank: int, source, sink, lock: threading.Lock, *,
-                 hold_final: bool) -> None:
+                 hold_final: bool, hold_error: bool = False) -> None:
         super().__init__(daemon=True, name=f"rank{rank}-pump")
         self.prefix = f"[rank {rank}] ".encode()
         self.source, self.sink, self.lock = source, sink, lock
-        self.hold_final = hold_final
+        self.hold_final, self.hold_error = hold_final, hold_error
         self.final: bytes | None = None
+        #: the rank's one-line error (``ERROR_PREFIX`` ...), held back: the launcher
+        #: reports it once, naming the rank, instead of every rank's copy
+        self.error: str | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self._buf = b""
         self._open = False  # a partial redraw was written: continue without prefix
@@ -261,6 +272,9 @@ class _Pump(threading.Thread):
                 if self.hold_final and segment.startswith(b"FINAL "):
                     self.final = segment
                     continue
+                if self.hold_error and segment.startswith(_ERROR):
+                    self.error = segment[len(_ERROR):].decode(errors="replace").strip()
+                    continue
             if self._open or (not segment and delim == b"\r"):
                 out.append(segment + delim)  # a continuation, or a bare redraw marker
             else:
@@ -274,6 +288,8 @@ class _Pump(threading.Thread):
             _write(self.sink, self.lock, b"".join(out))
 
     def error_line(self) -> str:
+        if self.error is not None:
+            return self.error
         for line in reversed(self.tail):
             if line.strip():
                 return line.strip()
@@ -337,7 +353,8 @@ class Supervisor:
         for rank, proc in enumerate(self.procs):
             out = _Pump(rank, proc.stdout, sys.stdout, self.out_lock,
                         hold_final=rank == 0 or self.elastic)
-            err = _Pump(rank, proc.stderr, sys.stderr, self.err_lock, hold_final=False)
+            err = _Pump(rank, proc.stderr, sys.stderr, self.err_lock, hold_final=False,
+                        hold_error=True)
             out.start()
             err.start()
             self.pumps.append((out, err))
@@ -392,7 +409,18 @@ class Supervisor:
                    else f"failed with exit code {rc}")
             error = self.pumps[first][1].error_line()
             self._say(f"{self.word} {first} {how}" + (f": {error}" if error else ""))
-            others = sorted(set(failed[1:]))
+            # another rank's own error once more only if it says something new (a peer
+            # reporting the first failure, PeerFailed, does not)
+            told = {_unranked(error)}
+            others = []
+            for rank in sorted(set(failed[1:])):
+                line = self.pumps[rank][1].error_line()
+                if self.pumps[rank][1].error is not None and _unranked(line) not in told \
+                        and not line.startswith("PeerFailed"):
+                    told.add(_unranked(line))
+                    self._say(f"{self.word} {rank} failed too: {line}")
+                else:
+                    others.append(rank)
             if others:
                 self._say(f"{self.word}s {others} failed too")
             if self.elastic and final is not None:
@@ -404,6 +432,12 @@ class Supervisor:
         if final is not None:
             _write(sys.stdout, self.out_lock, final + b"\n")
         return code
+
+
+def _unranked(error: str) -> str:
+    """An error line without the rank it starts with: every rank's copy of the same
+    error (each names itself) compares equal."""
+    return _RANK_PREFIX.sub("", error, count=1)
 
 
 def _write(stream, lock: threading.Lock, data: bytes) -> None:

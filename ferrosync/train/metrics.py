@@ -26,6 +26,7 @@ import os
 import torch
 
 from .. import names
+from ..errors import ConfigError
 
 #: keys the FINAL line always carries (docs/design.md#final-line)
 FINAL_KEYS = ("steps", "loss", "accuracy", "param_digest", "ranks_agree", "bytes_written",
@@ -68,6 +69,50 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def require_tensorboard():
+    """``torch.utils.tensorboard.SummaryWriter``, or a ConfigError with the install
+    command when the ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch raises it when the tensorboard package is absent
+        raise ConfigError("--tensorboard needs the tensorboard package, which is not "
+                          "installed", hint="pip install 'ferrosync[tensorboard]'") from None
+    return SummaryWriter
+
+
+class TensorBoardWriter:
+    """Writes a run's per-step numbers as TensorBoard scalars (``--tensorboard DIR``).
+
+    Tags: ``train/loss``, ``train/accuracy`` (the batch's, for classification),
+    ``train/lr``, ``time/compute_s``, ``time/sync_s``, ``sync/bytes``,
+    ``sync/requests``, ``elastic/members`` (elastic jobs), and at the end
+    ``eval/loss`` and ``eval/accuracy`` (with an eval set). The x axis is the
+    optimizer step (the job's global step in an elastic job).
+    """
+
+    #: metrics-line key -> TensorBoard tag
+    TAGS = {"loss": "train/loss", "accuracy": "train/accuracy", "lr": "train/lr",
+            "compute_s": "time/compute_s", "sync_s": "time/sync_s", "bytes": "sync/bytes",
+            "requests": "sync/requests", "members": "elastic/members"}
+
+    def __init__(self, logdir: str) -> None:
+        self._writer = require_tensorboard()(log_dir=logdir)
+
+    def write(self, record: dict) -> None:
+        for key, tag in self.TAGS.items():
+            value = record.get(key)
+            if value is not None:
+                self._writer.add_scalar(tag, value, record["step"])
+
+    def final(self, summary: dict) -> None:
+        for key, tag in (("eval_loss", "eval/loss"), ("accuracy", "eval/accuracy")):
+            if summary.get(key) is not None:
+                self._writer.add_scalar(tag, summary[key], summary["steps"])
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def param_digest(model: torch.nn.Module) -> bytes:

@@ -25,6 +25,8 @@ from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
 from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, STRATEGY_FLAGS, resolve
 from .elastic import ElasticTrainer, RejoinNeeded, metrics_path_for
+from .metrics import require_tensorboard
+from .threads import share_threads
 from .trainer import Trainer, resolve_device
 
 LOSSES = {
@@ -137,11 +139,13 @@ def build_trainer(args) -> Trainer:
             _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,
             min_ranks=args.min_ranks or 1, publish_every=args.publish_every,
             metrics_path=metrics_path_for(args.metrics),
+            tensorboard_dir=metrics_path_for(args.tensorboard),
             device=resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0) or 0)))
     else:
         trainer = Trainer(
             _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,
-            metrics_path=args.metrics, checkpoint_dir=args.checkpoint_dir,
+            metrics_path=args.metrics, tensorboard_dir=args.tensorboard,
+            checkpoint_dir=args.checkpoint_dir,
             checkpoint_every=args.checkpoint_every, resume=args.resume,
             keep_checkpoints=args.keep_checkpoints or 2,
             storage_options=_checkpoint_options(args), device=args.device)
@@ -164,14 +168,28 @@ def _checkpoint_options(args) -> dict | None:
 
 # -- checks the launcher makes before starting any rank ------------------------------------
 
+def check_sync_options(url: str, options: dict, *, elastic: bool = False) -> None:
+    """``--sync-option``s against the options of the backend that will serve ``url``
+    (``backends/options.py`` through the backend's own ``check_options``, the parser
+    ``connect`` uses): a ConfigError naming the first bad one, before any rank starts."""
+    from ..registry import backend_for
+
+    if elastic:
+        from ..elastic import ElasticSync
+
+        ElasticSync.check_options(options)
+    else:
+        backend_for(url, options).check_options(options)
+
+
 def check_sync_url(url: str, options: dict) -> None:
-    """Options and reachability of a storage sync URL (torch URLs are checked by ranks)."""
-    from ..registry import TORCH_SCHEMES, backend_for
+    """Reachability of a storage sync URL (torch URLs are checked by ranks); writes a
+    probe, so it comes after the read-only checks."""
+    from ..registry import TORCH_SCHEMES
     from ..storage import open_storage, split_url
 
     if split_url(url)[0] in TORCH_SCHEMES:
         return
-    backend_for(url, options).check_options(options)  # raises ConfigError on bad options
     # the first contact with an object store is bounded: a dead endpoint is one line
     probe_location(open_storage(url, options.get("storage_options"), timeout=60.0),
                    what="sync URL")
@@ -182,6 +200,9 @@ def preflight(args, world_size: int) -> None:
     strategy = _strategy(args)
     model_fn = _model_fn(args)
     resolve_device(args.device)
+    _check_strategy_fits(strategy, model_fn)
+    if args.tensorboard:
+        require_tensorboard()
     if args.data:
         resolve(args.data, "--data")
     if args.loss:
@@ -194,6 +215,20 @@ def preflight(args, world_size: int) -> None:
             check_compatible(meta, model=model_fn(), world_size=world_size,
                              strategy=strategy.name, url=store.url)
         store.probe()
+
+
+def _check_strategy_fits(strategy, model_fn) -> None:
+    """The strategy's settings against the model (``--fragments`` against its parameter
+    tensors), with the model built on the meta device: no memory, no weights. A factory
+    that cannot build there (it loads weights, moves itself to a device) is left to the
+    ranks, which run the same check in ``Strategy.attach``."""
+    try:
+        with torch.device("meta"):
+            model = model_fn()
+    except Exception:  # noqa: BLE001 - any failure here is re-checked by every rank
+        return
+    if isinstance(model, torch.nn.Module):
+        strategy.check_model(model)
 
 
 # -- one rank ------------------------------------------------------------------------------
@@ -215,9 +250,14 @@ def run_rank(args) -> int:
     if not url:
         raise ConfigError("--sync URL is required without --nproc (or set FERROSYNC_URL)",
                           hint="for a run on this machine use --nproc N")
+    # a process started by hand shares the host's cores with its siblings (the
+    # launcher's ranks have OMP_NUM_THREADS=1 and are left alone)
+    share = share_threads()
     if args.script is not None:
         return run_script(args, url)
     trainer = build_trainer(args)
+    if share is not None:
+        trainer.step_hooks.append(share.adjust)
     if args.elastic:
         return run_member(trainer, args, url)
     with connect(url, timeout=args.timeout or 300.0, **args.sync_options) as sync:

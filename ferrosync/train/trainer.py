@@ -25,14 +25,16 @@ the sync), the optimizer and strategy state, and the position inside the epoch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
 import random
 import sys
 import time
+import warnings
 from collections import deque
-from typing import Callable
+from typing import Callable, ClassVar
 
 import numpy
 import torch
@@ -53,7 +55,15 @@ from .checkpoint import (
     model_signature,
     restore_rng,
 )
-from .metrics import MetricsWriter, final_line, format_summary, param_digest
+from .fingerprint import SIZE, fingerprint, length_of
+from .metrics import (
+    MetricsWriter,
+    TensorBoardWriter,
+    final_line,
+    format_summary,
+    param_digest,
+    require_tensorboard,
+)
 
 __all__ = ["Trainer", "resolve_device"]
 
@@ -88,6 +98,8 @@ class Trainer:
             ``ferrosync.strategies``: ``LocalSGD``, ``DiLoCo``).
         seed: model initialisation, data order and per-rank RNG seeds derive from it.
         metrics_path: rank 0 writes one JSON line per step there (a local path).
+        tensorboard_dir: rank 0 writes TensorBoard scalars there (``TensorBoardWriter``;
+            needs the ``tensorboard`` package: ``pip install 'ferrosync[tensorboard]'``).
         checkpoint_dir: directory or fsspec URL, visible to every rank.
         checkpoint_every: write a checkpoint every this many optimizer steps (and at
             the end); needs ``checkpoint_dir``.
@@ -123,6 +135,7 @@ class Trainer:
         strategy: Strategy | None = None,
         seed: int = 0,
         metrics_path: str | None = None,
+        tensorboard_dir: str | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None,
         resume: bool = False,
@@ -166,11 +179,21 @@ class Trainer:
             raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
                               f"{type(self.strategy).__name__}")
         self.metrics_path = metrics_path
+        if tensorboard_dir is not None:
+            require_tensorboard()  # a missing package is bad input, found before any I/O
+        self.tensorboard_dir = tensorboard_dir
+        self._board: TensorBoardWriter | None = None
+        self._batch_accuracy: float | None = None
+        #: called with no arguments after every step, on the training thread (the
+        #: command line's ``ThreadShare.adjust``)
+        self.step_hooks: list[Callable[[], object]] = []
         self.progress, self.report = progress, report
         self.device = resolve_device(device, identity.local_rank)
 
         self._build_model(model_fn, optimizer_fn)
         self._build_data(dataset, n, num_workers, epochs=epochs, steps=steps)
+        # compared across ranks at the start of fit: the same data everywhere
+        self.data_fingerprint = fingerprint(dataset, n)
         self.step, self.epoch, self.consumed = 0, 0, 0
         self.resumed_from = None
         self.checkpoints = (CheckpointStore(checkpoint_dir, storage_options)
@@ -199,6 +222,10 @@ class Trainer:
     def _build_data(self, dataset, n: int, num_workers: int, *, epochs: int | None,
                     steps: int | None) -> None:
         """This rank's sampler and loader, and the run's length in optimizer steps."""
+        if n < self.world_size:
+            raise ConfigError(f"the dataset has {n} samples, fewer than the {self.world_size} "
+                              "ranks: some ranks would have no data", rank=self.rank,
+                              hint="start fewer ranks (--nproc) or give more data")
         self.sampler = ShardSampler(n, rank=self.rank, world_size=self.world_size,
                                     shuffle=True, seed=self.seed)
         # the loader gets its own generator: creating an iterator must not draw from
@@ -207,6 +234,12 @@ class Trainer:
                                    num_workers=num_workers,
                                    generator=torch.Generator().manual_seed(self.seed))
         self.steps_per_epoch = -(-len(self.sampler) // self.batch_size)
+        if self.batch_size > len(self.sampler) and self.rank == 0:
+            warnings.warn(
+                f"ferrosync: batch size {self.batch_size} is larger than a rank's shard of "
+                f"{len(self.sampler)} samples ({n} samples / {self.world_size} ranks): every "
+                "step is a whole epoch of one smaller batch; lower --batch-size",
+                stacklevel=3)
         limits = [s for s in (steps, epochs and epochs * self.steps_per_epoch) if s]
         self.total_steps = min(limits)
 
@@ -286,12 +319,15 @@ class Trainer:
                 f"built for rank {self.rank} of {self.world_size}",
                 hint="build the Trainer with the same rank/world_size (or the same environment)",
             )
+        self._check_same_data(sync)
         strategy = self.strategy
         strategy.attach(self.model, self.optimizer, sync)
         strategy.begin(self.total_steps, self.step)
         metrics = None
         if self.metrics_path and self.rank == 0:
             metrics = MetricsWriter(self.metrics_path, resume_step=self.resumed_from)
+        if self.tensorboard_dir and self.rank == 0:
+            self._board = TensorBoardWriter(self.tensorboard_dir)
         bar = self._progress_bar()
         totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
         losses: deque[float] = deque(maxlen=LOSS_WINDOW)
@@ -316,6 +352,9 @@ class Trainer:
                 totals["sync_s"] += record["sync_s"]
                 if metrics is not None:
                     metrics.write(record)
+                self._board_write(record)
+                for hook in self.step_hooks:
+                    hook()
                 if bar is not None:
                     self._update_bar(bar, record, samples, totals["sync_s"],
                                      time.perf_counter() - begin)
@@ -327,11 +366,15 @@ class Trainer:
                     totals["checkpoint_s"] += self._save_checkpoint(sync)
                     totals["checkpoints"] += 1
             strategy.finish(self.model, self.optimizer)
+        except BaseException:
+            self._board_close(None)
+            raise
         finally:
             _close(bar, metrics)
         wall = time.perf_counter() - begin
         summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
                                   samples, start_step)
+        self._board_close(summary)
         if self.report and self.rank == 0:
             if not summary["ranks_agree"]:
                 print(f"ferrosync.train: ranks ended with DIFFERENT parameters: "
@@ -339,6 +382,27 @@ class Trainer:
             print(format_summary(summary), flush=True)
             print(final_line(summary), flush=True)
         return summary
+
+    def _check_same_data(self, sync) -> None:
+        """Collective (``all_gather`` of ``fingerprint.SIZE`` bytes): every rank holds the
+        same dataset, or every rank raises the same ``ConfigError`` before any step."""
+        mine = torch.frombuffer(bytearray(self.data_fingerprint), dtype=torch.uint8)
+        check_same_data([bytes(t.tolist()) for t in sync.all_gather(mine)], rank=sync.rank,
+                        path=sync.url)
+
+    def _board_write(self, record: dict) -> None:
+        if self._board is not None:
+            trained = record["loss"] is not None  # an idle step trained no batch
+            self._board.write({**record,
+                               "accuracy": self._batch_accuracy if trained else None})
+
+    def _board_close(self, summary: dict | None) -> None:
+        """The end's eval numbers (``summary``; None after a failure), then close."""
+        board, self._board = self._board, None
+        if board is not None:
+            if summary is not None:
+                board.final(summary)
+            board.close()
 
     def _batches(self):
         """This rank's batches, epoch after epoch, for as long as the loop asks."""
@@ -353,8 +417,11 @@ class Trainer:
         x = x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
         y = y.to(self.device, non_blocking=True) if isinstance(y, torch.Tensor) else y
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(x), y)
+        output = self.model(x)
+        loss = self.loss_fn(output, y)
         loss.backward()
+        self._batch_accuracy = (_batch_accuracy(output, y) if self._board is not None
+                                else None)
         telemetry = self.strategy.step(self.model, self.optimizer)
         loss_value = float(loss.detach())  # after the step: no extra device sync before it
         self.step += 1
@@ -420,22 +487,21 @@ class Trainer:
             with torch.no_grad():
                 evaluation = dict(self.eval_fn(self.model) or {})
         stats = sync.stats["total"]
-        mine = sum(losses) / len(losses) if losses else math.nan
-        numbers = torch.tensor(
-            [stats["bytes_written"], stats["bytes_read"], stats["requests"], mine,
-             self.step, samples, *requests], dtype=torch.float64)
-        digest = param_digest(self.model)
-        packed = torch.cat([torch.frombuffer(bytearray(digest), dtype=torch.uint8),
-                            numbers.view(torch.uint8)])
-        gathered = sync.all_gather(packed)
-        digests = [bytes(g[:32].tolist()).hex() for g in gathered]
-        per_rank = [g[32:].clone().view(torch.float64).tolist() for g in gathered]
-        rank_losses = [r[3] for r in per_rank if math.isfinite(r[3])]
+        mine = RankReport(
+            digest=param_digest(self.model),
+            bytes_written=stats["bytes_written"], bytes_read=stats["bytes_read"],
+            requests=stats["requests"],
+            loss=sum(losses) / len(losses) if losses else math.nan,
+            steps=self.step, samples=samples, storage_requests=tuple(requests))
+        per_rank = [RankReport.unpack(g) for g in sync.all_gather(mine.pack())]
+        digests = [r.digest.hex() for r in per_rank]
+        rank_losses = [r.loss for r in per_rank if math.isfinite(r.loss)]
         phases = {p: stats[p] - stats_begin[p] for p in PHASES}
         steps_run = self.step - start_step
         accuracy = evaluation.get("accuracy")
-        storage_requests = {k: int(sum(r[6 + i] for r in per_rank))
+        storage_requests = {k: int(sum(r.storage_requests[i] for r in per_rank))
                             for i, k in enumerate(_REQUEST_KEYS)}
+        samples_total = sum(r.samples for r in per_rank)
         return {
             "steps": self.step,
             "epochs": self.step / self.steps_per_epoch,
@@ -447,12 +513,12 @@ class Trainer:
             "param_digest": digests[self.rank],
             "rank_digests": digests,
             "ranks_agree": len(set(digests)) == 1,
-            "bytes_written": int(sum(r[0] for r in per_rank)),
-            "bytes_read": int(sum(r[1] for r in per_rank)),
-            "requests": int(sum(r[2] for r in per_rank)),
-            "rank_steps": [int(r[4]) for r in per_rank],
-            "samples": int(sum(r[5] for r in per_rank)),
-            "samples_per_s": sum(r[5] for r in per_rank) / wall if wall > 0 else 0.0,
+            "bytes_written": int(sum(r.bytes_written for r in per_rank)),
+            "bytes_read": int(sum(r.bytes_read for r in per_rank)),
+            "requests": int(sum(r.requests for r in per_rank)),
+            "rank_steps": [int(r.steps) for r in per_rank],
+            "samples": int(samples_total),
+            "samples_per_s": samples_total / wall if wall > 0 else 0.0,
             "wall_s": wall,
             "compute_s": totals["compute_s"],
             "sync_s": totals["sync_s"],
@@ -467,6 +533,62 @@ class Trainer:
             "resumed_from": self.resumed_from,
             **self.strategy.summary(),
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """What each rank contributes to the summary, gathered in one ``all_gather``:
+    the parameter digest (32 bytes) then the numbers as float64, in field order."""
+
+    digest: bytes
+    bytes_written: float
+    bytes_read: float
+    requests: float
+    loss: float  # NaN: this rank trained no batch
+    steps: float
+    samples: float
+    storage_requests: tuple  # one per _REQUEST_KEYS
+
+    DIGEST_BYTES: ClassVar[int] = 32
+    NUMBERS: ClassVar[tuple[str, ...]] = ("bytes_written", "bytes_read", "requests", "loss",
+                                          "steps", "samples")
+
+    def pack(self) -> torch.Tensor:
+        numbers = torch.tensor([*(getattr(self, n) for n in self.NUMBERS),
+                                *self.storage_requests], dtype=torch.float64)
+        return torch.cat([torch.frombuffer(bytearray(self.digest), dtype=torch.uint8),
+                          numbers.view(torch.uint8)])
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor) -> RankReport:
+        digest = bytes(packed[:cls.DIGEST_BYTES].tolist())
+        values = packed[cls.DIGEST_BYTES:].clone().view(torch.float64).tolist()
+        fixed = len(cls.NUMBERS)
+        return cls(digest=digest, **dict(zip(cls.NUMBERS, values[:fixed])),
+                   storage_requests=tuple(values[fixed:]))
+
+
+def check_same_data(prints: list[bytes], *, rank: int | None = None, what: str = "rank",
+                    path: str | None = None) -> None:
+    """Raise the one ``ConfigError`` for ranks whose dataset fingerprints (in rank
+    order) differ from rank 0's: the data factory is not deterministic."""
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if not differ:
+        return
+    lengths = {r: length_of(prints[r]) if len(prints[r]) == SIZE else None
+               for r in (0, *differ)}
+    if len(set(lengths.values())) > 1:
+        how = ", ".join(f"{n} samples on {what} {r}" for r, n in lengths.items())
+    else:
+        how = (f"{lengths[0]} samples each, but other samples on {what}"
+               f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} than on "
+               f"{what} 0")
+    raise ConfigError(
+        f"the {what}s built different datasets ({how}); every {what} must train on the "
+        "same data, so the data factory (--data) must be deterministic", rank=rank, path=path,
+        hint="seed every random generator it uses (e.g. torch.Generator().manual_seed(0) "
+        "passed to torch.randn, numpy.random.default_rng(0), random.Random(0)), or load "
+        "the data from a file")
 
 
 def resolve_device(device, local_rank: int = 0) -> torch.device:
@@ -484,6 +606,17 @@ def resolve_device(device, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"device {device!r} needs CUDA, which is not available here",
                           hint="drop --device to train on the CPU")
     return resolved
+
+
+def _batch_accuracy(output, target) -> float | None:
+    """The batch's share of ``argmax(output) == target`` for classification (class-index
+    targets, one row of scores per sample), else None."""
+    if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)
+            and output.dim() == 2 and target.dim() == 1 and len(output) == len(target)
+            and not target.is_floating_point() and target.dtype != torch.bool):
+        return None
+    with torch.no_grad():
+        return float((output.argmax(dim=-1) == target).float().mean())
 
 
 def _close(*outputs) -> None:

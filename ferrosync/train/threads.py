@@ -1,0 +1,162 @@
+"""Torch's thread pool sized to this process's share of the host's cores.
+
+The launcher gives its ranks ``OMP_NUM_THREADS=1`` (as torchrun does), but a
+``python -m ferrosync.train`` started by hand (an ``--elastic`` member, a rank under
+another launcher that sets nothing) keeps torch's default of one thread per core.
+Two such processes on one host then run twice as many busy threads as there are
+cores, and OpenMP's spinning workers make each step many times slower (measured:
+13-16x on 2 cores, docs/elastic.md).
+
+``ThreadShare`` counts the ``python -m ferrosync.train`` processes of this user on
+this host through a host-local directory (``/dev/shm/ferrosync-<uid>/train-procs``, one
+empty file per process named ``<pid>.<start time>``; files of processes that are gone
+are ignored and removed) and sets ``torch.set_num_threads(cores // processes)``
+(at least 1). It re-counts at most once a second from the training loop
+(``adjust``), so a process that started alone gives up threads when a second one
+arrives. It does nothing when the user set ``OMP_NUM_THREADS``, and
+``ferrosync.connect`` in a user's own script never touches threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import stat
+import tempfile
+import time
+
+import torch
+
+#: re-count the processes at most this often (seconds)
+RECOUNT_S = 1.0
+ENV_THREADS = "OMP_NUM_THREADS"
+
+
+def registry_dir() -> str:
+    """Where processes announce themselves: host-local memory, per user."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"ferrosync-{os.getuid()}", "train-procs")
+
+
+def host_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of
+    ``/proc/PID/stat``): with the pid it names one process, never a later one that
+    reuses the pid. None if there is no such process; "" where /proc is absent and
+    the pid alone is checked."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return None
+    return text.rsplit(")", 1)[-1].split()[19]
+
+
+def _alive(pid: int, started: str) -> bool:
+    if os.path.isdir("/proc"):
+        return _start_time(pid) == started
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ThreadShare:
+    """This process's entry in the registry and the thread count it implies."""
+
+    def __init__(self, directory: str | None = None, cores: int | None = None) -> None:
+        self.directory = directory or registry_dir()
+        self.cores = cores or host_cores()
+        self.pid = os.getpid()
+        started = _start_time(self.pid)
+        self.name = f"{self.pid}.{started or ''}"
+        self.threads: int | None = None
+        self._next = 0.0
+        self._registered = False
+
+    def register(self) -> bool:
+        """Announce this process; False (and threads left alone) if the directory is
+        unusable (not ours, a link, read-only)."""
+        try:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            info = os.lstat(self.directory)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                return False  # planted by someone else: do not trust its contents
+            fd = os.open(os.path.join(self.directory, self.name),
+                         os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            os.close(fd)
+        except OSError:
+            return False
+        self._registered = True
+        atexit.register(self.unregister)
+        return True
+
+    def unregister(self) -> None:
+        if self._registered:
+            self._registered = False
+            try:
+                os.unlink(os.path.join(self.directory, self.name))
+            except OSError:
+                pass
+
+    def count(self) -> int:
+        """Live registered processes (this one included); removes the dead ones' files."""
+        live = 0
+        try:
+            entries = os.listdir(self.directory)
+        except OSError:
+            return 1
+        for entry in entries:
+            pid, _, started = entry.partition(".")
+            if not pid.isdigit():
+                continue
+            if entry == self.name or _alive(int(pid), started):
+                live += 1
+                continue
+            try:
+                os.unlink(os.path.join(self.directory, entry))
+            except OSError:
+                pass  # another process removed it first
+        return max(live, 1)
+
+    def adjust(self) -> int | None:
+        """Call from the thread that runs torch's ops (OpenMP's setting is per thread):
+        re-count at most every ``RECOUNT_S`` and resize the pool when the share
+        changed. Returns the threads set (None if never changed)."""
+        now = time.monotonic()
+        if not self._registered or now < self._next:
+            return self.threads
+        self._next = now + RECOUNT_S
+        processes = self.count()
+        share = max(1, self.cores // processes) if processes > 1 else None
+        if share is None and self.threads is None:
+            return None  # alone from the start: torch's default stays
+        share = share or self.cores
+        if share != self.threads:
+            torch.set_num_threads(share)
+            self.threads = share
+        return self.threads
+
+
+def share_threads() -> ThreadShare | None:
+    """For ``python -m ferrosync.train``'s rank: register and size the pool now; the
+    caller calls ``adjust()`` as it goes. None when ``OMP_NUM_THREADS`` is set (the
+    user's or the launcher's choice wins) or the registry is unusable."""
+    if os.environ.get(ENV_THREADS):
+        return None
+    share = ThreadShare()
+    if not share.register():
+        return None
+    share.adjust()
+    return share
