@@ -358,4 +358,3 @@ class ElasticOptions(BackendOptions):
     def _check_together(self) -> None:
         if self.poll_initial and self.poll_max and self.poll_initial > self.poll_max:
             raise ConfigError("poll_initial must not exceed poll_max")
-
