@@ -1,4 +1,5 @@
-"""Where a backend declares itself: one ``register(...)`` per backend, imported lazily.
+"""Where a backend declares itself (docs/design.md#registry): one ``register(...)`` per
+backend, imported lazily.
 
 A registration names, in one place, everything the rest of the code and the docs
 need to know about a backend (as fsspec's ``register_implementation`` does for a
