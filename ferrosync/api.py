@@ -4,8 +4,8 @@
 buckets, times phases and keeps ``stats``. It is an abstract base: a backend
 (docs/design.md#backend-contract) implements ``check_options`` and the primitives
 that move bytes (``_average_flat``, ``_broadcast_flat``, ``_all_gather_flat``,
-``_barrier``, ``_shutdown``), may override ``_publish_abort``, and is registered for
-its URL schemes in ``registry.py``; ``tests/test_contract.py`` then runs it.
+``_barrier``, ``_shutdown``), may override ``_publish_abort``, and is registered (class,
+options class, URL schemes) in ``registry.py``; ``tests/test_contract.py`` then runs it.
 
 The collective contract (as with NCCL): every rank calls the same collectives in
 the same order, with tensors of the same dtypes and shapes. A violation is

@@ -238,28 +238,46 @@ class Case:
         return self.transport.name in STORAGE_BACKENDS
 
 
+def case_transport(backend: str, tmp_path, object_transport) -> Transport:
+    """The Transport of the contract case ``backend``; ``object_transport(name)`` gives
+    the object stores' (fixtures that start their servers)."""
+    if backend == "dir":
+        return Transport("dir", str(tmp_path / "run"))
+    if backend in OBJECT_TRANSPORTS:
+        return object_transport(backend)
+    if backend in ("gloo", "nccl"):
+        return Transport(backend, f"{backend}://127.0.0.1:{free_port()}")
+    if backend == "hier":
+        return Transport("hier", str(tmp_path / "run"),
+                         {"local": "gloo", "local_world_size": 2,
+                          "local_dir": str(tmp_path / "node-local")})
+    if backend == "pg":
+        return Transport("pg", "torch://", {PG_INIT: str(tmp_path / "pg")})
+    raise AssertionError(f"contract case {backend!r} has no transport here")
+
+
+def case_registration(backend: str, tmp_path) -> str:
+    """The registered backend (``ferrosync.registry``) that contract case ``backend``
+    exercises, found the way ``connect`` finds it; object stores are named by their
+    scheme only, so no server starts."""
+    from ferrosync.registry import registration_for
+
+    def object_transport(name):
+        return Transport(name, f"{name.split('-')[0]}://{BUCKET}/x")
+
+    transport = case_transport(backend, tmp_path, object_transport)
+    return registration_for(transport.url, transport.options).name
+
+
 @pytest.fixture(params=CASES, ids=[f"{b}-w{w}" for b, w in CASES])
 def case(request, tmp_path) -> Case:
     backend, world = request.param
-    if backend == "dir":
-        transport = Transport("dir", str(tmp_path / "run"))
-    elif backend in OBJECT_TRANSPORTS:
-        transport = request.getfixturevalue(OBJECT_TRANSPORTS[backend])
-    elif backend == "gloo":
-        transport = Transport("gloo", f"gloo://127.0.0.1:{free_port()}")
-    elif backend == "hier":
-        transport = Transport("hier", str(tmp_path / "run"),
-                              {"local": "gloo", "local_world_size": 2,
-                               "local_dir": str(tmp_path / "node-local")})
-    elif backend == "pg":
-        transport = Transport("pg", "torch://", {PG_INIT: str(tmp_path / "pg")})
-    elif backend == "nccl":
+    if backend == "nccl":
         import torch
 
         if torch.cuda.device_count() < world:
             pytest.skip(f"NCCL needs {world} CUDA devices, this machine has "
                         f"{torch.cuda.device_count()}")
-        transport = Transport("nccl", f"nccl://127.0.0.1:{free_port()}")
-    else:  # pragma: no cover
-        raise AssertionError(backend)
+    transport = case_transport(
+        backend, tmp_path, lambda name: request.getfixturevalue(OBJECT_TRANSPORTS[name]))
     return Case(transport, world)

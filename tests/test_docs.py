@@ -182,9 +182,9 @@ def test_readme_option_tables_match_the_code():
 def test_every_option_is_documented_and_validated():
     import dataclasses
 
-    from ferrosync.backends.options import TABLES
+    from ferrosync.registry import option_tables
 
-    for cls in TABLES.values():
+    for cls in option_tables().values():
         for f in dataclasses.fields(cls):
             if "doc" not in f.metadata:
                 continue  # composed options (the two-level sync's storage options)

@@ -4,7 +4,8 @@
     python tools/options_table.py --check  # exit 1 if README.md is out of date
 
 Each table sits between ``<!-- options:NAME -->`` and ``<!-- /options:NAME -->``,
-NAME a key of ``ferrosync.backends.options.TABLES``. ``tests/test_docs.py`` runs the
+NAME a backend's registration in ``ferrosync/registry.py`` (which names its options
+dataclass). ``tests/test_docs.py`` runs the
 check, so an option added in code without its README row fails the suite.
 """
 
@@ -18,12 +19,12 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ferrosync.backends.options import TABLES  # noqa: E402
+from ferrosync.registry import option_tables  # noqa: E402
 
 
 def render(text: str) -> str:
     """``text`` with every marked table replaced by the generated one."""
-    for name, cls in TABLES.items():
+    for name, cls in option_tables().items():
         pattern = re.compile(rf"(<!-- options:{name} -->\n).*?(<!-- /options:{name} -->)",
                              re.S)
         if not pattern.search(text):

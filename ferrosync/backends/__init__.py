@@ -1,2 +1,2 @@
 """Transports behind ``GradSync``: ``files`` (directories, object stores) and
-``torchdist`` (NCCL / gloo). Chosen by URL scheme in ``ferrosync.registry``."""
+``torchdist`` (NCCL / gloo). Each is registered (class, options, URL schemes) in ``ferrosync.registry``."""

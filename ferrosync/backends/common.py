@@ -2,7 +2,7 @@
 accumulate, and the translation of torch.distributed failures into ferrosync errors.
 
 Backends import this module and ``ferrosync.api``, never each other (a new transport
-is one module plus one line in ``ferrosync/registry.py``).
+is one module plus one ``register(...)`` in ``ferrosync/registry.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ name, default, validation and description.
 ``check_options``, which calls ``Options.parse``: unknown names and bad values are a
 ``ConfigError`` before any I/O, and the backend reads typed attributes
 (``opts.reduce``), never string keys. The README's option tables are generated from
-the same fields (``table()``; ``python tools/options_table.py`` rewrites them and
+the same fields (``table()``; each backend's registration in ``ferrosync/registry.py``
+names its options class, ``python tools/options_table.py`` rewrites the tables and
 ``tests/test_docs.py`` checks they match), so the documentation cannot drift from the
 code.
 """
@@ -318,7 +319,6 @@ class HierarchicalOptions(BackendOptions):
                               hint="use local='gloo' for CPU tensors")
 
 
-#: which options class documents which README table
 @dataclass(frozen=True)
 class ElasticOptions(BackendOptions):
     """Options of an elastic job's member (``connect(url, elastic=True)``,
@@ -358,7 +358,3 @@ class ElasticOptions(BackendOptions):
     def _check_together(self) -> None:
         if self.poll_initial and self.poll_max and self.poll_initial > self.poll_max:
             raise ConfigError("poll_initial must not exceed poll_max")
-
-
-TABLES = {"storage": StorageOptions, "torch": TorchOptions, "hierarchical": HierarchicalOptions,
-          "elastic": ElasticOptions}

@@ -1,0 +1,99 @@
+"""ferrosync/registry.py: one registration per backend, and what is built from it.
+
+In-process and quick: no rank process starts and no server either (the contract
+cases' object stores are named by their scheme only).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import CASES, case_registration
+from ferrosync import registry
+from ferrosync.api import GradSync
+from ferrosync.backends.options import BackendOptions
+from ferrosync.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: registered backends the contract matrix cannot run, each with why and where its own
+#: tests are. An elastic member has no fixed rank (connect takes no rank=, the roster
+#: orders members), which the contract tests' rank-indexed checks assume.
+OUTSIDE_THE_MATRIX = {"elastic": "tests/test_elastic.py"}
+
+
+def uncovered(tmp_path) -> set[str]:
+    """Registered backends that no contract case exercises (less the exemptions)."""
+    covered = {case_registration(backend, tmp_path) for backend, _ in CASES}
+    return set(registry.REGISTRY) - covered - set(OUTSIDE_THE_MATRIX)
+
+
+def test_every_registered_backend_is_in_the_contract_matrix(tmp_path):
+    """A new registration without a contract case (tests/conftest.py CASES) fails here."""
+    assert uncovered(tmp_path) == set()
+    for name, home in OUTSIDE_THE_MATRIX.items():
+        assert name in registry.REGISTRY, f"exemption {name!r} is not a registered backend"
+        assert os.path.exists(os.path.join(ROOT, home)), home
+
+
+def test_a_registration_without_a_contract_case_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    registry.register("carrier-pigeon", backend="ferrosync.backends.files:FileSync",
+                      options="ferrosync.backends.options:StorageOptions",
+                      schemes=("pigeon",))
+    assert uncovered(tmp_path) == {"carrier-pigeon"}
+    assert registry.backend_for("pigeon://loft").__name__ == "FileSync"
+
+
+def test_each_registration_names_a_backend_and_its_options_class():
+    for entry in registry.REGISTRY.values():
+        backend, options = entry.load_backend(), entry.load_options()
+        assert issubclass(backend, GradSync) and backend is not GradSync, entry
+        assert issubclass(options, BackendOptions), entry
+        # the class's own check_options returns the registered options class
+        assert backend.check_options.__annotations__["return"] == options.__name__, entry
+
+
+@pytest.mark.parametrize("url, options, name", [
+    ("/shared/run", {}, "storage"),
+    ("s3://bucket/run", {}, "storage"),
+    ("file:///shared/run", {}, "storage"),
+    ("gloo://127.0.0.1:1", {}, "torch"),
+    ("nccl://127.0.0.1:1", {}, "torch"),
+    ("torch://", {}, "torch"),
+    ("/shared/run", {"local": "gloo"}, "hierarchical"),
+    ("/shared/run", {"local": None}, "storage"),
+])
+def test_connect_chooses_by_scheme_then_option(url, options, name):
+    assert registry.registration_for(url, options).name == name
+
+
+def test_elastic_runs_on_storage_urls_only():
+    assert registry.elastic_connector("/shared/run").__name__ == "connect_elastic"
+    for url, options in [("gloo://127.0.0.1:1", {}), ("/shared/run", {"local": "gloo"})]:
+        with pytest.raises(ConfigError, match="elastic=True needs a storage URL"):
+            registry.elastic_connector(url, options)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"name": "storage"}, "already registered"),
+    ({"name": "x", "schemes": ("gloo",)}, "already serve backend 'torch'"),
+    ({"name": "x", "option": "local"}, "already selects backend 'hierarchical'"),
+    ({"name": "x", "elastic": "m:f"}, "already serves elastic=True"),
+    ({"name": "x"}, "already serves storage URLs"),
+    ({"name": "x", "schemes": ("a",), "option": "b"}, "not several"),
+])
+def test_one_answer_per_url(kwargs, message, monkeypatch):
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    with pytest.raises(ValueError, match=message):
+        registry.register(backend="m:C", options="m:O", **kwargs)
+
+
+def test_readme_tables_are_the_registrations():
+    assert list(registry.option_tables()) == list(registry.REGISTRY)
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    for name in registry.REGISTRY:
+        assert f"<!-- options:{name} -->" in readme, name
