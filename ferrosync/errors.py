@@ -23,6 +23,8 @@ __all__ = [
     "SyncClosed",
     "JobEnded",
     "MemberDropped",
+    "RejoinNeeded",
+    "ObjectCollectiveWarning",
 ]
 
 
@@ -152,3 +154,9 @@ def relayed(message: object) -> str:
     (an old writer's, or a planted record's) says so instead of vanishing."""
     text = "" if message is None else str(message)
     return text if text.strip() else "(no message given: see that rank's log)"
+
+
+class ObjectCollectiveWarning(UserWarning):
+    """An object collective (``broadcast_object_list`` and the like, which torch
+    unpickles) ran on a ``"ferrosync"`` group whose storage objects carry no MAC: a
+    writer to the storage could make every rank run code. Set a secret to close it."""

@@ -83,7 +83,7 @@ from .. import validate
 from ..api import GradSync, connect
 from ..codecs import FLOAT_DTYPES
 from ..env import ENV_SECRET, ENV_URL
-from ..errors import ConfigError, SyncTimeout
+from ..errors import ConfigError, ObjectCollectiveWarning, SyncTimeout
 from .constants import BACKEND_NAME, ENV_PG_OPTIONS
 from .init_methods import location_of
 
@@ -109,10 +109,6 @@ _UNSUPPORTED_HINT = (
     "reduce_scatter, reduce, gather, scatter and barrier; use backend 'gloo' or 'nccl' "
     "for the rest"
 )
-
-
-class ObjectCollectiveWarning(UserWarning):
-    """An object collective ran on a group whose storage objects carry no MAC."""
 
 
 #: torch's collectives that pickle on one rank and unpickle on the others
