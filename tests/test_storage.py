@@ -222,3 +222,25 @@ def test_probe_location_names_rank_and_url(tmp_path):
 
     with pytest.raises(ConfigError, match="read-after-write returned different bytes"):
         probe_location(Forgetful(str(tmp_path / "forgetful")), 0)
+
+
+def test_open_storage_picks_the_engine_by_scheme(tmp_path):
+    """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer:
+    botocore's), any other fsspec driver; a bad URL is a ``ConfigError``. No I/O."""
+    pytest.importorskip("s3fs")
+    from ferrosync.storage import FsspecStorage
+    from ferrosync.storage.s3 import S3Storage
+
+    for url in (str(tmp_path / "a"), f"file://{tmp_path}/b"):
+        assert type(open_storage(url)) is LocalStorage, url
+    s3 = open_storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9"}, timeout=4)
+    assert type(s3) is S3Storage and s3._conditional_put and s3.retries == 0
+    assert s3.fs.retries == 1 and s3.first_contact_timeout == 4
+    assert s3.endpoint == "http://127.0.0.1:9 (from endpoint_url)"
+    memory = open_storage("memory://run")
+    assert type(memory) is FsspecStorage and not memory._conditional_put
+    assert memory.retries == FsspecStorage.retries
+    with pytest.raises(ConfigError, match="unknown URL scheme"):
+        open_storage("nosuchscheme://x")
+    with pytest.raises(ConfigError, match="do not apply to a local path"):
+        open_storage(str(tmp_path), {"anon": True})
