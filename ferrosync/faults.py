@@ -41,7 +41,9 @@ import time
 
 from . import names, validate
 from .errors import ConfigError
-from .storage import RECORD_LIMIT, Reader, Storage, _storage_error, _write_file
+from .storage import RECORD_LIMIT, Reader, Storage
+from .storage.classify import storage_error
+from .storage.local import write_file
 
 ENV_FAULTS = "FERROSYNC_FAULTS"
 PHASES = ("write", "publish", "read", "reduce")
@@ -121,7 +123,7 @@ class FaultyStorage(Storage):
         elif action == "raise":
             code = getattr(errno_mod, str(fault.get("errno", "EIO")))
             exc = OSError(code, os.strerror(code), self.path_of(key))
-            raise _storage_error("writing" if fault["phase"] in ("write", "publish")
+            raise storage_error("writing" if fault["phase"] in ("write", "publish")
                                  else "reading", self.path_of(key), exc, False)
         elif action in ("corrupt", "truncate", "delete"):
             self._damage(action, key, fault.get("offset"))
@@ -179,7 +181,7 @@ class FaultyStorage(Storage):
                 data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
                 final = self._inner._path(key)
                 head, name = os.path.split(final)
-                _write_file(os.path.join(head, names.temp(name, token="dead0000")),
+                write_file(os.path.join(head, names.temp(name, token="dead0000")),
                             [data[: len(data) // 2]])
             self._act(fault, key)
         n = self._inner.put(key, parts, exclusive=exclusive, reuse=reuse)

@@ -256,7 +256,7 @@ def test_over_plain_http_bodies_stay_signed(recorded_s3):
     ({"client_kwargs": {"endpoint_url": "http://s3.example"}}, False),
 ])
 def test_which_endpoints_count_as_tls(options, tls, monkeypatch):
-    from ferrosync.storage import _s3_endpoint_uses_tls
+    from ferrosync.storage.s3 import _s3_endpoint_uses_tls
 
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)

@@ -15,7 +15,8 @@ import pytest
 
 from conftest import BUCKET, s3_storage_options
 from ferrosync.errors import StorageError
-from ferrosync.storage import FsspecStorage, open_storage
+from ferrosync.storage import open_storage
+from ferrosync.storage.s3 import S3Storage
 from ranks import context, run_ranks
 
 ROUNDS = 20
@@ -79,7 +80,7 @@ def test_a_create_that_already_landed_is_ours(any_s3_transport):
 
 def test_exclusive_put_refuses_to_degrade_to_an_overwrite(any_s3_transport, monkeypatch):
     # as with a botocore before 1.35.20, which s3fs would let drop IfNoneMatch silently
-    monkeypatch.setattr(FsspecStorage, "_if_none_match", False)
+    monkeypatch.setattr(S3Storage, "_if_none_match", False)
     storage = storage_of(any_s3_transport)
     with pytest.raises(StorageError) as info:
         storage.put("never", [b"x"], exclusive=True)

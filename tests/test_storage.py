@@ -145,7 +145,7 @@ def test_s3_roundtrip_and_single_request_reads(s3_transport):
 def test_transient_errors_are_told_by_type_code_and_status_not_by_text():
     import errno
 
-    from ferrosync.storage import _is_transient, _storage_error
+    from ferrosync.storage.classify import is_transient, storage_error
 
     botocore = pytest.importorskip("botocore.exceptions")
 
@@ -154,32 +154,32 @@ def test_transient_errors_are_told_by_type_code_and_status_not_by_text():
             {"Error": {"Code": code, "Message": "m"},
              "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
 
-    assert _is_transient(client_error("SlowDown", 503))
-    assert _is_transient(client_error("Whatever", 500))  # by status
-    assert not _is_transient(client_error("NoSuchBucket", 404))
+    assert is_transient(client_error("SlowDown", 503))
+    assert is_transient(client_error("Whatever", 500))  # by status
+    assert not is_transient(client_error("NoSuchBucket", 404))
     # s3fs raises an OSError caused by the ClientError: the cause decides
     translated = OSError(errno.EREMOTEIO, "We encountered an internal error")
     translated.__cause__ = client_error("InternalError", 500)
-    assert _is_transient(translated)
-    assert _is_transient(botocore.EndpointConnectionError(endpoint_url="http://nowhere"))
-    assert _is_transient(OSError(errno.ESTALE, "stale"))
+    assert is_transient(translated)
+    assert is_transient(botocore.EndpointConnectionError(endpoint_url="http://nowhere"))
+    assert is_transient(OSError(errno.ESTALE, "stale"))
     # words and numbers in a message (a bucket called "svc-503") decide nothing
-    assert not _is_transient(ValueError("bucket svc-503 SlowDown 500 ReadTimeout"))
+    assert not is_transient(ValueError("bucket svc-503 SlowDown 500 ReadTimeout"))
 
     class HttpError(Exception):  # gcsfs-style: the status as an attribute
         def __init__(self, code: int) -> None:
             super().__init__(f"HTTP {code}")
             self.code = code
 
-    assert _is_transient(HttpError(503)) and not _is_transient(HttpError(404))
-    denied = _storage_error("reading", "s3://b/k", client_error("AccessDenied", 403), False)
+    assert is_transient(HttpError(503)) and not is_transient(HttpError(404))
+    denied = storage_error("reading", "s3://b/k", client_error("AccessDenied", 403), False)
     assert "access denied" in str(denied)
     assert "access denied" not in str(
-        _storage_error("reading", "s3://b/k", ValueError("AccessDenied"), False))
+        storage_error("reading", "s3://b/k", ValueError("AccessDenied"), False))
 
 
 def test_mountinfo_lines_are_parsed_with_superblock_options_and_escapes():
-    from ferrosync.storage import _mountinfo_entry
+    from ferrosync.storage.mounts import _mountinfo_entry
 
     nfs = ("36 25 0:31 / /mnt/my\\040runs rw,relatime shared:1 - nfs4 server:/export "
            "rw,vers=4.2,hard,lookupcache=pos,nocto")
@@ -222,3 +222,25 @@ def test_probe_location_names_rank_and_url(tmp_path):
 
     with pytest.raises(ConfigError, match="read-after-write returned different bytes"):
         probe_location(Forgetful(str(tmp_path / "forgetful")), 0)
+
+
+def test_open_storage_picks_the_engine_by_scheme(tmp_path):
+    """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer:
+    botocore's), any other fsspec driver; a bad URL is a ``ConfigError``. No I/O."""
+    pytest.importorskip("s3fs")
+    from ferrosync.storage import FsspecStorage
+    from ferrosync.storage.s3 import S3Storage
+
+    for url in (str(tmp_path / "a"), f"file://{tmp_path}/b"):
+        assert type(open_storage(url)) is LocalStorage, url
+    s3 = open_storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9"}, timeout=4)
+    assert type(s3) is S3Storage and s3._conditional_put and s3.retries == 0
+    assert s3.fs.retries == 1 and s3.first_contact_timeout == 4
+    assert s3.endpoint == "http://127.0.0.1:9 (from endpoint_url)"
+    memory = open_storage("memory://run")
+    assert type(memory) is FsspecStorage and not memory._conditional_put
+    assert memory.retries == FsspecStorage.retries
+    with pytest.raises(ConfigError, match="unknown URL scheme"):
+        open_storage("nosuchscheme://x")
+    with pytest.raises(ConfigError, match="do not apply to a local path"):
+        open_storage(str(tmp_path), {"anon": True})

@@ -29,6 +29,7 @@ import torch
 import ferrosync
 from ferrosync.errors import ConfigError, FerrosyncError, StorageError
 from ferrosync.storage import LocalStorage, object_exists
+from ferrosync.storage.local_tools import LocalTree
 from ranks import RankFailure, collect, run_ranks, start_ranks, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
@@ -299,7 +300,7 @@ def test_a_symlinked_directory_inside_the_run_directory_is_refused(tmp_path):
     assert sorted(os.listdir(elsewhere)) == ["c1.r1"]
     # a listing of the root shows the links as links and never enters them
     assert st.list("") == []
-    assert st.irregular("") == [(GEN, "a symbolic link"), ("rdzv", "a symbolic link")]
+    assert LocalTree(st).irregular("") == [(GEN, "a symbolic link"), ("rdzv", "a symbolic link")]
 
 
 def test_links_on_the_way_to_the_run_directory_are_the_users_business(tmp_path):
@@ -368,7 +369,7 @@ def test_the_gc_lock_is_never_opened_through_a_link(tmp_path, capsys):
 
 def test_the_ddp_init_method_directory_is_owner_and_group_only(tmp_path):
     from ferrosync.ddp.init_methods import STORE_FILE, _directory_store
-    from ferrosync.storage import DIR_MODE
+    from ferrosync.storage.local import DIR_MODE
 
     old = os.umask(0)  # so the mode asked for is the mode made
     try:

@@ -50,7 +50,7 @@ import ferrosync_autoload  # the rules for which init_methods are ferrosync's
 
 from ..env import ENV_URL, discover
 from ..errors import ConfigError, StorageError
-from ..storage import DIR_MODE, file_kind
+from ..storage.local import DIR_MODE, file_kind
 
 #: torch's FileStore inside a directory init_method (ferrosync's own files sit beside it)
 STORE_FILE = "c10d.store"

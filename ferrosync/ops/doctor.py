@@ -58,6 +58,7 @@ from ..storage import (
     mount_of,
     open_storage,
 )
+from ..storage.local_tools import LocalTree
 from ..stores import facts, store_of
 from .scan import human_bytes, namespace_names
 
@@ -478,7 +479,7 @@ class Doctor:
         keys = [k for k, _ in self.storage.list(self.prefix)]
         self.storage.delete(keys)
         if self.local:
-            self.storage.remove_empty_dirs(self.prefix)  # never through a link
+            LocalTree(self.storage).remove_empty_dirs(self.prefix)  # never through a link
         left = self.storage.list(self.prefix)
         if left:
             self.add("cleanup", "warn", f"{len(left)} probe objects could not be removed "

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from .. import names
 from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
+from ..storage.local_tools import LocalTree
 from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, printable, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
 
@@ -233,24 +234,24 @@ def apply(storage: Storage, decisions: list[Decision]) -> tuple[int, int]:
         nbytes += d.bytes
         if d.directory and isinstance(storage, LocalStorage):
             # empty ones only, children first, never through a link
-            storage.remove_empty_dirs(d.directory)
+            LocalTree(storage).remove_empty_dirs(d.directory)
     return objects, nbytes
 
 
 class _GcLock:
     """One gc at a time on a local/NFS directory: an exclusive ``fcntl.flock`` on
     ``.ferrosync-gc.lock``, taken here rather than through a lock library because the
-    file must be opened without following links (``LocalStorage.open_lock``): a link
+    file must be opened without following links (``LocalTree.open_lock``): a link
     planted at its name is refused, never truncated or written through."""
 
     def __init__(self, storage: LocalStorage) -> None:
-        self._storage = storage
+        self._tree = LocalTree(storage)
         self._fd: int | None = None
         self.lock_file = storage.path_of(GC_LOCK)
 
     def acquire(self) -> bool:
         """Take the lock without waiting; False when another gc holds it."""
-        fd = self._storage.open_lock(GC_LOCK)
+        fd = self._tree.open_lock(GC_LOCK)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

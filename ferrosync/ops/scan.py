@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from .. import names
 from ..errors import ShardCorrupt, StorageError
 from ..storage import FsspecStorage, LocalStorage, Storage
+from ..storage.local_tools import LocalTree
 from ..wire import open_record
 
 # re-exported for the tools: the names themselves live in ferrosync.names
@@ -397,7 +398,7 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
     for name in _local_subdirs(storage):
         if _is_namespace(name):
             namespaces.setdefault(name, Namespace(name))
-    irregular = storage.irregular("") if isinstance(storage, LocalStorage) else []
+    irregular = LocalTree(storage).irregular("") if isinstance(storage, LocalStorage) else []
     return Scan(storage.url, objects, generations, namespaces, rdzv, temps, probes, foreign,
                 irregular)
 

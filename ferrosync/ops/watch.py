@@ -26,7 +26,7 @@ FINAL_STATES = ("closed", "aborted")
 
 
 def default_interval(storage: Storage) -> float:
-    """The heartbeat period a job uses on this store unless it sets one (storage.py).
+    """The heartbeat period a job uses on this store unless it sets one (ferrosync/storage/).
     A heartbeat record that names its own ``interval`` overrides it."""
     return storage.heartbeat_interval
 

@@ -1,0 +1,115 @@
+"""One small interface over a shared directory or an fsspec object store.
+
+A backend needs five things from storage, and this package gives exactly those:
+
+* ``put(key, parts)``: publish an object atomically (readers see all of it or none);
+* ``open(key)``: a reader for the object, or ``None`` when it does not exist *yet*;
+* ``delete(keys)``: remove objects (missing ones are fine);
+* ``makedirs(prefix)``: make a "directory" where the store has them;
+* ``list(prefix)``: for operator tools only, never on the collective path.
+
+Rules kept here (docs/design.md#storage-rules):
+
+* **Atomic publish.** Locally (and on NFS) the bytes go to a temporary file *in the
+  same directory*, then ``os.replace`` renames it onto the final name; a rename
+  within a directory is atomic on POSIX and on NFS. fsspec's own ``mv`` and
+  transactions stage in the system temp dir and silently degrade to a copy across
+  filesystems, so they are not used. On object stores one PUT is atomic (s3fs
+  switches to a multipart upload above 100 MiB, which is invisible until complete).
+* **Exact names, no ``exists()``.** ``open`` asks for one exact name; only "not found"
+  means "not yet", every other error propagates at once. (``exists()`` turns a
+  permission or network error into "no", and a listing can be stale for seconds
+  on NFS or cached by fsspec.) On NFS, ``open()`` of the exact name revalidates
+  with the server (close-to-open consistency); mount with ``lookupcache=positive``
+  so a cached "no such file" does not hide a new file.
+* **Counting.** Every request is counted (``requests``) with the bytes moved, so
+  users see what a run costs on a billed object store.
+* **The directory is untrusted input.** Anyone who can write to a shared directory
+  can plant a symbolic link, a hard link, a FIFO or a directory at a name a rank
+  will open. Below the root, LocalStorage never follows a link (``O_NOFOLLOW``, and
+  directories are opened with ``O_DIRECTORY|O_NOFOLLOW`` and used through
+  ``dir_fd``), never blocks in ``open`` (``O_NONBLOCK``; a FIFO would wait for a
+  writer past every timeout), refuses anything but a regular file with a
+  ``StorageError``, and rewrites a parked spare only when it is a regular file of
+  this uid with one link. Links in the path *to* the root are the user's business.
+
+One engine per module, chosen by ``open_storage`` from the URL's scheme (``_OPENERS``):
+``base`` (the interface, counters, readers, retry, the location probe), ``classify``
+(transient or not), ``local`` (directories), ``local_tools`` (what only the operator tools
+do to a directory), ``fsspec_store`` (object stores), ``s3`` (S3 specifics) and ``mounts``
+(which filesystem holds a path).
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from ..errors import ConfigError
+from .base import (
+    RECORD_LIMIT,
+    REQUEST_KINDS,
+    Backoff,
+    Counters,
+    ExclusiveCreateUnsupported,
+    Reader,
+    Storage,
+    object_exists,
+    oversized,
+    probe_location,
+)
+from .fsspec_store import FsspecStorage, gcs_driver, open_fsspec, open_gcs
+from .local import LocalStorage, open_local
+from .mounts import LOCAL_FILESYSTEMS, is_local_filesystem, mount_of
+from .s3 import open_s3
+
+__all__ = [
+    "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
+    "object_exists", "probe_location", "mount_of", "is_local_filesystem", "LOCAL_FILESYSTEMS",
+    "ExclusiveCreateUnsupported", "gcs_driver", "RECORD_LIMIT",
+    "REQUEST_KINDS", "Reader", "oversized", "split_url",
+]
+
+#: URL scheme -> the engine's opener, ``opener(url, protocol, rest, storage_options,
+#: timeout)``; any other scheme is an fsspec driver's (``open_fsspec``)
+_OPENERS = {
+    "file": open_local, "local": open_local,
+    "s3": open_s3, "s3a": open_s3,
+    "gs": open_gcs, "gcs": open_gcs,
+}
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(protocol, rest). A bare path, or ``file://``, is protocol "file".
+
+    For ``file://`` the rest is the path (RFC 8089): ``file:///p`` and
+    ``file://localhost/p`` are both ``/p``; any other host is a ``ConfigError`` (ranks
+    started in different directories must never read a host name as a relative path).
+    """
+    if "://" not in url:
+        return "file", url
+    parts = urlsplit(url)
+    protocol, rest = parts.scheme.lower(), url.split("://", 1)[1]
+    if protocol == "file" and not rest.startswith("/"):
+        host, slash, path = rest.partition("/")
+        if host.lower() != "localhost":
+            raise ConfigError(
+                f"file:// URL {url!r} names the host {host!r}", path=url,
+                hint="ferrosync reads local paths only: write file:///abs/path (or "
+                "file://localhost/abs/path), or mount the remote directory and use its "
+                "local path")
+        rest = slash + path
+    return protocol, rest
+
+
+def open_storage(url: str, storage_options: dict | None = None, *,
+                 timeout: float | None = None) -> Storage:
+    """Storage for ``url``. Validates the URL; does no I/O on object stores yet.
+
+    ``timeout`` (seconds; ``connect``'s) bounds the first contact with an object
+    store (``probe_bucket``) and, on S3, botocore's own connect/read timeouts and
+    retries, so a dead or mistyped endpoint fails within it. A missing fsspec driver
+    is a ``ConfigError`` with the ``pip install`` that adds it.
+    """
+    protocol, rest = split_url(url)
+    opener = _OPENERS.get(protocol, open_fsspec)
+    return opener(url, protocol, rest, dict(storage_options or {}), timeout)
