@@ -65,12 +65,24 @@ def model(w: int, payload: int, *, round_s: float, hb_interval: float,
     }
     checker = dict(member)
     checker["puts"] += 2.0                # the roster, the `latest` hint
-    checker["gets"] += 1.0                # the join.{next} miss
-    # (its roster-r-64 DELETE comes once 64 rounds exist; its polls of the contributions
-    # while waiting are kept and reused for the reduce, so they are the W-1 reads above)
+    checker["gets"] += 2.0                # the join.{next} miss, its own contribution
+    checker["bytes_read"] += payload      # it reads all W contributions (measured: W x P)
+    # (its roster-r-64 DELETE comes once 64 rounds exist; the contributions it reads while
+    # checking are kept and reused for the reduce)
     for d in (member, checker):
         d["requests"] = sum(d[k] for k in KINDS)
     return {"member": member, "checker": checker}
+
+
+def polls(wait_s: float, first: float = 5e-3, longest: float = 0.2) -> int:
+    """How many polls a wait of ``wait_s`` makes: sleeps from ``first`` doubling to
+    ``longest`` (the object stores' defaults), one request or two per poll."""
+    n, slept, sleep = 1, 0.0, first
+    while slept < wait_s:
+        slept += sleep
+        sleep = min(2 * sleep, longest)
+        n += 1
+    return n
 
 
 def latency(w: int, payload: int, *, rtt: float, bandwidth: float) -> float:
@@ -109,19 +121,19 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
           f"{prices} USD per 1,000, heartbeat_interval {hb:g} s (S3 default), "
           f"{round_rate:g} rounds/s, RTT {rtt * 1e3:g} ms, {bandwidth / 1e6:g} MB/s")
     print(f"{'W':>6} {'GET/member':>11} {'PUT':>4} {'DEL':>4} {'read/member':>12} "
-          f"{'xP':>6} {'req/round (job)':>16} {'round s':>9} {'rounds $/h':>11} "
+          f"{'xP':>6} {'busiest xP':>10} {'req/round (job)':>16} {'round s':>9} {'rounds $/h':>11} "
           f"{'heartbeats $/h':>15}")
     for w in (2, 4, 8, 16, 10, 100, 1000):
         m = model(w, payload, round_s=0.0, hb_interval=hb)["member"]
         c = job_cost_per_hour(w, payload, round_rate, hb, prices)
         print(f"{w:>6} {m['gets']:>11.0f} {m['puts']:>4.0f} {m['deletes']:>4.0f} "
               f"{m['bytes_read'] / MIB:>8.0f} MiB {m['bytes_read'] / payload:>6.0f} "
-              f"{c['requests_per_round']:>16,.0f} "
+              f"{w:>10} {c['requests_per_round']:>16,.0f} "
               f"{latency(w, payload, rtt=rtt, bandwidth=bandwidth):>9.2f} "
               f"{c['rounds_usd']:>11,.2f} {c['heartbeats_usd']:>15,.2f}")
     print("GET/member: W-1 contributions + 1 roster read (polls while waiting add one "
           "per poll); PUT: the contribution (+1 per heartbeat_interval of the round); the "
-          "checker adds 2 PUTs and 1 GET. Requests per job per round grow as W^2, bytes "
+          "checker adds 2 PUTs and 2 GETs and reads all W contributions (the busiest: W x P). Requests per job per round grow as W^2, bytes "
           "read per member as (W-1) x P.")
 
 
@@ -258,6 +270,8 @@ def main() -> int:
     p.add_argument("--payload", type=float, default=1.0, help="MiB per round (float32)")
     p.add_argument("--rounds", type=int, default=10, help="measured rounds per W")
     p.add_argument("--url", help="where the jobs live (default: a temporary directory)")
+    p.add_argument("--storage-options", default=None, help="JSON for connect's "
+                   "storage_options (with --url)")
     p.add_argument("--seaweed", action="store_true", help="over a local SeaweedFS server")
     p.add_argument("--model", action="store_true", help="print the model only")
     p.add_argument("--round-rate", type=float, default=1.0, help="rounds per second "
@@ -281,9 +295,11 @@ def main() -> int:
     sizes = [int(x) for x in args.members.split(",")] + ([8, 16] if args.large else [])
     workdir = tempfile.mkdtemp(prefix="ferrosync-costs-")
     options: dict = {}
+    if args.storage_options:
+        options["storage_options"] = json.loads(args.storage_options)
     server = metrics_url = None
     url = args.url or os.path.join(workdir, "store")
-    hb = 1.0  # the local default
+    hb = 1.0 if "://" not in url else 2.0  # the defaults: a directory, an object store
     if args.seaweed:
         sys.path.insert(0, os.path.join(ROOT, "tools"))
         from seaweed import SeaweedServer, free_ports, s3_storage_options, weed_binary
