@@ -247,7 +247,9 @@ def print_measured(res: dict, payload: int, hb: float) -> None:
               f"req (model floor {mod['requests']:6.2f}: gets {mod['gets']:5.2f}, puts "
               f"{mod['puts']:4.2f}); read {m['bytes_read'] / payload:5.2f} P "
               f"(model {mod['bytes_read'] / payload:4.2f} P), written "
-              f"{m['bytes_written'] / payload:4.2f} P; round {m['s']:.3f} s")
+              f"{m['bytes_written'] / payload:4.2f} P; round {m['s']:.3f} s; above the floor "
+              f"{m['requests'] - mod['requests']:+.2f} (allowance: 2 x "
+              f"{polls(m['s'])} polls + 2 = {2 * polls(m['s']) + 2})")
     line = (f"  W={w:<3} busiest member reads {res['busiest_read_xP']:.2f} P per round; "
             f"whole run: clients counted {res['clients_total']} requests "
             f"{res['clients_total_by_kind']}")
