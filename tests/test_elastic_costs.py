@@ -60,8 +60,9 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
     """Bytes read are exact ((W-1) P, the checker W P); every request kind is at least the
     model's floor, and above it by no more than the polls of a round's wait (up to two
     requests per poll) plus the heartbeats: the tolerance the docs state."""
-    from tests.conftest import BUCKET
     from seaweed import s3_storage_options
+
+    from conftest import BUCKET
 
     out = tmp_path / "r.json"
     subprocess.run(

@@ -133,8 +133,10 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
               f"{c['rounds_usd']:>11,.2f} {c['heartbeats_usd']:>15,.2f}")
     print("GET/member: W-1 contributions + 1 roster read (polls while waiting add one "
           "per poll); PUT: the contribution (+1 per heartbeat_interval of the round); the "
-          "checker adds 2 PUTs and 2 GETs and reads all W contributions (the busiest: W x P). Requests per job per round grow as W^2, bytes "
-          "read per member as (W-1) x P.")
+          "checker adds 2 PUTs and 2 GETs and reads all W contributions (the busiest: "
+          "W x P). Requests per job per round grow as W^2, bytes read per member as "
+          "(W-1) x P. Not met: <= 2.5 P per member, ~linear requests, <= $2/h liveness "
+          "at 1,000 (docs/elastic.md#cost).")
 
 
 # -- one member (a child process) --------------------------------------------------------
