@@ -15,6 +15,8 @@ member's bytes read as a multiple of P, and the mean round time. ``--seaweed`` r
 a SeaweedFS server started on loopback (tools/seaweed.py) with its Prometheus metrics on
 (``-metricsPort``, loopback): the server's own request count over the whole run is
 printed beside the clients' sum. ``--large`` adds W = 8 and 16 (kept out of CI).
+Over a directory (the default) the requests are file-system calls with no kind: only
+the total and the bytes mean anything there; use ``--seaweed`` (or an s3:// ``--url``).
 
 Modelled (``--model``): today's all-read-all round, per member and for the checker
 (requests by kind, bytes), the latency model (RTT x sequential requests + bytes read /
