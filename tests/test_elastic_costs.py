@@ -1,0 +1,83 @@
+"""tools/elastic_costs.py: its model of an all-read-all elastic round is self-consistent,
+and a real 2-member job over SeaweedFS costs what the model says (docs/elastic.md#cost)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import elastic_costs  # noqa: E402
+
+from ferrosync.costs import request_cost  # noqa: E402
+from ferrosync.stores import store_of  # noqa: E402
+
+P = 1 << 20
+
+
+@pytest.mark.parametrize("w", [2, 4, 10, 100, 1000])
+def test_the_model_adds_up(w):
+    m = elastic_costs.model(w, P, round_s=0.0, hb_interval=2.0)
+    member, checker = m["member"], m["checker"]
+    assert member["gets"] == w and member["bytes_read"] == (w - 1) * P
+    assert checker["bytes_read"] == w * P and checker["puts"] == member["puts"] + 2
+    for d in (member, checker):
+        assert d["requests"] == sum(d[k] for k in elastic_costs.KINDS)
+    prices = dict(store_of("s3://").prices)
+    cost = elastic_costs.job_cost_per_hour(w, P, 1.0, 2.0, prices)
+    job = {k: (w - 1) * member[k] + checker[k] for k in elastic_costs.KINDS}
+    assert cost["requests_per_round"] == pytest.approx(sum(job.values()))
+    assert cost["rounds_usd"] == pytest.approx(request_cost(job, prices) * 3600)
+    assert cost["heartbeats_usd"] == pytest.approx(w * 1800 * prices["put"] / 1000)
+
+
+def test_the_model_grows_as_w_squared_per_job_and_w_per_member():
+    c = [elastic_costs.job_cost_per_hour(w, P, 1.0, 2.0, dict(store_of("s3://").prices))
+         for w in (100, 1000)]
+    assert 90 < c[1]["requests_per_round"] / c[0]["requests_per_round"] < 110
+    assert c[1]["heartbeats_usd"] == pytest.approx(9.0)  # the issue's $9/hour at 1,000
+    t = [elastic_costs.latency(w, P, rtt=0.02, bandwidth=100e6) for w in (10, 100, 1000)]
+    assert t[0] < t[1] < t[2]
+
+
+def test_model_mode_prints_its_command_and_every_size():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"),
+                          "--model"], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+    assert out.splitlines()[0] == "command: python tools/elastic_costs.py --model"
+    rows = {line.split()[0] for line in out.splitlines() if line.split()
+            and line.split()[0].isdigit()}
+    assert {"10", "100", "1000"} <= rows
+
+
+@pytest.mark.timeout(120)
+def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp_path):
+    """Bytes read are exact ((W-1) P, the checker W P); every request kind is at least the
+    model's floor, and above it by no more than the polls of a round's wait (up to two
+    requests per poll) plus the heartbeats: the tolerance the docs state."""
+    from seaweed import s3_storage_options
+
+    from conftest import BUCKET
+
+    out = tmp_path / "r.json"
+    subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"), "--members", "2",
+         "--rounds", "4", "--url", f"s3://{BUCKET}/costs-{os.getpid()}",
+         "--storage-options", json.dumps(s3_storage_options(seaweed_endpoint)),
+         "--json", str(out)], check=True, timeout=110, env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True)
+    (res,) = json.loads(out.read_text())
+    for who in ("member", "checker"):
+        got = res[who]
+        floor = elastic_costs.model(2, P, round_s=got["s"], hb_interval=2.0)[who]
+        assert got["bytes_read"] == pytest.approx(floor["bytes_read"], rel=0.01), who
+        assert got["bytes_written"] == pytest.approx(P, rel=0.01), who
+        assert got["puts"] >= floor["puts"] - 0.5 and got["gets"] >= floor["gets"], who
+        allowance = 2 * elastic_costs.polls(got["s"]) + 2
+        assert got["requests"] <= floor["requests"] + allowance, (who, got, floor)
+    assert res["busiest_read_xP"] == pytest.approx(2.0, rel=0.01)
