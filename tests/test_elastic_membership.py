@@ -1,0 +1,310 @@
+"""``ferrosync.elastic.membership`` in one process: heartbeats, the silence rule, rosters.
+
+Every member is an object over one ``MemoryStorage`` and a ``FakeClock``
+(tests/fakes.py). The one process clock the liveness rule reads
+(``liveness.PROCESS_CLOCK``) is replaced by one ticking on the fake clock, so "silent
+for 5 s" and "frozen for 100 s" are instants the test sets, not waits: each test is
+deterministic and takes milliseconds. Heartbeats are written by calling the writer's
+beat directly (its thread would run on real time). The same protocol across real
+processes: tests/test_elastic.py, tests/test_elastic_trust.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fakes import FakeClock, MemoryStorage
+from ferrosync import liveness, names
+from ferrosync.elastic import membership as mb
+from ferrosync.errors import FerrosyncError, ShardCorrupt, SyncTimeout
+from ferrosync.storage import RECORD_LIMIT
+from ferrosync.wire import decode_record, encode_record, job_key
+
+NS = names.elastic_namespace("unit")
+SECRET = job_key(b"team secret", NS)
+INTERVAL = 0.5
+TIMEOUT = 5.0
+A, B, C = "a" * 16, "b" * 16, "c" * 16
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = FakeClock().install(monkeypatch, mb)
+    process = liveness.ProcessClock(clock)
+    monkeypatch.setattr(liveness, "PROCESS_CLOCK", process)
+    monkeypatch.setattr(mb, "PROCESS_CLOCK", process)
+    monkeypatch.setattr(mb, "_GONE", {})  # judgements of other tests' members
+    return clock
+
+
+@pytest.fixture
+def storage(clock):
+    return MemoryStorage(clock=clock, latency=0.001)
+
+
+def watch(storage, secret=SECRET):
+    return mb.Watch(storage, NS, secret, TIMEOUT, storage.url, INTERVAL)
+
+
+def hb_key(member):
+    return names.within(NS, names.elastic_heartbeat(member))
+
+
+def record_at(storage, key, secret=SECRET):
+    return decode_record(storage.objects[key], secret, path=key)
+
+
+def run_for(clock, seconds, look, step=INTERVAL):
+    """Call ``look()`` every ``step`` s for ``seconds`` (a member's polling loop)."""
+    end = clock.now + seconds
+    while clock.now < end:
+        look()
+        clock.advance(step)
+
+
+# -- the heartbeat writer -------------------------------------------------------------------
+
+def test_heartbeat_writes_the_member_id_an_increasing_beat_and_its_final_state(storage):
+    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb.announce(mb.ALIVE)
+    first = record_at(storage, hb_key(A))
+    hb.announce(mb.ALIVE)
+    second = record_at(storage, hb_key(A))
+    assert (first["id"], first["state"]) == (A, "alive")
+    assert second["beat"] == first["beat"] + 1
+    hb.stop(mb.LEFT)
+    assert record_at(storage, hb_key(A))["state"] == "left"
+    with pytest.raises(ShardCorrupt, match="authenticated"):  # sealed with the job key
+        record_at(storage, hb_key(A), secret=None)
+
+
+# -- Watch: the silence rule -----------------------------------------------------------------
+
+def test_a_member_that_keeps_beating_stays_alive(storage, clock):
+    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    w = watch(storage)
+    run_for(clock, 4 * TIMEOUT, lambda: (hb.announce(mb.ALIVE), w.state(A)))
+    assert w.alive(A) and A not in w.gone
+
+
+def test_a_member_whose_beat_stops_is_silent_after_the_timeout_not_before(storage, clock):
+    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb.announce(mb.ALIVE)
+    w = watch(storage)
+    start = clock.now
+    states = []
+    while (not states or states[-1] == "alive") and len(states) < 100:
+        states.append(w.state(A))
+        clock.advance(INTERVAL)
+    silent_after = clock.now - INTERVAL - start
+    assert states[-1] == "silent"
+    assert TIMEOUT < silent_after <= TIMEOUT + INTERVAL + 0.01
+    # gone for good: it is not read again, even if it beats again
+    hb.announce(mb.ALIVE)
+    reads = len(storage.requests("open", hb_key(A)))
+    assert w.state(A) == "gone" and not w.alive(A)
+    assert len(storage.requests("open", hb_key(A))) == reads
+
+
+def test_a_member_never_seen_beating_is_silent_one_timeout_after_the_first_look(storage, clock):
+    w = watch(storage)
+    start = clock.now
+    assert w.alive(B)  # no heartbeat yet: its silence clock starts now
+    run_for(clock, TIMEOUT - 0.1, lambda: w.state(B), step=0.1)
+    assert w.alive(B) and TIMEOUT - 0.1 <= clock.now - start < TIMEOUT + 0.01
+    clock.advance(0.2)
+    assert w.state(B) == "silent"
+
+
+@pytest.mark.parametrize("final", [mb.LEFT, mb.ABORTED])
+def test_a_member_that_says_it_left_or_aborted_is_gone_at_once(storage, clock, final):
+    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb.announce(mb.ALIVE)
+    w = watch(storage)
+    assert w.alive(A)
+    hb.stop(final)
+    assert w.state(A) == final
+    assert A in w.gone
+    # the judgement outlives the Watch that made it (a later Watch of the same job)
+    assert watch(storage).state(A) == "gone"
+
+
+def test_time_this_process_was_frozen_is_not_the_others_silence(storage, clock):
+    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb.announce(mb.ALIVE)
+    w = watch(storage)
+    run_for(clock, 2.0, lambda: w.state(A))
+    clock.advance(10 * TIMEOUT)  # this process stopped: nobody ticked its clock
+    assert w.alive(A), "a freeze of the watcher was taken for the member's silence"
+    # after the resume the member's silence is counted again, from the resume
+    run_for(clock, TIMEOUT - 1.0, lambda: w.state(A))
+    assert w.alive(A)
+    run_for(clock, 2.0, lambda: w.state(A))
+    assert w.state(A) == "gone"
+
+
+def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
+    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb.announce(mb.ALIVE)
+    w = watch(storage)
+    assert w.alive(A) and not w.fresh(A)  # a first look proves nothing about now
+    clock.advance(INTERVAL)
+    hb.announce(mb.ALIVE)
+    assert w.alive(A) and w.fresh(A)
+    clock.advance(INTERVAL)
+    assert w.alive(A) and not w.fresh(A)  # read again, but it did not move
+
+
+# -- Watch: hostile heartbeats ---------------------------------------------------------------
+
+def test_a_heartbeat_forged_without_the_job_key_is_refused(storage, clock):
+    storage.objects[hb_key(A)] = encode_record({"id": A, "beat": 1, "state": "alive"}, None)
+    with pytest.raises(ShardCorrupt, match="MAC mismatch") as info:
+        watch(storage).state(A)
+    assert info.value.path == storage.path_of(hb_key(A))
+
+
+def test_a_heartbeat_under_another_members_name_is_refused(storage, clock):
+    storage.objects[hb_key(A)] = encode_record({"id": B, "beat": 1, "state": "alive"}, SECRET)
+    with pytest.raises(ShardCorrupt, match=f"heartbeat record of member {A} is not one"):
+        watch(storage).state(A)
+    storage.objects[hb_key(A)] = encode_record({"id": A, "beat": 1, "state": "zombie"}, SECRET)
+    with pytest.raises(ShardCorrupt, match="is not one"):
+        watch(storage).state(A)
+
+
+def test_an_oversized_heartbeat_is_refused_unread(storage, clock):
+    storage.objects[hb_key(A)] = b" " * (RECORD_LIMIT + 1)
+    with pytest.raises(ShardCorrupt, match="refused unread"):
+        watch(storage).state(A)
+
+
+def test_a_deeply_nested_heartbeat_gives_a_ferrosync_error_not_a_recursion_error(storage, clock):
+    storage.objects[hb_key(A)] = encode_record({"id": A, "x": json.loads("[" * 100 + "]" * 100)},
+                                               None)
+    with pytest.raises(ShardCorrupt, match="nested"):
+        watch(storage, secret=None).state(A)
+
+
+# -- Roster records --------------------------------------------------------------------------
+
+def test_a_roster_round_trips_through_its_record():
+    roster = mb.Roster(7, (A, B), (B, C), 3, 2)
+    assert mb.Roster.from_record(roster.record(), 7, "p") == roster
+    assert not roster.founding
+    assert mb.Roster(8, (A,), (B, C), 3).founding  # nobody of the next round contributed
+
+
+@pytest.mark.parametrize("bad", [
+    {"round": 6},                                   # another round's roster
+    {"members": [B, B]},                            # a member twice
+    {"members": ["../../etc"]},                     # not a member id
+    {"join_next": -1},
+    {"changes": -2},
+    {"contributors": 5},
+    {"round": None},
+])
+def test_a_malformed_roster_record_is_shard_corrupt(bad):
+    record = {**mb.Roster(7, (A,), (A, B), 3).record(), **bad}
+    with pytest.raises(ShardCorrupt, match="roster of round 7 is malformed"):
+        mb.Roster.from_record(record, 7, "mem://test/r7.roster")
+    with pytest.raises(ShardCorrupt):
+        mb.Roster.from_record({k: v for k, v in record.items() if k != "members"}, 7, "p")
+
+
+# -- Rosters: written once, read back, the window ---------------------------------------------
+
+def test_the_first_roster_written_wins_and_everyone_reads_it(storage):
+    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    mine = mb.Roster(0, (), (A, B), 2)
+    theirs = mb.Roster(0, (), (B,), 1)
+    assert rosters.read(0) is None
+    assert rosters.create(mine) == mine
+    assert mb.Rosters(storage, NS, SECRET, storage.url).create(theirs) == mine
+    assert rosters.read(0) == mine
+    assert rosters.latest_hint() == 0
+    assert rosters.read(-1) == mb.EMPTY
+
+
+def test_a_roster_written_just_before_ours_is_read_back(storage):
+    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    theirs = mb.Roster(3, (A,), (A,), 0)
+    storage.before("put", f"{NS}/r3.roster",
+                   lambda key: mb.Rosters(storage, NS, SECRET, storage.url).create(theirs))
+    assert rosters.create(mb.Roster(3, (A, B), (A, B), 0)) == theirs
+
+
+def test_a_roster_forged_without_the_job_key_is_refused(storage):
+    mb.Rosters(storage, NS, None, storage.url).create(mb.Roster(0, (), (C,), 1))
+    with pytest.raises(FerrosyncError, match="MAC mismatch") as info:
+        mb.Rosters(storage, NS, SECRET, storage.url).read(0)
+    assert info.value.path == storage.path_of(f"{NS}/r0.roster")
+
+
+def test_rosters_older_than_the_window_are_deleted(storage):
+    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    last = mb.ROSTER_RETENTION + 2
+    for r in range(last + 1):
+        rosters.create(mb.Roster(r, (A,), (A,), 0))
+    kept = [r for r in range(last + 1) if rosters.read(r) is not None]
+    assert kept == list(range(last - mb.ROSTER_RETENTION + 1, last + 1))
+    assert rosters.latest_hint() == last
+
+
+def test_newest_probes_upward_from_a_stale_hint(storage):
+    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    for r in range(3):
+        rosters.create(mb.Roster(r, (A,), (A,), 0))
+    storage.objects[f"{NS}/latest"] = encode_record({"round": 0}, SECRET)  # a raced hint
+    assert rosters.newest(deadline=1e18).round == 2
+
+
+def test_newest_times_out_when_the_hinted_roster_stays_missing(storage, clock):
+    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    storage.objects[f"{NS}/latest"] = encode_record({"round": 9}, SECRET)
+    start = clock.now
+    with pytest.raises(SyncTimeout, match="round 9 named by the 'latest' hint"):
+        rosters.newest(deadline=start + 2.0)
+    assert 2.0 < clock.now - start < 2.1
+
+
+@pytest.mark.parametrize("value", ["7", True, None, 1.5])
+def test_a_hint_that_is_not_an_int_counts_as_none(storage, value):
+    storage.objects[f"{NS}/latest"] = encode_record({"round": value}, SECRET)
+    assert mb.Rosters(storage, NS, SECRET, storage.url).latest_hint() == -1
+
+
+# -- join entries ---------------------------------------------------------------------------
+
+def test_joiners_claim_the_smallest_free_entries_in_order(storage):
+    first = mb.Rosters(storage, NS, SECRET, storage.url)
+    second = mb.Rosters(storage, NS, SECRET, storage.url)
+    assert first.claim(A, 0) == 0
+    assert second.claim(B, 0) == 1  # entry 0 taken: exclusive create, next one
+    assert first.claim(C, 0) == 2
+    reader = mb.Rosters(storage, NS, SECRET, storage.url)
+    assert [reader.join_entry(n) for n in range(4)] == [A, B, C, None]
+    assert record_at(storage, f"{NS}/join.1") == {"id": B}
+
+
+def test_a_join_entry_is_read_once_then_remembered(storage):
+    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    mb.Rosters(storage, NS, SECRET, storage.url).claim(A, 0)
+    assert rosters.join_entry(0) == A
+    assert rosters.join_entry(0) == A
+    assert len(storage.requests("open", f"{NS}/join.0")) == 1
+
+
+@pytest.mark.parametrize("record", [{"id": "not-an-id"}, {"id": 5}, {}])
+def test_a_malformed_join_entry_is_shard_corrupt(storage, record):
+    storage.objects[f"{NS}/join.0"] = encode_record(record, SECRET)
+    with pytest.raises(ShardCorrupt, match="join entry 0 is malformed"):
+        mb.Rosters(storage, NS, SECRET, storage.url).join_entry(0)
+
+
+def test_a_join_entry_forged_without_the_job_key_is_refused(storage):
+    mb.Rosters(storage, NS, None, storage.url).claim(A, 0)
+    with pytest.raises(ShardCorrupt, match="MAC mismatch"):
+        mb.Rosters(storage, NS, SECRET, storage.url).join_entry(0)

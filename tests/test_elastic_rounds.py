@@ -1,0 +1,296 @@
+"""``ferrosync.elastic.rounds`` in one process: sized reads and agreeing on a roster.
+
+One member's ``Agreement`` waits over a ``MemoryStorage`` on a ``FakeClock``
+(tests/fakes.py); the other members are objects and actions the clock runs inside
+that wait ("member B writes the roster 0.5 s later", "member C's heartbeat stops"),
+so no test depends on which of two threads runs first, and every timeout is reached
+at a known fake instant in milliseconds. The one process clock of the liveness rule
+(``liveness.PROCESS_CLOCK``) ticks on the fake clock too. The same protocol across
+real processes: tests/test_elastic.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fakes import FakeClock, MemoryStorage
+from ferrosync import liveness, names
+from ferrosync.elastic import membership as mb
+from ferrosync.elastic import rounds
+from ferrosync.errors import MemberDropped, ShardCorrupt, SyncTimeout
+from ferrosync.wire import job_key
+
+NS = names.elastic_namespace("unit")
+SECRET = job_key(b"team secret", NS)
+INTERVAL = 0.5
+TIMEOUT = 5.0
+CHECK = 1.0
+POLL = (0.01, 0.1)
+A, B, C, D = "a" * 16, "b" * 16, "c" * 16, "d" * 16
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    clock = FakeClock().install(monkeypatch, rounds, mb)
+    process = liveness.ProcessClock(clock)
+    monkeypatch.setattr(liveness, "PROCESS_CLOCK", process)
+    monkeypatch.setattr(mb, "PROCESS_CLOCK", process)
+    monkeypatch.setattr(mb, "_GONE", {})  # judgements of other tests' members
+    return clock
+
+
+@pytest.fixture
+def storage(clock):
+    return MemoryStorage(clock=clock, latency=0.001)
+
+
+class Member:
+    """One member's view: its rosters, its watch, its agreement."""
+
+    def __init__(self, storage, *, min_ranks=1, max_ranks=None):
+        self.storage = storage
+        self.rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+        self.watch = mb.Watch(storage, NS, SECRET, TIMEOUT, storage.url, INTERVAL)
+        self.agreement = rounds.Agreement(storage, self.rosters, self.watch,
+                                          min_ranks=min_ranks, max_ranks=max_ranks,
+                                          poll=POLL, check_interval=CHECK, url=storage.url)
+
+
+def beating(storage, clock, member, *, until=float("inf")):
+    """``member``'s heartbeat, beating every interval on the fake clock until ``until``."""
+    hb = mb.heartbeat(storage, NS, member, INTERVAL, SECRET)
+
+    def beat():
+        hb.announce(mb.ALIVE)
+        if clock.now + INTERVAL < until:
+            clock.call_later(INTERVAL, beat)
+
+    beat()
+    return hb
+
+
+def contribute(storage, round_, member, data=b"x" * 8):
+    storage.objects[names.within(NS, names.elastic_contribution(round_, member))] = data
+
+
+# -- read_sized ------------------------------------------------------------------------------
+
+def test_read_sized_returns_an_object_of_a_legal_size_and_none_for_a_missing_one():
+    storage = MemoryStorage()
+    storage.objects["k"] = b"12345678"
+    assert rounds.read_sized(storage, "k", (4, 8)) == b"12345678"
+    assert rounds.read_sized(storage, "missing", (4, 8)) is None
+
+
+def test_read_sized_refuses_another_size_before_reading_it():
+    storage = MemoryStorage()
+    storage.objects["k"] = b"123456"
+    seen = []
+
+    def wrong_size(reader):
+        seen.append((reader.size, reader._pos))
+
+    with pytest.raises(ShardCorrupt, match="has 6 bytes; an object of this round has 4 or 8") \
+            as info:
+        rounds.read_sized(storage, "k", (8, 4, 8), rank=3, collective=7, wrong_size=wrong_size)
+    assert seen == [(6, 0)]  # told the size, nothing read
+    assert (info.value.rank, info.value.collective) == (3, 7)
+    assert info.value.path == storage.path_of("k")
+
+
+def test_read_sized_lets_wrong_size_raise_a_more_precise_error():
+    storage = MemoryStorage()
+    storage.objects["k"] = b"1"
+
+    def wrong_size(reader):
+        raise ValueError("precise")
+
+    with pytest.raises(ValueError, match="precise"):
+        rounds.read_sized(storage, "k", (8,), wrong_size=wrong_size)
+
+
+def test_read_sized_never_asks_for_more_than_the_largest_legal_size():
+    storage = MemoryStorage()
+    storage.objects["k"] = b"x" * (1 << 20)  # a forged object claiming a large size
+    with pytest.raises(ShardCorrupt, match="refused unread"):
+        rounds.read_sized(storage, "k", (8, 16))
+    assert storage.counters.snapshot().get("read", 0) == 0
+
+
+# -- waiting for the roster --------------------------------------------------------------------
+
+def test_a_member_waits_for_the_roster_the_checker_writes(storage, clock):
+    me, checker = Member(storage), Member(storage)
+    beating(storage, clock, A)
+    prev = mb.Roster(0, (), (A, B), 0)
+    winner = mb.Roster(1, (A, B), (A, B), 0)
+    clock.call_later(0.5, lambda: checker.rosters.create(winner))
+    start = clock.now
+    got = me.agreement.wait(1, prev, [A], deadline=start + 30.0)
+    assert got == winner
+    assert 0.5 <= clock.now - start < 0.5 + POLL[1] + 0.01
+    assert not storage.requests("put", f"{NS}/r1.roster")[1:]  # the waiter wrote nothing
+
+
+def test_waiting_for_a_roster_times_out_at_the_deadline_naming_what_it_waits_on(storage, clock):
+    me = Member(storage)
+    beating(storage, clock, A)  # the checker is alive but never writes
+    start = clock.now
+    with pytest.raises(SyncTimeout, match="round 1 was not agreed in time; waiting on the "
+                       "checker") as info:
+        me.agreement.wait(1, mb.Roster(0, (), (A, B), 0), [A], deadline=start + 10.0)
+    assert 10.0 <= clock.now - start < 10.0 + POLL[1] + 0.01
+    assert info.value.collective == 1
+    assert info.value.path == storage.path_of(f"{NS}/r1.roster")
+    assert storage.objects.get(f"{NS}/r1.roster") is None
+
+
+def test_the_checker_writes_the_roster_once_everyone_contributed(storage, clock):
+    me = Member(storage)
+    beating(storage, clock, B)
+    contribute(storage, 1, A)
+    clock.call_later(0.7, lambda: contribute(storage, 1, B))
+    start = clock.now
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A, B), 0), [], deadline=start + 30.0)
+    assert roster == mb.Roster(1, (A, B), (A, B), 0, 0)
+    assert clock.now - start >= 0.7  # not before B contributed
+    assert Member(storage).rosters.read(1) == roster  # written, sealed, readable
+    assert Member(storage).rosters.latest_hint() == 1
+
+
+def test_the_checker_reads_back_a_roster_another_member_wrote_first(storage, clock):
+    me = Member(storage)
+    contribute(storage, 1, A)
+    theirs = mb.Roster(1, (A,), (A, C), 0)
+    storage.before("put", f"{NS}/r1.roster",
+                   lambda key: Member(storage).rosters.create(theirs))
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=clock.now + 30.0)
+    assert roster == theirs
+
+
+def test_a_member_becomes_the_checker_when_its_predecessor_leaves(storage, clock):
+    me = Member(storage)
+    hb_a = beating(storage, clock, A, until=clock.now + 2.0)
+    contribute(storage, 1, B)
+    clock.call_later(2.0, lambda: hb_a.stop(mb.LEFT))
+    start = clock.now
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A, B), 0), [A], deadline=start + 30.0)
+    assert roster.contributors == (B,) and roster.members == (B,)
+    assert roster.changes == 1
+    # a graceful leave is seen at the next look, not after the heartbeat timeout
+    assert clock.now - start < 2.0 + CHECK + 0.2
+
+
+def test_a_silent_member_is_dropped_after_the_timeout_not_before(storage, clock):
+    me = Member(storage)
+    contribute(storage, 1, A)
+    beating(storage, clock, B, until=clock.now + 1.0)  # B's beats stop after 1 s
+    beating(storage, clock, C)
+    contribute(storage, 1, C)
+    start = clock.now
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A, B, C), 0), [], deadline=start + 60.0)
+    assert roster.contributors == (A, C) and roster.members == (A, C)
+    assert TIMEOUT < clock.now - start < 1.0 + TIMEOUT + CHECK + 0.5
+
+
+def test_a_contributor_judged_gone_counts_in_its_round_but_not_the_next(storage, clock):
+    me = Member(storage)
+    hb_c = beating(storage, clock, C, until=clock.now + 0.1)
+    contribute(storage, 1, C)
+    hb_c.stop(mb.ABORTED)  # C contributed, then failed
+    contribute(storage, 1, A)
+    # A's predecessor C: A looks at C (gone), so A checks and knows C is gone
+    roster = me.agreement.wait(1, mb.Roster(0, (), (C, A), 0), [C], deadline=clock.now + 30.0)
+    assert roster.contributors == (C, A)  # C's contribution is in round 1's sum
+    assert roster.members == (A,)  # but C is not in round 2
+    assert roster.changes == 1
+
+
+def test_the_checker_waits_for_min_ranks_and_admits_joiners_in_queue_order(storage, clock):
+    me = Member(storage, min_ranks=3, max_ranks=3)
+    contribute(storage, 1, A)
+    joiners = Member(storage)
+    for who in (B, C, D):
+        beating(storage, clock, who)
+    clock.call_later(1.0, lambda: joiners.rosters.claim(B, 0))
+    clock.call_later(2.0, lambda: (joiners.rosters.claim(C, 0), joiners.rosters.claim(D, 0)))
+    start = clock.now
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=start + 30.0)
+    assert roster.members == (A, B, C)  # max_ranks=3: D waits for a later round
+    assert roster.join_next == 2
+    assert 2.0 <= clock.now - start < 2.0 + POLL[1] + 0.05
+
+
+def test_a_joiner_that_left_before_admission_is_skipped_and_its_entry_consumed(storage, clock):
+    me = Member(storage)
+    contribute(storage, 1, A)
+    joiners = Member(storage)
+    hb_b = beating(storage, clock, B, until=clock.now + 0.1)
+    joiners.rosters.claim(B, 0)
+    hb_b.stop(mb.LEFT)
+    beating(storage, clock, C)
+    joiners.rosters.claim(C, 0)
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=clock.now + 30.0)
+    assert roster.members == (A, C) and roster.join_next == 2
+
+
+def test_a_member_too_far_behind_learns_it_was_dropped(storage, clock):
+    me = Member(storage)
+    others = Member(storage)
+    beating(storage, clock, A)  # the checker of the others' rounds, alive and busy
+    for r in range(3, 3 + mb.ROSTER_RETENTION + 2):  # the others went on without us
+        others.rosters.create(mb.Roster(r, (A,), (A,), 0))
+    assert others.rosters.read(3) is None  # round 3's roster already pruned
+    start = clock.now
+    with pytest.raises(MemberDropped, match="fell more than 64 rounds behind") as info:
+        me.agreement.wait(3, mb.Roster(2, (A, B), (A, B), 0), [A], deadline=start + 60.0)
+    # found out within a few check intervals, not at the deadline
+    assert clock.now - start <= rounds.PRUNED_CHECK_EVERY * CHECK + 0.5
+    assert info.value.collective == 3
+
+
+# -- contributed / take on an object store -----------------------------------------------------
+
+def test_on_an_object_store_the_checker_keeps_the_bytes_it_fetched(storage, clock):
+    storage.round_trips_dominate = True
+    me = Member(storage)
+    contribute(storage, 1, A, b"a" * 8)
+    contribute(storage, 1, B, b"b" * 8)
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A, B), 0), [], deadline=clock.now + 30.0,
+                               sizes=(8,))
+    assert roster.members == (A, B)
+    assert me.agreement.take(1, B) == b"b" * 8
+    assert me.agreement.take(1, B) is None  # handed over once
+    assert me.agreement.take(1, C) is None
+
+
+def test_a_contribution_of_the_wrong_size_is_not_kept_but_counts_as_present(storage, clock):
+    storage.round_trips_dominate = True
+    me = Member(storage)
+    me.agreement.sizes = (8,)
+    contribute(storage, 1, A, b"forged")
+    assert me.agreement.contributed(1, A)  # the reduce reads it again and says why
+    assert me.agreement.take(1, A) is None
+
+
+# -- who checks ----------------------------------------------------------------------------------
+
+def test_is_checker_stops_at_the_first_predecessor_seen_running_now(storage, clock):
+    me = Member(storage)
+    beating(storage, clock, A)
+    beating(storage, clock, B)
+    # a first look proves nothing about now: the look goes on to B (its clock starts)
+    assert not me.agreement.is_checker([A, B])
+    assert len(storage.requests("open", f"{NS}/hb.{B}")) == 1
+    clock.advance(INTERVAL)
+    # A's counter moved since a recent look: A runs now, B is not read
+    assert not me.agreement.is_checker([A, B])
+    assert len(storage.requests("open", f"{NS}/hb.{B}")) == 1
+
+
+def test_is_checker_when_every_predecessor_is_gone(storage, clock):
+    me = Member(storage)
+    for who in (A, B):
+        beating(storage, clock, who, until=clock.now + 0.1).stop(mb.LEFT)
+    assert me.agreement.is_checker([A, B])
+    assert me.agreement.is_checker([])
