@@ -20,6 +20,7 @@ __all__ = [
     "LayoutMismatch",
     "DuplicateRank",
     "StorageError",
+    "ExclusiveCreateUnsupported",
     "SyncClosed",
     "JobEnded",
     "MemberDropped",
@@ -116,6 +117,11 @@ class DuplicateRank(FerrosyncError, RuntimeError):
 
 class StorageError(FerrosyncError, OSError):
     """A storage request failed for a reason other than "not there yet"."""
+
+
+class ExclusiveCreateUnsupported(StorageError):
+    """This store (its fsspec driver, or the client under it) cannot create an object
+    only if absent; ``put(exclusive=True)`` raises it instead of overwriting."""
 
 
 class SyncClosed(FerrosyncError, RuntimeError):

@@ -227,6 +227,12 @@ def w_real_directories(rank, world, root):
                 path = path[len("realdirs://"):]
             return LocalFileSystem._strip_protocol(path)
 
+        def pipe_file(self, path, value, mode="overwrite", **kwargs):
+            # a real exclusive create (connect requires one): O_EXCL, no auto-mkdir
+            path = self._strip_protocol(path)
+            with open(path, "xb" if mode == "create" else "wb") as f:
+                f.write(value)
+
     fsspec.register_implementation("realdirs", RealDirs, clobber=True)
     with ferrosync.connect(f"realdirs://{root}/run", rank=rank, world_size=world,
                            timeout=30) as sync:

@@ -16,7 +16,7 @@ import time
 from typing import Iterable, Sequence
 
 from .. import names
-from ..errors import ConfigError, ShardCorrupt, StorageError
+from ..errors import ConfigError, ExclusiveCreateUnsupported, ShardCorrupt, StorageError
 from .classify import is_transient, storage_error
 
 #: the largest control record (rendezvous, heartbeat, abort marker, layout, error
@@ -241,11 +241,6 @@ class Storage:
     def _recover(self) -> None:
         """Before retrying a transient failure: drop state the failure may have made
         stale (LocalStorage: directory handles of removed directories)."""
-
-
-class ExclusiveCreateUnsupported(StorageError):
-    """This store (its fsspec driver, or the client under it) cannot create an object
-    only if absent; ``put(exclusive=True)`` raises it instead of overwriting."""
 
 
 #: what to do about a store without exclusive create (its ConfigError and StorageError)
