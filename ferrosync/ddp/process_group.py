@@ -66,11 +66,9 @@ DeviceMesh, DTensor, functional collectives, FSDP2 and DCP accept it: see
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
-import sys
 import threading
 import warnings
 from functools import reduce
@@ -82,10 +80,16 @@ from torch.futures import Future
 from .. import validate
 from ..api import GradSync, connect
 from ..codecs import FLOAT_DTYPES
-from ..env import ENV_SECRET, ENV_URL
-from ..errors import ConfigError, ObjectCollectiveWarning, SyncTimeout
+from ..env import ENV_URL
+from ..errors import ConfigError, ObjectCollectiveWarning
 from .constants import BACKEND_NAME, ENV_PG_OPTIONS
+from .inference import StandIns as _StandIns
+from .inference import inference_safe as _inference_safe
+from .inference import needs_stand_ins as _needs_stand_ins
 from .init_methods import location_of
+from .object_warning import warn_object_collective as _warn_object_collective
+from .work import Done as _Done
+from .work import Pending as _Pending
 
 __all__ = ["SyncProcessGroup", "create_backend", "ObjectCollectiveWarning"]
 
@@ -109,217 +113,6 @@ _UNSUPPORTED_HINT = (
     "reduce_scatter, reduce, gather, scatter and barrier; use backend 'gloo' or 'nccl' "
     "for the rest"
 )
-
-
-#: torch's collectives that pickle on one rank and unpickle on the others
-_OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object",
-                                 "scatter_object_list", "send_object_list",
-                                 "recv_object_list"})
-_objects_warned = False  # one warning per process
-
-
-def _object_collective_calling(depth: int = 12) -> str | None:
-    """The torch object collective (``broadcast_object_list``, ...) this call comes
-    from, found on the calling thread's stack; None for a tensor collective."""
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        if frame.f_code.co_name in _OBJECT_COLLECTIVES and str(
-                frame.f_globals.get("__name__", "")).startswith("torch.distributed"):
-            return frame.f_code.co_name
-        frame = frame.f_back
-    return None
-
-
-def _unauthenticated(sync: GradSync) -> bool:
-    """Whether ``sync`` moves bytes through shared storage without a MAC (a storage
-    GradSync, or a hierarchical one's leaders, without a secret). gloo and nccl
-    transports never touch storage: their peers are the job's own processes."""
-    for holder in (sync, getattr(sync, "_inter", None)):
-        for name in ("_secret", "_key"):  # ElasticSync: _secret (its _key is a method)
-            value = getattr(holder, name, _ABSENT)
-            if value is not _ABSENT and not callable(value):
-                return value is None
-    return False
-
-
-_ABSENT = object()
-
-
-def _warn_object_collective(sync: GradSync) -> None:
-    """Warn once per process when an object collective runs without a secret."""
-    global _objects_warned
-    if _objects_warned or not _unauthenticated(sync):
-        return
-    name = _object_collective_calling()
-    if name is None:
-        return
-    _objects_warned = True
-    warnings.warn(
-        f"rank {sync.rank}: {name} on the ferrosync process group at {sync.url} runs "
-        "without a secret: object collectives unpickle what other ranks wrote to shared "
-        "storage, and without a secret anyone who can write there can replace those "
-        "bytes (their checksum needs no key) and run code in every rank. Set the same "
-        f"secret on every rank: {ENV_SECRET}=<random string> in each rank's environment "
-        "(python -m ferrosync.train gives the ranks it launches one) or "
-        "pg_options={'secret': ...}; docs/ddp.md#security-of-object-collectives",
-        ObjectCollectiveWarning, stacklevel=4)
-
-
-def _needs_stand_ins(args) -> bool:
-    """Whether a collective's arguments need ``_StandIns``: the caller is in inference
-    mode, or passes an inference tensor."""
-    if torch.is_inference_mode_enabled():
-        return True
-    return any(t.is_inference() for t in _tensors_in(args))
-
-
-def _tensors_in(value):
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors_in(item)
-
-
-class _StandIns:
-    """Normal tensors standing in for a collective's inference tensors.
-
-    Inference mode is per thread, and an inference tensor may be changed in place only
-    inside it: the overlapped allreduce runs on a library thread (never in inference
-    mode), and the GradSync's pooled buffers must not be created as inference tensors
-    (a later collective outside inference mode could not reuse them). So the
-    collective always runs outside inference mode on stand-ins: each inference tensor
-    is cloned (a normal tensor), and ``restore`` copies the results back inside
-    inference mode, on whichever thread finishes the collective. Tensors that are not
-    inference tensors are used as they are, as with gloo.
-    """
-
-    def __init__(self, args) -> None:
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.inference_mode(False):
-            self.args = self._swap(args)
-
-    def _swap(self, value):
-        if isinstance(value, torch.Tensor):
-            if not value.is_inference():
-                return value
-            stand = value.clone()
-            self._pairs.append((value, stand))
-            return stand
-        if isinstance(value, list):
-            return [self._swap(v) for v in value]
-        if isinstance(value, tuple):
-            return tuple(self._swap(v) for v in value)
-        return value
-
-    def restore(self) -> None:
-        if self._pairs:
-            with torch.inference_mode(), torch.no_grad():
-                for original, stand in self._pairs:
-                    original.copy_(stand)
-
-    def original(self, value):
-        """``value`` (a result built from the stand-ins) with the originals back."""
-        back = {id(stand): original for original, stand in self._pairs}
-        if isinstance(value, torch.Tensor):
-            return back.get(id(value), value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(self.original(v) for v in value)
-        return value
-
-
-def _inference_safe(method):
-    """Run a synchronous collective method outside inference mode on ``_StandIns``
-    when the caller is in inference mode or passes inference tensors (see there)."""
-    def wrapper(self, *args, **kwargs):
-        if not _needs_stand_ins(args):
-            return method(self, *args, **kwargs)
-        stand_ins = _StandIns(args)
-        with torch.inference_mode(False):
-            work = method(self, *stand_ins.args, **kwargs)
-        stand_ins.restore()
-        return _Done(stand_ins.original(work.result()))
-
-    wrapper.__name__, wrapper.__doc__ = method.__name__, method.__doc__
-    wrapper.__qualname__ = method.__qualname__
-    return wrapper
-
-
-class _Done(dist._Work):
-    """A Work that is complete when it is created (every collective but ``allreduce``
-    is synchronous)."""
-
-    def __init__(self, result) -> None:
-        super().__init__()
-        self._result = result
-        self._future = Future()
-        self._future.set_result(result)
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def result(self):
-        return self._result
-
-    def get_future(self) -> Future:
-        return self._future
-
-
-class _Pending(dist._Work):
-    """An allreduce running on the GradSync's async thread.
-
-    ``wait()`` blocks until it finished and raises its typed error. The future
-    completes from the async thread, always with the tensors as far as torch's C++
-    is concerned (DDP's reducer reads the value as tensors, and crashes on an
-    exception object); on failure its Python unwrap function raises the error, so
-    ``get_future().wait()`` / ``.value()`` and ``then`` callbacks see it, typed.
-    """
-
-    def __init__(self, result, rank: int, url: str) -> None:
-        super().__init__()
-        self._result = result
-        self._rank, self._url = rank, url
-        self._event = threading.Event()
-        self._error: BaseException | None = None
-        self._future = Future()
-
-    def _finish(self, error: BaseException | None) -> None:
-        """On the async thread: record the outcome, then complete the future."""
-        self._error = error
-        if error is not None:
-            def raise_error(_value, error=error):
-                raise error
-
-            self._future._set_unwrap_func(raise_error)
-        self._event.set()
-        self._future.set_result(self._result)
-
-    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
-        seconds = timeout.total_seconds() if timeout else 0.0
-        if not self._event.wait(seconds if seconds > 0 else None):
-            raise SyncTimeout(f"allreduce did not finish within the wait's {seconds} s "
-                              "timeout (it keeps running)", rank=self._rank, path=self._url)
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._event.is_set()
-
-    def is_success(self) -> bool:
-        return self._event.is_set() and self._error is None
-
-    def result(self):
-        self.wait()
-        return self._result
-
-    def get_future(self) -> Future:
-        return self._future
 
 
 #: torch versions on which the async allreduce's private API is tested

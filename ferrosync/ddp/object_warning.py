@@ -1,0 +1,75 @@
+"""One warning per process when a torch object collective (``broadcast_object_list``
+and the like, which unpickle what other ranks sent) runs on a ``"ferrosync"`` group
+whose storage objects carry no MAC: anyone who can write to the storage could then
+run code in every rank. The warning says how to set a secret; gloo and nccl groups
+never touch storage and are never warned about."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import TYPE_CHECKING
+
+from ..env import ENV_SECRET
+from ..errors import ObjectCollectiveWarning
+
+if TYPE_CHECKING:
+    from ..api import GradSync
+
+__all__ = ["warn_object_collective"]
+
+
+#: torch's collectives that pickle on one rank and unpickle on the others
+_OBJECT_COLLECTIVES = frozenset({"broadcast_object_list", "all_gather_object", "gather_object",
+                                 "scatter_object_list", "send_object_list",
+                                 "recv_object_list"})
+_objects_warned = False  # one warning per process
+
+
+def _object_collective_calling(depth: int = 12) -> str | None:
+    """The torch object collective (``broadcast_object_list``, ...) this call comes
+    from, found on the calling thread's stack; None for a tensor collective."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name in _OBJECT_COLLECTIVES and str(
+                frame.f_globals.get("__name__", "")).startswith("torch.distributed"):
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return None
+
+
+def _unauthenticated(sync: GradSync) -> bool:
+    """Whether ``sync`` moves bytes through shared storage without a MAC (a storage
+    GradSync, or a hierarchical one's leaders, without a secret). gloo and nccl
+    transports never touch storage: their peers are the job's own processes."""
+    for holder in (sync, getattr(sync, "_inter", None)):
+        for name in ("_secret", "_key"):  # ElasticSync: _secret (its _key is a method)
+            value = getattr(holder, name, _ABSENT)
+            if value is not _ABSENT and not callable(value):
+                return value is None
+    return False
+
+
+_ABSENT = object()
+
+
+def warn_object_collective(sync: GradSync) -> None:
+    """Warn once per process when an object collective runs without a secret."""
+    global _objects_warned
+    if _objects_warned or not _unauthenticated(sync):
+        return
+    name = _object_collective_calling()
+    if name is None:
+        return
+    _objects_warned = True
+    warnings.warn(
+        f"rank {sync.rank}: {name} on the ferrosync process group at {sync.url} runs "
+        "without a secret: object collectives unpickle what other ranks wrote to shared "
+        "storage, and without a secret anyone who can write there can replace those "
+        "bytes (their checksum needs no key) and run code in every rank. Set the same "
+        f"secret on every rank: {ENV_SECRET}=<random string> in each rank's environment "
+        "(python -m ferrosync.train gives the ranks it launches one) or "
+        "pg_options={'secret': ...}; docs/ddp.md#security-of-object-collectives",
+        ObjectCollectiveWarning, stacklevel=4)
