@@ -93,7 +93,8 @@ def _secret(_name, value):
     if isinstance(value, str):
         value = value.encode()
     if not isinstance(value, (bytes, bytearray)) or not value:
-        raise ConfigError("secret must be a non-empty str or bytes")
+        raise validate.error("secret", "a non-empty str or bytes", value, got=type(value).__name__
+                             if value else repr(value))
     return bytes(value)
 
 
@@ -103,7 +104,7 @@ def _job(_name, value):
 
 def _dict_or_none(name, value):
     if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{name} must be a dict, got {type(value).__name__}")
+        raise validate.error(name, "a dict", value, got=type(value).__name__)
     return value
 
 
@@ -113,7 +114,7 @@ def _device_or_none(name, value):
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError):
-        raise ConfigError(f"{name} must be 'cpu' or 'cuda', got {value!r}") from None
+        raise validate.error(name, "'cpu' or 'cuda'", value) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{name}='cuda' but CUDA is not available",
                           hint=f"drop {name} or use 'cpu'")
@@ -122,7 +123,7 @@ def _device_or_none(name, value):
 
 def _str_or_none(name, value):
     if value is not None and (not isinstance(value, str) or not value):
-        raise ConfigError(f"{name} must be a non-empty path, got {value!r}")
+        raise validate.error(name, "a non-empty path", value)
     return value
 
 
