@@ -25,7 +25,7 @@ import time
 
 from .. import names
 from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
-from ..storage import Backoff, Storage, object_exists
+from ..storage import RECORD_LIMIT, Backoff, Storage, object_exists
 from .membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
 
 #: the most contribution bytes the checker keeps from its existence checks (S3)
@@ -42,8 +42,12 @@ def read_sized(storage: Storage, key: str, sizes, *, rank: int | None = None,
     is an error before more than a header is read (a forged object may claim any
     size): ``wrong_size(reader)`` may raise a more precise one."""
     sizes = tuple(sizes)
-    # bounded by the largest legal size: an object store is asked for no more than that
-    reader = storage.open(key, max_bytes=max(sizes), rank=rank)
+    # bounded: an object store is asked for no more than this. With ``wrong_size``
+    # the bound leaves room for a member's contribution of another layout (up to
+    # twice this one's, plus a record) so its header can name the mismatch; anything
+    # larger is refused by its size alone
+    limit = max(sizes) if wrong_size is None else 2 * max(sizes) + RECORD_LIMIT
+    reader = storage.open(key, max_bytes=limit, rank=rank)
     if reader is None:
         return None
     with reader:
