@@ -24,6 +24,8 @@ import heapq
 import itertools
 import types
 
+from ferrosync import liveness
+from ferrosync.elastic import membership
 from ferrosync.storage import Reader, Storage
 
 
@@ -83,6 +85,18 @@ class FakeClock:
             if hasattr(module, "Backoff"):
                 monkeypatch.setattr(module, "Backoff", self.Backoff)
         return self
+
+
+def install_elastic_clock(monkeypatch, *modules) -> FakeClock:
+    """A ``FakeClock`` driving ``elastic.membership`` (and ``modules``): its time and
+    the process clock its silence rule reads, with no member judged gone yet (the
+    judgements are per process, so other tests' members would leak in)."""
+    clock = FakeClock().install(monkeypatch, *modules, membership)
+    process = liveness.ProcessClock(clock)
+    monkeypatch.setattr(liveness, "PROCESS_CLOCK", process)
+    monkeypatch.setattr(membership, "PROCESS_CLOCK", process)
+    monkeypatch.setattr(membership, "_GONE", {})
+    return clock
 
 
 class FakeBackoff:

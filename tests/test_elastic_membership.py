@@ -15,8 +15,8 @@ import json
 
 import pytest
 
-from fakes import FakeClock, MemoryStorage
-from ferrosync import liveness, names
+from fakes import MemoryStorage, install_elastic_clock
+from ferrosync import names
 from ferrosync.elastic import membership as mb
 from ferrosync.errors import FerrosyncError, ShardCorrupt, SyncTimeout
 from ferrosync.storage import RECORD_LIMIT
@@ -31,12 +31,7 @@ A, B, C = "a" * 16, "b" * 16, "c" * 16
 
 @pytest.fixture
 def clock(monkeypatch):
-    clock = FakeClock().install(monkeypatch, mb)
-    process = liveness.ProcessClock(clock)
-    monkeypatch.setattr(liveness, "PROCESS_CLOCK", process)
-    monkeypatch.setattr(mb, "PROCESS_CLOCK", process)
-    monkeypatch.setattr(mb, "_GONE", {})  # judgements of other tests' members
-    return clock
+    return install_elastic_clock(monkeypatch)
 
 
 @pytest.fixture
