@@ -20,8 +20,10 @@ import pytest
 import torch
 from train_cli import final_of, start_cli
 
+from ferrosync import names
 from ferrosync.elastic.state import PublishedState
 from ferrosync.errors import ShardCorrupt
+from ferrosync.storage import open_storage
 from ferrosync.train.__main__ import main
 from ferrosync.train.elastic import GlobalBatches
 from ferrosync.train.state_tree import flatten, unflatten
@@ -66,6 +68,40 @@ def wait_for(procs, predicate, what, timeout=120):
         raise AssertionError(f"{exc}; members' stderr: {report}") from None
 
 
+def join_requests(url, storage_options=None) -> int:
+    """How many members have asked to join the (id-less) job at ``url``: its join
+    queue's entries, read from the store the way a member reads them."""
+    storage = open_storage(url, storage_options)
+    try:
+        return sum(1 for key, _ in storage.list(names.elastic_namespace(None))
+                   if key.rsplit("/", 1)[-1].startswith("join."))
+    finally:
+        storage.close()
+
+
+def held(tmp_path, at: int) -> dict:
+    """The environment that holds a member at its ``at``-th training step while
+    tmp_path/hold exists (train_models.PacedMLP), and creates that file."""
+    (tmp_path / "hold").touch()
+    return {"FERROSYNC_TEST_HOLD": tmp_path / "hold", "FERROSYNC_TEST_HOLD_AT": at}
+
+
+def admit_newcomer(procs, tmp_path, url, name, flags, *, hold: dict, storage_options=None):
+    """Once the founders are held (``held``), start newcomer ``name``, wait until its
+    join request is in the store, then let the job go on: it admits the newcomer at
+    its next round, however long the newcomer took to start."""
+    founders = list(procs)
+    at = hold["FERROSYNC_TEST_HOLD_AT"]
+    wait_for(procs, lambda: all(last_step(tmp_path, n) >= at - 1 for n in founders),
+             f"the founders held at step {at}")
+    queued = join_requests(url, storage_options)
+    procs[name] = member(tmp_path, url, name, *flags)
+    wait_for(procs, lambda: join_requests(url, storage_options) > queued,
+             f"member {name} asks to join")
+    hold["FERROSYNC_TEST_HOLD"].unlink()
+    wait_for(procs, lambda: last_step(tmp_path, name) >= 0, f"member {name} trains")
+
+
 def finals_of(procs, names) -> dict:
     """Wait for the named members; each must exit 0 with a FINAL line: those, by name."""
     finals = {}
@@ -92,13 +128,13 @@ def test_diloco_job_survives_a_kill_and_takes_a_newcomer(tmp_path):
     model."""
     url = str(tmp_path / "job")
     steps, h = 600, 30
-    # 10 ms of compute per step: the job outlasts the start of a new process
-    flags = ("--min-ranks", "2", "--strategy", "diloco", "--sync-every", h, "--steps", steps,
+    # --min-ranks 3: all three found the job (a slow starter would otherwise be a
+    # newcomer, and the founders' hold would keep it out); three remain after the kill
+    flags = ("--min-ranks", "3", "--strategy", "diloco", "--sync-every", h, "--steps", steps,
              "--model", "train_models:paced_mlp", *FAST)
-    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b", "c")}
-    wait_for(procs, lambda: last_step(tmp_path, "c") >= h, "member c past step 30")
-    procs["d"] = member(tmp_path, url, "d", *flags)
-    wait_for(procs, lambda: last_step(tmp_path, "d") >= 0, "member d admitted")
+    hold = held(tmp_path, at=h + 5)  # mid-round, after the first merge
+    procs = {n: member(tmp_path, url, n, *flags, **hold) for n in ("a", "b", "c")}
+    admit_newcomer(procs, tmp_path, url, "d", flags, hold=hold)
     procs["c"].send_signal(signal.SIGKILL)
     finals = finals_of(procs, ("a", "b", "d"))
     assert finish(procs["c"])[0] == -signal.SIGKILL
@@ -321,10 +357,10 @@ def test_a_diloco_job_over_s3_takes_a_newcomer_and_a_leave(seaweed_transport, tm
              "--model", "train_models:paced_mlp", "--sync-option",
              f"storage_options={options}", *FAST)
     url = seaweed_transport.url
-    procs = {n: member(tmp_path, url, n, *flags) for n in ("a", "b")}
-    wait_for(procs, lambda: last_step(tmp_path, "a") >= 30, "member a past step 30")
-    procs["c"] = member(tmp_path, url, "c", *flags)
-    wait_for(procs, lambda: last_step(tmp_path, "c") >= 0, "member c trains")
+    hold = held(tmp_path, at=35)  # mid-round, after the merge at step 30
+    procs = {n: member(tmp_path, url, n, *flags, **hold) for n in ("a", "b")}
+    admit_newcomer(procs, tmp_path, url, "c", flags, hold=hold,
+                   storage_options=seaweed_transport.options["storage_options"])
     procs["b"].send_signal(signal.SIGTERM)
     assert finish(procs["b"])[0] == 128 + signal.SIGTERM
     finals = list(finals_of(procs, ("a", "c")).values())

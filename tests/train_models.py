@@ -68,11 +68,19 @@ def small_data(n: int = 600, features: int = 10, classes: int = 4):
     return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
 
 
+HOLD = "FERROSYNC_TEST_HOLD"
+HOLD_AT = "FERROSYNC_TEST_HOLD_AT"
+
+
 class PacedMLP(torch.nn.Module):
     """The demo's model with a fixed compute time per training forward
     (``FERROSYNC_TEST_STEP_S`` seconds, default 0.01): a stand-in for a model whose
-    step takes that long, so an elastic job outlasts the start of a new process
-    however fast this machine runs the demo. Same parameters as the demo's."""
+    step takes that long. Same parameters as the demo's.
+
+    With ``FERROSYNC_TEST_HOLD=PATH`` and ``FERROSYNC_TEST_HOLD_AT=K``, the K-th
+    training forward waits while PATH exists: the test holds the job mid-round until a
+    newcomer has asked to join, however slowly this machine starts a process, and lets
+    it go by deleting PATH."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,11 +88,24 @@ class PacedMLP(torch.nn.Module):
 
         self.net = demo.model()
         self.step_s = float(os.environ.get("FERROSYNC_TEST_STEP_S", "0.01"))
+        self.hold = os.environ.get(HOLD)
+        self.hold_at = int(os.environ.get(HOLD_AT, "0"))
+        self.calls = 0
 
     def forward(self, x):
         if self.training:
+            self.calls += 1
+            if self.hold and self.calls == self.hold_at:
+                self._wait_for_release()
             time.sleep(self.step_s)  # the time a bigger model would compute
         return self.net(x)
+
+    def _wait_for_release(self) -> None:
+        deadline = time.monotonic() + 120
+        while os.path.exists(self.hold):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"test hold: {self.hold} still there after 120 s")
+            time.sleep(0.02)
 
 
 def paced_mlp() -> torch.nn.Module:
