@@ -145,11 +145,14 @@ class FaultyStorage(Storage):
         self._inner.delete([key])
         self._inner.put(key, [bytes(damaged)])
 
-    def _copy_of(self, key: str, rank: int) -> bytes:
-        """The bytes of ``rank``'s object named like ``key`` (waits for it, bounded)."""
+    def _copy_of(self, key: str, rank: int) -> bytes | None:
+        """The bytes of ``rank``'s object named like ``key`` (waits for it, bounded);
+        None for a slice ``rank`` reduces itself, which it never writes."""
         directory, _, name = key.rpartition("/")
         found = names.parse(name)
         if found.kind == "contribution":
+            if found.slice == rank:
+                return None
             name = names.contribution(found.collective, rank, found.slice)
         source = names.within(directory, name)
         deadline = time.monotonic() + _REPLAY_WAIT_S
@@ -174,7 +177,8 @@ class FaultyStorage(Storage):
                 del data[pos:]
             parts, fault = [bytes(data)], None
         elif fault is not None and fault["action"] == "replay":
-            parts, fault = [self._copy_of(key, int(fault.get("from_rank", 0)))], None
+            copy = self._copy_of(key, int(fault.get("from_rank", 0)))
+            parts, fault = ([copy] if copy is not None else parts), None
         if fault is not None:
             if fault["action"] == "kill" and hasattr(self._inner, "_path"):
                 # leave half of the bytes in a temporary file, as a real crash would
