@@ -1,8 +1,8 @@
 """Run a function on N real processes, one per rank, and collect what each returns.
 
 Ranks are real OS processes started from a forkserver that has already imported
-torch (with torch._dynamo, which any optimizer imports) and ferrosync, so a rank
-starts in tens of milliseconds instead of seconds (the suite starts hundreds of them).
+torch and ferrosync, so a rank starts in tens of milliseconds instead of seconds (the
+suite starts hundreds of them).
 Results and exceptions come back through a multiprocessing queue (pickle between our
 own test processes, never from shared storage).
 """
@@ -28,10 +28,11 @@ def context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # torch._dynamo too: the first optimizer a process builds imports it (torch's
-        # optimizers are wrapped by _disable_dynamo), about 3 CPU-seconds per rank here
-        _CTX.set_forkserver_preload(["torch", "torch._dynamo", "ferrosync",
-                                     "ferrosync.backends.files", "ranks"])
+        # not torch._dynamo, which the first optimizer a rank builds imports (about 3
+        # CPU-seconds): DDP ranks forked from a server that had imported it hung in
+        # gloo now and then (4 of 42 DDP tests on 3 xdist workers; none without)
+        _CTX.set_forkserver_preload(["torch", "ferrosync", "ferrosync.backends.files",
+                                     "ranks"])
     return _CTX
 
 

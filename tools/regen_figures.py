@@ -17,6 +17,7 @@ places written are between marker comments:
 * `<!-- figures:sharded-vs-root -->`: how much faster the sharded reduce is than root at
   4 ranks, 64 MiB (root's median / sharded's, per run);
 * `<!-- figures:s3-floor -->`: `average_` on SeaweedFS relative to its raw floor;
+* `<!-- figures:emulator-floor -->`: the same on fake-gcs-server and Azurite;
 * `<!-- figures:machine -->`: cores, load average before and after each run, the
   commit, and the date.
 
@@ -53,6 +54,9 @@ TABLE_ROWS = [
     (4, "64MiB", "disk-root", '64 MiB, `reduce="root"`'),
 ]
 S3_PAYLOADS = ["1MiB", "16MiB", "64MiB"]
+#: the GCS and Azure emulators' rows (tools/emulators.py), each against its own floor
+EMULATORS = ["gcs-emulator", "azurite"]
+EMULATOR_PAYLOADS = ["1MiB", "16MiB"]
 THREADS = [("default", "default threading"), ("pinned", "one thread per rank")]
 #: above this 1-minute load average per core the machine was not quiet
 QUIET_LOAD_PER_CORE = 0.5
@@ -156,8 +160,22 @@ def figures(results, scale: int) -> dict:
                     threads="default", key="vs_floor")
         ranges[f"s3-seaweed w2 {p} vs floor"] = xs
         s3.append(f"{span(xs)} at {human(size(p))}")
+    emulators = []
+    for backend in EMULATORS:
+        cells = []
+        for p in EMULATOR_PAYLOADS:
+            xs = values(results, world=2, payload=size(p), backend=backend,
+                        threads="default", key="vs_floor")
+            ranges[f"{backend} w2 {p} vs floor"] = xs
+            cells.append(f"{span(xs)} at {human(size(p))}")
+        emulators.append(f"{backend} {', '.join(cells)}")
     return {"bench-table": "\n".join(table), "sharded-vs-root": "; ".join(speedups),
-            "s3-floor": ", ".join(s3), "ranges": ranges}
+            "s3-floor": ", ".join(s3), "emulator-floor": "; ".join(emulators),
+            "ranges": ranges}
+
+
+#: the marked places of README.md this script writes, besides ``machine``
+FIGURES = ("bench-table", "sharded-vs-root", "s3-floor", "emulator-floor")
 
 
 def write_between(text: str, name: str, content: str) -> str:
@@ -208,7 +226,7 @@ def main(argv=None) -> None:
                    f"{min(loads):.2f}–{max(loads):.2f} before and after the runs"
                    + ("" if quiet else " (NOT a quiet machine: rerun before trusting "
                       "these figures)"))
-        for name in ("bench-table", "sharded-vs-root", "s3-floor"):
+        for name in FIGURES:
             readme = write_between(readme, name, figs[name])
         readme = write_between(readme, "machine", machine)
         out_dir = args.out_dir or ROOT
