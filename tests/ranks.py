@@ -1,10 +1,10 @@
 """Run a function on N real processes, one per rank, and collect what each returns.
 
 Ranks are real OS processes started from a forkserver that has already imported
-torch and ferrosync, so a rank starts in tens of milliseconds instead of seconds (the
-suite starts hundreds of them).
-Results and exceptions come back through a multiprocessing queue (pickle between our
-own test processes, never from shared storage).
+torch and ferrosync, so a rank starts in tens of milliseconds instead of seconds
+(the suite starts hundreds of them). Results and exceptions come back through a
+multiprocessing queue (pickle between our own test processes, never from shared
+storage).
 """
 
 from __future__ import annotations

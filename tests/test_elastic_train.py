@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from train_cli import final_of, start_cli
+from train_models import HOLD, HOLD_AT
 
 from ferrosync import names
 from ferrosync.elastic.state import PublishedState
@@ -74,7 +75,7 @@ def join_requests(url, storage_options=None) -> int:
     storage = open_storage(url, storage_options)
     try:
         return sum(1 for key, _ in storage.list(names.elastic_namespace(None))
-                   if key.rsplit("/", 1)[-1].startswith("join."))
+                   if names.parse_elastic(key.rsplit("/", 1)[-1]).kind == "elastic_join")
     finally:
         storage.close()
 
@@ -83,7 +84,7 @@ def held(tmp_path, at: int) -> dict:
     """The environment that holds a member at its ``at``-th training step while
     tmp_path/hold exists (train_models.PacedMLP), and creates that file."""
     (tmp_path / "hold").touch()
-    return {"FERROSYNC_TEST_HOLD": tmp_path / "hold", "FERROSYNC_TEST_HOLD_AT": at}
+    return {HOLD: tmp_path / "hold", HOLD_AT: at}
 
 
 def admit_newcomer(procs, tmp_path, url, name, flags, *, hold: dict, storage_options=None):
@@ -91,14 +92,14 @@ def admit_newcomer(procs, tmp_path, url, name, flags, *, hold: dict, storage_opt
     join request is in the store, then let the job go on: it admits the newcomer at
     its next round, however long the newcomer took to start."""
     founders = list(procs)
-    at = hold["FERROSYNC_TEST_HOLD_AT"]
+    at = hold[HOLD_AT]
     wait_for(procs, lambda: all(last_step(tmp_path, n) >= at - 1 for n in founders),
              f"the founders held at step {at}")
     queued = join_requests(url, storage_options)
     procs[name] = member(tmp_path, url, name, *flags)
     wait_for(procs, lambda: join_requests(url, storage_options) > queued,
              f"member {name} asks to join")
-    hold["FERROSYNC_TEST_HOLD"].unlink()
+    hold[HOLD].unlink()
     wait_for(procs, lambda: last_step(tmp_path, name) >= 0, f"member {name} trains")
 
 
@@ -503,7 +504,7 @@ def test_a_newcomer_that_does_not_fit_is_refused_alone(tmp_path, flags, words):
     code, _, err = finish(member(tmp_path, url, "c", *job, *flags))
     assert code == 2 and "does not fit the elastic job" in err and words in err, err[-2000:]
     assert "Traceback" not in err, err[-2000:]
-    hold["FERROSYNC_TEST_HOLD"].unlink()
+    hold[HOLD].unlink()
     finals = finals_of(procs, ("a", "b"))
     assert all(f["membership_changes"] == 0 and f["members"] == 2 for f in finals.values())
     assert len({f["param_digest"] for f in finals.values()}) == 1

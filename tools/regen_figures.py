@@ -154,23 +154,20 @@ def figures(results, scale: int) -> dict:
                 xs.append(root / sharded)
         ranges[f"sharded vs root w4 64MiB {threads}"] = xs
         speedups.append(f"{span(xs)} with {label}")
-    s3 = []
-    for p in S3_PAYLOADS:
-        xs = values(results, world=2, payload=size(p), backend="s3-seaweed",
-                    threads="default", key="vs_floor")
-        ranges[f"s3-seaweed w2 {p} vs floor"] = xs
-        s3.append(f"{span(xs)} at {human(size(p))}")
-    emulators = []
-    for backend in EMULATORS:
+    def vs_floor(backend: str, payloads: list[str]) -> str:
+        """``average_`` against the store's own floor at each payload (2 ranks)."""
         cells = []
-        for p in EMULATOR_PAYLOADS:
+        for p in payloads:
             xs = values(results, world=2, payload=size(p), backend=backend,
                         threads="default", key="vs_floor")
             ranges[f"{backend} w2 {p} vs floor"] = xs
             cells.append(f"{span(xs)} at {human(size(p))}")
-        emulators.append(f"{backend} {', '.join(cells)}")
+        return ", ".join(cells)
+
+    s3 = vs_floor("s3-seaweed", S3_PAYLOADS)
+    emulators = [f"{backend} {vs_floor(backend, EMULATOR_PAYLOADS)}" for backend in EMULATORS]
     return {"bench-table": "\n".join(table), "sharded-vs-root": "; ".join(speedups),
-            "s3-floor": ", ".join(s3), "emulator-floor": "; ".join(emulators),
+            "s3-floor": s3, "emulator-floor": "; ".join(emulators),
             "ranges": ranges}
 
 
