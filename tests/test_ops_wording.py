@@ -34,8 +34,10 @@ def test_describe_abort():
 
 def test_inspect_names_the_signal_that_stopped_a_rank(tmp_path):
     sync, metrics = tmp_path / "sync", tmp_path / "m.jsonl"
+    # paced (50 ms a step): it runs until stopped without taking the cores meanwhile
     proc = start_cli("--nproc", 2, "--steps", 1_000_000, "--sync", sync, "--metrics", metrics,
-                     "--no-progress", cwd=tmp_path)
+                     "--no-progress", "--model", "train_models:paced_mlp", cwd=tmp_path,
+                     FERROSYNC_TEST_STEP_S=0.05)
     try:
         deadline = time.monotonic() + 120
         line = proc.stderr.readline()  # "started 2 ranks (rank 0 pid A, rank 1 pid B)"

@@ -42,13 +42,17 @@ def w_race(rank, world, url, storage_options, keys, barrier):
     return won
 
 
-def test_racing_processes_create_one_key_exactly_once(any_s3_transport):
+def test_racing_processes_create_one_key_exactly_once(seaweed_transport):
+    """SeaweedFS only: moto checks If-None-Match and stores the object in two steps
+    without a lock (moto/s3/responses.py, 5.x), so two of its server threads can both
+    create a key; under a loaded machine this test caught exactly that. A real S3 server
+    decides a conditional put atomically, which is what this test holds us to."""
     world = 3
     keys = [f"race/k{i}" for i in range(ROUNDS)]
     barrier = context().Barrier(world)
-    won = run_ranks(w_race, world, any_s3_transport.url,
-                    any_s3_transport.options["storage_options"], keys, barrier, timeout=120)
-    storage = storage_of(any_s3_transport)
+    won = run_ranks(w_race, world, seaweed_transport.url,
+                    seaweed_transport.options["storage_options"], keys, barrier, timeout=120)
+    storage = storage_of(seaweed_transport)
     for key in keys:
         winners = [rank for rank in range(world) if key in won[rank]]
         assert len(winners) == 1, (key, winners)

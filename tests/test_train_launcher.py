@@ -81,7 +81,10 @@ def _gone(pid: int) -> bool:
 @pytest.mark.timing
 def test_killing_one_rank_stops_the_others(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    proc = start_cli("--nproc", 3, "--steps", 1_000_000, "--metrics", metrics, cwd=tmp_path)
+    # paced (50 ms a step): it runs until killed without taking the cores meanwhile
+    proc = start_cli("--nproc", 3, "--steps", 1_000_000, "--metrics", metrics,
+                     "--model", "train_models:paced_mlp", cwd=tmp_path,
+                     FERROSYNC_TEST_STEP_S=0.05)
     err: list[str] = []
     readers = [_collect(proc.stderr, err), _collect(proc.stdout, [])]
     try:
