@@ -62,6 +62,10 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     model = make_model()
     sync = None
     if args.transport == "gloo":
+        if "://" in args.location:
+            raise SystemExit("--transport gloo needs a local or NFS directory as --location")
+        # torch's FileStore waits its whole timeout (300 s) on a missing directory
+        os.makedirs(args.location, exist_ok=True)
         store = os.path.join(args.location, "gloo.store")
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                 world_size=world_size)

@@ -1,10 +1,18 @@
 """Bad input to ``python -m ferrosync.train``: one line that says what to do, exit code 2,
-nothing written (no checkpoint, no metrics file, no sync directory)."""
+nothing written (no checkpoint, no metrics file, no sync directory).
+
+Two cases run as real processes, the way a user meets them; the rest call the same
+``main`` in this process (the launcher refuses before it starts any rank, so a process
+per case would only pay torch's import again)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
-from train_cli import run_cli
+from train_cli import cli_env, run_cli
+
+from ferrosync.train.__main__ import main
 
 
 def _listing(path):
@@ -60,8 +68,30 @@ CASES = ["unknown flag", "missing script", "zero ranks", "unreachable sync",
          "window beyond timeout", "different strategy", "trainer flag with script"]
 
 
+#: the cases run as a real ``python -m ferrosync.train`` process
+IN_A_PROCESS = ("unknown flag", "resume without checkpoint")
+
+
+def _run(args, tmp_path, in_a_process, monkeypatch, capsys):
+    """(exit code, stdout, stderr) of the command line ``args``."""
+    if in_a_process:
+        proc = run_cli(*args, cwd=tmp_path, timeout=60)
+        return proc.returncode, proc.stdout, proc.stderr
+    monkeypatch.chdir(tmp_path)
+    env = cli_env()
+    for name in set(os.environ) - set(env):
+        monkeypatch.delenv(name)
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # what argparse does on its own errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_bad_input_is_one_line_and_exit_2(tmp_path, demo_checkpoint, name):
+def test_bad_input_is_one_line_and_exit_2(tmp_path, demo_checkpoint, name, monkeypatch,
+                                          capsys):
     args, needle = _case(name, tmp_path, demo_checkpoint)
     before = _listing(demo_checkpoint)
     sync = tmp_path / "sync"
@@ -69,12 +99,12 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, demo_checkpoint, name):
         args = [*args[:2], "--sync", sync, *args[2:]]
     if "--nproc" in args and not any(str(a).endswith(".py") for a in args):
         args = [*args, "--metrics", tmp_path / "metrics.jsonl"]
-    proc = run_cli(*args, cwd=tmp_path, timeout=60)
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
+    code, stdout, stderr = _run(args, tmp_path, name in IN_A_PROCESS, monkeypatch, capsys)
+    assert code == 2, (stdout, stderr)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
     assert lines[0].startswith("ferrosync.train: error: ") and needle in lines[0], lines[0]
-    assert proc.stdout == ""
+    assert stdout == ""
     assert not sync.exists() and not (tmp_path / "metrics.jsonl").exists()
     assert not (tmp_path / "ck").exists()
     assert _listing(demo_checkpoint) == before
