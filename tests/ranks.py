@@ -28,11 +28,13 @@ def context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # not torch._dynamo, which the first optimizer a rank builds imports (about 3
+        # not torch._dynamo, which the first optimizer a rank builds imports (about 1.6
         # CPU-seconds): DDP ranks forked from a server that had imported it hung in
-        # gloo now and then (4 of 42 DDP tests on 3 xdist workers; none without)
-        _CTX.set_forkserver_preload(["torch", "ferrosync", "ferrosync.backends.files",
-                                     "ranks"])
+        # gloo now and then (4 of 42 DDP tests on 3 xdist workers; none without). Its
+        # pure-Python share that touches no process-group state, sympy and fx's
+        # symbolic shapes (about 0.5 s of it), is preloaded.
+        _CTX.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes",
+                                     "ferrosync", "ferrosync.backends.files", "ranks"])
     return _CTX
 
 
