@@ -7,12 +7,8 @@ per case would only pay torch's import again)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from train_cli import cli_env, run_cli
-
-from ferrosync.train.__main__ import main
+from train_cli import run_cli, run_main
 
 
 def _listing(path):
@@ -77,16 +73,7 @@ def _run(args, tmp_path, in_a_process, monkeypatch, capsys):
     if in_a_process:
         proc = run_cli(*args, cwd=tmp_path, timeout=60)
         return proc.returncode, proc.stdout, proc.stderr
-    monkeypatch.chdir(tmp_path)
-    env = cli_env()
-    for name in set(os.environ) - set(env):
-        monkeypatch.delenv(name)
-    try:
-        code = main([str(a) for a in args])
-    except SystemExit as exc:  # what argparse does on its own errors
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_main(args, tmp_path, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -11,7 +11,7 @@ import textwrap
 import numpy
 import pytest
 import torch
-from train_cli import final_of, run_cli
+from train_cli import final_of, run_cli, run_main
 from train_data import augmented, seeded, unseeded_numpy
 
 from ferrosync.train.fingerprint import fingerprint, length_of
@@ -84,15 +84,16 @@ def test_random_augmentation_is_not_different_data(tmp_path):
     (["--strategy", "streaming-diloco", "--fragments", "8"],
      "--fragments 8 is more than the model's 6 parameter tensors"),
 ])
-def test_bad_settings_never_start_a_rank(tmp_path, args, needle):
-    """Without --sync too (a temporary directory): the options are still checked."""
-    proc = run_cli("--nproc", 2, "--steps", 3, *args, "--no-progress", cwd=tmp_path,
-                   timeout=60)
-    assert proc.returncode == 2, proc.stderr
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr  # no "started 2 ranks", no per-rank copies
+def test_bad_settings_never_start_a_rank(tmp_path, args, needle, monkeypatch, capsys):
+    """Without --sync too (a temporary directory): the options are still checked. In
+    this process (test_train_errors runs the same refusals as real processes)."""
+    code, stdout, stderr = run_main(["--nproc", 2, "--steps", 3, *args, "--no-progress"],
+                                    tmp_path, monkeypatch, capsys)
+    assert code == 2, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr  # no "started 2 ranks", no per-rank copies
     assert lines[0].startswith("ferrosync.train: error: ") and needle in lines[0], lines[0]
-    assert proc.stdout == ""
+    assert stdout == ""
 
 
 def test_more_ranks_than_samples_is_one_error(tmp_path):

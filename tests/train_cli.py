@@ -37,6 +37,24 @@ def run_cli(*args, cwd, timeout: float = 180, **env) -> subprocess.CompletedProc
                           text=True, timeout=timeout)
 
 
+def run_main(args, cwd, monkeypatch, capsys) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``python -m ferrosync.train ARGS`` run as a call
+    to its ``main`` in this process: for input the launcher refuses before any rank
+    starts, where a process would only pay torch's import again. The environment is
+    ``cli_env``'s (monkeypatched back afterwards); stdout and stderr through capsys."""
+    from ferrosync.train.__main__ import main
+
+    monkeypatch.chdir(cwd)
+    for name in set(os.environ) - set(cli_env()):
+        monkeypatch.delenv(name)
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:  # what argparse does on its own errors
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def start_cli(*args, cwd, **env) -> subprocess.Popen:
     """Start without waiting; the tests send it SIGINT (Ctrl-C) and SIGTERM."""
     return subprocess.Popen(command(*args), cwd=cwd, env=cli_env(**env),
