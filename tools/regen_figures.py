@@ -18,12 +18,14 @@ places written are between marker comments:
   4 ranks, 64 MiB (root's median / sharded's, per run);
 * `<!-- figures:s3-floor -->`: `average_` on SeaweedFS relative to its raw floor;
 * `<!-- figures:emulator-floor -->`: the same on fake-gcs-server and Azurite;
-* `<!-- figures:machine -->`: cores, load average before and after each run, the
-  commit, and the date.
+* `<!-- figures:machine -->`: cores, how much CPU other processes used during the
+  runs, the load average before the first, the commit, and the date.
 
-Each figure is "min–max×" over the runs. The load average is what the machine was doing
-meanwhile: above about 0.5 per core the machine was not quiet and the figures say more
-about the other load than about ferrosync (the script prints a warning).
+Each figure is "min–max×" over the runs. Whether the machine was quiet is measured, not
+read off the load average (which the benchmark's own ranks raise): the CPU time the
+whole machine used during a run (/proc/stat) minus what the benchmark's processes used
+(this script's waited-for children). Above 0.15 of a core on average the figures say
+more about the other load than about ferrosync, and the script says so.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import datetime
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
 import subprocess
@@ -58,8 +61,8 @@ S3_PAYLOADS = ["1MiB", "16MiB", "64MiB"]
 EMULATORS = ["gcs-emulator", "azurite"]
 EMULATOR_PAYLOADS = ["1MiB", "16MiB"]
 THREADS = [("default", "default threading"), ("pinned", "one thread per rank")]
-#: above this 1-minute load average per core the machine was not quiet
-QUIET_LOAD_PER_CORE = 0.5
+#: above this many cores' worth of CPU used by other processes the machine was not quiet
+QUIET_OTHER_CORES = 0.15
 
 
 def bench_commands(readme: str) -> list[list[str]]:
@@ -86,6 +89,25 @@ def machine_state() -> dict:
     return {"cores": len(os.sched_getaffinity(0)), "load_avg": list(os.getloadavg())}
 
 
+def machine_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat's first
+    line: user, nice, system, irq, softirq, steal); None where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = fields
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """CPU seconds of this script's finished children and everything they waited for:
+    the benchmark's own processes (bench.py, its ranks and its servers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_all(commands: list[list[str]], runs: int, out_dir: str) -> list[dict]:
     results = []
     for run in range(runs):
@@ -93,19 +115,23 @@ def run_all(commands: list[list[str]], runs: int, out_dir: str) -> list[dict]:
             out = os.path.join(out_dir, f"run{run}-cmd{k}")
             argv = [sys.executable, *command[1:], "--out", out]
             before = machine_state()
-            t0 = time.monotonic()
+            t0, machine0, ours0 = time.monotonic(), machine_cpu_seconds(), \
+                children_cpu_seconds()
             print(f"[run {run + 1}/{runs}] {' '.join(command)}", flush=True)
             subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-            after = machine_state()
+            seconds, machine1 = time.monotonic() - t0, machine_cpu_seconds()
+            other = None
+            if machine0 is not None and machine1 is not None:
+                ours = children_cpu_seconds() - ours0
+                other = max(0.0, machine1 - machine0 - ours) / seconds
             with open(os.path.join(out, "bench.json")) as f:
                 data = json.load(f)
             results.append({"run": run, "command": " ".join(command), "rows": data["rows"],
-                            "wire": data.get("wire"), "seconds": time.monotonic() - t0,
-                            "before": before, "after": after, "out": out})
-            busy = max(before["load_avg"][0], after["load_avg"][0]) / before["cores"]
-            if busy > QUIET_LOAD_PER_CORE:
-                print(f"  WARNING: load average {after['load_avg'][0]:.1f} on "
-                      f"{before['cores']} cores: not a quiet machine", flush=True)
+                            "wire": data.get("wire"), "seconds": seconds,
+                            "other_cores": other, "before": before, "out": out})
+            if other is not None and other > QUIET_OTHER_CORES:
+                print(f"  WARNING: other processes used {other:.2f} of a core on average "
+                      f"during this run: not a quiet machine", flush=True)
     return results
 
 
@@ -214,13 +240,16 @@ def main(argv=None) -> None:
     try:
         results = run_all(commands, runs, work)
         figs = figures(results, scale)
-        loads = [r[k]["load_avg"][0] for r in results for k in ("before", "after")]
+        others = [r["other_cores"] for r in results if r["other_cores"] is not None]
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-        quiet = max(loads) / state0["cores"] <= QUIET_LOAD_PER_CORE
+        quiet = all(x <= QUIET_OTHER_CORES for x in others)
+        measured = (f"other processes used {min(others):.2f}–{max(others):.2f} of a core "
+                    "during the runs" if others else "other processes' CPU not measured "
+                    "(no /proc/stat)")
         machine = (f"{runs} run(s) of each command by `python tools/regen_figures.py"
                    f"{' --tiny' if args.tiny else ''}` at {commit()} on {date}: "
-                   f"{state0['cores']} cores, 1-minute load average "
-                   f"{min(loads):.2f}–{max(loads):.2f} before and after the runs"
+                   f"{state0['cores']} cores; {measured}; 1-minute load average "
+                   f"{state0['load_avg'][0]:.2f} before the first"
                    + ("" if quiet else " (NOT a quiet machine: rerun before trusting "
                       "these figures)"))
         for name in FIGURES:

@@ -318,7 +318,7 @@ def _render_job(job: dict) -> list[str]:
         lines.append(f"  announced generations with no data left (collected, or a world of "
                      f"one): {_ranges(bare)}")
     if job["untrusted_announcements"]:
-        lines.append(f"  announcements that cannot be verified: "
+        lines.append(f"  announcements it cannot verify: generation(s) "
                      f"{_ranges(job['untrusted_announcements'])}")
     return lines
 
