@@ -2,7 +2,7 @@
 times and write the ranges measured into the marked places of README.md, plus
 docs/bench.json and docs/bench.png, with the machine state seen.
 
-    python tools/regen_figures.py                    # ~15-30 min on 2 cores; run it on a
+    python tools/regen_figures.py                    # ~17 min on 2 cores; run it on a
                                                      # quiet machine (nothing else running)
     python tools/regen_figures.py --tiny --out-dir /tmp/figs   # a quick try of the script:
         # payloads 256x smaller, 2 iterations, 1 run; writes a copy of README.md and the
