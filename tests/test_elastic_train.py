@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from train_cli import final_of, start_cli
+from train_cli import final_of, read_metrics_so_far, start_cli
 from train_models import HOLD, HOLD_AT
 
 from ferrosync import names
@@ -41,16 +41,7 @@ def member(tmp_path, url, name, *flags, **env):
 
 
 def metrics(tmp_path, name) -> list[dict]:
-    path = tmp_path / f"{name}.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            break  # the line being written
-    return rows
+    return read_metrics_so_far(tmp_path / f"{name}.jsonl")
 
 
 def last_step(tmp_path, name) -> int:

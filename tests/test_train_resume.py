@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from train_cli import final_of, read_metrics, run_cli, start_cli
+from train_cli import final_of, read_metrics, read_metrics_so_far, run_cli, start_cli
 
 # 32768 demo samples / (2 ranks * 512) = 32 steps per epoch; checkpoints at 15, 30, 45
 FLAGS = ("--nproc", 2, "--model", "train_models:dropout_mlp", "--batch-size", 512,
@@ -26,13 +26,6 @@ FLAGS = ("--nproc", 2, "--model", "train_models:dropout_mlp", "--batch-size", 51
 #: middle of a window, so each rank's own weights and inner momentum, DiLoCo's global
 #: copy and its outer momentum must all survive
 STRATEGIES = {"grad": (), "diloco": ("--strategy", "diloco", "--sync-every", 20)}
-
-
-def _last_step(metrics) -> int:
-    try:
-        return max((m["step"] for m in read_metrics(metrics)), default=0)
-    except (FileNotFoundError, ValueError):  # not there yet, or a line being written
-        return 0
 
 
 def _load(path):
@@ -56,7 +49,8 @@ def test_interrupted_run_resumes_bit_identically(tmp_path, strategy):
         # rank 1 paused inside step 40, and rank 0's metrics past step 38: under
         # diloco the ranks do not meet between steps 20 and 40, so rank 0 may lag
         deadline = time.monotonic() + 120
-        while not (marker.exists() and _last_step(metrics) >= 39):
+        while not (marker.exists() and max(
+                (m["step"] for m in read_metrics_so_far(metrics)), default=0) >= 39):
             assert proc.poll() is None, proc.communicate()[1]
             assert time.monotonic() < deadline, "rank 1 never reached step 40"
             time.sleep(0.05)

@@ -79,3 +79,19 @@ def final_of(stdout: str) -> dict:
 def read_metrics(path) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f]
+
+
+def read_metrics_so_far(path) -> list[dict]:
+    """The complete lines of a metrics file a running job is still writing: none before
+    the file exists, and nothing from the line being written."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    break  # the line being written
+    except FileNotFoundError:
+        pass
+    return rows

@@ -115,8 +115,8 @@ def run_all(commands: list[list[str]], runs: int, out_dir: str) -> list[dict]:
             out = os.path.join(out_dir, f"run{run}-cmd{k}")
             argv = [sys.executable, *command[1:], "--out", out]
             before = machine_state()
-            t0, machine0, ours0 = time.monotonic(), machine_cpu_seconds(), \
-                children_cpu_seconds()
+            t0 = time.monotonic()
+            machine0, ours0 = machine_cpu_seconds(), children_cpu_seconds()
             print(f"[run {run + 1}/{runs}] {' '.join(command)}", flush=True)
             subprocess.run(argv, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
             seconds, machine1 = time.monotonic() - t0, machine_cpu_seconds()
