@@ -33,8 +33,13 @@ def context():
         # gloo now and then (4 of 42 DDP tests on 3 xdist workers; none without). Its
         # pure-Python share that touches no process-group state, sympy and fx's
         # symbolic shapes (about 0.5 s of it), is preloaded.
+        # The object stores' fsspec drivers too (about 0.4 CPU-seconds each per rank
+        # that touches one): importing them starts no thread and no event loop, which
+        # fsspec creates on first use, in the rank. A driver that is not installed is
+        # skipped by the forkserver (its tests skip themselves).
         _CTX.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes",
-                                     "ferrosync", "ferrosync.backends.files", "ranks"])
+                                     "ferrosync", "ferrosync.backends.files", "ranks",
+                                     "s3fs", "gcsfs", "adlfs"])
     return _CTX
 
 

@@ -132,6 +132,17 @@ def test_a_rank_error_reaches_the_launcher_as_one_line(tmp_path, verbose):
         assert expected + " (--verbose for the traceback)" in proc.stderr
 
 
+def test_a_sigterm_while_a_rank_exits_prints_no_traceback(tmp_path):
+    """The launcher stops the ranks a failed peer left with SIGTERM; one may already be
+    exiting (closing its syncs at exit). The signal must not surface as a traceback
+    ("Exception ignored in atexit callback ... SystemExit: 143"), nor change the exit."""
+    proc = run_cli("--nproc", 1, "--steps", 2, "--model", "train_data:sigterm_at_exit",
+                   "--no-progress", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "SystemExit" not in proc.stderr, proc.stderr
+    assert final_of(proc.stdout)["steps"] == 2
+
+
 def test_duplicate_rank_is_one_line(tmp_path):
     """A second launch with the running one's job id on its URL: the second reports
     DuplicateRank in one line, naming the rank, without a traceback."""

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
 
 import numpy
 import torch
@@ -74,3 +76,12 @@ class _FailsOnRank1(torch.nn.Module):
 
 def fails_on_rank1() -> torch.nn.Module:
     return _FailsOnRank1()
+
+
+def sigterm_at_exit() -> torch.nn.Module:
+    """The demo's shapes; a rank (not the launcher, which builds the model too) sends
+    itself SIGTERM from an atexit callback: a launcher stopping a rank that is already
+    exiting, made deterministic."""
+    if os.environ.get("RANK") is not None:
+        atexit.register(os.kill, os.getpid(), signal.SIGTERM)
+    return torch.nn.Linear(FEATURES, CLASSES)

@@ -243,9 +243,25 @@ def _stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _ignore_sigterm_while_exiting() -> None:
+    # Once the rank's work is over it is already on its way out (reporting its error,
+    # closing syncs at exit). A SIGTERM then (the launcher stopping the ranks a failed
+    # peer left) would raise SystemExit inside an atexit callback or a finalizer, which
+    # Python prints as a traceback and otherwise ignores; there is nothing left to
+    # interrupt, and the launcher's SIGKILL after its grace period still ends a hang.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def run_rank(args) -> int:
     """Run this process's rank; returns the exit code (ConfigError propagates: exit 2)."""
     _stop_on_sigterm()
+    try:
+        return _run_rank(args)
+    finally:
+        _ignore_sigterm_while_exiting()
+
+
+def _run_rank(args) -> int:
     url = args.sync or os.environ.get(ENV_URL)
     if not url:
         raise ConfigError("--sync URL is required without --nproc (or set FERROSYNC_URL)",
