@@ -228,10 +228,26 @@ def w_real_directories(rank, world, root):
             return LocalFileSystem._strip_protocol(path)
 
         def pipe_file(self, path, value, mode="overwrite", **kwargs):
-            # a real exclusive create (connect requires one): O_EXCL, no auto-mkdir
+            # a whole-object put, as every store ferrosync supports has (a reader never
+            # sees it half-written), with a real exclusive create (connect requires
+            # one) and no auto-mkdir: written aside, then linked into place, which
+            # fails if the name exists (an open(..., "xb") would show a reader the
+            # empty file before the write)
+            import os
+            import tempfile
+
             path = self._strip_protocol(path)
-            with open(path, "xb" if mode == "create" else "wb") as f:
-                f.write(value)
+            fd, aside = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".put-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(value)
+                if mode == "create":
+                    os.link(aside, path)
+                else:
+                    os.replace(aside, path)
+            finally:
+                if os.path.exists(aside):
+                    os.unlink(aside)
 
     fsspec.register_implementation("realdirs", RealDirs, clobber=True)
     with ferrosync.connect(f"realdirs://{root}/run", rank=rank, world_size=world,
