@@ -33,14 +33,17 @@ def test_the_model_adds_up(w):
     job = {k: (w - 1) * member[k] + checker[k] for k in elastic_costs.KINDS}
     assert cost["requests_per_round"] == pytest.approx(sum(job.values()))
     assert cost["rounds_usd"] == pytest.approx(request_cost(job, prices) * 3600)
-    assert cost["heartbeats_usd"] == pytest.approx(w * 1800 * prices["put"] / 1000)
+    beats = w * 1800  # per hour, one per 2 s: a PUT each and at most a GET each
+    assert cost["heartbeats_usd"] == pytest.approx(
+        beats * (prices["put"] + prices["get"]) / 1000)
 
 
 def test_the_model_grows_as_w_squared_per_job_and_w_per_member():
     c = [elastic_costs.job_cost_per_hour(w, P, 1.0, 2.0, dict(store_of("s3://").prices))
          for w in (100, 1000)]
     assert 90 < c[1]["requests_per_round"] / c[0]["requests_per_round"] < 110
-    assert c[1]["heartbeats_usd"] == pytest.approx(9.0)  # the issue's $9/hour at 1,000
+    # the issue's $9/hour of PUTs at 1,000 with a 2 s interval (and $0.72 of GETs)
+    assert c[1]["heartbeats_usd"] == pytest.approx(9.0 + 0.72)
     t = [elastic_costs.latency(w, P, rtt=0.02, bandwidth=100e6) for w in (10, 100, 1000)]
     assert t[0] < t[1] < t[2]
 
@@ -81,3 +84,15 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
         allowance = 2 * elastic_costs.polls(got["s"]) + 2
         assert got["requests"] <= floor["requests"] + allowance, (who, got, floor)
     assert res["busiest_read_xP"] == pytest.approx(2.0, rel=0.01)
+
+
+def test_liveness_at_1000_members_costs_at_most_2_dollars_an_hour_by_default():
+    """The elastic default on an object store (ElasticOptions.timing), at S3 list
+    prices, with every member reading a predecessor's heartbeat once per interval."""
+    from ferrosync.backends.options import ElasticOptions
+    from ferrosync.storage import FsspecStorage
+
+    interval = ElasticOptions.parse({}).timing(FsspecStorage).heartbeat_interval
+    cost = elastic_costs.job_cost_per_hour(1000, P, 1.0, interval,
+                                           dict(store_of("s3://").prices))
+    assert cost["heartbeats_usd"] <= 2.0, cost

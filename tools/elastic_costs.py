@@ -104,11 +104,16 @@ def job_cost_per_hour(w: int, payload: int, round_rate: float, hb_interval: floa
     rounds_per_hour = round_rate * 3600.0
     price_of = {"puts": "put", "gets": "get", "lists": "list", "deletes": "delete"}
     rounds = sum(per_round[k] * rounds_per_hour * prices[price_of[k]] / 1000 for k in KINDS)
+    # liveness: every member beats once per interval, and a member waiting for a roster
+    # reads the heartbeat of the first member before it once per interval (at most one
+    # GET per member per interval: the upper bound, as if every member always waited)
     hb_puts = w * 3600.0 / hb_interval
-    heartbeats = hb_puts * prices["put"] / 1000
+    hb_gets = w * 3600.0 / hb_interval
+    heartbeats = hb_puts * prices["put"] / 1000 + hb_gets * prices["get"] / 1000
     return {"requests_per_round": sum(per_round.values()),
             "gets_per_round": per_round["gets"], "rounds_usd": rounds,
-            "heartbeat_puts_per_hour": hb_puts, "heartbeats_usd": heartbeats}
+            "heartbeat_puts_per_hour": hb_puts, "heartbeat_gets_per_hour": hb_gets,
+            "heartbeats_usd": heartbeats}
 
 
 def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -> None:
@@ -116,11 +121,13 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
 
     store = store_of("s3://")
     prices = dict(store.prices)
-    from ferrosync.storage import FsspecStorage
+    from ferrosync.backends.options import ElasticOptions
 
-    hb = FsspecStorage.heartbeat_interval  # the object stores' default
+    hb = ElasticOptions.interval_object_store  # an elastic member's default on S3
     print(f"model: all-read-all round, P = {payload / MIB:g} MiB, S3 list prices "
-          f"{prices} USD per 1,000, heartbeat_interval {hb:g} s (S3 default), "
+          f"{prices} USD per 1,000, heartbeat_interval {hb:g} s (elastic default on an "
+          "object store; heartbeats $/h: its PUTs plus at most one GET per member per "
+          "interval), "
           f"{round_rate:g} rounds/s, RTT {rtt * 1e3:g} ms, {bandwidth / 1e6:g} MB/s")
     print(f"{'W':>6} {'GET/member':>11} {'PUT':>4} {'DEL':>4} {'read/member':>12} "
           f"{'xP':>6} {'busiest xP':>10} {'req/round (job)':>16} {'round s':>9} {'rounds $/h':>11} "
@@ -137,8 +144,8 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
           "per poll); PUT: the contribution (+1 per heartbeat_interval of the round); the "
           "checker adds 2 PUTs and 2 GETs and reads all W contributions (the busiest: "
           "W x P). Requests per job per round grow as W^2, bytes read per member as "
-          "(W-1) x P. Not met: <= 2.5 P per member, ~linear requests, <= $2/h liveness "
-          "at 1,000 (docs/elastic.md#cost).")
+          "(W-1) x P. Not met: <= 2.5 P per member, ~linear requests (docs/elastic.md#cost); "
+          "met: <= $2/h liveness at 1,000 with the default heartbeat_interval.")
 
 
 # -- one member (a child process) --------------------------------------------------------
@@ -305,7 +312,10 @@ def main() -> int:
         options["storage_options"] = json.loads(args.storage_options)
     server = metrics_url = None
     url = args.url or os.path.join(workdir, "store")
-    hb = 1.0 if "://" not in url else 2.0  # the defaults: a directory, an object store
+    from ferrosync.backends.options import ElasticOptions
+
+    # the elastic defaults (ElasticOptions.timing): a directory, an object store
+    hb = 1.0 if "://" not in url else ElasticOptions.interval_object_store
     if args.seaweed:
         sys.path.insert(0, os.path.join(ROOT, "tools"))
         from seaweed import SeaweedServer, free_ports, s3_storage_options, weed_binary
@@ -322,7 +332,7 @@ def main() -> int:
         metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         options["storage_options"] = s3_storage_options(server.endpoint)
         url = f"s3://{server.bucket}/costs"
-        hb = 2.0
+        hb = ElasticOptions.interval_object_store
     results = []
     try:
         print(f"measured: {args.rounds} rounds of {args.payload_bytes / MIB:g} MiB per W, "

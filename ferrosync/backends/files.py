@@ -80,13 +80,13 @@ class FileSync(GradSync):
         # (covered by the MAC): a generation is announced in exactly one job's namespace
         self._key: bytes | None = options.secret
         self.job: str | None = options.job
-        poll = (options.poll_initial or storage.poll_initial,
-                options.poll_max or storage.poll_max)
-        interval = options.heartbeat_interval or storage.heartbeat_interval
-        if options.heartbeat_timeout <= 2 * interval:
-            raise ConfigError(
-                f"heartbeat_timeout ({options.heartbeat_timeout:g} s) must exceed twice "
-                f"the heartbeat interval ({interval:g} s)")
+        try:
+            timing = options.timing(storage)
+        except ConfigError:
+            self._closed = True
+            storage.close()
+            raise
+        poll, interval = timing.poll, timing.heartbeat_interval
         self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
         self._heartbeat = None
         self._objects: GenerationObjects | None = None
@@ -106,7 +106,7 @@ class FileSync(GradSync):
             raise
         prefix = self._generation.prefix
         monitor = PeerMonitor(storage, prefix, self.rank, interval,
-                              options.heartbeat_timeout, self._key, url)
+                              timing.heartbeat_timeout, self._key, url)
         self._objects = GenerationObjects(
             storage, prefix, self._generation, rank=self.rank, world_size=self.world_size,
             key=self._key, poll=poll, monitor=monitor, stats=self._stats, timeout=timeout,

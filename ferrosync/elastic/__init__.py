@@ -124,17 +124,18 @@ class ElasticSync(GradSync):
         # another job that shares the secret fails its MAC, never enters an average
         self._secret = job_key(options.secret, self._ns)
         self._tag = job_tag(self._ns)
-        interval = options.heartbeat_interval or storage.heartbeat_interval
-        if options.heartbeat_timeout <= 2 * interval:
+        try:
+            timing = options.timing(storage)
+        except ConfigError:
             self._closed = True
-            raise ConfigError(
-                f"heartbeat_timeout ({options.heartbeat_timeout:g} s) must exceed twice "
-                f"the heartbeat interval ({interval:g} s)")
-        poll = (options.poll_initial or storage.poll_initial,
-                options.poll_max or storage.poll_max)
+            storage.close()
+            raise
+        poll, interval = timing.poll, timing.heartbeat_interval
+        #: the resolved liveness settings (the defaults depend on the kind of store)
+        self.heartbeat_interval, self.heartbeat_timeout = interval, timing.heartbeat_timeout
         self._rosters = Rosters(storage, self._ns, self._secret, url)
         watch = self._watch = Watch(storage, self._ns, self._secret,
-                                    options.heartbeat_timeout, url, interval)
+                                    timing.heartbeat_timeout, url, interval)
         self._agreement = Agreement(storage, self._rosters, watch, min_ranks=min_ranks,
                                     max_ranks=max_ranks, poll=poll, check_interval=interval,
                                     url=url)
