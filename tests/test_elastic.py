@@ -90,6 +90,73 @@ def test_steady_members_match_the_fixed_size_backend_bit_for_bit(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(e, f)), "elastic != fixed-size backend"
 
 
+# -- codecs: encoded contributions, the same average on every member -----------------------
+
+def w_encoded(index, _world, url, wire_dtype, rounds):
+    with ferrosync.connect(url, elastic=True, min_ranks=3, job="encoded", timeout=TIMEOUT,
+                           wire_dtype=wire_dtype, **FAST) as sync:
+        out = []
+        for k in range(rounds):
+            tensors = _values(index, k)
+            sent = [t.clone() for t in tensors]
+            total = sync.average_(tensors, weight=index + 1)
+            out.append((total, sent, tensors))
+        return {"id": sync.member_id, "members": sync.membership, "out": out}
+
+
+def _through(codec, t: torch.Tensor) -> torch.Tensor:
+    """What ``codec`` carries of ``t`` (no error feedback: a member's first round)."""
+    wire = torch.empty(codec.nbytes(t.numel()), dtype=torch.uint8)
+    codec.encode(t, wire)
+    return codec.decode(wire, t.numel())
+
+
+@pytest.mark.parametrize("wire_dtype", ["bfloat16", "int8"])
+def test_encoded_contributions_average_alike_on_every_member(tmp_path, wire_dtype):
+    """With a wire_dtype every member's result is the same bits, and in the first round
+    (no error feedback yet) exactly the weighted average, in roster order, of what the
+    codec carries of each member's tensors; later rounds stay close to the exact
+    average (error feedback is per member)."""
+    from ferrosync.backends.common import accumulate, divide_into
+    from ferrosync.codecs import accumulator_dtype, codec_for
+
+    rounds = 3
+    got = run_ranks(w_encoded, 3, str(tmp_path), wire_dtype, rounds, timeout=120)
+    members = got[0]["members"]
+    assert all(g["members"] == members for g in got) and len(members) == 3
+    for g in got[1:]:
+        for (t0, _, a), (t1, _, b) in zip(got[0]["out"], g["out"]):
+            assert t0 == t1 == 6.0
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), "members disagree"
+    by_position = sorted(got, key=lambda g: members.index(g["id"]))
+    weights = [got.index(g) + 1 for g in by_position]  # the test's index + 1
+    for slot, result in enumerate(got[0]["out"][0][2]):
+        dtype = result.dtype
+        codec = codec_for(dtype, wire_dtype)
+        acc = torch.empty(result.numel(), dtype=accumulator_dtype(dtype))
+        for i, (g, w) in enumerate(zip(by_position, weights)):
+            accumulate(acc, _through(codec, g["out"][0][1][slot]), w, first=i == 0)
+        expected = torch.empty_like(result)
+        divide_into(expected, acc, float(sum(weights)))
+        assert torch.equal(result, expected), (dtype, wire_dtype)
+    for k in range(rounds):
+        exact = sum(w * g["out"][k][1][0].double() for g, w in zip(by_position, weights)) / 6
+        err = (got[0]["out"][k][2][0].double() - exact).abs().max().item()
+        assert err < (0.05 if wire_dtype == "int8" else 0.02), (k, err)
+
+
+def test_a_member_with_another_wire_dtype_is_refused_before_it_writes(tmp_path):
+    url = str(tmp_path)
+    with ferrosync.connect(url, elastic=True, job="wire", timeout=10.0, **FAST) as sync:
+        before = sorted(p.name for p in (tmp_path / "el.wire").iterdir())
+        with pytest.raises(ConfigError, match=r"wire_dtype None \(here 'int8'\)"):
+            ferrosync.connect(url, elastic=True, job="wire", wire_dtype="int8", timeout=10.0,
+                              **FAST)
+        assert sorted(p.name for p in (tmp_path / "el.wire").iterdir()) == before
+        t = torch.full((3,), 2.0)
+        assert sync.average_([t]) == 1.0 and t.tolist() == [2.0, 2.0, 2.0]
+
+
 # -- (b) SIGKILL, (c) graceful leave ---------------------------------------------------------
 
 def w_rounds(index, _world, url, rounds, position, how, job, hb_timeout, gate, options=None):
@@ -352,7 +419,7 @@ def test_elastic_configuration_errors(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="max_ranks"):
         ferrosync.connect(url, elastic=True, min_ranks=3, max_ranks=2)
     with pytest.raises(ConfigError, match="unknown option"):
-        ferrosync.connect(url, elastic=True, wire_dtype="int8")
+        ferrosync.connect(url, elastic=True, reduce="root")  # a roster decides that
     with pytest.raises(ConfigError, match="storage URL"):
         ferrosync.connect("gloo://127.0.0.1:1", elastic=True)
     # the launcher's RANK/WORLD_SIZE do not apply to an elastic member

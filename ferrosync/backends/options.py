@@ -397,6 +397,14 @@ class ElasticOptions(_StorageTiming, BackendOptions):
     poll_max: float | None = option(
         None, "longest polling sleep, seconds", shown="10 ms local, 200 ms object stores",
         check=_positive_or_none)
+    wire_dtype: str | None = option(
+        None, "contribution encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, "
+        "or `\"int8\"` (block scales + error feedback, kept per member); every member of "
+        "a job must use the same (its record says which)", shown="`None`",
+        check=_wire_dtype)
+    error_feedback: bool = option(
+        True, "carry int8 quantisation error to this member's next contribution",
+        shown="`True`", check=_boolean)
     spec: dict | None = option(
         None, "what every member must agree on (plain JSON; the trainer's: model "
         "fingerprint, optimizer and lr, strategy, steps, batch size, seed): a newcomer "

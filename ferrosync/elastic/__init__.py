@@ -11,8 +11,17 @@ same layouts. Each collective is one *round* r:
    members found gone, plus joiners admitted for the next round;
 3. every member reads the contributions of the roster's contributors, in roster
    order, and reduces locally with the same code on the same bytes, so the result
-   is bit-identical on every member (and equal to the fixed-size backend's with
-   ranks in that order).
+   is bit-identical on every member (and, with the native wire, equal to the
+   fixed-size backend's with ranks in that order).
+
+With ``wire_dtype`` (an average's contributions only; broadcasts and gathers are
+exact copies) each member encodes its contribution with the storage transport's
+``Encoder``, int8 error feedback kept per member (a member's residual is its own,
+whoever else is in the round). Every member decodes every contribution, its own
+included, so each is counted alike, and the average of the decoded values is not
+encoded again (nothing carries it), so it is still the same bits on every member,
+a newcomer included. The job's record says which ``wire_dtype`` the job uses; a
+member with another is refused before it writes anything.
 
 ``rank`` and ``world_size`` are this member's index in, and the size of, the latest
 roster, so they may change after any collective; ``membership`` lists the member
@@ -36,9 +45,10 @@ import torch
 from .. import names, validate
 from ..api import GradSync
 from ..backends.common import accumulate, divide_into, total_weight
+from ..backends.encoder import Encoder
 from ..backends.incoming import Expected, Part
 from ..backends.options import ElasticOptions
-from ..codecs import RawCodec, accumulator_dtype, as_uint8
+from ..codecs import Codec, RawCodec, accumulator_dtype, as_uint8
 from ..env import Identity
 from ..errors import (
     ConfigError,
@@ -140,6 +150,8 @@ class ElasticSync(GradSync):
                                     max_ranks=max_ranks, poll=poll, check_interval=interval,
                                     url=url)
         self._state = StateStore(storage, self._ns, self._secret)
+        self._wire_dtype = options.wire_dtype
+        self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
         self._heartbeat = heartbeat(storage, self._ns, self.member_id, interval, self._secret)
         self._mine: list[tuple[int, str]] = []  # (round, key) of own contributions
         self.membership: list[str] = []
@@ -237,7 +249,8 @@ class ElasticSync(GradSync):
         if raw is None:
             self._storage.makedirs(self._ns)
             try:
-                self._storage.put(key, [encode_record({"spec": mine}, self._secret)],
+                self._storage.put(key, [encode_record(
+                    {"spec": mine, "wire_dtype": self._wire_dtype}, self._secret)],
                                   exclusive=True)
                 return
             except FileExistsError:  # another member was first: check against its record
@@ -255,6 +268,12 @@ class ElasticSync(GradSync):
         if not isinstance(theirs, dict):
             raise ShardCorrupt("the elastic job's record holds no spec", path=path,
                                hint="let nothing else write under this URL")
+        if record.get("wire_dtype") != self._wire_dtype:
+            raise ConfigError(
+                f"this member does not fit the elastic job at {self.url}: the job's "
+                f"contributions are encoded with wire_dtype {record.get('wire_dtype')!r} "
+                f"(here {self._wire_dtype!r})", path=path,
+                hint="start every member with the same wire_dtype (or use another job id)")
         if not theirs or not mine:
             return  # one side states nothing to compare (a plain connect)
         differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
@@ -303,17 +322,36 @@ class ElasticSync(GradSync):
     # buckets' bytes travel in one object, so the membership cannot change between
     # the buckets of one call (a broadcast's source, an average's weights).
 
-    def _exchange(self, flats: list[torch.Tensor], weight: float, digest: bytes,
-                  send: bool) -> tuple[Roster, Roster]:
+    def _codecs(self, flats: list[torch.Tensor], encoded: bool) -> list[Codec]:
+        """Each flat's codec: ``wire_dtype``'s for an average's contributions
+        (``encoded``), the exact bytes otherwise (broadcasts, gathers, barriers)."""
+        return [self._encoder.codec(f.dtype) if encoded else RawCodec(f.dtype)
+                for f in flats]
+
+    def _encode(self, flats: list[torch.Tensor], codecs: list[Codec]) -> list:
+        """The wire bytes of each flat (host numpy uint8), through its codec; int8 error
+        feedback is keyed by the running stream and the flat's place in the call."""
+        parts = []
+        for i, (flat, codec) in enumerate(zip(flats, codecs)):
+            if codec.raw:
+                parts.append(as_uint8(flat.contiguous().cpu()).numpy())
+            else:  # the encoder reuses one buffer per call: keep a copy per flat
+                parts.append(self._encoder.encode(flat.contiguous(), codec, ("contribution", i))
+                             .cpu().numpy().copy())
+        return parts
+
+    def _exchange(self, flats: list[torch.Tensor], codecs: list[Codec], weight: float,
+                  digest: bytes, send: bool) -> tuple[Roster, Roster, list]:
         """Write this member's contribution to the next round and agree on its roster.
-        Returns (previous roster, new roster); raises ``PeerFailed`` if dropped."""
+        Returns (previous roster, new roster, the contribution's bytes per flat: empty
+        when nothing was sent); raises ``PeerFailed`` if dropped."""
         prev = self._roster
         round_ = prev.round + 1
         pos = prev.members.index(self.member_id)
-        parts = [as_uint8(f.contiguous().cpu()).numpy() for f in flats if f.numel()] \
-            if send else []
+        wire = self._encode(flats, codecs) if send else []
+        parts = [p for p in wire if p.nbytes]
         nbytes = sum(p.nbytes for p in parts)
-        total = sum(f.numel() * f.element_size() for f in flats)
+        total = sum(c.nbytes(f.numel()) for f, c in zip(flats, codecs))
         header = self._expected(round_, prev, digest, total).header(
             pos, weight=weight, nbytes=nbytes, flags=0 if send and total else FLAG_EMPTY)
         key = self._key(names.elastic_contribution(round_, self.member_id))
@@ -355,7 +393,7 @@ class ElasticSync(GradSync):
         if done:
             self._storage.delete(done)
             self._mine = [(r, k) for r, k in self._mine if r > round_ - 2]
-        return prev, roster
+        return prev, roster, wire
 
     def _expected(self, round_: int, prev: Roster, digest: bytes, total: int) -> Expected:
         """What every contribution to ``round_`` says about itself (the storage
@@ -371,14 +409,15 @@ class ElasticSync(GradSync):
         return head, head + total
 
     def _contribution(self, round_: int, member: str, prev: Roster, digest: bytes,
-                      flats: list[torch.Tensor]) -> tuple[float, list | None]:
+                      flats: list[torch.Tensor], codecs: list[Codec]) -> tuple[float, list | None]:
         """(weight, one tensor per flat, or None when empty) of ``member``'s verified
         contribution to ``round_``: its size is one of the two legal ones before a byte
         is read, its MAC (or checksum) verified before any field is used, and every
         header field checked against the round's ``Expected``."""
         key = self._key(names.elastic_contribution(round_, member))
         path = self._storage.path_of(key)
-        total = sum(f.numel() * f.element_size() for f in flats)
+        total = sum(c.nbytes(f.numel()) for f, c in zip(flats, codecs))
+
         def mismatch(src, _theirs):
             return LayoutMismatch(
                 f"member {member} (rank {src}) called round {round_} with another layout "
@@ -426,17 +465,27 @@ class ElasticSync(GradSync):
         views, offset = [], 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffer: only ever read
-            for f in flats:
-                n = f.numel() * f.element_size()
-                views.append(torch.frombuffer(payload[offset:offset + n], dtype=f.dtype)
-                             if n else f.new_empty(0))
+            for f, codec in zip(flats, codecs):
+                n = codec.nbytes(f.numel())
+                views.append(self._decode(payload[offset:offset + n], f, codec))
                 offset += n
         return header.weight, views
+
+    @staticmethod
+    def _decode(data, flat: torch.Tensor, codec: Codec) -> torch.Tensor:
+        """``flat``'s values held by ``data`` (its wire bytes through ``codec``)."""
+        if not len(data):
+            return flat.new_empty(0)
+        if codec.raw:
+            return torch.frombuffer(data, dtype=flat.dtype)
+        return codec.decode(torch.frombuffer(data, dtype=torch.uint8), flat.numel())
 
     def _average(self, tensors, weight, stream):
         with torch.no_grad():
             planned = self._buckets("average", tensors)
             flats = [bucket.flat(self._pool) for bucket, _, _ in planned]
+            # codec state (int8 error feedback) belongs to what the data is, not its shape
+            self._encoder.stream = (stream, planned[0][1])
             total = self._average_flats([f for f, _ in flats], weight, planned[0][1])
             if total > 0:
                 for (bucket, _, _), (flat, is_copy) in zip(planned, flats):
@@ -447,15 +496,19 @@ class ElasticSync(GradSync):
     def _average_flats(self, flats: list[torch.Tensor], weight: float, digest: bytes) -> float:
         """Every contributor's flats summed in roster order, each into its own
         accumulator (float32 for half types), divided once by the total weight."""
-        prev, roster = self._exchange(flats, weight, digest, send=weight > 0)
+        codecs = self._codecs(flats, encoded=True)
+        prev, roster, wire = self._exchange(flats, codecs, weight, digest, send=weight > 0)
         accs = [self._pool.get(f"acc{i}", f.numel(), accumulator_dtype(f.dtype), f.device)
                 for i, f in enumerate(flats)]
+        # this member's own contribution counts as what it sent, like everyone else's
+        own = [f if c.raw else self._decode(p, f, c) for f, c, p in zip(flats, codecs, wire)]
         weights, first = [], True
         for member in roster.contributors:
             if member == self.member_id:
-                w, values = weight, flats
+                w, values = weight, own
             else:
-                w, values = self._contribution(roster.round, member, prev, digest, flats)
+                w, values = self._contribution(roster.round, member, prev, digest, flats,
+                                               codecs)
             with self._stats.phase("reduce_s"):
                 if w > 0 and values is not None:
                     for acc, v in zip(accs, values):
@@ -481,7 +534,8 @@ class ElasticSync(GradSync):
 
     def _broadcast_flats(self, flats: list[torch.Tensor], src: int, digest: bytes) -> bool:
         """The source's flats into ``flats``; True when they changed (not the source)."""
-        prev, roster = self._exchange(flats, 1.0, digest, send=self.rank == src)
+        codecs = self._codecs(flats, encoded=False)
+        prev, roster, _ = self._exchange(flats, codecs, 1.0, digest, send=self.rank == src)
         source = prev.members[src]
         if source not in roster.contributors:
             raise PeerFailed(f"the broadcast source (rank {src}, member {source}) left "
@@ -490,7 +544,8 @@ class ElasticSync(GradSync):
                              hint="broadcast again from a member that is still there")
         changed = source != self.member_id
         if changed:
-            _w, values = self._contribution(roster.round, source, prev, digest, flats)
+            _w, values = self._contribution(roster.round, source, prev, digest, flats,
+                                            codecs)
             for flat, v in zip(flats, values or []):
                 flat.copy_(v.to(flat.device))
         self._adopt(roster)
@@ -498,6 +553,7 @@ class ElasticSync(GradSync):
 
     # -- the backend primitives (each one round) ----------------------------------------------
     def _average_flat(self, flat, weight, digest, layout):
+        self._encoder.stream = (layout.get("stream"), digest)
         return self._average_flats([flat], weight, digest)
 
     def _broadcast_flat(self, flat, src, digest, layout):
@@ -506,23 +562,25 @@ class ElasticSync(GradSync):
     def _all_gather_flat(self, flat, digest, layout):
         """One tensor per contributor of the round, in roster order (its length is the
         round's membership, which may differ from ``world_size`` afterwards)."""
-        prev, roster = self._exchange([flat], 1.0, digest, send=True)
+        codecs = self._codecs([flat], encoded=False)
+        prev, roster, _ = self._exchange([flat], codecs, 1.0, digest, send=True)
         out = []
         for member in roster.contributors:
             if member == self.member_id:
                 out.append(flat.clone())
                 continue
-            _w, values = self._contribution(roster.round, member, prev, digest, [flat])
+            _w, values = self._contribution(roster.round, member, prev, digest, [flat],
+                                            codecs)
             out.append(values[0].clone().to(flat.device) if values is not None
                        else flat.new_empty(0))
         self._adopt(roster)
         return out
 
     def _barrier(self, digest, layout):
-        prev, roster = self._exchange([], 1.0, digest, send=False)
+        prev, roster, _ = self._exchange([], [], 1.0, digest, send=False)
         for member in roster.contributors:  # the layout check: every member is in a barrier
             if member != self.member_id:
-                self._contribution(roster.round, member, prev, digest, [])
+                self._contribution(roster.round, member, prev, digest, [], [])
         self._adopt(roster)
 
     def _publish_abort(self, exc):
