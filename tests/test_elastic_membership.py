@@ -310,8 +310,9 @@ def test_a_join_entry_forged_without_the_job_key_is_refused(storage):
 def test_liveness_defaults_depend_on_the_kind_of_store():
     """An elastic member beats every 10 s on an object store (every beat a billed PUT)
     and every second on a directory; a fixed-size job keeps the store's interval; an
-    interval the user sets stretches the default timeout to 3 intervals; a timeout
-    too short for its interval is refused, naming both."""
+    interval the user sets stretches the default timeout to 3 intervals, a timeout the
+    user sets shrinks the default interval to a third of it; a timeout too short for
+    an interval the user set is refused, naming both."""
     from ferrosync.backends.options import ElasticOptions, StorageOptions
     from ferrosync.errors import ConfigError
     from ferrosync.storage import FsspecStorage, LocalStorage
@@ -324,7 +325,10 @@ def test_liveness_defaults_depend_on_the_kind_of_store():
     assert liveness(ElasticOptions, {}, LocalStorage) == (1.0, 20.0)
     assert liveness(StorageOptions, {}, FsspecStorage) == (2.0, 20.0)
     assert liveness(ElasticOptions, {"heartbeat_interval": 15}, FsspecStorage) == (15.0, 45.0)
-    assert liveness(ElasticOptions, {"heartbeat_timeout": 25}, FsspecStorage) == (10.0, 25.0)
+    # a timeout the user chose: the default interval beats at least 3 times in it
+    assert liveness(ElasticOptions, {"heartbeat_timeout": 45}, FsspecStorage) == (10.0, 45.0)
+    assert liveness(ElasticOptions, {"heartbeat_timeout": 6}, FsspecStorage) == (2.0, 6.0)
     with pytest.raises(ConfigError, match=r"heartbeat_timeout \(5 s\) must exceed twice "
                                           r"the heartbeat interval \(10 s\)"):
-        liveness(ElasticOptions, {"heartbeat_timeout": 5}, FsspecStorage)
+        liveness(ElasticOptions, {"heartbeat_timeout": 5, "heartbeat_interval": 10},
+                 FsspecStorage)

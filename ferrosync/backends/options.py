@@ -192,7 +192,8 @@ class _StorageTiming:
     liveness options meet the store's defaults, and where a timeout too short for the
     interval is refused (a peer would look dead between two of its beats)."""
 
-    #: with ``heartbeat_timeout`` unset: this, or 3 heartbeat intervals if longer
+    #: with ``heartbeat_timeout`` unset: this, or 3 heartbeat intervals if longer (and
+    #: with only the timeout set, the default interval shrinks to a third of it)
     timeout_local: ClassVar[float] = 20.0
     timeout_object_store: ClassVar[float] = 20.0
     #: with ``heartbeat_interval`` unset on an object store: this (None: the store's own)
@@ -200,10 +201,13 @@ class _StorageTiming:
 
     def timing(self, storage) -> Timing:
         remote = storage.round_trips_dominate
-        interval = self.heartbeat_interval or (
-            self.interval_object_store if remote and self.interval_object_store
-            else storage.heartbeat_interval)
         timeout = self.heartbeat_timeout
+        interval = self.heartbeat_interval
+        if interval is None:
+            interval = (self.interval_object_store if remote and self.interval_object_store
+                        else storage.heartbeat_interval)
+            if timeout is not None:  # a timeout the user chose: beat at least 3 times in it
+                interval = min(interval, timeout / 3)
         if timeout is None:
             timeout = max(self.timeout_object_store if remote else self.timeout_local,
                           3 * interval)
@@ -389,7 +393,8 @@ class ElasticOptions(_StorageTiming, BackendOptions):
     heartbeat_timeout: float | None = option(
         None, "a member silent this long is dropped (members silent together leave "
         "together); must exceed twice `heartbeat_interval`",
-        shown="20 s local, 30 s object stores (at least 3 intervals)",
+        shown="20 s local, 30 s object stores (at least 3 intervals; an unset interval "
+        "is at most a third of it)",
         check=_positive_or_none)
     poll_initial: float | None = option(
         None, "first polling sleep, seconds", shown="20 µs local, 5 ms object stores",
