@@ -462,6 +462,13 @@ def _run_command(command: str, cap: bool = True) -> str:
     members = 1
     if "--elastic" in words and "--nproc" not in words and "--min-ranks" in words:
         members = int(words[words.index("--min-ranks") + 1])
+    if members == 1 and words[1:3] == ["-m", "ferrosync.train"] and "--nproc" in words:
+        # a launch: its launcher runs in this process, its ranks as real processes
+        from train_cli import launch_in_process
+
+        code, out, _ = launch_in_process(words[3:], _CTX.workdir, env, merged=True)
+        _check_outcome(words, code, out)
+        return out
     procs = []
     for k in range(members):
         cwd = _CTX.workdir if members == 1 else _CTX.workdir / f"member-{k}"
@@ -480,15 +487,18 @@ def _run_command(command: str, cap: bool = True) -> str:
                 p.kill()
                 p.communicate()
     for p, out in zip(procs, outputs):
-        assert p.returncode == 0, (f"{_CTX.doc}: `{' '.join(words)}` exited {p.returncode}:\n"
-                                   + out[-3000:])
-        if "ferrosync.train" in words and not any(w.endswith(".py") for w in words):
-            finals = [line for line in out.splitlines() if line.startswith("FINAL {")]
-            assert finals, out[-2000:]
-            final = finals[-1]
-            record = json.loads(final[len("FINAL "):])
-            assert record["ranks_agree"] is True, record
+        _check_outcome(words, p.returncode, out)
     return "\n".join(outputs)
+
+
+def _check_outcome(words: list[str], code: int, out: str) -> None:
+    """A documented command succeeds; a training run's FINAL says its ranks agree."""
+    assert code == 0, f"{_CTX.doc}: `{' '.join(words)}` exited {code}:\n" + out[-3000:]
+    if "ferrosync.train" in words and not any(w.endswith(".py") for w in words):
+        finals = [line for line in out.splitlines() if line.startswith("FINAL {")]
+        assert finals, out[-2000:]
+        record = json.loads(finals[-1][len("FINAL "):])
+        assert record["ranks_agree"] is True, record
 
 
 def _evaluate_bash(example) -> None:
