@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from train_cli import ROOT, cli_env, command, final_of
+from train_cli import ROOT, cli_env, final_of, run_cli
 
 from ferrosync.costs import DEFAULT_PRICES, hourly, is_billed, parse_prices, request_cost
 from ferrosync.errors import ConfigError
@@ -54,11 +54,9 @@ def test_object_store_counts_requests_by_kind(s3_transport):
 
 def test_training_over_s3_reports_request_rate_and_cost(tmp_path, s3_transport):
     opts = json.dumps(s3_transport.options["storage_options"])
-    result = subprocess.run(
-        command("--nproc", "2", "--steps", "6", "--no-progress", "--sync", s3_transport.url,
-                "--sync-option", f"storage_options={opts}",
-                "--storage-prices", "put=0.01,get=0.001"),
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=240)
+    result = run_cli("--nproc", "2", "--steps", "6", "--no-progress", "--sync",
+                     s3_transport.url, "--sync-option", f"storage_options={opts}",
+                     "--storage-prices", "put=0.01,get=0.001", cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     final = final_of(result.stdout)
     req = final["storage_requests"]
@@ -74,10 +72,8 @@ def test_training_over_s3_reports_request_rate_and_cost(tmp_path, s3_transport):
 
 
 def test_training_on_a_directory_has_no_request_bill(tmp_path):
-    result = subprocess.run(
-        command("--nproc", "2", "--steps", "3", "--no-progress", "--sync",
-                str(tmp_path / "run")),
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=240)
+    result = run_cli("--nproc", "2", "--steps", "3", "--no-progress", "--sync",
+                     tmp_path / "run", cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     final = final_of(result.stdout)
     assert final["requests_per_hour"] > 0
@@ -87,9 +83,8 @@ def test_training_on_a_directory_has_no_request_bill(tmp_path):
 def test_inspect_shows_request_rates_from_heartbeats(tmp_path):
     """A finished run's heartbeats (state closed) still carry each rank's counts."""
     run = tmp_path / "run"
-    result = subprocess.run(
-        command("--nproc", "2", "--steps", "3", "--no-progress", "--sync", str(run)),
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=240)
+    result = run_cli("--nproc", "2", "--steps", "3", "--no-progress", "--sync", run,
+                     cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(run), "--json",
                           "--watch", "0"], cwd=ROOT, env=cli_env(), capture_output=True,

@@ -136,14 +136,12 @@ def test_layout_mismatch_inside_a_node(tmp_path):
 def test_trainer_simulates_nodes_with_local_gloo(tmp_path):
     # the launcher simulates 2 nodes x 2 ranks; only the 2 leaders touch the storage
     import json
-    import subprocess
-    import sys
+
+    from train_cli import run_cli
 
     sync_dir = tmp_path / "sync"
-    out = subprocess.run(
-        [sys.executable, "-m", "ferrosync.train", "--nproc", "4", "--nnodes-sim", "2",
-         "--local", "gloo", "--sync", str(sync_dir), "--steps", "30", "--no-progress"],
-        capture_output=True, text=True, timeout=240)
+    out = run_cli("--nproc", "4", "--nnodes-sim", "2", "--local", "gloo", "--sync", sync_dir,
+                  "--steps", "30", "--no-progress", cwd=tmp_path, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     final = json.loads(out.stdout.strip().splitlines()[-1].split(" ", 1)[1])
     assert final["ranks_agree"] is True and final["steps"] == 30
