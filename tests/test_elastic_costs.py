@@ -86,13 +86,17 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
     assert res["busiest_read_xP"] == pytest.approx(2.0, rel=0.01)
 
 
-def test_liveness_at_1000_members_costs_at_most_2_dollars_an_hour_by_default():
+def test_liveness_at_1000_members_costs_at_most_2_dollars_an_hour_by_default(s3_transport):
     """The elastic default on an object store (ElasticOptions.timing), at S3 list
     prices, with every member reading a predecessor's heartbeat once per interval."""
     from ferrosync.backends.options import ElasticOptions
-    from ferrosync.storage import FsspecStorage
+    from ferrosync.storage import open_storage
 
-    interval = ElasticOptions.parse({}).timing(FsspecStorage).heartbeat_interval
+    storage = open_storage(s3_transport.url, s3_transport.options["storage_options"])
+    try:
+        interval = ElasticOptions.parse({}).timing(storage).heartbeat_interval
+    finally:
+        storage.close()
     cost = elastic_costs.job_cost_per_hour(1000, P, 1.0, interval,
                                            dict(store_of("s3://").prices))
     assert cost["heartbeats_usd"] <= 2.0, cost

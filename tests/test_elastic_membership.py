@@ -307,28 +307,33 @@ def test_a_join_entry_forged_without_the_job_key_is_refused(storage):
 
 # -- liveness settings -------------------------------------------------------------------
 
-def test_liveness_defaults_depend_on_the_kind_of_store():
+def test_liveness_defaults_depend_on_the_kind_of_store(tmp_path, s3_transport):
     """An elastic member beats every 10 s on an object store (every beat a billed PUT)
     and every second on a directory; a fixed-size job keeps the store's interval; an
     interval the user sets stretches the default timeout to 3 intervals, a timeout the
     user sets shrinks the default interval to a third of it; a timeout too short for
-    an interval the user set is refused, naming both."""
+    an interval the user set is refused, naming both, and closes the storage."""
     from ferrosync.backends.options import ElasticOptions, StorageOptions
     from ferrosync.errors import ConfigError
-    from ferrosync.storage import FsspecStorage, LocalStorage
+    from ferrosync.storage import open_storage
 
-    def liveness(options_class, options, store):
-        t = options_class.parse(options).timing(store)
+    def s3():
+        return open_storage(s3_transport.url, s3_transport.options["storage_options"])
+
+    def liveness(options_class, options, storage):
+        try:
+            t = options_class.parse(options).timing(storage)
+        finally:
+            storage.close()
         return t.heartbeat_interval, t.heartbeat_timeout
 
-    assert liveness(ElasticOptions, {}, FsspecStorage) == (10.0, 30.0)
-    assert liveness(ElasticOptions, {}, LocalStorage) == (1.0, 20.0)
-    assert liveness(StorageOptions, {}, FsspecStorage) == (2.0, 20.0)
-    assert liveness(ElasticOptions, {"heartbeat_interval": 15}, FsspecStorage) == (15.0, 45.0)
+    assert liveness(ElasticOptions, {}, s3()) == (10.0, 30.0)
+    assert liveness(ElasticOptions, {}, open_storage(str(tmp_path))) == (1.0, 20.0)
+    assert liveness(StorageOptions, {}, s3()) == (2.0, 20.0)
+    assert liveness(ElasticOptions, {"heartbeat_interval": 15}, s3()) == (15.0, 45.0)
     # a timeout the user chose: the default interval beats at least 3 times in it
-    assert liveness(ElasticOptions, {"heartbeat_timeout": 45}, FsspecStorage) == (10.0, 45.0)
-    assert liveness(ElasticOptions, {"heartbeat_timeout": 6}, FsspecStorage) == (2.0, 6.0)
+    assert liveness(ElasticOptions, {"heartbeat_timeout": 45}, s3()) == (10.0, 45.0)
+    assert liveness(ElasticOptions, {"heartbeat_timeout": 6}, s3()) == (2.0, 6.0)
     with pytest.raises(ConfigError, match=r"heartbeat_timeout \(5 s\) must exceed twice "
                                           r"the heartbeat interval \(10 s\)"):
-        liveness(ElasticOptions, {"heartbeat_timeout": 5, "heartbeat_interval": 10},
-                 FsspecStorage)
+        liveness(ElasticOptions, {"heartbeat_timeout": 5, "heartbeat_interval": 10}, s3())

@@ -39,7 +39,7 @@ import torch
 from .. import names
 from ..api import GradSync
 from ..codecs import Codec, RawCodec, accumulator_dtype, as_uint8
-from ..errors import ConfigError, ShardCorrupt
+from ..errors import ShardCorrupt
 from ..faults import FaultyStorage, load_faults
 from ..liveness import Heartbeat, PeerMonitor, publish_abort
 from ..rendezvous import rendezvous
@@ -73,6 +73,7 @@ class FileSync(GradSync):
         faults = load_faults(identity.rank)  # $FERROSYNC_FAULTS: tests and drills only
         if faults:
             storage = FaultyStorage(storage, faults)
+        timing = options.timing(storage)
         super().__init__(url, identity, timeout, storage.counters, options.bucket_bytes)
         self._storage = storage
         self._opts = options
@@ -80,12 +81,6 @@ class FileSync(GradSync):
         # (covered by the MAC): a generation is announced in exactly one job's namespace
         self._key: bytes | None = options.secret
         self.job: str | None = options.job
-        try:
-            timing = options.timing(storage)
-        except ConfigError:
-            self._closed = True
-            storage.close()
-            raise
         poll, interval = timing.poll, timing.heartbeat_interval
         self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
         self._heartbeat = None

@@ -190,7 +190,9 @@ class Timing:
 class _StorageTiming:
     """``timing(storage)``: the one place where a storage-backed backend's polling and
     liveness options meet the store's defaults, and where a timeout too short for the
-    interval is refused (a peer would look dead between two of its beats)."""
+    interval is refused (a peer would look dead between two of its beats). Called
+    right after the backend opened ``storage``, before anything else: a refusal
+    closes it."""
 
     #: with ``heartbeat_timeout`` unset: this, or 3 heartbeat intervals if longer (and
     #: with only the timeout set, the default interval shrinks to a third of it)
@@ -212,6 +214,8 @@ class _StorageTiming:
             timeout = max(self.timeout_object_store if remote else self.timeout_local,
                           3 * interval)
         if timeout <= 2 * interval:
+            # the caller opened ``storage`` for these options and holds nothing else yet
+            storage.close()
             raise ConfigError(
                 f"heartbeat_timeout ({timeout:g} s) must exceed twice the heartbeat "
                 f"interval ({interval:g} s)",

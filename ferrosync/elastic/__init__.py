@@ -124,6 +124,7 @@ class ElasticSync(GradSync):
     def __init__(self, url: str, timeout: float, options: ElasticOptions, *,
                  min_ranks: int = 1, max_ranks: int | None = None) -> None:
         storage = open_storage(url, options.storage_options)
+        timing = options.timing(storage)
         super().__init__(url, Identity(0, 1, 0, 1, "elastic"), timeout, storage.counters)
         self._storage = storage
         self.job = options.job
@@ -134,12 +135,6 @@ class ElasticSync(GradSync):
         # another job that shares the secret fails its MAC, never enters an average
         self._secret = job_key(options.secret, self._ns)
         self._tag = job_tag(self._ns)
-        try:
-            timing = options.timing(storage)
-        except ConfigError:
-            self._closed = True
-            storage.close()
-            raise
         poll, interval = timing.poll, timing.heartbeat_interval
         #: the resolved liveness settings (the defaults depend on the kind of store)
         self.heartbeat_interval, self.heartbeat_timeout = interval, timing.heartbeat_timeout
