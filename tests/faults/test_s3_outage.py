@@ -60,7 +60,33 @@ class Seaweed:
         self.server.stop(kill=True)
 
     def up(self) -> None:
-        self.server.start()
+        # the restart reuses the server's ports (the clients know its S3 port); another
+        # test's free-port probe or launcher may hold one of them for a moment, and
+        # weed then exits "address already in use": wait until every port binds, retry
+        for attempt in range(3):
+            try:
+                self.server.start()
+                return
+            except RuntimeError as exc:
+                if "address already in use" not in str(exc) or attempt == 2:
+                    raise
+                self._wait_for_free_ports(time.monotonic() + 30)
+
+    def _wait_for_free_ports(self, deadline: float) -> None:
+        import socket
+
+        for port in self.server.ports.values():
+            while True:
+                with socket.socket() as sock:
+                    # as weed's (Go's) listeners do: a closed connection's TIME_WAIT
+                    # does not keep the port from them
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    try:
+                        sock.bind(("127.0.0.1", port))
+                        break
+                    except OSError:
+                        assert time.monotonic() < deadline, f"port {port} stays taken"
+                time.sleep(0.05)  # poll the port again
 
 
 @pytest.fixture(params=["moto", "seaweed"])
