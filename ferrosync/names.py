@@ -221,6 +221,9 @@ def parse(name: str) -> Name:
 #     join.{n}           the n-th entry of the join queue (``elastic_join``)
 #     r{r}.roster        the membership agreed for round r (``elastic_roster``)
 #     r{r}.{id}          a member's contribution to round r (``elastic_contribution``)
+#     r{r}.t{l}.{n}.{path}  a piece of a tree reduce: level l, node n, range path
+#                        (``elastic_piece``; level 0: the slices of a contribution)
+#     r{r}.m.{path}      a range of a tree reduce's average (``elastic_result``)
 #     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
 #     state / state.{r}  the published training state and its pointer (``elastic_state``)
 #     ended              the job is over: joiners stop waiting (``ELASTIC_ENDED``)
@@ -277,6 +280,22 @@ def elastic_contribution(round_: int, member_id: str) -> str:
     return f"r{round_}.{member_id}"
 
 
+def _path(path) -> str:
+    return ".".join(str(int(j)) for j in path)
+
+
+def elastic_piece(round_: int, level: int, node: int, path) -> str:
+    """A piece of a tree reduce (``elastic/tree.py``): at level 0 the slice ``path``
+    of the contribution of roster position ``node``; above, range ``path`` of the
+    partial sum of tree node ``node`` of ``level``."""
+    return f"r{round_}.t{level}.{node}.{_path(path)}"
+
+
+def elastic_result(round_: int, path) -> str:
+    """The range ``path`` of a tree reduce's average (``elastic/tree.py``)."""
+    return f"r{round_}.m.{_path(path)}"
+
+
 def elastic_state(round_: int) -> str:
     """The training state published after round ``round_``."""
     return f"state.{round_}"
@@ -288,6 +307,8 @@ _ELASTIC_PATTERNS = (
     ("elastic_join", rf"join\.{_N}", ("number",)),
     ("elastic_roster", rf"r{_N}\.roster", ("collective",)),
     ("elastic_contribution", rf"r{_N}\.([0-9a-f]{{16}})", ("collective", "token")),
+    ("elastic_piece", rf"r{_N}\.t[0-9]+\.[0-9]+(?:\.[0-9]+)+", ("collective",)),
+    ("elastic_result", rf"r{_N}\.m(?:\.[0-9]+)+", ("collective",)),
     ("elastic_latest", re.escape(ELASTIC_LATEST), ()),
     ("elastic_state_pointer", re.escape(ELASTIC_STATE_POINTER), ()),
     ("elastic_state", rf"state\.{_N}", ("collective",)),

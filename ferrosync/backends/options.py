@@ -57,6 +57,10 @@ def _positive_int(name, value):
     return validate.integer(name, value, minimum=1)
 
 
+def _fan_in(name, value):
+    return validate.integer(name, value, minimum=2)
+
+
 def _seconds_or_none(name, value):
     return validate.number(name, value, minimum=0, allow_none=True, unit="seconds")
 
@@ -414,6 +418,11 @@ class ElasticOptions(_StorageTiming, BackendOptions):
     error_feedback: bool = option(
         True, "carry int8 quantisation error to this member's next contribution",
         shown="`True`", check=_boolean)
+    fan_in: int = option(
+        8, "members per group of the tree reduce that averages from 5 members on "
+        "(each member reads under 2.5 × the payload per round, whatever the membership); "
+        "every member of a job must use the same (its record says which)", shown="8",
+        check=_fan_in)
     spec: dict | None = option(
         None, "what every member must agree on (plain JSON; the trainer's: model "
         "fingerprint, optimizer and lr, strategy, steps, batch size, seed): a newcomer "

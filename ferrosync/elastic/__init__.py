@@ -58,7 +58,7 @@ from ..errors import (
     PeerFailed,
     ShardCorrupt,
 )
-from ..storage import open_storage, probe_location
+from ..storage import RECORD_LIMIT, open_storage, probe_location
 from ..wire import (
     FLAG_EMPTY,
     HEADER_SIZE,
@@ -76,6 +76,7 @@ from ..wire import (
 from .membership import ABORTED, LEFT, Roster, Rosters, Watch, heartbeat
 from .rounds import Agreement, read_sized
 from .state import DEFAULT_MAX_STATE_BYTES, PublishedState, StateStore
+from .tree import TREE_FROM, TreeRound, Units, plan
 
 __all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "connect_elastic", "peek_state"]
 
@@ -146,6 +147,7 @@ class ElasticSync(GradSync):
                                     url=url)
         self._state = StateStore(storage, self._ns, self._secret)
         self._wire_dtype = options.wire_dtype
+        self._fan_in = options.fan_in
         self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
         self._heartbeat = heartbeat(storage, self._ns, self.member_id, interval, self._secret)
         self._mine: list[tuple[int, str]] = []  # (round, key) of own contributions
@@ -245,8 +247,8 @@ class ElasticSync(GradSync):
             self._storage.makedirs(self._ns)
             try:
                 self._storage.put(key, [encode_record(
-                    {"spec": mine, "wire_dtype": self._wire_dtype}, self._secret)],
-                                  exclusive=True)
+                    {"spec": mine, "wire_dtype": self._wire_dtype, "fan_in": self._fan_in},
+                    self._secret)], exclusive=True)
                 return
             except FileExistsError:  # another member was first: check against its record
                 raw = self._storage.read(key)
@@ -269,6 +271,12 @@ class ElasticSync(GradSync):
                 f"contributions are encoded with wire_dtype {record.get('wire_dtype')!r} "
                 f"(here {self._wire_dtype!r})", path=path,
                 hint="start every member with the same wire_dtype (or use another job id)")
+        if record.get("fan_in", 8) != self._fan_in:
+            raise ConfigError(
+                f"this member does not fit the elastic job at {self.url}: the job's tree "
+                f"reduce groups fan_in={record.get('fan_in', 8)!r} members (here "
+                f"{self._fan_in!r})", path=path,
+                hint="start every member with the same fan_in (or use another job id)")
         if not theirs or not mine:
             return  # one side states nothing to compare (a plain connect)
         differ = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
@@ -336,37 +344,35 @@ class ElasticSync(GradSync):
         return parts
 
     def _exchange(self, flats: list[torch.Tensor], codecs: list[Codec], weight: float,
-                  digest: bytes, send: bool) -> tuple[Roster, Roster, list]:
+                  digest: bytes, send: bool, tree: bool = False) -> tuple[Roster, Roster, list]:
         """Write this member's contribution to the next round and agree on its roster.
         Returns (previous roster, new roster, the contribution's bytes per flat: empty
-        when nothing was sent); raises ``PeerFailed`` if dropped."""
+        when nothing was sent); raises ``PeerFailed`` if dropped. With ``tree`` the
+        contribution is written as the tree's slices, then a header-only marker (what
+        the roster's checker looks for)."""
         prev = self._roster
         round_ = prev.round + 1
         pos = prev.members.index(self.member_id)
         wire = self._encode(flats, codecs) if send else []
-        parts = [p for p in wire if p.nbytes]
-        nbytes = sum(p.nbytes for p in parts)
         total = sum(c.nbytes(f.numel()) for f, c in zip(flats, codecs))
-        header = self._expected(round_, prev, digest, total).header(
-            pos, weight=weight, nbytes=nbytes, flags=0 if send and total else FLAG_EMPTY)
-        key = self._key(names.elastic_contribution(round_, self.member_id))
-        try:
+        if tree:
+            slices = TreeRound(self, plan(len(prev.members), self._fan_in), prev,
+                               Roster(round_, (), (), 0), Units(flats, codecs), digest,
+                               wire, weight, 0.0)
             with self._stats.phase("write_s"):
-                self._storage.put(key, [seal(header, parts, self._secret), *parts],
-                                  exclusive=True)
-        except FileExistsError:
-            # only this member writes this name: whatever lies there was planted
-            raise ShardCorrupt(
-                f"an object already lies under this member's contribution to round "
-                f"{round_} (planted by something else: this member never wrote it)",
-                rank=self.rank, collective=round_, path=self._storage.path_of(key),
-                hint="let nothing else write under this URL; set a secret so planted "
-                "objects are refused by every member") from None
-        self._mine.append((round_, key))
+                slices.write_slices(wire, weight)
+            parts, flags = [], FLAG_EMPTY
+        else:
+            parts = [p for p in wire if p.nbytes]
+            flags = 0 if send and total else FLAG_EMPTY
+        key = self._key(names.elastic_contribution(round_, self.member_id))
+        with self._stats.phase("write_s"):
+            self._put_object(key, self._expected(round_, prev, digest, total), pos, parts,
+                             weight, flags, round_)
         with self._stats.phase("wait_s"):
             roster = self._agreement.wait(round_, prev, list(prev.members[:pos]),
                                           time.monotonic() + self.timeout,
-                                          sizes=self.contribution_sizes(total))
+                                          sizes=self.contribution_sizes(total, tree))
         if self.member_id not in roster.contributors:
             self._storage.delete([key])
             raise MemberDropped(
@@ -397,11 +403,108 @@ class ElasticSync(GradSync):
         return Expected(KIND_CONTRIB, torch.uint8, _BYTES, digest, Part.whole(total),
                         len(prev.members), self._tag, round_)
 
-    def contribution_sizes(self, total: int) -> tuple[int, int]:
-        """The two legal sizes of a contribution of ``total`` payload bytes: empty (a
-        zero weight, a barrier) and full; anything else is not one."""
+    def contribution_sizes(self, total: int, tree: bool = False) -> tuple[int, ...]:
+        """The legal sizes of a contribution of ``total`` payload bytes: empty (a zero
+        weight, a barrier, a tree round's marker) and full; anything else is not one."""
         head = HEADER_SIZE + (MAC_SIZE if self._secret is not None else 0)
-        return head, head + total
+        return (head,) if tree else (head, head + total)
+
+    def _put_object(self, key: str, expected: Expected, writer: int, parts: list,
+                    weight: float, flags: int, round_: int, exclusive_ok: bool = False) -> None:
+        """Write one object of round ``round_`` under ``expected``'s header (exclusive
+        create; deleted with this member's other objects of the round). A name already
+        taken is ``ShardCorrupt`` (only this member writes it: something planted it),
+        unless ``exclusive_ok``: a tree object another member computed first (the
+        same bytes)."""
+        nbytes = sum(p.nbytes if hasattr(p, "nbytes") else len(p) for p in parts)
+        header = expected.header(writer, weight=weight, nbytes=nbytes, flags=flags)
+        try:
+            self._storage.put(key, [seal(header, parts, self._secret), *parts], exclusive=True)
+        except FileExistsError:
+            if exclusive_ok:
+                return
+            raise ShardCorrupt(
+                f"an object already lies under this member's {key.rsplit('/', 1)[-1]} of "
+                f"round {round_} (planted by something else: this member never wrote it)",
+                rank=self.rank, collective=round_, path=self._storage.path_of(key),
+                hint="let nothing else write under this URL; set a secret so planted "
+                "objects are refused by every member") from None
+        self._mine.append((round_, key))
+
+    def _verified(self, raw: bytes, key: str, expected: Expected, src: int, who: str,
+                  round_: int, mismatch) -> tuple:
+        """(header, payload view) of ``raw``, the object at ``key``: its MAC (or
+        checksum) verified before any field is used, then the job's tag, the round and
+        every field ``expected`` names (``src``: the writer field it must carry)."""
+        path = self._storage.path_of(key)
+        header = parse_header(raw, path=path, rank=self.rank, key=self._secret)
+        check = PayloadCheck(header, raw[:header.size], self._secret, path, self.rank)
+        payload = memoryview(raw)[header.size:]
+        check.update(payload)
+        check.finish()
+        if header.generation != self._tag or header.collective != round_:
+            raise ShardCorrupt(
+                f"the object under {who}'s {key.rsplit('/', 1)[-1]} of round {round_} "
+                f"belongs to job tag {header.generation:016x} round {header.collective} "
+                f"(this job: {self._tag:016x}); a copied or replayed object", rank=self.rank,
+                collective=round_, path=path,
+                hint="give each job its own id and set a secret; let nothing else write "
+                "under this URL")
+        expected.check(header, src, path, self.rank, mismatch)
+        return header, payload
+
+    def _read_verified(self, key: str, expected: Expected, src: int, who: str,
+                       round_: int) -> tuple | None:
+        """The verified object at ``key`` of exactly the size ``expected`` allows
+        (header only when empty), or None while it does not exist."""
+        head = HEADER_SIZE + (MAC_SIZE if self._secret is not None else 0)
+        path = self._storage.path_of(key)
+
+        def mismatch(_src, _theirs):
+            # a tree object's digest covers its name: another one is a copy, not a layout
+            return ShardCorrupt(
+                f"the object under {key.rsplit('/', 1)[-1]} was made for another place in "
+                f"round {round_}'s tree or another layout (a copied object)",
+                rank=self.rank, collective=round_, path=path,
+                hint="let nothing else write under this URL; set a secret")
+
+        if expected.kind == KIND_CONTRIB:
+            mismatch = self._layout_mismatch(round_, who, src, path)
+        with self._stats.phase("read_s"):
+            raw = read_sized(self._storage, key, (head, head + expected.part.count),
+                             rank=self.rank, collective=round_)
+        if raw is None:
+            return None
+        return self._verified(raw, key, expected, src, who, round_, mismatch)
+
+    def _layout_mismatch(self, round_: int, who: str, src: int, path: str):
+        def mismatch(_src, _theirs):
+            return LayoutMismatch(
+                f"{who} (rank {src}) called round {round_} with another layout "
+                "(operation, dtypes or shapes) than this member", rank=self.rank,
+                collective=round_, path=path,
+                hint="every member must call the same collectives in order")
+        return mismatch
+
+    def _explain_missing(self, round_: int, member: str, prev: Roster, digest: bytes,
+                         total: int) -> None:
+        """A slice of ``member``'s tree contribution is missing although its marker was
+        seen: ``LayoutMismatch`` when its marker is a contribution of another layout
+        (a member that did not take the tree's path), else nothing (it was deleted)."""
+        key = self._key(names.elastic_contribution(round_, member))
+        src = prev.members.index(member)
+        path = self._storage.path_of(key)
+        # bounded as a whole contribution of another layout is (rounds.read_sized)
+        reader = self._storage.open(key, max_bytes=2 * (HEADER_SIZE + MAC_SIZE + total)
+                                    + RECORD_LIMIT, rank=self.rank)
+        if reader is None:
+            return
+        with reader:
+            head = bytearray(HEADER_SIZE)
+            got = reader.readinto(head)
+        header = parse_header(head[:got], path=path, rank=self.rank, key=self._secret)
+        if header.layout != digest:
+            raise self._layout_mismatch(round_, f"member {member}", src, path)(src, None)
 
     def _contribution(self, round_: int, member: str, prev: Roster, digest: bytes,
                       flats: list[torch.Tensor], codecs: list[Codec]) -> tuple[float, list | None]:
@@ -412,13 +515,8 @@ class ElasticSync(GradSync):
         key = self._key(names.elastic_contribution(round_, member))
         path = self._storage.path_of(key)
         total = sum(c.nbytes(f.numel()) for f, c in zip(flats, codecs))
-
-        def mismatch(src, _theirs):
-            return LayoutMismatch(
-                f"member {member} (rank {src}) called round {round_} with another layout "
-                "(operation, dtypes or shapes) than this member", rank=self.rank,
-                collective=round_, path=path,
-                hint="every member must call the same collectives in order")
+        mismatch = self._layout_mismatch(round_, f"member {member}",
+                                         prev.members.index(member), path)
 
         def wrong_size(reader):
             # another size is another layout, or a forgery: the header (crc-checked, not
@@ -439,22 +537,9 @@ class ElasticSync(GradSync):
                 f"the contribution of member {member} to round {round_} is gone: this "
                 "member fell behind and the others have moved on", collective=round_,
                 path=path, hint="connect again with elastic=True to rejoin")
-        header = parse_header(raw, path=path, rank=self.rank, key=self._secret)
-        check = PayloadCheck(header, raw[:header.size], self._secret, path, self.rank)
-        payload = memoryview(raw)[header.size:]
-        check.update(payload)
-        check.finish()
-        if header.generation != self._tag or header.collective != round_:
-            raise ShardCorrupt(
-                f"the object under member {member}'s contribution to round {round_} belongs "
-                f"to job tag {header.generation:016x} round {header.collective} (this job: "
-                f"{self._tag:016x}); a copied or replayed object", rank=self.rank,
-                collective=round_, path=path,
-                hint="give each job its own id and set a secret; let nothing else write "
-                "under this URL")
-
-        self._expected(round_, prev, digest, total).check(
-            header, prev.members.index(member), path, self.rank, mismatch)
+        header, payload = self._verified(
+            raw, key, self._expected(round_, prev, digest, total), prev.members.index(member),
+            f"member {member}", round_, mismatch)
         if header.flags & FLAG_EMPTY:
             return header.weight, None
         views, offset = [], 0
@@ -492,6 +577,9 @@ class ElasticSync(GradSync):
         """Every contributor's flats summed in roster order, each into its own
         accumulator (float32 for half types), divided once by the total weight."""
         codecs = self._codecs(flats, encoded=True)
+        members = len(self._roster.members)
+        if members >= TREE_FROM and sum(f.numel() for f in flats):
+            return self._tree_average(flats, codecs, weight, digest)
         prev, roster, wire = self._exchange(flats, codecs, weight, digest, send=weight > 0)
         accs = [self._pool.get(f"acc{i}", f.numel(), accumulator_dtype(f.dtype), f.device)
                 for i, f in enumerate(flats)]
@@ -515,6 +603,19 @@ class ElasticSync(GradSync):
             with self._stats.phase("reduce_s"):
                 for flat, acc in zip(flats, accs):
                     divide_into(flat, acc, total)
+        self._adopt(roster)
+        return total
+
+    def _tree_average(self, flats: list[torch.Tensor], codecs: list[Codec], weight: float,
+                      digest: bytes) -> float:
+        """The average through the tree (``tree.py``): from ``TREE_FROM`` members on."""
+        prev = self._roster
+        prev_, roster, wire = self._exchange(flats, codecs, weight, digest, send=weight > 0,
+                                             tree=True)
+        tree = TreeRound(self, plan(len(prev.members), self._fan_in), prev, roster,
+                         Units(flats, codecs), digest, wire, weight,
+                         time.monotonic() + self.timeout)
+        total = tree.run(flats)
         self._adopt(roster)
         return total
 

@@ -1,0 +1,534 @@
+"""The reduce of an elastic average from ``TREE_FROM`` members on: a hierarchical
+reduce-scatter and all-gather over the previous roster (docs/elastic.md#the-tree-reduce).
+
+Below ``TREE_FROM`` members every member reads every contribution (``(W-1)·P`` bytes,
+few requests). From ``TREE_FROM`` on, the positions of roster r-1 are grouped
+(``Plan``): level 1 groups the positions into groups of about ``fan_in``, level 2
+groups those groups, and so on up to one root. Each level has ``k`` slots: the range
+of the payload a node covers is split into ``k`` equal parts (in whole codec frames),
+and the member at slot ``j`` of a node sums part ``j`` over the node's children.
+
+* A member writes its contribution as ``k1`` slices (``r{r}.t0.{position}.{j}``, one
+  per level-1 slot) and then a header-only marker ``r{r}.{id}`` (what the roster's
+  checker looks for: it never downloads payloads).
+* The holder of slot ``j`` of a level-l node reads piece ``j`` of each child's
+  output, sums them in child order (``backends/common.accumulate``: float32 for half
+  types) and writes its sum split again into the next level's ``k`` pieces
+  (``r{r}.t{l}.{node}.{path}``), carrying the node's total weight.
+* At the root each holder divides its range by the job's total weight and writes it
+  as ``r{r}.m.{path}``; the ranges are merged back down (a level's first holder
+  concatenates its siblings' ranges), and every member reads the ``k1`` ranges of
+  level 1: the whole average, the same bytes on every member.
+
+A member reads about ``P`` going up and ``P`` coming down, and makes ``O(fan_in)``
+requests per level (``fan_in`` · log W per round), so neither grows with W. Every
+object is read whole, at exactly the size its range has, and verified (MAC or
+checksum, then every header field) before a byte of it is used; the objects a holder
+computes are named and bound to their place in the tree (their layout digest covers
+the name), so one cannot stand in for another.
+
+Every object is a deterministic function of the contributions, so when its holder is
+gone (not a contributor of this round, dropped, or found gone by the one liveness
+rule while a member waits for it) whoever needs it computes it and writes it (an
+exclusive create: the first copy wins; both are the same bytes). With one level
+(``W <= fan_in``) the sum is exactly the all-read-all one (every contributor in
+roster order); with more, partial sums are added per group, so the bits differ from
+a flat sum (not between members).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+
+import torch
+
+from .. import names
+from ..backends.common import accumulate, divide_into, total_weight
+from ..backends.incoming import Expected, Part
+from ..codecs import Codec, RawCodec, accumulator_dtype, as_uint8
+from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
+from ..storage import Backoff
+from ..wire import FLAG_EMPTY, FLAG_UNCHANGED, KIND_CONTRIB, KIND_RESULT, layout_digest
+
+#: the smallest membership (of the previous roster) whose averages go through the tree
+TREE_FROM = 5
+_BYTES = RawCodec(torch.uint8)
+
+
+def _groups(count: int, fan_in: int) -> tuple[tuple[int, int], ...]:
+    """``count`` children in contiguous groups of about ``fan_in`` (sizes differing by
+    at most one, none of one child unless ``count`` is 1): (start, size) each."""
+    n = max(1, min(-(-count // fan_in), count // 2))
+    base, extra = divmod(count, n)
+    out, start = [], 0
+    for i in range(n):
+        size = base + (i < extra)
+        out.append((start, size))
+        start += size
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def plan(members: int, fan_in: int) -> Plan:
+    return Plan(members, fan_in)
+
+
+class Plan:
+    """The tree over ``members`` roster positions: the same on every member.
+
+    ``levels[l-1]`` holds level l's groups (each a contiguous (start, size) run of
+    level l-1's nodes; level 0's nodes are the positions) and its ``k``: the smallest
+    group's size, the number of slots per node (a larger group's last child only
+    passes its output up)."""
+
+    def __init__(self, members: int, fan_in: int) -> None:
+        self.members = members
+        self.levels: list[tuple[tuple[tuple[int, int], ...], int]] = []
+        count = members
+        while count > 1:
+            groups = _groups(count, fan_in)
+            self.levels.append((groups, min(size for _, size in groups)))
+            count = len(groups)
+        self.depth = len(self.levels)
+
+    def k(self, level: int) -> int:
+        return self.levels[level - 1][1]
+
+    def children(self, level: int, node: int) -> range:
+        start, size = self.levels[level - 1][0][node]
+        return range(start, start + size)
+
+    def nodes(self, level: int) -> int:
+        return self.members if level == 0 else len(self.levels[level - 1][0])
+
+    def paths(self, length: int):
+        """Every range path of ``length`` slots (mixed radix, in order)."""
+        paths = [()]
+        for level in range(1, length + 1):
+            paths = [p + (j,) for p in paths for j in range(self.k(level))]
+        return paths
+
+    def index(self, path) -> tuple[int, int]:
+        """(the path's index, the number of paths of its length)."""
+        i, of = 0, 1
+        for level, j in enumerate(path, 1):
+            i, of = i * self.k(level) + j, of * self.k(level)
+        return i, of
+
+    def span(self, path, units: int) -> tuple[int, int]:
+        """The units [lo, hi) of ``units`` that ``path`` covers."""
+        lo, hi = 0, units
+        for level, j in enumerate(path, 1):
+            k = self.k(level)
+            lo, hi = lo + (hi - lo) * j // k, lo + (hi - lo) * (j + 1) // k
+        return lo, hi
+
+    def holder(self, level: int, node: int, path) -> int:
+        """The position that sums range ``path`` (of ``level`` slots) over ``node``."""
+        while level > 0:
+            node = self.children(level, node)[path[-1]]
+            level, path = level - 1, path[:-1]
+        return node
+
+    def roles(self) -> list[tuple]:
+        """Every computation of a round, in an order that only ever waits on earlier
+        ones: ("sum", level, node, path) bottom up, then ("merge", path) top down."""
+        out = []
+        for level in range(1, self.depth + 1):
+            for path in self.paths(level):
+                for node in range(self.nodes(level)):
+                    out.append(("sum", level, node, path))
+        for length in range(self.depth - 1, 0, -1):
+            out.extend(("merge", path) for path in self.paths(length))
+        return out
+
+    @cached_property
+    def assignments(self) -> list[tuple[tuple, int]]:
+        """(role, the position it falls to) for every role, in ``roles`` order."""
+        return [(role, self.designee(role)) for role in self.roles()]
+
+    def designee(self, role) -> int:
+        if role[0] == "sum":
+            return self.holder(*role[1:])
+        path = role[1]
+        return self.holder(self.depth, 0, path + (0,) * (self.depth - len(path)))
+
+
+class Units:
+    """The call's flats as one sequence of codec frames ("units"), so a range of units
+    is a contiguous run of every kind of bytes: the contribution's wire bytes, the
+    accumulators' and the average's."""
+
+    def __init__(self, flats: list[torch.Tensor], codecs: list[Codec]) -> None:
+        self.flats, self.codecs = list(flats), list(codecs)
+        self.starts, n = [0], 0
+        for f, c in zip(flats, codecs):
+            n += -(-f.numel() // c.frame_elems)
+            self.starts.append(n)
+        self.total = n
+
+    def pieces(self, lo: int, hi: int):
+        """(flat index, first element, end element, first frame, end frame) of every
+        flat that units [lo, hi) touch."""
+        starts = self.starts
+        for i, (f, c) in enumerate(zip(self.flats, self.codecs)):
+            a, b = max(lo, starts[i]), min(hi, starts[i + 1])
+            if a >= b:
+                continue
+            fa, fb = a - starts[i], b - starts[i]
+            fe = c.frame_elems
+            yield i, fa * fe, min(fb * fe, f.numel()), fa, fb
+
+    def nbytes(self, kind: str, lo: int, hi: int) -> int:
+        total = 0
+        for i, e0, e1, fa, fb in self.pieces(lo, hi):
+            total += (fb - fa) * self.codecs[i].frame_bytes if kind == "wire" else \
+                (e1 - e0) * _itemsize(self._dtype(kind, i))
+        return total
+
+    def _dtype(self, kind: str, i: int) -> torch.dtype:
+        dtype = self.flats[i].dtype
+        return accumulator_dtype(dtype) if kind == "sum" else dtype
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Piece:
+    """A verified object of the tree: its weight, flags and payload."""
+
+    weight: float
+    flags: int
+    payload: memoryview
+
+
+class TreeRound:
+    """The tree reduce of one average round, from the contributions to the average.
+
+    ``io`` is the member's ``ElasticSync`` (its storage, keys, verification, liveness
+    and stats); ``prev`` the roster whose positions the tree groups, ``roster`` the
+    round's agreement (whose contributions count, who takes part in the reduce)."""
+
+    def __init__(self, io, plan_: Plan, prev, roster, units: Units, digest: bytes,
+                 own_wire: list, own_weight: float, deadline: float) -> None:
+        self.io = io
+        self.plan = plan_
+        self.prev = prev
+        self.roster = roster
+        self.units = units
+        self.digest = digest
+        self.round = roster.round
+        self.deadline = deadline
+        self.me = prev.members.index(io.member_id)
+        self._own = (own_weight, own_wire)
+        contributing = set(roster.contributors)
+        members = set(roster.members)
+        self._active = [p for p, m in enumerate(prev.members)
+                        if m in contributing and m in members]
+        self._active_set = set(self._active)
+        self._done: dict[str, Piece] = {}  # objects this member computed this round
+
+    # -- who does what --------------------------------------------------------------------
+    def substitute(self, position: int) -> int:
+        """The position that does ``position``'s part: itself while it takes part in the
+        reduce, else the next one that does (cyclically): the same on every member."""
+        if position in self._active_set:
+            return position
+        later = [p for p in self._active if p > position]
+        return later[0] if later else self._active[0]
+
+    def _owner(self, role, designee: int | None = None) -> str:
+        if designee is None:
+            designee = self.plan.designee(role)
+        return self.prev.members[self.substitute(designee)]
+
+    # -- names, sizes and headers -----------------------------------------------------------
+    def _expected(self, kind_of_bytes: str, name: str, writer: int, path) -> tuple[Expected, int]:
+        """The header every copy of object ``name`` carries (the slices of a
+        contribution carry the call's layout digest, so another layout is reported as
+        such; a computed object's digest also covers its name) and its payload size."""
+        lo, hi = self.plan.span(path, self.units.total)
+        index, of = self.plan.index(path)
+        nbytes = self.units.nbytes(kind_of_bytes, lo, hi)
+        offset = self.units.nbytes(kind_of_bytes, 0, lo)
+        total = self.units.nbytes(kind_of_bytes, 0, self.units.total)
+        if kind_of_bytes == "wire":
+            kind, digest = KIND_CONTRIB, self.digest
+        else:
+            kind = KIND_RESULT
+            digest = layout_digest(f"{self.digest.hex()} {kind_of_bytes} {name}")
+        return Expected(kind, torch.uint8, _BYTES, digest,
+                        Part(offset, nbytes, total, index, of), len(self.prev.members),
+                        self.io._tag, self.round), writer
+
+    # -- writing ----------------------------------------------------------------------------
+    def write_slices(self, wire: list, weight: float) -> None:
+        """This member's contribution as one slice per level-1 slot (before its marker)."""
+        send = bool(wire)
+        for j in range(self.plan.k(1)):
+            path = (j,)
+            name = names.elastic_piece(self.round, 0, self.me, path)
+            expected, _ = self._expected("wire", name, self.me, path)
+            parts = []
+            if send:
+                span = self.plan.span(path, self.units.total)
+                for i, _e0, _e1, fa, fb in self.units.pieces(*span):
+                    fbytes = self.units.codecs[i].frame_bytes
+                    parts.append(wire[i][fa * fbytes:fb * fbytes])
+            parts = [p for p in parts if p.nbytes]
+            self.io._put_object(self.io._key(name), expected, self.me, parts, weight,
+                                0 if send else FLAG_EMPTY, self.round)
+
+    def _write(self, name: str, expected: Expected, writer: int, parts, weight: float,
+               flags: int) -> Piece:
+        payload = b"".join(bytes(p) for p in parts) if len(parts) > 1 else \
+            (bytes(parts[0]) if parts else b"")
+        self.io._put_object(self.io._key(name), expected, writer, [payload] if payload else [],
+                            weight, flags, self.round, exclusive_ok=True)
+        piece = Piece(weight, flags, memoryview(payload))
+        self._done[name] = piece
+        return piece
+
+    # -- reading ----------------------------------------------------------------------------
+    def _read(self, name: str, expected: Expected, writer: int, who: str) -> Piece | None:
+        """The verified object ``name`` (None when it does not exist yet)."""
+        raw = self.io._read_verified(self.io._key(name), expected, writer, who, self.round)
+        if raw is None:
+            return None
+        header, payload = raw
+        return Piece(header.weight, header.flags, payload)
+
+    def _slice(self, position: int, path) -> Piece:
+        """Slice ``path`` of the contribution of ``position`` (written before its marker,
+        so it exists; gone only when this member fell behind)."""
+        if position == self.me:
+            weight, wire = self._own
+            return Piece(weight, 0 if wire else FLAG_EMPTY, None)  # see _values
+        name = names.elastic_piece(self.round, 0, position, path)
+        expected, _ = self._expected("wire", name, position, path)
+        member = self.prev.members[position]
+        piece = self._read(name, expected, position, f"member {member} (rank {position})")
+        if piece is None:
+            self.io._explain_missing(self.round, member, self.prev, self.digest,
+                                    self.units.nbytes("wire", 0, self.units.total))
+            raise MemberDropped(
+                f"slice {path[0]} of member {member}'s contribution to round {self.round} "
+                "is gone: this member fell behind and the others have moved on",
+                rank=self.io.rank, collective=self.round,
+                path=self.io._storage.path_of(self.io._key(name)),
+                hint="connect again with elastic=True to rejoin")
+        return piece
+
+    def _obtain(self, name: str, role, expected: Expected, writer: int) -> Piece:
+        """Object ``name`` (an output of ``role``): computed here when this member is
+        the role's owner, else read, computed here once its owner is found gone."""
+        if name in self._done:
+            return self._done[name]
+        owner = self._owner(role)
+        if owner == self.io.member_id:
+            self._compute(role)
+            return self._done[name]
+        backoff = Backoff(*self.io._agreement._poll)
+        next_look = time.monotonic() + self.io.heartbeat_interval
+        while True:
+            with self.io._stats.phase("wait_s"):
+                piece = self._read(name, expected, writer, f"member {owner}")
+            if piece is not None:
+                return piece
+            now = time.monotonic()
+            if now >= next_look:
+                if not self.io._watch.alive(owner):
+                    self._compute(role)  # its owner is gone: everyone needs it
+                    return self._done[name]
+                next_look = now + self.io.heartbeat_interval
+            if now > self.deadline:
+                raise SyncTimeout(
+                    f"round {self.round}'s tree reduce waited too long for {name} from "
+                    f"member {owner}, alive but not done", rank=self.io.rank,
+                    collective=self.round, path=self.io._storage.path_of(self.io._key(name)),
+                    hint="raise timeout, or find out why that member is stuck")
+            with self.io._stats.phase("wait_s"):
+                backoff.sleep(self.deadline)
+
+    def _output(self, level: int, node: int, path) -> tuple[str, tuple, Expected, int]:
+        """(name, role, expectation, writer) of the object carrying range ``path`` of
+        the sum over ``node`` of ``level`` (level 0: a contribution's slice)."""
+        depth = self.plan.depth
+        if level == depth:  # the root's ranges are the average's
+            name = names.elastic_result(self.round, path)
+            expected, writer = self._expected("flat", name, 0, path)
+            return name, ("sum", level, node, path), expected, writer
+        name = names.elastic_piece(self.round, level, node, path)
+        expected, writer = self._expected("sum", name, node, path)
+        return name, ("sum", level, node, path[:-1]), expected, writer
+
+    def _result(self, path) -> Piece:
+        """Range ``path`` of the average (a root range, or a merge of its sub-ranges)."""
+        if len(path) == self.plan.depth:
+            name, role, expected, writer = self._output(self.plan.depth, 0, path)
+        else:
+            name = names.elastic_result(self.round, path)
+            role = ("merge", path)
+            expected, writer = self._expected("flat", name, 0, path)
+        return self._obtain(name, role, expected, writer)
+
+    # -- computing ----------------------------------------------------------------------------
+    def _values(self, piece: Piece, level: int, path) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(flat, first element, end element, values) of each flat a piece covers."""
+        lo, hi = self.plan.span(path, self.units.total)
+        out, offset = [], 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only buffers: only ever read
+            for i, e0, e1, fa, fb in self.units.pieces(lo, hi):
+                flat, codec = self.units.flats[i], self.units.codecs[i]
+                if level == 0 and piece.payload is None:  # this member's own slice
+                    wire = self._own[1][i]
+                    values = flat[e0:e1] if codec.raw else codec.decode(
+                        torch.from_numpy(wire[fa * codec.frame_bytes:fb * codec.frame_bytes]),
+                        e1 - e0)
+                elif level == 0:
+                    n = (fb - fa) * codec.frame_bytes
+                    data = piece.payload[offset:offset + n]
+                    values = codec.decode(torch.frombuffer(data, dtype=torch.uint8), e1 - e0) \
+                        if n else flat.new_empty(0)
+                    offset += n
+                else:
+                    dtype = accumulator_dtype(flat.dtype)
+                    n = (e1 - e0) * _itemsize(dtype)
+                    data = piece.payload[offset:offset + n]
+                    values = torch.frombuffer(data, dtype=dtype) if n else \
+                        torch.empty(0, dtype=dtype)
+                    offset += n
+                out.append((i, e0, e1, values))
+        return out
+
+    def _compute(self, role) -> None:
+        if role[0] == "merge":
+            return self._merge(role[1])
+        _, level, node, path = role
+        sums: dict[int, torch.Tensor] = {}
+        weights, first = [], True
+        contributing = set(self.roster.contributors)
+        for child in self.plan.children(level, node):
+            if level == 1:
+                if self.prev.members[child] not in contributing:
+                    continue
+                piece = self._slice(child, path)
+            else:
+                name, crole, expected, writer = self._output(level - 1, child, path)
+                piece = self._obtain(name, crole, expected, writer)
+            weights.append(piece.weight)
+            if piece.weight <= 0 or piece.flags & FLAG_EMPTY:
+                continue
+            with self.io._stats.phase("reduce_s"):
+                for i, e0, e1, values in self._values(piece, level - 1, path):
+                    acc = sums.get(i)
+                    if acc is None:
+                        acc = sums[i] = torch.empty(
+                            e1 - e0, dtype=accumulator_dtype(self.units.flats[i].dtype))
+                    accumulate(acc, values.to(acc.device),
+                               piece.weight if level == 1 else 1.0, first=first)
+                first = False
+        weight = total_weight(weights)
+        if level == self.plan.depth:
+            self._finish(path, weight, sums, first)
+            return
+        for j in range(self.plan.k(level + 1)):
+            sub = path + (j,)
+            name, _, expected, writer = self._output(level, node, sub)
+            if first:  # nothing with weight: an empty piece
+                self._write(name, expected, writer, [], weight, FLAG_EMPTY)
+                continue
+            lo, hi = self.plan.span(sub, self.units.total)
+            base = self.plan.span(path, self.units.total)[0]
+            parts = []
+            for i, e0, e1, _fa, _fb in self.units.pieces(lo, hi):
+                start = self._element_offset(i, base)
+                parts.append(as_uint8(sums[i][e0 - start:e1 - start]).numpy())
+            self._write(name, expected, writer, parts, weight, 0)
+
+    def _element_offset(self, i: int, lo: int) -> int:
+        """The first element of flat ``i`` in a range starting at unit ``lo``."""
+        start = self.units.starts[i]
+        return max(0, lo - start) * self.units.codecs[i].frame_elems
+
+    def _finish(self, path, weight: float, sums: dict, empty: bool) -> None:
+        """A root range: the average (the sums divided once by the job's total weight,
+        rounded to each flat's dtype), or unchanged when the total weight is zero."""
+        name, _, expected, writer = self._output(self.plan.depth, 0, path)
+        if weight <= 0 or empty:
+            self._write(name, expected, writer, [], weight, FLAG_UNCHANGED if weight <= 0
+                        else 0)
+            return
+        parts = []
+        with self.io._stats.phase("reduce_s"):
+            span = self.plan.span(path, self.units.total)
+            for i, e0, e1, _fa, _fb in self.units.pieces(*span):
+                out = torch.empty(e1 - e0, dtype=self.units.flats[i].dtype)
+                divide_into(out, sums[i], weight)
+                parts.append(as_uint8(out).numpy())
+        self._write(name, expected, writer, parts, weight, 0)
+
+    def _merge(self, path) -> None:
+        """Range ``path`` of the average from its sub-ranges one level down the tree."""
+        name = names.elastic_result(self.round, path)
+        expected, writer = self._expected("flat", name, 0, path)
+        subs = [self._result(path + (j,)) for j in range(self.plan.k(len(path) + 1))]
+        weight, flags = self._agree(subs, name)
+        self._write(name, expected, writer,
+                    [] if flags else [s.payload for s in subs], weight, flags)
+
+    def _agree(self, pieces: list[Piece], what: str) -> tuple[float, int]:
+        """The one total weight (and flags) that every range of the average carries."""
+        weights = {(p.weight, p.flags & FLAG_UNCHANGED) for p in pieces}
+        if len(weights) != 1:
+            raise ShardCorrupt(
+                f"the ranges of round {self.round}'s average disagree on the total weight "
+                f"({sorted(weights)}) at {what}", rank=self.io.rank, collective=self.round,
+                path=self.io._storage.path_of(self.io._key(what)),
+                hint="let nothing else write under this URL; set a secret")
+        weight, unchanged = weights.pop()
+        return weight, unchanged
+
+    # -- the round ------------------------------------------------------------------------------
+    def run(self, flats: list[torch.Tensor]) -> float:
+        """Do this member's part of the tree, then read the average into ``flats``;
+        returns the total weight (0: every member keeps its tensors)."""
+        plan_ = self.plan
+        for role, designee in plan_.assignments:
+            if self._owner(role, designee) == self.io.member_id and not self._computed(role):
+                self._compute(role)
+        ranges = [self._result((j,)) for j in range(plan_.k(1))]
+        weight, unchanged = self._agree(ranges, names.elastic_result(self.round, (0,)))
+        if unchanged or weight <= 0:
+            return 0.0
+        with self.io._stats.phase("reduce_s"):
+            for j, piece in enumerate(ranges):
+                for i, e0, e1, values in self._flat_values(piece, (j,)):
+                    flats[i][e0:e1].copy_(values)
+        return weight
+
+    def _computed(self, role) -> bool:
+        if role[0] == "merge":
+            return names.elastic_result(self.round, role[1]) in self._done
+        _, level, node, path = role
+        return self._output(level, node, path + (0,) if level < self.plan.depth else path)[0] \
+            in self._done
+
+    def _flat_values(self, piece: Piece, path):
+        lo, hi = self.plan.span(path, self.units.total)
+        offset = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i, e0, e1, _fa, _fb in self.units.pieces(lo, hi):
+                dtype = self.units.flats[i].dtype
+                n = (e1 - e0) * _itemsize(dtype)
+                data = piece.payload[offset:offset + n]
+                offset += n
+                yield i, e0, e1, (torch.frombuffer(data, dtype=dtype) if n
+                                  else torch.empty(0, dtype=dtype))
