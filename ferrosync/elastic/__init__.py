@@ -410,7 +410,8 @@ class ElasticSync(GradSync):
         return (head,) if tree else (head, head + total)
 
     def _put_object(self, key: str, expected: Expected, writer: int, parts: list,
-                    weight: float, flags: int, round_: int, exclusive_ok: bool = False) -> None:
+                    weight: float, flags: int, round_: int, exclusive_ok: bool = False,
+                    what: str = "contribution") -> None:
         """Write one object of round ``round_`` under ``expected``'s header (exclusive
         create; deleted with this member's other objects of the round). A name already
         taken is ``ShardCorrupt`` (only this member writes it: something planted it),
@@ -424,8 +425,9 @@ class ElasticSync(GradSync):
             if exclusive_ok:
                 return
             raise ShardCorrupt(
-                f"an object already lies under this member's {key.rsplit('/', 1)[-1]} of "
-                f"round {round_} (planted by something else: this member never wrote it)",
+                f"an object already lies under this member's {what} to round {round_} "
+                f"({key.rsplit('/', 1)[-1]}; planted by something else: this member "
+                "never wrote it)",
                 rank=self.rank, collective=round_, path=self._storage.path_of(key),
                 hint="let nothing else write under this URL; set a secret so planted "
                 "objects are refused by every member") from None

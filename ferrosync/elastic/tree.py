@@ -150,6 +150,51 @@ class Plan:
         """(role, the position it falls to) for every role, in ``roles`` order."""
         return [(role, self.designee(role)) for role in self.roles()]
 
+    def traffic(self, units: int = 1 << 20) -> list[dict]:
+        """What each position does in a healthy round (everyone contributes and takes
+        part), as the code does it: PUTs (its slices, its marker and every object it
+        computes; each deleted again two rounds later), GETs of tree objects, and the
+        bytes of both as fractions of the payload (float32: contributions, sums and
+        averages are the same size per element). The roster poll, the heartbeats and the
+        checker's marker reads are not tree traffic (``tools/elastic_costs.py`` adds
+        them)."""
+        out = [{"puts": self.k(1) + 1, "gets": 0, "read": 0.0, "written": 1.0}
+               for _ in range(self.members)]
+
+        def size(path) -> float:
+            lo, hi = self.span(path, units)
+            return (hi - lo) / units
+
+        results: dict[int, set] = {p: set() for p in range(self.members)}
+        for role, p in self.assignments:
+            mine = out[p]
+            if role[0] == "merge":
+                path = role[1]
+                subs = self.k(len(path) + 1)
+                mine["gets"] += subs - 1
+                mine["read"] += size(path) - size(path + (0,))
+                mine["puts"] += 1
+                mine["written"] += size(path)
+                if len(path) == 1:
+                    results[p].add(path)
+                continue
+            _, level, node, path = role
+            children = len(self.children(level, node))
+            mine["gets"] += children - 1
+            mine["read"] += (children - 1) * size(path)
+            if level == self.depth:
+                mine["puts"] += 1
+                if level == 1:
+                    results[p].add(path)
+            else:
+                mine["puts"] += self.k(level + 1)
+            mine["written"] += size(path)
+        for p, mine in enumerate(out):
+            missing = [(j,) for j in range(self.k(1)) if (j,) not in results[p]]
+            mine["gets"] += len(missing)
+            mine["read"] += sum(size(path) for path in missing)
+        return out
+
     def designee(self, role) -> int:
         if role[0] == "sum":
             return self.holder(*role[1:])
@@ -282,7 +327,8 @@ class TreeRound:
                     parts.append(wire[i][fa * fbytes:fb * fbytes])
             parts = [p for p in parts if p.nbytes]
             self.io._put_object(self.io._key(name), expected, self.me, parts, weight,
-                                0 if send else FLAG_EMPTY, self.round)
+                                0 if send else FLAG_EMPTY, self.round,
+                                what=f"contribution (slice {j})")
 
     def _write(self, name: str, expected: Expected, writer: int, parts, weight: float,
                flags: int) -> Piece:
