@@ -18,8 +18,9 @@ printed beside the clients' sum. ``--large`` adds W = 8 and 16 (kept out of CI).
 Over a directory (the default) the requests are file-system calls with no kind: only
 the total and the bytes mean anything there; use ``--seaweed`` (or an s3:// ``--url``).
 
-Modelled (``--model``): today's all-read-all round, per member and for the checker
-(requests by kind, bytes), the latency model (RTT x sequential requests + bytes read /
+Modelled (``--model``): a healthy round (all-read-all below 5 members, the tree reduce
+from 5: ``ferrosync/elastic/tree.py``'s own plan), per member, for the checker and for
+the busiest member (requests by kind, bytes), the latency model (RTT x sequential requests + bytes read /
 bandwidth), the request cost per hour at W = 10, 100, 1,000 at S3 list prices
 (``ferrosync/stores.py``) for ``--round-rate`` rounds per second, and the heartbeat cost
 per hour at the default ``heartbeat_interval``. With a measurement the model is
@@ -47,33 +48,52 @@ MIB = 1 << 20
 # -- the model ---------------------------------------------------------------------------
 
 def model(w: int, payload: int, *, round_s: float, hb_interval: float,
-          poll_s: float = 0.0) -> dict:
-    """Requests and bytes of one healthy all-read-all round, per ordinary member and for
-    the checker (member 0), as docs/elastic.md#rounds describes the protocol.
+          poll_s: float = 0.0, fan_in: int | None = None) -> dict:
+    """Requests and bytes of one healthy round, per ordinary member (the mean), for the
+    checker (member 0) and for the busiest member, as docs/elastic.md#rounds describes
+    the protocol: all-read-all below ``TREE_FROM`` members, the tree reduce from there
+    (``Plan.traffic``: the code's own plan, at the default ``fan_in``).
 
     ``round_s``: the round's wall time (heartbeats: one PUT per ``hb_interval``);
     ``poll_s``: the time a member spends polling for the roster (one GET per poll; the
     polls' count depends on the wait, so it is an input, 0 for the floor).
     """
+    from ferrosync.backends.options import ElasticOptions
+    from ferrosync.elastic.tree import TREE_FROM, Plan
+
     hb = round_s / hb_interval
     polls = 1.0 + (poll_s / 0.2 if poll_s else 0.0)  # at least the roster read
-    member = {
-        "puts": 1.0 + hb,                 # its contribution, its heartbeats
-        "gets": (w - 1) + polls,          # every other contribution, the roster
-        "lists": 0.0,
-        "deletes": 1.0,                   # its contribution of round r-2
-        "bytes_read": (w - 1) * payload,
-        "bytes_written": payload,
-    }
-    checker = dict(member)
-    checker["puts"] += 2.0                # the roster, the `latest` hint
-    checker["gets"] += 2.0                # the join.{next} miss, its own contribution
-    checker["bytes_read"] += payload      # it reads all W contributions (measured: W x P)
-    # (its roster-r-64 DELETE comes once 64 rounds exist; the contributions it reads while
-    # checking are kept and reused for the reduce)
-    for d in (member, checker):
+    if w < TREE_FROM:
+        member = {
+            "puts": 1.0 + hb,                 # its contribution, its heartbeats
+            "gets": (w - 1) + polls,          # every other contribution, the roster
+            "lists": 0.0,
+            "deletes": 1.0,                   # its contribution of round r-2
+            "bytes_read": (w - 1) * payload,
+            "bytes_written": payload,
+        }
+        checker = dict(member)
+        checker["gets"] += 2.0                # the join.{next} miss, its own contribution
+        checker["bytes_read"] += payload      # it reads all W contributions (measured: W x P)
+        busiest = checker
+    else:
+        plan = Plan(w, fan_in or ElasticOptions.parse({}).fan_in)
+        per = [{"puts": t["puts"] + hb, "gets": t["gets"] + polls, "lists": 0.0,
+                # every object a member wrote is deleted by it two rounds later
+                "deletes": float(t["puts"]), "bytes_read": t["read"] * payload,
+                "bytes_written": t["written"] * payload} for t in plan.traffic()]
+        others = per[1:]
+        member = {k: sum(d[k] for d in others) / len(others) for k in per[0]}
+        checker = dict(per[0])
+        # it looks for every member's header-only marker (its own included) instead of
+        # downloading contributions, and the join.{next} miss
+        checker["gets"] += w + 1.0
+        busiest = max(per, key=lambda d: d["bytes_read"])
+    checker["puts"] += 2.0                    # the roster, the `latest` hint
+    # (its roster-r-64 DELETE comes once 64 rounds exist)
+    for d in (member, checker, busiest):
         d["requests"] = sum(d[k] for k in KINDS)
-    return {"member": member, "checker": checker}
+    return {"member": member, "checker": checker, "busiest": busiest}
 
 
 def polls(wait_s: float, first: float = 5e-3, longest: float = 0.2) -> int:
@@ -88,11 +108,14 @@ def polls(wait_s: float, first: float = 5e-3, longest: float = 0.2) -> int:
 
 
 def latency(w: int, payload: int, *, rtt: float, bandwidth: float) -> float:
-    """Seconds of one round's critical path: RTT x the sequential requests (write the
-    contribution, read the roster, then the W-1 contributions one after the other) +
-    the bytes read over the bandwidth."""
-    sequential = 1 + 1 + (w - 1)
-    return rtt * sequential + (w - 1) * payload / bandwidth
+    """Seconds of one round's critical path: RTT x the busiest member's requests, one
+    after the other (all-read-all: write the contribution, read the roster, then the
+    W-1 contributions; the tree: its slices and marker, the roster, then each level's
+    reads and writes), + its bytes read over the bandwidth. A lower bound for the tree,
+    whose levels also wait for each other."""
+    busiest = model(w, payload, round_s=0.0, hb_interval=1.0)["busiest"]
+    sequential = busiest["puts"] + busiest["gets"]
+    return rtt * sequential + busiest["bytes_read"] / bandwidth
 
 
 def job_cost_per_hour(w: int, payload: int, round_rate: float, hb_interval: float,
@@ -124,7 +147,7 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
     from ferrosync.backends.options import ElasticOptions
 
     hb = ElasticOptions.interval_object_store  # an elastic member's default on S3
-    print(f"model: all-read-all round, P = {payload / MIB:g} MiB, S3 list prices "
+    print(f"model: a healthy round (all-read-all below 5 members, the tree from 5), P = {payload / MIB:g} MiB, S3 list prices "
           f"{prices} USD per 1,000, heartbeat_interval {hb:g} s (elastic default on an "
           "object store; heartbeats $/h: its PUTs plus at most one GET per member per "
           "interval), "
@@ -133,19 +156,21 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
           f"{'xP':>6} {'busiest xP':>10} {'req/round (job)':>16} {'round s':>9} {'rounds $/h':>11} "
           f"{'heartbeats $/h':>15}")
     for w in (2, 4, 8, 16, 10, 100, 1000):
-        m = model(w, payload, round_s=0.0, hb_interval=hb)["member"]
+        mod = model(w, payload, round_s=0.0, hb_interval=hb)
+        m = mod["member"]
         c = job_cost_per_hour(w, payload, round_rate, hb, prices)
-        print(f"{w:>6} {m['gets']:>11.0f} {m['puts']:>4.0f} {m['deletes']:>4.0f} "
-              f"{m['bytes_read'] / MIB:>8.0f} MiB {m['bytes_read'] / payload:>6.0f} "
-              f"{w:>10} {c['requests_per_round']:>16,.0f} "
+        print(f"{w:>6} {m['gets']:>11.1f} {m['puts']:>4.1f} {m['deletes']:>4.1f} "
+              f"{m['bytes_read'] / MIB:>8.2f} MiB {m['bytes_read'] / payload:>6.2f} "
+              f"{mod['busiest']['bytes_read'] / payload:>10.2f} "
+              f"{c['requests_per_round']:>16,.0f} "
               f"{latency(w, payload, rtt=rtt, bandwidth=bandwidth):>9.2f} "
               f"{c['rounds_usd']:>11,.2f} {c['heartbeats_usd']:>15,.2f}")
-    print("GET/member: W-1 contributions + 1 roster read (polls while waiting add one "
-          "per poll); PUT: the contribution (+1 per heartbeat_interval of the round); the "
-          "checker adds 2 PUTs and 2 GETs and reads all W contributions (the busiest: "
-          "W x P). Requests per job per round grow as W^2, bytes read per member as "
-          "(W-1) x P. Not met: <= 2.5 P per member, ~linear requests (docs/elastic.md#cost); "
-          "met: <= $2/h liveness at 1,000 with the default heartbeat_interval.")
+    print("Below 5 members every member reads every contribution (GET/member: W-1 "
+          "contributions + 1 roster read; the checker adds 2 GETs and reads all W). From "
+          "5 on the tree reduce: per member its slices, marker and computed objects "
+          "(PUT; each deleted two rounds later), the tree objects it reads (GET) and about "
+          "2 x P read; the checker reads W header-only markers. Polls while waiting add a "
+          "GET each; every member's heartbeat adds a PUT per heartbeat_interval.")
 
 
 # -- one member (a child process) --------------------------------------------------------
