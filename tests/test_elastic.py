@@ -622,3 +622,52 @@ def test_a_member_closed_from_a_signal_handler_is_seen_within_a_round(tmp_path, 
         assert isinstance(log, list), got
         after = [world for _, world, at in log if at > closed]
         assert after.count(3) <= 1 and after[-1] == 2, (after, log[-8:])
+
+
+# -- a newcomer that does not fit is refused alone ------------------------------------------
+
+def w_fitting(index, _world, url, members, stop):
+    with ferrosync.connect(url, elastic=True, min_ranks=members, job="refuse",
+                           timeout=TIMEOUT, **FAST) as sync:
+        log = []
+        while True:
+            t, done = torch.full((8,), 10.0 ** index), torch.tensor([float(os.path.exists(stop))])
+            total = sync.average_([t, done])
+            log.append((total, t[0].item(), sync.world_size, sync.membership_changes))
+            if done.item() > 0:  # the same average on every member: all stop together
+                return log
+            time.sleep(0.02)  # a training step's worth of work between rounds
+
+
+def w_misfit(index, _world, url):
+    sync = ferrosync.connect(url, elastic=True, job="refuse", timeout=TIMEOUT, **FAST)
+    changes = sync.membership_changes
+    try:
+        sync.average_([torch.zeros(5), torch.zeros(1)])
+    except LayoutMismatch as exc:
+        return {"error": str(exc), "changes": changes}
+    return {"error": None}
+
+
+@pytest.mark.parametrize("members", [2, 5])  # 5: a tree round
+def test_a_newcomer_with_other_shapes_is_refused_alone(tmp_path, members):
+    """A plain connect (no spec) with other tensor shapes: the roster's checker finds
+    its first contribution's layout differs from its own, leaves it out of the round
+    and tells it what differs; the members average on, and the job's count of
+    membership changes is what it was."""
+    url, stop = str(tmp_path / "store"), str(tmp_path / "stop")
+    procs, results = start_ranks(w_fitting, members, url, members, stop)
+    wait_until((tmp_path / "store" / "el.refuse" / "r3.roster").exists, "round 3", timeout=60)
+    late, late_results = start_ranks(w_misfit, 1, url)
+    (misfit,) = collect(late, late_results, 60).values()
+    open(stop, "w").close()
+    got = collect(procs, results, 120)
+    assert misfit["error"] and "refused" in misfit["error"], misfit
+    assert "float32[8]" in misfit["error"] and "float32[5]" in misfit["error"], misfit
+    for log in got.values():
+        assert all(total == members for total, *_ in log), log
+        assert [v for _, v, _, _ in log] == pytest.approx([avg_of(range(members))] * len(log))
+        assert members + 1 in {w for *_, w, _ in log}, log  # it was admitted for a round
+        # the admission counted for the round it lasted; the refusal took it back
+        assert all(c == (w == members + 1) for *_, w, c in log), log
+        assert log[-1][2] == members and log[-1][3] == 0, log

@@ -289,3 +289,22 @@ def test_is_checker_when_every_predecessor_is_gone(storage, clock):
         beating(storage, clock, who, until=clock.now + 0.1).stop(mb.LEFT)
     assert me.agreement.is_checker([A, B])
     assert me.agreement.is_checker([])
+
+
+def test_a_refusal_takes_back_the_admission_it_refuses_and_nothing_else():
+    steady = mb.Roster(4, (A, B), (A, B), 0, 3)
+    admitted = mb.Roster(5, (A, B), (A, B, C), 1, 4, admitted_only=True)
+    assert admitted.newcomers == {C}
+    # C's first contribution does not fit: the job is back to A, B and to 3 changes
+    refused = mb.Roster(6, (A, B), (A, B), 1, refused=(C,))
+    assert refused.changes_after(admitted) == 3
+    # ... unless something else changed in that round too (B left): that one counts
+    both = mb.Roster(6, (A, B), (A,), 1, refused=(C,))
+    assert both.changes_after(admitted) == 4
+    # an admission that came with a departure stays counted (the departure was real)
+    mixed = mb.Roster(5, (A,), (A, C), 1, 4)
+    assert mb.Roster(6, (A,), (A,), 1, refused=(C,)).changes_after(mixed) == 4
+    assert mb.Roster(5, (A, B), (A, B), 0).changes_after(steady) == 3
+    # round trip through the record, fields included
+    again = mb.Roster.from_record(refused.record(), 6, "x")
+    assert again == refused and mb.Roster.from_record(admitted.record(), 5, "x") == admitted

@@ -20,10 +20,10 @@ the total and the bytes mean anything there; use ``--seaweed`` (or an s3:// ``--
 
 Modelled (``--model``): a healthy round (all-read-all below 5 members, the tree reduce
 from 5: ``ferrosync/elastic/tree.py``'s own plan), per member, for the checker and for
-the busiest member (requests by kind, bytes), the latency model (RTT x sequential requests + bytes read /
-bandwidth), the request cost per hour at W = 10, 100, 1,000 at S3 list prices
-(``ferrosync/stores.py``) for ``--round-rate`` rounds per second, and the heartbeat cost
-per hour at the default ``heartbeat_interval``. With a measurement the model is
+the busiest member (requests by kind, bytes), the latency model (RTT x sequential
+requests + bytes read / bandwidth), the request cost per hour at W = 10, 100, 1,000
+at S3 list prices (``ferrosync/stores.py``) for ``--round-rate`` rounds per second, and
+the heartbeat cost per hour at the default ``heartbeat_interval``. With a measurement the model is
 compared with it. The command that produced the output is printed first.
 """
 
@@ -79,8 +79,9 @@ def model(w: int, payload: int, *, round_s: float, hb_interval: float,
     else:
         plan = Plan(w, fan_in or ElasticOptions.parse({}).fan_in)
         per = [{"puts": t["puts"] + hb, "gets": t["gets"] + polls, "lists": 0.0,
-                # every object a member wrote is deleted by it two rounds later
-                "deletes": float(t["puts"]), "bytes_read": t["read"] * payload,
+                # every object a member wrote is deleted by it two rounds later, in
+                # one request (a batch delete)
+                "deletes": 1.0, "bytes_read": t["read"] * payload,
                 "bytes_written": t["written"] * payload} for t in plan.traffic()]
         others = per[1:]
         member = {k: sum(d[k] for d in others) / len(others) for k in per[0]}
@@ -147,7 +148,8 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
     from ferrosync.backends.options import ElasticOptions
 
     hb = ElasticOptions.interval_object_store  # an elastic member's default on S3
-    print(f"model: a healthy round (all-read-all below 5 members, the tree from 5), P = {payload / MIB:g} MiB, S3 list prices "
+    print("model: a healthy round (all-read-all below 5 members, the tree from 5), "
+          f"P = {payload / MIB:g} MiB, S3 list prices "
           f"{prices} USD per 1,000, heartbeat_interval {hb:g} s (elastic default on an "
           "object store; heartbeats $/h: its PUTs plus at most one GET per member per "
           "interval), "
@@ -168,9 +170,10 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
     print("Below 5 members every member reads every contribution (GET/member: W-1 "
           "contributions + 1 roster read; the checker adds 2 GETs and reads all W). From "
           "5 on the tree reduce: per member its slices, marker and computed objects "
-          "(PUT; each deleted two rounds later), the tree objects it reads (GET) and about "
-          "2 x P read; the checker reads W header-only markers. Polls while waiting add a "
-          "GET each; every member's heartbeat adds a PUT per heartbeat_interval.")
+          "(PUT; deleted two rounds later in one batch DELETE), the tree objects it reads "
+          "(GET) and about 2 x P read; the checker reads W header-only markers. Polls "
+          "while waiting add a GET each; every member's heartbeat adds a PUT per "
+          "heartbeat_interval.")
 
 
 # -- one member (a child process) --------------------------------------------------------

@@ -44,7 +44,7 @@ import torch
 
 from .. import names, validate
 from ..api import GradSync
-from ..backends.common import accumulate, divide_into, total_weight
+from ..backends.common import accumulate, describe_mismatch, divide_into, total_weight
 from ..backends.encoder import Encoder
 from ..backends.incoming import Expected, Part
 from ..backends.options import ElasticOptions
@@ -151,6 +151,9 @@ class ElasticSync(GradSync):
         self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
         self._heartbeat = heartbeat(storage, self._ns, self.member_id, interval, self._secret)
         self._mine: list[tuple[int, str]] = []  # (round, key) of own contributions
+        # the layout record of the collective being called (its op, dtypes and shapes):
+        # the roster's checker hands it to a newcomer it refuses, naming the difference
+        self._call_layout: dict | None = None
         self.membership: list[str] = []
         self._roster: Roster | None = None
         started = False
@@ -369,10 +372,23 @@ class ElasticSync(GradSync):
         with self._stats.phase("write_s"):
             self._put_object(key, self._expected(round_, prev, digest, total), pos, parts,
                              weight, flags, round_)
+        agreement = self._agreement
+        agreement.layout = self._call_layout
+        agreement.fits = lambda r, member: self._fits(r, member, prev, digest, total)
         with self._stats.phase("wait_s"):
-            roster = self._agreement.wait(round_, prev, list(prev.members[:pos]),
-                                          time.monotonic() + self.timeout,
-                                          sizes=self.contribution_sizes(total, tree))
+            roster = agreement.wait(round_, prev, list(prev.members[:pos]),
+                                    time.monotonic() + self.timeout,
+                                    sizes=self.contribution_sizes(total, tree))
+        if self.member_id in roster.refused:
+            self._storage.delete([k for r, k in self._mine if r == round_])
+            mine = self._call_layout or {}
+            raise LayoutMismatch(
+                f"this member was refused by the elastic job at round {round_}: its first "
+                "collective does not fit the job's ("
+                + describe_mismatch(mine, roster.layout, pos, 0) + ")", rank=pos,
+                collective=round_, path=self._storage.path_of(key),
+                hint="start every member with the same model and calls (pass spec= to be "
+                "refused before joining); the job's members went on without this one")
         if self.member_id not in roster.contributors:
             self._storage.delete([key])
             raise MemberDropped(
@@ -395,6 +411,36 @@ class ElasticSync(GradSync):
             self._storage.delete(done)
             self._mine = [(r, k) for r, k in self._mine if r > round_ - 2]
         return prev, roster, wire
+
+    def _fits(self, round_: int, member: str, prev: Roster, digest: bytes, total: int) -> bool:
+        """Whether ``member``'s contribution to ``round_`` has this round's layout (its
+        MAC verified first: a forged object is ``ShardCorrupt``, not a misfit). One far
+        larger than any of this round's does not fit, whatever it says."""
+        key = self._key(names.elastic_contribution(round_, member))
+        head = HEADER_SIZE + (MAC_SIZE if self._secret is not None else 0)
+        try:
+            reader = self._storage.open(key, max_bytes=2 * (head + total) + RECORD_LIMIT,
+                                        rank=self.rank)
+        except ShardCorrupt:
+            return False
+        if reader is None:
+            return True
+        with reader:
+            buf = bytearray(reader.size)
+            raw = bytes(buf[:reader.readinto(buf)])
+
+        class Misfit(Exception):
+            pass
+
+        def misfit(_src, _theirs):
+            return Misfit()
+
+        try:
+            self._verified(raw, key, self._expected(round_, prev, digest, total),
+                           prev.members.index(member), f"member {member}", round_, misfit)
+        except Misfit:
+            return False
+        return True
 
     def _expected(self, round_: int, prev: Roster, digest: bytes, total: int) -> Expected:
         """What every contribution to ``round_`` says about itself (the storage
@@ -568,6 +614,7 @@ class ElasticSync(GradSync):
             flats = [bucket.flat(self._pool) for bucket, _, _ in planned]
             # codec state (int8 error feedback) belongs to what the data is, not its shape
             self._encoder.stream = (stream, planned[0][1])
+            self._call_layout = planned[0][2]
             total = self._average_flats([f for f, _ in flats], weight, planned[0][1])
             if total > 0:
                 for (bucket, _, _), (flat, is_copy) in zip(planned, flats):
@@ -625,6 +672,7 @@ class ElasticSync(GradSync):
         with torch.no_grad():
             planned = self._buckets("broadcast", tensors)
             flats = [bucket.flat(self._pool) for bucket, _, _ in planned]
+            self._call_layout = planned[0][2]
             if self._broadcast_flats([f for f, _ in flats], src, planned[0][1]):
                 for (bucket, _, _), (flat, is_copy) in zip(planned, flats):
                     if is_copy:
@@ -652,15 +700,18 @@ class ElasticSync(GradSync):
     # -- the backend primitives (each one round) ----------------------------------------------
     def _average_flat(self, flat, weight, digest, layout):
         self._encoder.stream = (layout.get("stream"), digest)
+        self._call_layout = layout
         return self._average_flats([flat], weight, digest)
 
     def _broadcast_flat(self, flat, src, digest, layout):
+        self._call_layout = layout
         self._broadcast_flats([flat], src, digest)
 
     def _all_gather_flat(self, flat, digest, layout):
         """One tensor per contributor of the round, in roster order (its length is the
         round's membership, which may differ from ``world_size`` afterwards)."""
         codecs = self._codecs([flat], encoded=False)
+        self._call_layout = layout
         prev, roster, _ = self._exchange([flat], codecs, 1.0, digest, send=True)
         out = []
         for member in roster.contributors:
@@ -675,6 +726,7 @@ class ElasticSync(GradSync):
         return out
 
     def _barrier(self, digest, layout):
+        self._call_layout = layout
         prev, roster, _ = self._exchange([], [], 1.0, digest, send=False)
         for member in roster.contributors:  # the layout check: every member is in a barrier
             if member != self.member_id:

@@ -115,7 +115,12 @@ class Roster:
     gone, then the admitted joiners); a member's rank is its index here.
     ``join_next``: the first join entry not yet consumed. ``changes``: the rounds
     whose ``members`` differed from the previous round's, over the job's life (the
-    first roster counts none): the job's count, the same on every member.
+    first roster counts none; an admission undone by a refusal counts none): the
+    job's count, the same on every member. ``admitted_only``: this roster counted a
+    change only because it admitted joiners. ``refused``: newcomers whose first
+    contribution did not fit the round's layout (left out of ``contributors`` and
+    ``members``), and ``layout`` the checker's layout record of that round, so each
+    can be told what differs.
     """
 
     round: int
@@ -123,6 +128,30 @@ class Roster:
     members: tuple[str, ...]
     join_next: int
     changes: int = 0
+    refused: tuple[str, ...] = ()
+    layout: dict | None = None
+    admitted_only: bool = False
+
+    @property
+    def newcomers(self) -> frozenset:
+        """The members this roster admitted (none are "new" in a founding roster)."""
+        if self.founding:
+            return frozenset()
+        return frozenset(self.members) - frozenset(self.contributors)
+
+    def changes_after(self, prev: Roster) -> int:
+        """The job's count of membership changes with this roster after ``prev``.
+
+        A refusal undoes the admission it refuses: when ``prev`` counted a change only
+        for its joiners and this roster refuses all of them, that change is taken back,
+        and leaving them out is no change of its own."""
+        if prev.round < 0:
+            return 0
+        before = tuple(m for m in prev.members if m not in self.refused)
+        count = prev.changes + (self.members != before)
+        if self.refused and prev.admitted_only and prev.newcomers <= set(self.refused):
+            count -= 1
+        return count
 
     @property
     def founding(self) -> bool:
@@ -131,18 +160,27 @@ class Roster:
         return not set(self.members) & set(self.contributors)
 
     def record(self) -> dict:
-        return {"round": self.round, "contributors": list(self.contributors),
-                "members": list(self.members), "join_next": self.join_next,
-                "changes": self.changes}
+        record = {"round": self.round, "contributors": list(self.contributors),
+                  "members": list(self.members), "join_next": self.join_next,
+                  "changes": self.changes}
+        if self.refused:
+            record.update(refused=list(self.refused), layout=self.layout)
+        if self.admitted_only:
+            record["admitted_only"] = True
+        return record
 
     @classmethod
     def from_record(cls, record: dict, round_: int, path: str) -> Roster:
         try:
+            layout = record.get("layout")
             roster = cls(int(record["round"]), tuple(record["contributors"]),
                          tuple(record["members"]), int(record["join_next"]),
-                         int(record.get("changes", 0)))
+                         int(record.get("changes", 0)), tuple(record.get("refused", ())),
+                         layout if isinstance(layout, dict) else None,
+                         record.get("admitted_only") is True)
             ok = (roster.round == round_ and roster.join_next >= 0 and roster.changes >= 0
-                  and all(names.is_member_id(m) for m in roster.members + roster.contributors)
+                  and all(names.is_member_id(m) for m in
+                          roster.members + roster.contributors + roster.refused)
                   and len(set(roster.members)) == len(roster.members))
         except (KeyError, TypeError, ValueError):
             ok = False

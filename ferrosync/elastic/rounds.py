@@ -22,6 +22,7 @@ together are judged together (``Agreement.complete``, ``Agreement.is_checker``).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from .. import names
 from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
@@ -83,6 +84,10 @@ class Agreement:
         self._kept: dict[tuple[int, str], bytes] = {}  # see contributed()
         self._kept_bytes = 0
         self.waiting_on = "the roster's writer"  # for the timeout message
+        #: ``fits(round, member)``: whether a newcomer's first contribution has this
+        #: round's layout (set by the member for each round, with ``layout``)
+        self.fits = None
+        self.layout: dict | None = None
         #: the legal sizes of this round's contributions (None: unknown, as for a
         #: joiner), set by ``wait``
         self.sizes: tuple[int, ...] | None = None
@@ -162,14 +167,32 @@ class Agreement:
         # a contributor this member already knows to be gone (judged while it looked
         # for the checker: no extra read) counts in this round but not in the next, so
         # a job whose members all died restarts with the newcomers alone
+        # admission is provisional: a newcomer whose first contribution does not fit the
+        # round's layout (checked against this member's own) is refused alone, and the
+        # others go on
+        refused = self._refused(prev, round_, survivors)
+        survivors = [m for m in survivors if m not in refused]
         members = [m for m in survivors if m not in self._watch.gone] + joiners
         if len(members) < max(self._min, 1):
             self.waiting_on = (f"joiners: {len(members)} member(s), "
                                f"fewer than min_ranks={self._min}")
             return None
-        changes = prev.changes + (prev.round >= 0 and tuple(members) != prev.members)
-        roster = Roster(round_, tuple(survivors), tuple(members), n, changes)
-        return self._rosters.create(roster)
+        roster = Roster(round_, tuple(survivors), tuple(members), n, prev.changes,
+                        tuple(refused), self.layout if refused else None)
+        changes = roster.changes_after(prev)
+        # the members before the joiners are exactly the previous ones: only admissions
+        admitted_only = bool(joiners) and changes > prev.changes and \
+            members[:len(members) - len(joiners)] == list(prev.members)
+        return self._rosters.create(replace(roster, changes=changes,
+                                            admitted_only=admitted_only))
+
+    def _refused(self, prev: Roster, round_: int, survivors: list[str]) -> list[str]:
+        """The survivors making their first contribution (admitted by ``prev``, which
+        did not found the job) whose contribution does not fit this round's layout."""
+        if self.fits is None or prev.founding:
+            return []
+        fresh = set(prev.members) - set(prev.contributors)
+        return [m for m in survivors if m in fresh and not self.fits(round_, m)]
 
     def _check_not_pruned(self, round_: int) -> None:
         """``MemberDropped`` if round ``round_`` is over and its roster already deleted:
