@@ -213,9 +213,12 @@ def dir_transport(tmp_path) -> Transport:
 # The contract matrix: (backend, world size). Each contract test runs on every case.
 # "hier": two nodes of two ranks (gloo inside a node, a directory between leaders);
 # "pg": TorchDistSync (torch://) over ferrosync's own torch.distributed backend.
+# "elastic": five members of an elastic job at fixed membership (every average a tree
+# round, fan_in 2: two levels), joining in worker order so that roster rank = worker.
 CASES = [("dir", 1), ("dir", 2), ("dir", 3), ("dir", 4), ("s3", 2), ("s3-seaweed", 2),
-         ("gs", 2), ("az", 2), ("gloo", 2), ("gloo", 3), ("nccl", 2), ("hier", 4), ("pg", 2)]
-STORAGE_BACKENDS = ("dir", "s3", "s3-seaweed", "gs", "az")
+         ("gs", 2), ("az", 2), ("gloo", 2), ("gloo", 3), ("nccl", 2), ("hier", 4), ("pg", 2),
+         ("elastic", 5)]
+STORAGE_BACKENDS = ("dir", "s3", "s3-seaweed", "gs", "az", "elastic")
 #: test-only option of the "pg" case: where its process group meets (test_contract.connect)
 PG_INIT = "_pg_init_method"
 
@@ -253,6 +256,9 @@ def case_transport(backend: str, tmp_path, object_transport) -> Transport:
                           "local_dir": str(tmp_path / "node-local")})
     if backend == "pg":
         return Transport("pg", "torch://", {PG_INIT: str(tmp_path / "pg")})
+    if backend == "elastic":
+        return Transport("elastic", str(tmp_path / "run"),
+                         {"elastic": True, "job": "contract", "fan_in": 2})
     raise AssertionError(f"contract case {backend!r} has no transport here")
 
 
@@ -266,6 +272,11 @@ def case_registration(backend: str, tmp_path) -> str:
         return Transport(name, f"{name.split('-')[0]}://{BUCKET}/x")
 
     transport = case_transport(backend, tmp_path, object_transport)
+    if transport.options.get("elastic"):  # connect's elastic=True path
+        from ferrosync.registry import REGISTRY, elastic_connector
+
+        elastic_connector(transport.url, transport.options)  # serves this URL
+        return next(e.name for e in REGISTRY.values() if e.elastic)
     return registration_for(transport.url, transport.options).name
 
 

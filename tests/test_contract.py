@@ -7,6 +7,7 @@ and they match a single-process float64 reference within the dtype's tolerance.
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -61,6 +62,17 @@ def assert_bit_identical(per_rank: list[list[torch.Tensor]]) -> None:
 
 def connect(case_url, rank, world, options, **extra):
     options = {**options, **extra}
+    if options.pop("elastic", False):
+        # the elastic case: a member joins once the worker before it holds its place in
+        # the join queue, so the founding roster lists the members in worker order and
+        # every rank-indexed check below holds (the roster orders members, not connect)
+        if rank:
+            entry = os.path.join(case_url, f"el.{options['job']}", f"join.{rank - 1}")
+            wait_until(lambda: os.path.exists(entry), timeout=60, what=entry)
+        sync = ferrosync.connect(case_url, elastic=True, min_ranks=world, max_ranks=world,
+                                 timeout=60, **options)
+        assert (sync.rank, sync.world_size) == (rank, world), (sync.rank, rank)
+        return sync
     pg_init = options.pop(PG_INIT, None)
     if pg_init is not None and not dist.is_initialized():
         # the "pg" case: TorchDistSync over ferrosync's own torch.distributed backend
@@ -121,7 +133,10 @@ def w_many(rank, world, url, options, steps):
             sync.average_(x)
             if step % 7 == 0:
                 sync.barrier()
-        return x, sync.stats, sync.generation_url
+        where = getattr(sync, "generation_url", None)
+        if where is None:  # an elastic job's namespace
+            where = os.path.join(url, f"el.{options['job']}")
+        return x, sync.stats, where
 
 
 # -- tests -----------------------------------------------------------------------------------
@@ -138,7 +153,7 @@ def test_average_is_exact_and_bit_identical(case):
 
 
 def test_weighted_average_sum_and_count(case):
-    weights = [0.0, 3.0, 1.0, 0.5][: case.world_size]
+    weights = [0.0, 3.0, 1.0, 0.5, 2.0][: case.world_size]
     if case.world_size == 1:
         weights = [2.5]
     results = run_ranks(w_average, case.world_size, case.url, case.options, weights, seed=1)
@@ -196,7 +211,10 @@ def test_storage_stays_bounded_over_many_collectives(case):
     storage = open_storage(case.url, case.options.get("storage_options"))
     names = [k for k, _ in storage.list(prefix)]
     assert names or case.world_size == 1, prefix
-    collectives = {int(m.group(1)) for k in names if (m := re.search(r"/c(\d+)\.", k))}
+    # a collective's objects: c{n}.* (an elastic round's: r{n}.*, less the rosters, of
+    # which an elastic job keeps a window of 64 for joiners: docs/elastic.md#cleanup)
+    pattern = r"/r(\d+)\.(?!roster$)" if case.options.get("elastic") else r"/c(\d+)\."
+    collectives = {int(m.group(1)) for k in names if (m := re.search(pattern, k))}
     # at most the last couple of collectives' objects survive (rule: cleanup)
     assert len(collectives) <= 2, sorted(collectives)
     hidden = [k.rsplit("/", 1)[-1] for k in names if k.rsplit("/", 1)[-1].startswith(".")]
