@@ -54,13 +54,15 @@ def w_steady(index, _world, url, rounds):
                 "gathered": [int(t) for t in gathered]}
 
 
-def w_fixed(rank, world, url, order, rounds):
+def w_fixed(rank, world, url, order, rounds, zero_at=None):
+    """The fixed-size backend's averages of the same values; ``zero_at``: the (index,
+    round) that sends weight 0."""
     index = order[rank]
     with ferrosync.connect(url, rank=rank, world_size=world, timeout=TIMEOUT) as sync:
         out = []
         for k in range(rounds):
             tensors = _values(index, k)
-            total = sync.average_(tensors, weight=index + 1)
+            total = sync.average_(tensors, weight=0 if (index, k) == zero_at else index + 1)
             out.append((total, tensors))
         return out
 

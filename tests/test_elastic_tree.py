@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from test_elastic import FAST, TIMEOUT, _values
+from test_elastic import FAST, TIMEOUT, _values, w_fixed
 
 import ferrosync
 from ferrosync.backends.options import ElasticOptions
@@ -85,21 +85,10 @@ def test_five_members_in_one_group_match_the_fixed_size_backend_bit_for_bit(tmp_
         for (t0, _, a, _m), (t1, _, b, _n) in zip(got[0]["out"], g["out"]):
             assert t0 == t1 and all(torch.equal(x, y) for x, y in zip(a, b))
     # the fixed-size backend with the same weights (index 1 sends weight 0 in round 1)
-    fixed = run_ranks(w_fixed_weights, 5, str(tmp_path / "fixed"), order, 3, timeout=120)
+    fixed = run_ranks(w_fixed, 5, str(tmp_path / "fixed"), order, 3, (1, 1), timeout=120)
     for (te, _, e, _m), (tf, f) in zip(got[0]["out"], fixed[0]):
         assert te == tf
         assert all(torch.equal(x, y) for x, y in zip(e, f)), "tree != fixed-size backend"
-
-
-def w_fixed_weights(rank, world, url, order, rounds):
-    index = order[rank]
-    with ferrosync.connect(url, rank=rank, world_size=world, timeout=TIMEOUT) as sync:
-        out = []
-        for k in range(rounds):
-            tensors = _values(index, k)
-            weight = 0.0 if index == 1 and k == 1 else float(index + 1)
-            out.append((sync.average_(tensors, weight=weight), tensors))
-        return out
 
 
 def _exact(got, k):
@@ -191,3 +180,31 @@ def test_a_member_that_dies_inside_a_tree_round_is_covered_by_the_others(tmp_pat
         # round 2's roster was agreed before the death: it leaves in round 3's
         assert [x[2] for x in log] == [5, 5, 5, 4]
         assert all(torch.equal(x[1], got[0][j][1]) for j, x in enumerate(log))
+
+
+def w_misplaced(index, _world, url):
+    if index == 0:
+        # this member seals each range of the average it computes as if it were the
+        # next range: a valid object of the job under the wrong name (what a copy
+        # between names looks like to a reader)
+        original = tree.TreeRound._expected
+
+        def misplaced(self, kind, name, writer, path):
+            if kind == "flat":
+                name = name + ".elsewhere"
+            return original(self, kind, name, writer, path)
+        tree.TreeRound._expected = misplaced
+    with ferrosync.connect(url, elastic=True, min_ranks=5, job="misplaced", timeout=20,
+                           secret=b"tree-secret", **FAST) as sync:
+        t = torch.full((1000,), float(index))
+        sync.average_([t])
+        return t[0].item()
+
+
+def test_a_tree_object_under_another_name_is_refused(tmp_path):
+    got = run_ranks(w_misplaced, 5, str(tmp_path / "el"), timeout=120, expect_errors=True)
+    assert not any(isinstance(g, float) for g in got), got  # nobody used an average
+    texts = [str(g.error) for g in got]
+    assert any("made for another place" in t for t in texts), texts
+    assert all(type(g.error).__name__ in ("ShardCorrupt", "PeerFailed", "SyncTimeout",
+                                          "MemberDropped") for g in got), texts

@@ -390,7 +390,8 @@ class ElasticSync(GradSync):
                 hint="start every member with the same model and calls (pass spec= to be "
                 "refused before joining); the job's members went on without this one")
         if self.member_id not in roster.contributors:
-            self._storage.delete([key])
+            # nobody reads what it wrote for this round (a tree round's slices too)
+            self._storage.delete([k for r, k in self._mine if r == round_])
             raise MemberDropped(
                 f"this member was dropped from round {round_}: the others found it gone "
                 "(heartbeat silent past heartbeat_timeout) before its contribution came",

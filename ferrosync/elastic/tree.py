@@ -380,7 +380,10 @@ class TreeRound:
             self._compute(role)
             return self._done[name]
         backoff = Backoff(*self.io._agreement._poll)
-        next_look = time.monotonic() + self.io.heartbeat_interval
+        # an owner already known gone is not waited for; another is looked at once per
+        # heartbeat interval of waiting
+        next_look = 0.0 if owner in self.io._watch.gone else \
+            time.monotonic() + self.io.heartbeat_interval
         while True:
             with self.io._stats.phase("wait_s"):
                 piece = self._read(name, expected, writer, f"member {owner}")
