@@ -1,13 +1,13 @@
 """Churn timings of an elastic job, as a spot user sees them (docs/elastic.md#churn).
 
     python tools/elastic_timings.py [--url DIR_OR_S3_URL] [--heartbeat-timeout S]
-                                    [--runs N] [--seaweed]
+                                    [--runs N] [--seaweed] [--members N]
 
 Three scenarios, each with real member processes on this machine (``--seaweed``: over
 a SeaweedFS server started on loopback, tools/seaweed.py):
 
-* **kill together**: 4 members average in a loop; ranks 0 and 1 (the roster's checker
-  and the next in line) are SIGKILLed at the same moment. Printed: seconds from the
+* **kill together**: 4 members (``--members``) average in a loop; ranks 0 and 1 (the
+  roster's checker and the next in line) are SIGKILLed at the same moment. Printed: seconds from the
   kill to the end of the first round a survivor completes without them.
 * **close**: 3 members; one catches SIGTERM and calls ``close()`` from its handler.
   Printed: seconds from the SIGTERM to the end of the first round without it.
@@ -119,19 +119,19 @@ def _first_round_without(job: Job, survivors, world: int, after: float) -> float
                if r["world"] == world and r["at"] > after) - after
 
 
-def kill_together(url, options, workdir) -> float:
+def kill_together(url, options, workdir, members: int = 4) -> float:
     job = Job(url, options, workdir)
     try:
-        for k in range(4):
+        for k in range(members):
             job.start(k, 2)
-        job.wait(lambda: all(len(job.rows(k)) >= 5 and job.rows(k)[-1]["world"] == 4
-                             for k in range(4)), "four members")
-        ranks = {job.rows(k)[-1]["rank"]: k for k in range(4)}
+        job.wait(lambda: all(len(job.rows(k)) >= 5 and job.rows(k)[-1]["world"] == members
+                             for k in range(members)), f"{members} members")
+        ranks = {job.rows(k)[-1]["rank"]: k for k in range(members)}
         victims = [ranks[0], ranks[1]]
         killed = time.time()
         for k in victims:
             job.procs[k].send_signal(signal.SIGKILL)
-        survivors = [k for k in range(4) if k not in victims]
+        survivors = [k for k in range(members) if k not in victims]
         return _first_round_without(job, survivors, 2, killed)
     finally:
         job.stop()
@@ -186,6 +186,8 @@ def main() -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=6.0)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--members", type=int, default=4, help="members of the kill-together "
+                   "job (from 5 the round in flight is a tree round the survivors finish)")
     args = p.parse_args()
     if args.member:
         member(args)
@@ -209,8 +211,8 @@ def main() -> int:
               + shlex.join(sys.argv[1:]), flush=True)
         t = args.heartbeat_timeout
         for run in range(args.runs):
-            drop = kill_together(url, options, workdir)
-            print(f"run {run}: kill together (2 of 4): dropped after {drop:.2f} s "
+            drop = kill_together(url, options, workdir, args.members)
+            print(f"run {run}: kill together (2 of {args.members}): dropped after {drop:.2f} s "
                   f"({drop / t:.2f} x heartbeat_timeout {t:g} s)", flush=True)
             leave = close_leave(url, options, workdir)
             print(f"run {run}: close() from a SIGTERM handler: dropped after {leave:.2f} s",
