@@ -277,6 +277,7 @@ class TreeRound:
                         if m in contributing and m in members]
         self._active_set = set(self._active)
         self._done: dict[str, Piece] = {}  # objects this member computed this round
+        self._owners: list[str] | None = None  # see _look_at_owners
 
     # -- who does what --------------------------------------------------------------------
     def substitute(self, position: int) -> int:
@@ -391,6 +392,7 @@ class TreeRound:
                 return piece
             now = time.monotonic()
             if now >= next_look:
+                self._look_at_owners()
                 if not self.io._watch.alive(owner):
                     self._compute(role)  # its owner is gone: everyone needs it
                     return self._done[name]
@@ -403,6 +405,37 @@ class TreeRound:
                     hint="raise timeout, or find out why that member is stuck")
             with self.io._stats.phase("wait_s"):
                 backoff.sleep(self.deadline)
+
+    def _look_at_owners(self) -> None:
+        """Look at the heartbeat of every member whose object this member will wait for
+        in this round (about ``fan_in`` per level), not only the one it waits for now:
+        members that died together start their silence clocks together, so this round
+        waits out one ``heartbeat_timeout`` for all of them, not one after another."""
+        if self._owners is None:
+            me, owners = self.io.member_id, set()
+            for role, designee in self.plan.assignments:
+                if self._owner(role, designee) == me:
+                    owners.update(self._owner(r) for r in self._inputs(role))
+            owners.update(self._owner(self._range_role((j,))) for j in range(self.plan.k(1)))
+            owners.discard(me)
+            self._owners = sorted(owners)
+        for member in self._owners:
+            self.io._watch.alive(member)  # judged once per look; gone ones stay gone
+
+    def _inputs(self, role) -> list[tuple]:
+        """The roles whose outputs ``role`` reads (a level-1 sum reads contributions)."""
+        if role[0] == "merge":
+            path = role[1]
+            return [self._range_role(path + (j,)) for j in range(self.plan.k(len(path) + 1))]
+        _, level, node, path = role
+        if level == 1:
+            return []
+        return [("sum", level - 1, child, path[:-1]) for child in self.plan.children(level, node)]
+
+    def _range_role(self, path) -> tuple:
+        """The role that writes range ``path`` of the average."""
+        return ("sum", self.plan.depth, 0, path) if len(path) == self.plan.depth \
+            else ("merge", path)
 
     def _output(self, level: int, node: int, path) -> tuple[str, tuple, Expected, int]:
         """(name, role, expectation, writer) of the object carrying range ``path`` of
