@@ -132,7 +132,7 @@ def kill_together(url, options, workdir, members: int = 4) -> float:
         for k in victims:
             job.procs[k].send_signal(signal.SIGKILL)
         survivors = [k for k in range(members) if k not in victims]
-        return _first_round_without(job, survivors, 2, killed)
+        return _first_round_without(job, survivors, members - 2, killed)
     finally:
         job.stop()
 
