@@ -249,6 +249,11 @@ class Agreement:
                         checker = self.is_checker(predecessors)
                         self.waiting_on = "the checker (the first live member) to write it"
                     next_look = now + self._check_interval
+                elif not checker and len(predecessors) == 1:
+                    # next in line after the checker: a heartbeat read per poll (one
+                    # member pays it) sees a checker that closed at once, not after up
+                    # to a heartbeat interval (10 s on an object store)
+                    checker = self.is_checker(predecessors)
                 if now >= next_full:
                     full, next_full = True, now + self._check_interval
                 if checker:
