@@ -460,27 +460,29 @@ class TreeRound:
         return self._obtain(name, role, expected, writer)
 
     # -- computing ----------------------------------------------------------------------------
-    def _values(self, piece: Piece, level: int, path) -> list[tuple[int, int, int, torch.Tensor]]:
-        """(flat, first element, end element, values) of each flat a piece covers."""
+    def _values(self, piece: Piece, kind: str, path) -> list[tuple[int, int, int, torch.Tensor]]:
+        """(flat, first element, end element, values) of each flat a piece covers; its
+        bytes are of ``kind`` (``Units.nbytes``): a contribution's wire bytes (its codec
+        decodes them), a partial sum's or the average's (raw, in their dtype)."""
         lo, hi = self.plan.span(path, self.units.total)
         out, offset = [], 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only buffers: only ever read
             for i, e0, e1, fa, fb in self.units.pieces(lo, hi):
                 flat, codec = self.units.flats[i], self.units.codecs[i]
-                if level == 0 and piece.payload is None:  # this member's own slice
+                if kind == "wire" and piece.payload is None:  # this member's own slice
                     wire = self._own[1][i]
                     values = flat[e0:e1] if codec.raw else codec.decode(
                         torch.from_numpy(wire[fa * codec.frame_bytes:fb * codec.frame_bytes]),
                         e1 - e0)
-                elif level == 0:
+                elif kind == "wire":
                     n = (fb - fa) * codec.frame_bytes
                     data = piece.payload[offset:offset + n]
                     values = codec.decode(torch.frombuffer(data, dtype=torch.uint8), e1 - e0) \
                         if n else flat.new_empty(0)
                     offset += n
                 else:
-                    dtype = accumulator_dtype(flat.dtype)
+                    dtype = self.units._dtype(kind, i)
                     n = (e1 - e0) * _itemsize(dtype)
                     data = piece.payload[offset:offset + n]
                     values = torch.frombuffer(data, dtype=dtype) if n else \
@@ -508,7 +510,8 @@ class TreeRound:
             if piece.weight <= 0 or piece.flags & FLAG_EMPTY:
                 continue
             with self.io._stats.phase("reduce_s"):
-                for i, e0, e1, values in self._values(piece, level - 1, path):
+                for i, e0, e1, values in self._values(piece, "wire" if level == 1 else "sum",
+                                                      path):
                     acc = sums.get(i)
                     if acc is None:
                         acc = sums[i] = torch.empty(
@@ -591,7 +594,7 @@ class TreeRound:
             return 0.0
         with self.io._stats.phase("reduce_s"):
             for j, piece in enumerate(ranges):
-                for i, e0, e1, values in self._flat_values(piece, (j,)):
+                for i, e0, e1, values in self._values(piece, "flat", (j,)):
                     flats[i][e0:e1].copy_(values)
         return weight
 
@@ -601,16 +604,3 @@ class TreeRound:
         _, level, node, path = role
         return self._output(level, node, path + (0,) if level < self.plan.depth else path)[0] \
             in self._done
-
-    def _flat_values(self, piece: Piece, path):
-        lo, hi = self.plan.span(path, self.units.total)
-        offset = 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i, e0, e1, _fa, _fb in self.units.pieces(lo, hi):
-                dtype = self.units.flats[i].dtype
-                n = (e1 - e0) * _itemsize(dtype)
-                data = piece.payload[offset:offset + n]
-                offset += n
-                yield i, e0, e1, (torch.frombuffer(data, dtype=dtype) if n
-                                  else torch.empty(0, dtype=dtype))
