@@ -225,8 +225,8 @@ def test_probe_location_names_rank_and_url(tmp_path):
 
 
 def test_open_storage_picks_the_engine_by_scheme(tmp_path):
-    """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer:
-    botocore's), any other fsspec driver; a bad URL is a ``ConfigError``. No I/O."""
+    """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer
+    for whole requests: botocore's), any other fsspec driver; a bad URL is a ``ConfigError``. No I/O."""
     pytest.importorskip("s3fs")
     from ferrosync.storage import FsspecStorage
     from ferrosync.storage.s3 import S3Storage
@@ -234,8 +234,14 @@ def test_open_storage_picks_the_engine_by_scheme(tmp_path):
     for url in (str(tmp_path / "a"), f"file://{tmp_path}/b"):
         assert type(open_storage(url)) is LocalStorage, url
     s3 = open_storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9"}, timeout=4)
-    assert type(s3) is S3Storage and s3._conditional_put and s3.retries == 0
-    assert s3.fs.retries == 1 and s3.first_contact_timeout == 4
+    assert type(s3) is S3Storage and s3._conditional_put
+    assert s3.fs.retries == 1 and s3.first_contact_timeout == 4 and s3.retry_s == 4
+    # botocore retries whole requests; ferrosync only what it cannot: a body cut short
+    from aiohttp import ClientPayloadError
+    from botocore.exceptions import ConnectionClosedError
+
+    assert not s3._retryable(ConnectionClosedError(endpoint_url="http://127.0.0.1:9"))
+    assert s3._retryable(ClientPayloadError("Response payload is not completed"))
     assert s3.endpoint == "http://127.0.0.1:9 (from endpoint_url)"
     memory = open_storage("memory://run")
     assert type(memory) is FsspecStorage and not memory._conditional_put

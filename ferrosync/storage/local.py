@@ -265,7 +265,13 @@ class LocalStorage(Storage):
 
         nbytes = self._retry("writing", key, write)
         try:
-            self._retry("publishing", key, self._publish, handle, tmp, name, key, exclusive)
+            if exclusive:
+                # an NFS LINK whose reply was lost is retransmitted and answered EEXIST
+                if self._create(key, parts, lambda: self._retry(
+                        "publishing", key, self._publish, handle, tmp, name, key, True)):
+                    _unlink_quietly(tmp, handle.fd)  # the link landed before: tmp is left
+            else:
+                self._retry("publishing", key, self._publish, handle, tmp, name, key, False)
         except BaseException:
             _unlink_quietly(tmp, handle.fd)
             raise
