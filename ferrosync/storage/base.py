@@ -104,6 +104,16 @@ class Reader:
     def readinto(self, buf) -> int:
         raise NotImplementedError
 
+    def readall(self) -> bytes:
+        """The object's remaining bytes (at most ``size``) as one ``bytes``: what
+        ``Storage.read`` returns. Costs the object's size twice over here (a buffer,
+        then its bytes); readers that can fill one ``bytes`` in place (a local file up
+        to 2 GiB, an object store's GET) override it to cost it once."""
+        buf = bytearray(self.size)
+        n = self.readinto(buf)
+        del buf[n:]  # in place: a short object costs no second copy
+        return bytes(buf)
+
     def close(self) -> None:
         pass
 
@@ -183,9 +193,7 @@ class Storage:
         if reader is None:
             return None
         with reader:
-            buf = bytearray(reader.size)
-            n = reader.readinto(buf)
-            return bytes(buf[:n])
+            return reader.readall()
 
     def read_head(self, key: str, nbytes: int, *, rank: int | None = None) -> bytes | None:
         """The first ``nbytes`` bytes of ``key``'s object (all of it when shorter), or

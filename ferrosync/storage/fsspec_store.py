@@ -29,9 +29,16 @@ from .classify import causes, http_status, is_transient, s3_code, s3_response, s
 
 class _BytesReader(Reader):
     def __init__(self, data: bytes) -> None:
+        self._whole = data
         self._data = memoryview(data)
         self._pos = 0
         self.size = len(data)
+
+    def readall(self) -> bytes:
+        if self._pos == 0 and isinstance(self._whole, bytes):
+            self._pos = self.size
+            return self._whole  # the GET's own bytes: no copy
+        return super().readall()
 
     def readinto(self, buf) -> int:
         view = memoryview(buf).cast("B")
@@ -42,6 +49,7 @@ class _BytesReader(Reader):
 
     def close(self) -> None:
         self._data.release()
+        self._whole = b""
 
 
 def _generic_create(fs) -> str | None:

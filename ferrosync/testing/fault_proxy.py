@@ -8,7 +8,7 @@ it forwards whole requests and responses, except where a fault says otherwise::
     with FaultProxy(target_port=8333, faults=faults, seed=1) as proxy:
         endpoint = proxy.endpoint               # clients connect here
 
-    python -m ferrosync.testing.fault_proxy --target 127.0.0.1:8333 --seed 1 \\
+    python ferrosync/testing/fault_proxy.py --target 127.0.0.1:8333 --seed 1 \\
         --fault lose_reply:0.05:PUT --fault cut_body:0.05:GET --fault reset:0.01 \\
         --fault slowdown:0.02 --fault delay:1:any:20ms --duration 600
 
@@ -16,8 +16,8 @@ The faults (``FAULT_KINDS``), each where a client cannot tell it from a real net
 
 * ``lose_reply``: forward the whole request, read the server's whole reply, then reset
   the client's connection: the server acted (stored the PUT), the client never hears.
-* ``cut_body``: forward, then send the reply's head and half of its body, then reset:
-  a body cut mid-transfer. A reply without a body is passed on whole (and the fault
+* ``cut_body``: forward, then send the reply's head and half of its body, then close
+  the connection: a body cut mid-transfer. A reply without a body is passed on whole (and the fault
   is not spent).
 * ``reset``: read the request, then reset the connection without forwarding it.
 * ``slowdown``: answer ``503 SlowDown`` (an S3 XML error body) without forwarding.
@@ -434,7 +434,9 @@ class FaultProxy:
                 if fault is not None and fault.kind == "cut_body" and reply:
                     self._applied(fault, method, target)
                     client.sendall(reply_head + reply[:len(reply) // 2])
-                    self._forget(client, reset=True)
+                    # a close, not a reset: a reset may discard what the client has not
+                    # read yet, and the half body must arrive before the end does
+                    client.shutdown(socket.SHUT_WR)
                     return
                 client.sendall(reply_head + reply)
                 if framed_by_close and not bodiless or "close" in (
@@ -455,6 +457,10 @@ class FaultProxy:
         self.closing.set()
         if self._timer is not None and self._timer is not threading.current_thread():
             self._timer.cancel()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (Linux)
+        except OSError:
+            pass
         self._listener.close()
         with self._lock:
             sockets, threads = list(self._sockets), list(self._threads)
