@@ -86,10 +86,10 @@ def test_inspect_reads_a_header_not_the_object(seaweed_transport):
     """``inspect --objects`` reads each data object's header and MAC in one ranged GET:
     O(1) bytes whatever the object's size (a whole-object read cost 2.3 GiB of RSS for
     a 1 GiB object)."""
+    import torch
+
     from ferrosync.ops.inspect import object_report
     from ferrosync.wire import DTYPE_CODES, HEADER_SIZE, KIND_CONTRIB, MAC_SIZE, Header, seal
-
-    import torch
 
     storage = storage_of(seaweed_transport)
     payload = bytes(8 << 20)

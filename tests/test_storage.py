@@ -272,7 +272,8 @@ def test_probe_location_names_rank_and_url(tmp_path):
 
 def test_open_storage_picks_the_engine_by_scheme(tmp_path):
     """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer
-    for whole requests: botocore's), any other fsspec driver; a bad URL is a ``ConfigError``. No I/O."""
+    for whole requests: botocore's), any other fsspec driver; a bad URL is a
+    ``ConfigError``. No I/O."""
     pytest.importorskip("s3fs")
     from ferrosync.storage import FsspecStorage
     from ferrosync.storage.s3 import S3Storage

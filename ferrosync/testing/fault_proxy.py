@@ -49,7 +49,6 @@ import socket
 import struct
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultProxy", "parse_fault", "check_loopback"]

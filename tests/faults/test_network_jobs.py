@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import ferrosync
-from conftest import Case
 from lossy import lossy_proxy, through
-from ranks import run_ranks
 from test_contract import (  # noqa: F401  (collected here, on the lossy case)
     test_all_gather,
     test_average_is_exact_and_bit_identical,
     test_broadcast_from_every_source,
     test_storage_stays_bounded_over_many_collectives,
 )
+
+import ferrosync
+from conftest import Case
+from ranks import run_ranks
 
 #: what the faults must have hit during a test, at least once each (with hundreds of
 #: requests a test, a rate of 1 % or 5 % misses a kind with negligible odds)

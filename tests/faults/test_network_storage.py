@@ -11,10 +11,10 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from lossy import lossy_proxy, through
 
 from ferrosync.storage import open_storage
 from ferrosync.testing.fault_proxy import Fault
-from lossy import lossy_proxy, through
 
 
 @pytest.fixture
