@@ -17,11 +17,15 @@ from ferrosync.storage import open_storage
 from ferrosync.testing.fault_proxy import Fault
 
 
-@pytest.fixture
-def proxied(any_object_transport):
-    """(storage through a proxy with no faults yet, the proxy)."""
-    proxy = lossy_proxy(any_object_transport, faults=())
-    transport = through(any_object_transport, proxy)
+@pytest.fixture(params=["s3-seaweed", "gs", "az"])
+def proxied(request):
+    """(storage through a proxy with no faults yet, the proxy), on each object store's
+    real server (SeaweedFS for S3: the engine is moto's too)."""
+    from conftest import OBJECT_TRANSPORTS
+
+    server = request.getfixturevalue(OBJECT_TRANSPORTS[request.param])
+    proxy = lossy_proxy(server, faults=())
+    transport = through(server, proxy)
     storage = open_storage(transport.url, transport.options["storage_options"], timeout=60)
     yield storage, proxy
     proxy.close()
@@ -61,9 +65,9 @@ def test_a_body_cut_mid_transfer_is_read_again(proxied):
     key = _name("cut")
     data = bytes(range(256)) * 64
     storage.put(key, [data])
-    proxy.add(Fault("cut_body", methods=("GET",), path=key, times=2))
+    proxy.add(Fault("cut_body", methods=("GET",), path=key, times=1))
     assert storage.read(key, max_bytes=len(data)) == data
-    assert proxy.stats()["cut_body"] == 2
+    assert proxy.stats()["cut_body"] == 1
     proxy.add(Fault("cut_body", methods=("GET",), path=key, times=1))
     assert storage.read_head(key, 100) == data[:100]
 
