@@ -1,12 +1,15 @@
 """One small interface over a shared directory or an fsspec object store.
 
-A backend needs five things from storage, and this package gives exactly those:
+A backend needs five things from storage, and this package gives exactly those (and
+the operator tools a sixth):
 
 * ``put(key, parts)``: publish an object atomically (readers see all of it or none);
 * ``open(key)``: a reader for the object, or ``None`` when it does not exist *yet*;
 * ``delete(keys)``: remove objects (missing ones are fine);
 * ``makedirs(prefix)``: make a "directory" where the store has them;
-* ``list(prefix)``: for operator tools only, never on the collective path.
+* ``list(prefix)``: for operator tools only, never on the collective path;
+* ``read_head(key, n)``: the first ``n`` bytes of an object (a header, for the tools;
+  an exclusive create's own bytes, read back).
 
 Rules kept here (docs/design.md#storage-rules):
 

@@ -1,7 +1,8 @@
 """The storage interface every engine implements, and what all callers share.
 
-``Storage`` (put / open / read / delete / park / makedirs / list, counted in ``Counters``,
-transient failures retried by ``_retry``), ``Reader``, the size rule (``RECORD_LIMIT``,
+``Storage`` (put / open / read / read_head / delete / park / makedirs / list, counted in
+``Counters``, transient failures retried by ``_retry``, an exclusive create whose reply
+was lost recognised as ours by ``_create``), ``Reader``, the size rule (``RECORD_LIMIT``,
 ``oversized``), key validation (``check_key``), ``Backoff`` for polling one exact name,
 ``object_exists`` and ``probe_location``, the one probe every caller runs before a job
 writes anything. The engines live beside it: ``local`` (directories), ``fsspec_store``

@@ -227,7 +227,7 @@ class FsspecStorage(Storage):
         """One ranged GET of the first ``nbytes`` bytes, whatever the object's size."""
         self.counters.add(gets=1)
         try:
-            data = self._retry("reading", key, self._cat, self._path(key), nbytes)
+            data = self._retry("reading", key, self._cat, self._path(key), max(nbytes, 1))
         except FileNotFoundError:
             return None
         self.counters.add(read=len(data))
