@@ -233,8 +233,7 @@ def _reset(sock: socket.socket) -> None:
 
 
 def _gone(sock: socket.socket) -> bool:
-    """Whether the server closed this idle connection (readable with nothing to read):
-    a request sent on it would be lost through no fault of ours."""
+    """Whether the server closed this idle connection (readable with nothing to read)."""
     ready, _, _ = select.select([sock], [], [], 0)
     if not ready:
         return False
@@ -248,6 +247,50 @@ def _without_expect(head: bytes) -> bytes:
     """The request head less its ``Expect`` header (the proxy answers 100 itself)."""
     lines = head.split(b"\r\n")
     return b"\r\n".join(li for li in lines if not li.lower().startswith(b"expect:"))
+
+
+def _next_request(client: socket.socket, reader: _Stream) -> tuple[bytes, str, str, dict]:
+    """The client's next whole request (raw, less any ``Expect``: the proxy answers
+    ``100 Continue`` itself), its method, target and headers."""
+    head, headers = reader.head()
+    if headers.get("expect", "").lower() == "100-continue":
+        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        head = _without_expect(head)
+    body = reader.body(headers, until_close=False)
+    method, target = (part.decode("latin-1") for part in head.split(b" ", 2)[:2])
+    return head + body, method, target, headers
+
+
+class _Upstream:
+    """The server side of one client connection: connected on first use, and again
+    where the server closed it while idle."""
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        self.proxy = proxy
+        self.sock: socket.socket | None = None
+        self.stream: _Stream | None = None
+
+    def exchange(self, request: bytes, method: str) -> tuple[bytes, dict, bytes, bool]:
+        """Send ``request``; the reply's head (raw), headers, raw body, and whether the
+        connection stays open after it."""
+        if self.sock is not None and _gone(self.sock):
+            self.close()  # a request sent on it would be lost through no fault of ours
+        if self.sock is None:
+            self.sock = self.proxy._track(socket.create_connection(self.proxy.target,
+                                                                   timeout=IO_TIMEOUT))
+            self.stream = _Stream(self.sock)
+        self.sock.sendall(request)
+        head, headers = self.stream.head()
+        status = int(head.split(b" ", 2)[1])
+        if method == "HEAD" or status in (204, 304) or status < 200:
+            return head, headers, b"", True
+        framed_by_close = "content-length" not in headers and (
+            "chunked" not in headers.get("transfer-encoding", "").lower())
+        return head, headers, self.stream.body(headers, until_close=True), not framed_by_close
+
+    def close(self) -> None:
+        self.proxy._forget(self.sock)
+        self.sock = self.stream = None
 
 
 class FaultProxy:
@@ -385,52 +428,35 @@ class FaultProxy:
 
     def _serve(self, client: socket.socket) -> None:
         """Requests of one client connection, one at a time, over one server connection."""
-        upstream: socket.socket | None = None
+        upstream = _Upstream(self)
         reader = _Stream(client)
         try:
             while not self.closing.is_set():
                 try:
-                    head, headers = reader.head()
+                    request, method, target, headers = _next_request(client, reader)
                 except _Closed:
-                    return
-                if headers.get("expect", "").lower() == "100-continue":
-                    client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    head = _without_expect(head)
-                body = reader.body(headers, until_close=False)
-                method, target = head.split(b" ", 2)[:2]
-                method, target = method.decode("latin-1"), target.decode("latin-1")
+                    return  # the client is done with this connection
                 fault, delay = self._choose(method, target, headers)
                 if delay and self.closing.wait(delay):
                     return
-                if fault is not None and fault.kind == "reset":
+                kind = fault.kind if fault is not None else None
+                if kind == "reset":
                     self._applied(fault, method, target)
                     self._forget(client, reset=True)
                     return
-                if fault is not None and fault.kind == "slowdown":
+                if kind == "slowdown":
                     self._applied(fault, method, target)
                     client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml"
                                    b"\r\nContent-Length: %d\r\n\r\n" % len(SLOWDOWN_BODY)
                                    + SLOWDOWN_BODY)
                     continue
-                if upstream is not None and _gone(upstream):
-                    self._forget(upstream)  # the server closed an idle connection
-                    upstream = None
-                if upstream is None:
-                    upstream = self._track(socket.create_connection(self.target,
-                                                                    timeout=IO_TIMEOUT))
-                    answers = _Stream(upstream)
-                upstream.sendall(head + body)
-                reply_head, reply_headers = answers.head()
-                status = int(reply_head.split(b" ", 2)[1])
-                framed_by_close = "content-length" not in reply_headers and (
-                    "chunked" not in reply_headers.get("transfer-encoding", "").lower())
-                bodiless = method == "HEAD" or status in (204, 304) or status < 200
-                reply = b"" if bodiless else answers.body(reply_headers, until_close=True)
-                if fault is not None and fault.kind == "lose_reply":
+                reply_head, reply_headers, reply, stays_open = upstream.exchange(request,
+                                                                                 method)
+                if kind == "lose_reply":  # the server acted; the client never hears
                     self._applied(fault, method, target)
                     self._forget(client, reset=True)
                     return
-                if fault is not None and fault.kind == "cut_body" and reply:
+                if kind == "cut_body" and reply:
                     self._applied(fault, method, target)
                     client.sendall(reply_head + reply[:len(reply) // 2])
                     # a close, not a reset: a reset may discard what the client has not
@@ -438,14 +464,13 @@ class FaultProxy:
                     client.shutdown(socket.SHUT_WR)
                     return
                 client.sendall(reply_head + reply)
-                if framed_by_close and not bodiless or "close" in (
-                        headers.get("connection", "").lower(),
-                        reply_headers.get("connection", "").lower()):
+                if not stays_open or "close" in (headers.get("connection", "").lower(),
+                                                 reply_headers.get("connection", "").lower()):
                     return
         except (OSError, _Closed, ValueError, IndexError):
             return  # a peer went away or spoke something that is not HTTP/1.1: drop both
         finally:
-            self._forget(upstream)
+            upstream.close()
             if client.fileno() >= 0:
                 self._forget(client)
 
