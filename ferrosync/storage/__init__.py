@@ -111,8 +111,8 @@ def open_storage(url: str, storage_options: dict | None = None, *,
     ``timeout`` (seconds; ``connect``'s) bounds the first contact with an object
     store (``probe_bucket``), the retries of any one call (``Storage.retry_s``) and,
     on S3, botocore's own connect/read timeouts and retries, so a dead or mistyped
-    endpoint fails within it. A missing fsspec driver
-    is a ``ConfigError`` with the ``pip install`` that adds it.
+    endpoint fails within it. A missing fsspec driver is a ``ConfigError`` with the
+    ``pip install`` that adds it.
     """
     protocol, rest = split_url(url)
     opener = _OPENERS.get(protocol, open_fsspec)
