@@ -6,6 +6,7 @@ import os
 import signal
 import stat
 import time
+import uuid
 
 import pytest
 
@@ -45,6 +46,24 @@ def test_exclusive_put_refuses_an_existing_name(tmp_path):
         st.put("once", [b"b"], exclusive=True)
     assert st.read("once") == b"a"
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("url", ["dir", "memory://"])
+def test_a_create_finding_its_own_bytes_is_ours(tmp_path, url):
+    """Storage._create, on every engine: an "exists" answer over exactly our bytes is our
+    own create that landed before (a lost reply, sent again); anything else is not."""
+    st = open_storage(str(tmp_path) if url == "dir" else f"memory://own-{uuid.uuid4().hex}")
+    st.put("claim", [b"member ", memoryview(b"a1b2")], exclusive=True)
+    assert st.put("claim", [b"member a1b2"], exclusive=True) == 11  # ours, in other parts
+    for other in ([b"member c3d4"], [b"member a1b"], [b"member a1b2", b"!"], [b""]):
+        with pytest.raises(FileExistsError):
+            st.put("claim", other, exclusive=True)
+    assert st.read("claim") == b"member a1b2"
+    assert st.read_head("claim", 6) == b"member" and st.read_head("claim", 99) == b"member a1b2"
+    assert st.read_head("none", 6) is None
+    if url == "dir":
+        assert sorted(os.listdir(tmp_path)) == ["claim"]  # no temporary file left
 
 
 def test_errors_other_than_not_found_propagate(tmp_path):
@@ -178,6 +197,33 @@ def test_transient_errors_are_told_by_type_code_and_status_not_by_text():
         storage_error("reading", "s3://b/k", ValueError("AccessDenied"), False))
 
 
+@pytest.mark.unit
+def test_a_body_cut_short_is_transient_for_every_client():
+    import errno
+    import http.client
+
+    from ferrosync.storage.classify import cut_short, is_transient
+
+    aiohttp = pytest.importorskip("aiohttp")
+    botocore = pytest.importorskip("botocore.exceptions")
+    azure = pytest.importorskip("azure.core.exceptions")
+    cut = [aiohttp.ClientPayloadError("Response payload is not completed"),
+           botocore.IncompleteReadError(actual_bytes=3, expected_bytes=9),
+           azure.IncompleteReadError("incomplete"), http.client.IncompleteRead(b"abc", 6)]
+    for exc in cut:
+        assert cut_short(exc) and is_transient(exc), exc
+    # behind a driver's translation (an OSError raised from it): the cause decides
+    translated = OSError(errno.EREMOTEIO, "read failed")
+    translated.__cause__ = cut[0]
+    assert cut_short(translated) and is_transient(translated)
+    # a whole request that failed is transient, but no body was cut short
+    for exc in (aiohttp.ServerDisconnectedError(), ConnectionResetError(),
+                botocore.ConnectionClosedError(endpoint_url="http://127.0.0.1:9"),
+                azure.ServiceResponseError("reset")):
+        assert is_transient(exc) and not cut_short(exc), exc
+    assert not cut_short(ValueError("Response payload is not completed"))
+
+
 def test_mountinfo_lines_are_parsed_with_superblock_options_and_escapes():
     from ferrosync.storage.mounts import _mountinfo_entry
 
@@ -225,8 +271,9 @@ def test_probe_location_names_rank_and_url(tmp_path):
 
 
 def test_open_storage_picks_the_engine_by_scheme(tmp_path):
-    """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer:
-    botocore's), any other fsspec driver; a bad URL is a ``ConfigError``. No I/O."""
+    """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer
+    for whole requests: botocore's), any other fsspec driver; a bad URL is a
+    ``ConfigError``. No I/O."""
     pytest.importorskip("s3fs")
     from ferrosync.storage import FsspecStorage
     from ferrosync.storage.s3 import S3Storage
@@ -234,8 +281,14 @@ def test_open_storage_picks_the_engine_by_scheme(tmp_path):
     for url in (str(tmp_path / "a"), f"file://{tmp_path}/b"):
         assert type(open_storage(url)) is LocalStorage, url
     s3 = open_storage("s3://bucket/run", {"endpoint_url": "http://127.0.0.1:9"}, timeout=4)
-    assert type(s3) is S3Storage and s3._conditional_put and s3.retries == 0
-    assert s3.fs.retries == 1 and s3.first_contact_timeout == 4
+    assert type(s3) is S3Storage and s3._conditional_put
+    assert s3.fs.retries == 1 and s3.first_contact_timeout == 4 and s3.retry_s == 4
+    # botocore retries whole requests; ferrosync only what it cannot: a body cut short
+    from aiohttp import ClientPayloadError
+    from botocore.exceptions import ConnectionClosedError
+
+    assert not s3._retryable(ConnectionClosedError(endpoint_url="http://127.0.0.1:9"))
+    assert s3._retryable(ClientPayloadError("Response payload is not completed"))
     assert s3.endpoint == "http://127.0.0.1:9 (from endpoint_url)"
     memory = open_storage("memory://run")
     assert type(memory) is FsspecStorage and not memory._conditional_put

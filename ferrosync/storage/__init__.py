@@ -1,12 +1,15 @@
 """One small interface over a shared directory or an fsspec object store.
 
-A backend needs five things from storage, and this package gives exactly those:
+A backend needs five things from storage, and this package gives exactly those (and
+the operator tools a sixth):
 
 * ``put(key, parts)``: publish an object atomically (readers see all of it or none);
 * ``open(key)``: a reader for the object, or ``None`` when it does not exist *yet*;
 * ``delete(keys)``: remove objects (missing ones are fine);
 * ``makedirs(prefix)``: make a "directory" where the store has them;
-* ``list(prefix)``: for operator tools only, never on the collective path.
+* ``list(prefix)``: for operator tools only, never on the collective path;
+* ``read_head(key, n)``: the first ``n`` bytes of an object (a header, for the tools;
+  an exclusive create's own bytes, read back).
 
 Rules kept here (docs/design.md#storage-rules):
 
@@ -106,10 +109,13 @@ def open_storage(url: str, storage_options: dict | None = None, *,
     """Storage for ``url``. Validates the URL; does no I/O on object stores yet.
 
     ``timeout`` (seconds; ``connect``'s) bounds the first contact with an object
-    store (``probe_bucket``) and, on S3, botocore's own connect/read timeouts and
-    retries, so a dead or mistyped endpoint fails within it. A missing fsspec driver
-    is a ``ConfigError`` with the ``pip install`` that adds it.
+    store (``probe_bucket``), the retries of any one call (``Storage.retry_s``) and,
+    on S3, botocore's own connect/read timeouts and retries, so a dead or mistyped
+    endpoint fails within it. A missing fsspec driver is a ``ConfigError`` with the
+    ``pip install`` that adds it.
     """
     protocol, rest = split_url(url)
     opener = _OPENERS.get(protocol, open_fsspec)
-    return opener(url, protocol, rest, dict(storage_options or {}), timeout)
+    storage = opener(url, protocol, rest, dict(storage_options or {}), timeout)
+    storage.retry_s = timeout  # a call's retries end within it
+    return storage

@@ -1,7 +1,8 @@
 """The storage interface every engine implements, and what all callers share.
 
-``Storage`` (put / open / read / delete / park / makedirs / list, counted in ``Counters``,
-transient failures retried by ``_retry``), ``Reader``, the size rule (``RECORD_LIMIT``,
+``Storage`` (put / open / read / read_head / delete / park / makedirs / list, counted in
+``Counters``, transient failures retried by ``_retry``, an exclusive create whose reply
+was lost recognised as ours by ``_create``), ``Reader``, the size rule (``RECORD_LIMIT``,
 ``oversized``), key validation (``check_key``), ``Backoff`` for polling one exact name,
 ``object_exists`` and ``probe_location``, the one probe every caller runs before a job
 writes anything. The engines live beside it: ``local`` (directories), ``fsspec_store``
@@ -104,6 +105,16 @@ class Reader:
     def readinto(self, buf) -> int:
         raise NotImplementedError
 
+    def readall(self) -> bytes:
+        """The object's remaining bytes (at most ``size``) as one ``bytes``: what
+        ``Storage.read`` returns. Costs the object's size twice over here (a buffer,
+        then its bytes); readers that can fill one ``bytes`` in place (a local file up
+        to 2 GiB, an object store's GET) override it to cost it once."""
+        buf = bytearray(self.size)
+        n = self.readinto(buf)
+        del buf[n:]  # in place: a short object costs no second copy
+        return bytes(buf)
+
     def close(self) -> None:
         pass
 
@@ -123,6 +134,9 @@ class Storage:
     #: heartbeat period that keeps request counts sane on this kind of store
     heartbeat_interval: float = 1.0
     retries: int = 4
+    #: seconds one call may spend retrying (``open_storage``'s timeout); None: no bound
+    #: but ``retries``
+    retry_s: float | None = None
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
@@ -180,7 +194,22 @@ class Storage:
         if reader is None:
             return None
         with reader:
-            buf = bytearray(reader.size)
+            return reader.readall()
+
+    def read_head(self, key: str, nbytes: int, *, rank: int | None = None) -> bytes | None:
+        """The first ``nbytes`` bytes of ``key``'s object (all of it when shorter), or
+        None if it does not exist: what a caller that needs only a header reads (``ferrosync
+        inspect --objects``), whatever the object's size. One request: a ranged GET on an
+        object store, ``nbytes`` read from the open file locally.
+
+        This default reads through ``open``; an engine whose reader holds the whole object
+        (object stores) overrides it with a ranged read.
+        """
+        reader = self.open(key, rank=rank)
+        if reader is None:
+            return None
+        with reader:
+            buf = bytearray(min(nbytes, reader.size))
             n = reader.readinto(buf)
             return bytes(buf[:n])
 
@@ -216,27 +245,85 @@ class Storage:
 
     # -- shared helpers ------------------------------------------------------------
     def _retry(self, what: str, key: str, fn, *args, **kwargs):
-        """Run ``fn``; retry transient failures with bounded exponential back-off.
+        """Run ``fn``; retry the failures ``_retryable`` admits with bounded exponential
+        back-off: at most ``retries`` times, and never past ``retry_s`` seconds from the
+        first try (``open_storage``'s timeout), so a call fails within its deadline.
 
         "Not found" (FileNotFoundError) and FileExistsError are answers, not failures,
         and pass straight through; so do permanent errors, wrapped with the path
         and a hint so the caller can say what to do (a StorageError ``fn`` raised
-        itself already says it).
+        itself already says it). Every request ferrosync makes may be sent again: reads,
+        lists and deletes are idempotent, a put rewrites the same bytes, and an exclusive
+        create that finds its own bytes is recognised as ours (``_create``).
         """
         delay = 0.05
+        give_up = None if self.retry_s is None else time.monotonic() + self.retry_s
         for attempt in range(self.retries + 1):
             try:
                 return fn(*args, **kwargs)
             except (FileNotFoundError, FileExistsError, StorageError):
                 raise
             except Exception as exc:  # botocore/aiohttp errors are not all OSErrors
-                transient = is_transient(exc)
-                if not transient or attempt == self.retries:
-                    raise storage_error(what, self.path_of(key), exc, transient) from exc
+                if (not self._retryable(exc) or attempt == self.retries or (
+                        give_up is not None and time.monotonic() + delay > give_up)):
+                    raise storage_error(what, self.path_of(key), exc,
+                                        is_transient(exc)) from exc
                 self._recover()
                 time.sleep(delay)
                 delay = min(delay * 4, 2.0)
         raise AssertionError("unreachable")
+
+    def _retryable(self, exc: BaseException) -> bool:
+        """Whether ``_retry`` tries again after ``exc``: any transient failure
+        (``classify.is_transient``), unless the engine's client retried it already."""
+        return is_transient(exc)
+
+    def _create(self, key: str, parts: Sequence, create) -> bool:
+        """Run ``create()``, the engine's create-if-absent of ``parts`` at ``key``. An
+        "exists" answer (FileExistsError) over exactly our bytes is our own create:
+        whoever sent it again. The one home of own-write recognition, for every engine.
+        Returns True where the create was recognised so (an earlier attempt landed).
+
+        A create whose reply is lost lands all the same, and is then sent again, by the
+        client library underneath (aiohttp resends an idempotent PUT once; botocore,
+        gcsfs and azure retry a reset connection; NFS retransmits a LINK), or by
+        ``_retry``: the second attempt finds the object and answers 412, 409 or EEXIST,
+        with nothing to say who made it. So on every "exists" the object is read back,
+        bounded to ``len(parts) + 1`` bytes (one ranged GET: a larger object is not
+        ours, and costs no more), and compared.
+
+        Cost: one small GET per lost race. Correctness: bytes identical to ours from
+        another writer are, by construction, the same record: every exclusively
+        created object whose winner matters names its writer in its bytes (a
+        rendezvous claim its random token, an elastic join entry or member record the
+        member's random id, a contribution its rank, generation and collective, a
+        generation record its token), so only we can have written them. The rest are
+        records that any writer of that name writes identically (an elastic roster
+        computed from the same round, a job's spec, an end marker): readers cannot
+        tell the writers apart and act the same whichever won, so claiming the win
+        changes nothing they see.
+        """
+        try:
+            create()
+        except FileExistsError:
+            if not self._holds(key, parts):
+                raise
+            return True
+        return False
+
+    def _holds(self, key: str, parts: Sequence) -> bool:
+        """Whether the object at ``key`` holds exactly the bytes of ``parts``."""
+        views = [memoryview(p).cast("B") for p in parts]
+        size = sum(v.nbytes for v in views)
+        stored = self.read_head(key, size + 1)
+        if stored is None or len(stored) != size:
+            return False
+        offset = 0
+        for view in views:
+            if stored[offset:offset + view.nbytes] != view:
+                return False
+            offset += view.nbytes
+        return True
 
     def _recover(self) -> None:
         """Before retrying a transient failure: drop state the failure may have made

@@ -3,7 +3,8 @@ again, and the ``StorageError`` (with a hint saying what to do) for one that fai
 
 Judged by exception type, errno, S3 error code and HTTP status only, for every client
 under fsspec (botocore, aiohttp, azure, gcsfs); ``Storage._retry`` and the engines ask
-here. Named ``classify`` so it never shadows ``ferrosync.errors``.
+here (``is_transient``; ``cut_short`` for a body cut mid-transfer, which no client
+retries under ``S3Storage``). Named ``classify`` so it never shadows ``ferrosync.errors``.
 """
 
 from __future__ import annotations
@@ -33,29 +34,55 @@ _TRANSIENT_STATUSES = {500, 503}
 _DENIED_CODES = {"AccessDenied"}
 
 
-def _client_transient_types() -> tuple[type, ...]:
-    """The object-store clients' connection failures that are not ``OSError``s with a
-    transient errno: botocore's (for s3fs) and aiohttp's (s3fs, gcsfs, http), where
-    installed. Imported lazily: a local-only install has neither."""
-    found: list[type] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
+def _client_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(transient, cut short): the object-store clients' failures that may pass if the
+    request is sent again (connection failures that are not ``OSError``s with a
+    transient errno), and among them those of a reply whose body ended early (reset or
+    closed mid-transfer): botocore's (s3fs), aiohttp's (s3fs, gcsfs, adlfs, http) and
+    azure-core's (adlfs), where installed. Imported lazily: a local-only install has
+    none of them."""
+    import http.client
+
+    transient: list[type] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
+    cut: list[type] = [http.client.IncompleteRead]
     try:
         from botocore.exceptions import (
             ConnectionClosedError,
             EndpointConnectionError,
+            IncompleteReadError,
             ReadTimeoutError,
+            ResponseStreamingError,
         )
-        found += [ConnectionClosedError, EndpointConnectionError, ReadTimeoutError]
+        transient += [ConnectionClosedError, EndpointConnectionError, ReadTimeoutError]
+        cut += [IncompleteReadError, ResponseStreamingError]
     except ImportError:
         pass
     try:
-        from aiohttp import ClientOSError, ServerDisconnectedError
-        found += [ClientOSError, ServerDisconnectedError]
+        from aiohttp import ClientOSError, ClientPayloadError, ServerDisconnectedError
+        transient += [ClientOSError, ServerDisconnectedError]
+        cut += [ClientPayloadError]
     except ImportError:
         pass
-    return tuple(found)
+    try:
+        from azure.core.exceptions import (
+            IncompleteReadError as AzureIncompleteRead,
+        )
+        from azure.core.exceptions import ServiceRequestError, ServiceResponseError
+        transient += [ServiceRequestError, ServiceResponseError]
+        cut += [AzureIncompleteRead]
+    except ImportError:
+        pass
+    return tuple(transient + cut), tuple(cut)
 
 
-_TRANSIENT_TYPES: tuple[type, ...] | None = None
+_CLIENT_TYPES: tuple[tuple[type, ...], tuple[type, ...]] | None = None
+
+
+def _types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    global _CLIENT_TYPES
+    if _CLIENT_TYPES is None:
+        _CLIENT_TYPES = _client_types()
+    return _CLIENT_TYPES
 
 
 def causes(exc: BaseException | None, depth: int = 8):
@@ -100,18 +127,27 @@ def http_status(exc: BaseException) -> int | None:
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Whether the same request may succeed if tried again, judged by type, errno,
-    S3 error code and HTTP status only. Messages are never searched: their wording is
-    no contract, and a path or bucket name may contain any word or number."""
-    global _TRANSIENT_TYPES
-    if _TRANSIENT_TYPES is None:
-        _TRANSIENT_TYPES = _client_transient_types()
+    """Whether the same request may succeed if tried again, judged by type (of ``exc``
+    or the client's error behind it), errno, S3 error code and HTTP status only.
+    Messages are never searched: their wording is no contract, and a path or bucket
+    name may contain any word or number."""
     if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
-    if isinstance(exc, _TRANSIENT_TYPES):
+    transient, _ = _types()
+    if any(isinstance(cause, transient) for cause in causes(exc)):
         return True
     # the client's answer behind a translated error (s3fs: an OSError caused by it)
     return s3_code(exc) in _TRANSIENT_CODES or http_status(exc) in _TRANSIENT_STATUSES
+
+
+def cut_short(exc: BaseException) -> bool:
+    """Whether ``exc`` is a reply whose body ended early: the connection was reset or
+    closed mid-transfer (aiohttp's ``ClientPayloadError``, botocore's
+    ``IncompleteReadError``, azure's ``IncompleteReadError``). Transient; and the one
+    transient failure that a client which retries whole requests (botocore) never
+    sees, since it hands the body over to be read after its retries are done."""
+    _, cut = _types()
+    return any(isinstance(cause, cut) for cause in causes(exc))
 
 
 def storage_error(what: str, path: str, exc: BaseException, transient: bool) -> StorageError:

@@ -29,9 +29,16 @@ from .classify import causes, http_status, is_transient, s3_code, s3_response, s
 
 class _BytesReader(Reader):
     def __init__(self, data: bytes) -> None:
+        self._whole = data
         self._data = memoryview(data)
         self._pos = 0
         self.size = len(data)
+
+    def readall(self) -> bytes:
+        if self._pos == 0 and isinstance(self._whole, bytes):
+            self._pos = self.size
+            return self._whole  # the GET's own bytes: no copy
+        return super().readall()
 
     def readinto(self, buf) -> int:
         view = memoryview(buf).cast("B")
@@ -42,6 +49,7 @@ class _BytesReader(Reader):
 
     def close(self) -> None:
         self._data.release()
+        self._whole = b""
 
 
 def _generic_create(fs) -> str | None:
@@ -128,27 +136,33 @@ class FsspecStorage(Storage):
         data = views[0].tobytes() if len(views) == 1 else b"".join(views)
         path = self._path(key)
         if exclusive and self._conditional_put:
-            self._retry("creating", key, self._create_if_absent, key, path, data)
+            self._create(key, [data], lambda: self._retry(
+                "creating", key, self._create_if_absent, key, path, data))
         elif exclusive and self._no_create:
             raise ExclusiveCreateUnsupported(self._no_create, path=self.path_of(key),
                                              hint=EXCLUSIVE_CREATE_HINT)
+        elif exclusive:
+            self._create(key, [data], lambda: self._write(key, path, data, "create"))
         else:
-            mode = "create" if exclusive else "overwrite"
-            try:
-                self._retry("writing", key, self._pipe, key, path, data, mode)
-            except FileNotFoundError:
-                # a driver with real directories and no auto-mkdir (sftp, a local
-                # filesystem class): its parent is made on demand, then once more
-                self._make_parent(key, path)
-                try:
-                    self._retry("writing", key, self._pipe, key, path, data, mode)
-                except FileNotFoundError as exc:
-                    raise StorageError(
-                        f"cannot write: its directory does not exist ({exc})",
-                        path=self.path_of(key), hint="check that the URL is a writable "
-                        "location, and that nothing removes directories under it") from None
+            self._write(key, path, data, "overwrite")
         self.counters.add(puts=1, written=len(data))
         return len(data)
+
+    def _write(self, key: str, path: str, data: bytes, mode: str) -> None:
+        """``pipe_file`` in ``mode`` (retried), making the parent where a driver needs it."""
+        try:
+            self._retry("writing", key, self._pipe, key, path, data, mode)
+        except FileNotFoundError:
+            # a driver with real directories and no auto-mkdir (sftp, a local
+            # filesystem class): its parent is made on demand, then once more
+            self._make_parent(key, path)
+            try:
+                self._retry("writing", key, self._pipe, key, path, data, mode)
+            except FileNotFoundError as exc:
+                raise StorageError(
+                    f"cannot write: its directory does not exist ({exc})",
+                    path=self.path_of(key), hint="check that the URL is a writable "
+                    "location, and that nothing removes directories under it") from None
 
     def _make_parent(self, key: str, path: str) -> None:
         parent = path.rpartition("/")[0]
@@ -191,14 +205,6 @@ class FsspecStorage(Storage):
         when it exists); engines with ``_conditional_put`` implement it."""
         raise NotImplementedError
 
-    def _holds(self, path: str, data: bytes) -> bool:
-        """Whether the object at ``path`` holds exactly ``data``."""
-        self.counters.add(gets=1)
-        try:
-            return self._cat(path, len(data) + 1) == data
-        except FileNotFoundError:
-            return False
-
     def open(self, key: str, *, max_bytes: int | None = None,
              rank: int | None = None) -> Reader | None:
         self.counters.add(gets=1)
@@ -216,6 +222,16 @@ class FsspecStorage(Storage):
         if max_bytes is not None and len(data) > max_bytes:
             raise oversized(self.path_of(key), None, max_bytes, rank)
         return _BytesReader(data)
+
+    def read_head(self, key: str, nbytes: int, *, rank: int | None = None) -> bytes | None:
+        """One ranged GET of the first ``nbytes`` bytes, whatever the object's size."""
+        self.counters.add(gets=1)
+        try:
+            data = self._retry("reading", key, self._cat, self._path(key), max(nbytes, 1))
+        except FileNotFoundError:
+            return None
+        self.counters.add(read=len(data))
+        return data[:nbytes]
 
     def _cat(self, path: str, end: int | None = None) -> bytes:
         if end is None:

@@ -62,11 +62,30 @@ class _FdReader(Reader):
             self._counters.add(read=total)
         return total
 
+    def readall(self) -> bytes:
+        if self.size > _MAX_READ:
+            return super().readall()
+        try:
+            # one allocation that read() fills in place: the object costs its size once
+            data = os.read(self._fd, self.size)
+        except OSError as exc:
+            raise storage_error("reading", self._path, exc, is_transient(exc)) from exc
+        self._counters.add(read=len(data))
+        if len(data) < self.size and data:  # a short read (a signal, NFS): the rest too
+            rest = bytearray(self.size - len(data))
+            n = self.readinto(rest)
+            return data + bytes(rest[:n])
+        return data
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
+
+#: the most one read() returns on Linux (0x7ffff000): a larger object is read into a
+#: buffer instead
+_MAX_READ = 0x7FFFF000
 
 # How LocalStorage opens names below its root (see "The directory is untrusted input").
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -265,7 +284,13 @@ class LocalStorage(Storage):
 
         nbytes = self._retry("writing", key, write)
         try:
-            self._retry("publishing", key, self._publish, handle, tmp, name, key, exclusive)
+            if exclusive:
+                # an NFS LINK whose reply was lost is retransmitted and answered EEXIST
+                if self._create(key, parts, lambda: self._retry(
+                        "publishing", key, self._publish, handle, tmp, name, key, True)):
+                    _unlink_quietly(tmp, handle.fd)  # the link landed before: tmp is left
+            else:
+                self._retry("publishing", key, self._publish, handle, tmp, name, key, False)
         except BaseException:
             _unlink_quietly(tmp, handle.fd)
             raise

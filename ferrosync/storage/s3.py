@@ -13,7 +13,7 @@ import time
 
 from ..errors import ConfigError
 from .base import ExclusiveCreateUnsupported
-from .classify import s3_response
+from .classify import cut_short, s3_code
 from .fsspec_store import FsspecStorage, build, driver_class
 
 #: what to check when an S3 endpoint does not answer
@@ -43,11 +43,11 @@ class S3Storage(FsspecStorage):
         """Create ``path`` only if absent: one PUT with ``If-None-Match: *``.
 
         The server answers 412 Precondition Failed when the key exists (AWS S3 since
-        2024-08, MinIO, SeaweedFS, moto); that is ``FileExistsError``. AWS answers 409
+        2024-08, MinIO, SeaweedFS, moto); that is ``FileExistsError`` (which
+        ``Storage._create`` checks for our own bytes: a PUT that landed and whose reply
+        was lost is resent by aiohttp or botocore, and answered 412). AWS answers 409
         ConditionalRequestConflict while a concurrent conditional write of the key is
-        in flight: retried here, a few times. A 412 after botocore retried our own PUT
-        (its first attempt may have landed, the answer lost) is checked by reading the
-        object back: our bytes there mean the create was ours.
+        in flight: retried here, a few times.
 
         Called through s3fs's ``call_s3`` rather than ``pipe_file(mode="create")``:
         the same request on every s3fs version, and s3fs's own translation maps a 412
@@ -66,22 +66,24 @@ class S3Storage(FsspecStorage):
                                 IfNoneMatch="*")
                 return
             except Exception as exc:  # s3fs translates ClientError: look at the cause; re-raised
-                response = s3_response(exc)
                 if self._precondition_failed(exc):
-                    retried = (response or {}).get("ResponseMetadata", {}).get(
-                        "RetryAttempts", 0)
-                    if (retried or getattr(self.fs, "retries", 1) > 1) and (
-                            self._holds(path, data)):
-                        return  # our earlier attempt created it
                     raise FileExistsError(errno.EEXIST, "the object exists already",
                                           self.path_of(key)) from None
-                code = (response or {}).get("Error", {}).get("Code")
-                if code != "ConditionalRequestConflict" or attempt == self._CONFLICT_RETRIES:
+                if s3_code(exc) != "ConditionalRequestConflict" or (
+                        attempt == self._CONFLICT_RETRIES):
                     raise
                 time.sleep(delay)
                 delay *= 2
             finally:
                 self.fs.invalidate_cache(path)
+
+    def _retryable(self, exc: BaseException) -> bool:
+        """botocore is the retry layer for whole requests (connection errors, 5xx,
+        SlowDown, within ``connect``'s timeout: ``_s3_settings``): retrying what it gave
+        up on would multiply the layers. What it cannot retry is a body cut after it
+        returned the response (s3fs reads the stream outside botocore's retry): that
+        is ours."""
+        return cut_short(exc)
 
     @classmethod
     def _botocore_has_if_none_match(cls) -> bool:
@@ -212,8 +214,8 @@ def _s3_session_without_expect_continue():
 
 def open_s3(url: str, protocol: str, rest: str, storage_options: dict,
             timeout: float | None) -> S3Storage:
-    """s3:// and s3a://: s3fs with ``_s3_settings``; ferrosync and s3fs try once, botocore
-    retries (one layer, within ``timeout``)."""
+    """s3:// and s3a://: s3fs with ``_s3_settings``; s3fs tries once, botocore retries
+    requests (one layer, within ``timeout``), ferrosync only bodies cut short."""
     cls = driver_class(url, protocol)  # first: what follows imports botocore
     endpoint = _s3_endpoint(storage_options)
     try:
@@ -224,7 +226,8 @@ def open_s3(url: str, protocol: str, rest: str, storage_options: dict,
             path=url, hint="pip install 'ferrosync[s3]'") from None
     storage = build(url, protocol, cls, storage_options, timeout, S3Storage)
     storage.endpoint = endpoint
-    storage.retries = 0
     if hasattr(storage.fs, "retries"):
-        storage.fs.retries = 1  # s3fs's own loop: a single attempt, botocore retries
+        # s3fs's own loop: a single attempt; botocore retries requests, ferrosync a body
+        # cut short (S3Storage._retryable)
+        storage.fs.retries = 1
     return storage

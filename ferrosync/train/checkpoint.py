@@ -8,15 +8,20 @@ Layout under ``--checkpoint-dir``::
     step-00000040.r1.pt  strategies whose ranks drift apart between syncs (local-sgd,
                        diloco): each rank's own model, optimizer state and position,
                        written by that rank (one file per rank, nothing gathered)
-    latest.json        {"step": 40, "file": "step-00000040.pt", "model": [...], ...},
-                       rewritten after each checkpoint
+    latest.json        {"step": 40, "file": "step-00000040.pt", "model": [...],
+                       "bytes": {"step-00000040.pt": 81234, ...}, ...}, rewritten
+                       after each checkpoint; "bytes" declares each file's size
 
 Both go through ``ferrosync.storage``: a local or NFS directory gets a temporary
 file in the same directory and ``os.replace``, an object store one PUT, so a
 reader sees a whole checkpoint or none. ``latest.json`` is written only after its
 checkpoint is complete, so a crash at any moment leaves a loadable latest. The
 ``.pt`` files hold tensors and plain Python values only and are read with
-``torch.load(..., weights_only=True)``: no pickled code is ever executed.
+``torch.load(..., weights_only=True)``: no pickled code is ever executed. A file is
+read only up to the size ``latest.json`` declares for it: one that grew since (or was
+replaced by something larger, a sparse file of any size among them) is refused before
+a byte of it is read, with an error naming both sizes. Reading costs the file's size
+once (plus the tensors ``torch.load`` makes of it), on a directory and on object stores.
 
 Every rank loads the checkpoint itself (the optimizer state must be identical on
 every rank), so the directory must be visible to all of them, like the sync URL.
@@ -32,7 +37,7 @@ import re
 import numpy
 import torch
 
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, ShardCorrupt, StorageError
 from ..storage import Storage, open_storage
 from ..storage import probe_location as probe_storage
 from ..wire import loads_bounded
@@ -147,16 +152,12 @@ class CheckpointStore:
             raise ConfigError(f"{LATEST} at {self.url} names an unexpected file {key!r}",
                               hint="point --checkpoint-dir at a directory written by "
                               "ferrosync.train")
-        return self._load_key(key)
+        return self._load_key(key, meta)
 
-    def _load_key(self, key: str) -> dict:
-        # a checkpoint has no size limit of its own; torch.load(weights_only) checks it
-        raw = self.storage.read(key, max_bytes=None)
-        if raw is None:
-            raise ConfigError(f"checkpoint {self.storage.path_of(key)} is missing",
-                              hint="the directory was pruned by hand: restore the file "
-                              "or start without --resume")
+    def _load_key(self, key: str, meta: dict) -> dict:
+        raw = self._read(key, _declared(meta, key))
         try:
+            # BytesIO shares the bytes (no copy): the tensors are the one other cost
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         # torch.load raises whatever its unpickler meets (UnpicklingError, RuntimeError,
         # EOFError, ...): each means a damaged or foreign file, named with its cause below
@@ -166,6 +167,29 @@ class CheckpointStore:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
                 hint="it is damaged or not a ferrosync checkpoint; start without --resume",
             ) from None
+
+    def _read(self, key: str, declared: int | None) -> bytes:
+        """The bytes of ``key``, refused unread when larger than ``declared`` (what
+        ``latest.json`` says it holds; None for an index written before it said so,
+        read whole as then)."""
+        path = self.storage.path_of(key)
+        try:
+            raw = self.storage.read(key, max_bytes=declared)
+        except ShardCorrupt:  # storage's size check, before a byte was read
+            raise ConfigError(
+                f"checkpoint {path} is larger than the {declared} bytes {LATEST} declares "
+                "for it: it changed after it was written; refused unread",
+                hint="restore the file that was written, or start without --resume") from None
+        except MemoryError:  # only without a declared size: the allocation itself failed
+            raise ConfigError(
+                f"checkpoint {path} is larger than this host's memory",
+                hint="it is damaged or not a ferrosync checkpoint; start without "
+                "--resume") from None
+        if raw is None:
+            raise ConfigError(f"checkpoint {path} is missing",
+                              hint="the directory was pruned by hand: restore the file "
+                              "or start without --resume")
+        return raw
 
     @staticmethod
     def rank_key(step: int, rank: int) -> str:
@@ -180,7 +204,7 @@ class CheckpointStore:
 
     def load_rank(self, meta: dict, rank: int) -> dict:
         """This rank's file of the checkpoint ``meta`` describes (see ``save_rank``)."""
-        return self._load_key(self.rank_key(int(meta["step"]), rank))
+        return self._load_key(self.rank_key(int(meta["step"]), rank), meta)
 
     def save(self, state: dict, meta: dict, *, keep: int = 2) -> str:
         """Rank 0: publish ``state`` as ``step-<step>.pt``, then point ``latest.json`` at
@@ -191,17 +215,20 @@ class CheckpointStore:
         buffer = io.BytesIO()
         torch.save(state, buffer)
         self.storage.makedirs("")
-        self.storage.put(key, [buffer.getbuffer()])
-        meta = {**meta, "format": FORMAT, "file": key}
+        nbytes = self.storage.put(key, [buffer.getbuffer()])
+        files = [(int(m.group(1)), name, size) for name, size in self.storage.list("")
+                 if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
+        # the sizes readers are held to: this file's as written, the ranks' own files'
+        # (written before the barrier that precedes this) as storage lists them
+        sizes = {name: size for s, name, size in files if s == step} | {key: nbytes}
+        meta = {**meta, "format": FORMAT, "file": key, "bytes": sizes}
         # latest.json only after the checkpoint itself is complete: a crash between
         # the two leaves the previous (whole) checkpoint as the latest
         self.storage.put(LATEST, [json.dumps(meta, sort_keys=True).encode()])
-        self._prune(keep, step)
+        self._prune(keep, step, [(s, name) for s, name, _ in files])
         return self.storage.path_of(key)
 
-    def _prune(self, keep: int, newest: int) -> None:
-        files = [(int(m.group(1)), name) for name, _ in self.storage.list("")
-                 if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
+    def _prune(self, keep: int, newest: int, files: list[tuple[int, str]]) -> None:
         complete = sorted({step for step, name in files
                            if step <= newest and _STEP_FILE.match(name)})
         kept = set(complete[-keep:] if keep > 0 else [])
@@ -209,6 +236,21 @@ class CheckpointStore:
         # appeared (a crash mid-checkpoint) too; never anything newer than this one
         self.storage.delete([name for step, name in files
                              if step <= newest and step not in kept])
+
+
+def _declared(meta: dict, key: str) -> int | None:
+    """The size ``meta`` (``latest.json``) declares for ``key``; None where it declares
+    none (an index written before sizes were; a rank file the listing at save time did
+    not show). A malformed declaration is a ``ConfigError``."""
+    sizes = meta.get("bytes")
+    size = None if sizes is None else sizes.get(key) if isinstance(sizes, dict) else sizes
+    if size is None:
+        return None
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ConfigError(f"{LATEST} declares no valid size for {key!r} ({size!r})",
+                          hint="point --checkpoint-dir at a directory written by "
+                          "ferrosync.train")
+    return size
 
 
 def check_compatible(meta: dict, *, model: torch.nn.Module, world_size: int, strategy: str,

@@ -1,0 +1,545 @@
+"""A fault-injecting HTTP/1.1 proxy on loopback: the faults of a real network, on demand.
+
+Put it between a client and a local object-store server (SeaweedFS, an emulator) and
+it forwards whole requests and responses, except where a fault says otherwise::
+
+    faults = [Fault("lose_reply", 0.05, methods=("PUT",)), Fault("cut_body", 0.05,
+              methods=("GET",)), Fault("reset", 0.01), Fault("slowdown", 0.02)]
+    with FaultProxy(target_port=8333, faults=faults, seed=1) as proxy:
+        endpoint = proxy.endpoint               # clients connect here
+
+    python ferrosync/testing/fault_proxy.py --target 127.0.0.1:8333 --seed 1 \\
+        --fault lose_reply:0.05:PUT --fault cut_body:0.05:GET --fault reset:0.01 \\
+        --fault slowdown:0.02 --fault delay:1:any:20ms --duration 600
+
+The faults (``FAULT_KINDS``), each where a client cannot tell it from a real network's:
+
+* ``lose_reply``: forward the whole request, read the server's whole reply, then reset
+  the client's connection: the server acted (stored the PUT), the client never hears.
+* ``cut_body``: forward, then send the reply's head and half of its body, then close
+  the connection: a body cut mid-transfer. A reply without a body is passed on whole (and the fault
+  is not spent).
+* ``reset``: read the request, then reset the connection without forwarding it.
+* ``slowdown``: answer ``503 SlowDown`` (an S3 XML error body) without forwarding.
+* ``delay``: hold the request ``seconds`` before forwarding it (adds up with the others).
+
+A fault applies to requests whose method is in ``methods`` (empty: any), whose target
+(path and query) matches the regular expression ``path``, and that carry ``header``;
+with ``probability`` (rolled on one ``random.Random(seed)``, so a run's sequence of
+rolls is repeatable; which request meets which roll depends on thread timing), at most
+``times`` times. Faults are tried in order and the first that fires is applied (delays
+add to it). Deterministic tests script a fault: probability 1, ``times=1``, a ``path``.
+
+It listens on 127.0.0.1 only and forwards only to a loopback address. One thread per
+client connection, each with its own connection to the server; every socket wait is
+bounded (``IO_TIMEOUT``) and ``close`` (or ``duration``) ends them all. Standard library
+only, so any test or tool can import it without the package's dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import random
+import re
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+from dataclasses import dataclass
+
+__all__ = ["FAULT_KINDS", "Fault", "FaultProxy", "parse_fault", "check_loopback"]
+
+#: what a fault can do to one request (see the module docstring)
+FAULT_KINDS = ("lose_reply", "cut_body", "reset", "slowdown", "delay")
+#: seconds any one socket operation may block (a client or server gone quiet)
+IO_TIMEOUT = 120.0
+#: how often the acceptor looks at the closing flag
+POLL_S = 0.2
+#: seconds ``close`` waits for each thread
+JOIN_S = 5.0
+#: the CLI's default lifetime: the proxy is a test instrument, never left running
+DEFAULT_DURATION = 600.0
+#: the longest request or response head (status line and headers) accepted
+MAX_HEAD = 64 * 1024
+#: the body of the 503 a ``slowdown`` answers with: S3's own error document
+SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                 b"<Message>Please reduce your request rate.</Message>"
+                 b"<RequestId>fault-proxy</RequestId></Error>")
+_TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$", re.I)
+_TIME_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass
+class Fault:
+    """One fault and the requests it applies to (see the module docstring).
+
+    Args:
+        kind: one of ``FAULT_KINDS``.
+        probability: the chance that a matching request gets it.
+        methods: HTTP methods it applies to (upper case); empty: every method.
+        path: a regular expression searched in the request target; None: any.
+        header: only requests that carry this header (e.g. ``If-None-Match``).
+        times: apply it at most this often (None: no limit); counts down as applied.
+        seconds: how long a ``delay`` holds the request.
+    """
+
+    kind: str
+    probability: float = 1.0
+    methods: tuple[str, ...] = ()
+    path: str | None = None
+    header: str | None = None
+    times: int | None = None
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {self.kind!r}: expected one of {FAULT_KINDS}")
+        if not 0.0 <= self.probability <= 1.0:
+            raise ValueError(f"fault probability {self.probability} is not in [0, 1]")
+        if self.times is not None and self.times < 0:
+            raise ValueError(f"fault times {self.times} is negative")
+        if self.seconds < 0:
+            raise ValueError(f"fault seconds {self.seconds} is negative")
+        self.methods = tuple(m.upper() for m in self.methods)
+        self._path = re.compile(self.path) if self.path is not None else None
+
+    def matches(self, method: str, target: str, headers: dict[str, str]) -> bool:
+        return ((not self.methods or method in self.methods)
+                and (self._path is None or self._path.search(target) is not None)
+                and (self.header is None or self.header.lower() in headers)
+                and (self.times is None or self.times > 0))
+
+
+def parse_fault(text: str) -> Fault:
+    """``KIND[:PROBABILITY[:METHODS[:SECONDS]]]``, e.g. ``lose_reply:0.05:PUT``,
+    ``cut_body:0.1:GET,HEAD``, ``delay:1:any:20ms``; METHODS ``any`` is every method."""
+    kind, *rest = text.strip().split(":")
+    probability = float(rest[0]) if rest and rest[0] else 1.0
+    methods = tuple(m for m in rest[1].split(",") if m and m.lower() != "any") if len(
+        rest) > 1 else ()
+    seconds = 0.0
+    if len(rest) > 2:
+        match = _TIME.match(rest[2])
+        if not match:
+            raise ValueError(f"fault {text!r}: delay {rest[2]!r} needs a unit (e.g. 20ms)")
+        seconds = float(match.group(1)) * _TIME_SCALE[match.group(2).lower()]
+    if len(rest) > 3:
+        raise ValueError(f"fault {text!r}: expected KIND[:P[:METHODS[:SECONDS]]]")
+    return Fault(kind, probability, methods, seconds=seconds)
+
+
+def check_loopback(host: str) -> str:
+    """``host`` as a loopback IPv4 address; ValueError for anything else (the proxy must
+    never send a byte off this machine)."""
+    try:
+        found = {i[4][0] for i in socket.getaddrinfo(host, None, socket.AF_INET,
+                                                     socket.SOCK_STREAM)}
+    except socket.gaierror as exc:
+        raise ValueError(f"target {host!r} does not resolve ({exc})") from None
+    if not found or not all(ipaddress.ip_address(a).is_loopback for a in found):
+        raise ValueError(f"target {host!r} ({', '.join(sorted(found))}) is not a loopback "
+                         "address: the proxy only forwards to this machine (use 127.0.0.1)")
+    return sorted(found)[0]
+
+
+class _Closed(Exception):
+    """The peer closed the connection (or the proxy is closing)."""
+
+
+class _Stream:
+    """Buffered reads of HTTP/1.1 messages from one socket (raw bytes kept)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _fill(self) -> None:
+        data = self.sock.recv(65536)
+        if not data:
+            raise _Closed()
+        self.buf += data
+
+    def line(self) -> bytes:
+        while (end := self.buf.find(b"\r\n")) < 0:
+            if len(self.buf) > MAX_HEAD:
+                raise _Closed()
+            self._fill()
+        out = bytes(self.buf[:end + 2])
+        del self.buf[:end + 2]
+        return out
+
+    def exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            self._fill()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def rest(self) -> bytes:
+        """Everything until the peer closes (a response framed by the close)."""
+        try:
+            while True:
+                self._fill()
+        except _Closed:
+            pass
+        out = bytes(self.buf)
+        self.buf.clear()
+        return out
+
+    def head(self) -> tuple[bytes, dict[str, str]]:
+        """The start line and headers (raw), and the headers by lower-case name."""
+        lines = [self.line()]
+        while lines[-1] != b"\r\n":
+            lines.append(self.line())
+            if sum(map(len, lines)) > MAX_HEAD:
+                raise _Closed()
+        headers = {}
+        for raw in lines[1:-1]:
+            name, _, value = raw.decode("latin-1").partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return b"".join(lines), headers
+
+    def body(self, headers: dict[str, str], *, until_close: bool) -> bytes:
+        """The raw body a message's headers frame: chunked, by length, or (a response
+        without either) until the close."""
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            out = []
+            while True:
+                size_line = self.line()
+                out.append(size_line)
+                size = int(size_line.split(b";")[0].strip() or b"0", 16)
+                if size == 0:
+                    while (trailer := self.line()) != b"\r\n":
+                        out.append(trailer)
+                    out.append(trailer)
+                    return b"".join(out)
+                out.append(self.exact(size + 2))
+        if "content-length" in headers:
+            return self.exact(int(headers["content-length"]))
+        return self.rest() if until_close else b""
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close ``sock`` with a TCP reset (SO_LINGER 0), as a dropped connection looks."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
+def _gone(sock: socket.socket) -> bool:
+    """Whether the server closed this idle connection (readable with nothing to read)."""
+    ready, _, _ = select.select([sock], [], [], 0)
+    if not ready:
+        return False
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
+
+
+def _without_expect(head: bytes) -> bytes:
+    """The request head less its ``Expect`` header (the proxy answers 100 itself)."""
+    lines = head.split(b"\r\n")
+    return b"\r\n".join(li for li in lines if not li.lower().startswith(b"expect:"))
+
+
+def _next_request(client: socket.socket, reader: _Stream) -> tuple[bytes, str, str, dict]:
+    """The client's next whole request (raw, less any ``Expect``: the proxy answers
+    ``100 Continue`` itself), its method, target and headers."""
+    head, headers = reader.head()
+    if headers.get("expect", "").lower() == "100-continue":
+        client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        head = _without_expect(head)
+    body = reader.body(headers, until_close=False)
+    method, target = (part.decode("latin-1") for part in head.split(b" ", 2)[:2])
+    return head + body, method, target, headers
+
+
+class _Upstream:
+    """The server side of one client connection: connected on first use, and again
+    where the server closed it while idle."""
+
+    def __init__(self, proxy: FaultProxy) -> None:
+        self.proxy = proxy
+        self.sock: socket.socket | None = None
+        self.stream: _Stream | None = None
+
+    def exchange(self, request: bytes, method: str) -> tuple[bytes, dict, bytes, bool]:
+        """Send ``request``; the reply's head (raw), headers, raw body, and whether the
+        connection stays open after it."""
+        if self.sock is not None and _gone(self.sock):
+            self.close()  # a request sent on it would be lost through no fault of ours
+        if self.sock is None:
+            self.sock = self.proxy._track(socket.create_connection(self.proxy.target,
+                                                                   timeout=IO_TIMEOUT))
+            self.stream = _Stream(self.sock)
+        self.sock.sendall(request)
+        head, headers = self.stream.head()
+        status = int(head.split(b" ", 2)[1])
+        if method == "HEAD" or status in (204, 304) or status < 200:
+            return head, headers, b"", True
+        framed_by_close = "content-length" not in headers and (
+            "chunked" not in headers.get("transfer-encoding", "").lower())
+        return head, headers, self.stream.body(headers, until_close=True), not framed_by_close
+
+    def close(self) -> None:
+        self.proxy._forget(self.sock)
+        self.sock = self.stream = None
+
+
+class FaultProxy:
+    """Forward 127.0.0.1:``port`` to 127.0.0.1:``target_port``, injecting ``faults``.
+
+    Args:
+        target_port: the local HTTP server to forward to.
+        faults: ``Fault``s, tried in order for each request (``add`` appends more).
+        seed: seeds the probability rolls.
+        target_host: must be a loopback address (ValueError otherwise).
+        port: where to listen on 127.0.0.1 (0: a free port, see ``.port``).
+        duration: close by itself after this many seconds (None: only on ``close``).
+
+    ``counts`` holds requests seen and faults applied by kind; ``events`` the
+    (method, target, kind) of each applied fault, in order.
+    """
+
+    def __init__(self, target_port: int, faults: list[Fault] | tuple = (), *, seed: int = 0,
+                 target_host: str = "127.0.0.1", port: int = 0,
+                 duration: float | None = None) -> None:
+        self.target = (check_loopback(target_host), int(target_port))
+        self.faults = list(faults)
+        self.duration = duration
+        self.counts = {"requests": 0, **{kind: 0 for kind in FAULT_KINDS}}
+        self.events: list[tuple[str, str, str]] = []
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()
+        self.closing = threading.Event()
+        self._sockets: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._listener = socket.create_server(("127.0.0.1", port))
+        self._listener.settimeout(POLL_S)
+        self.port = self._listener.getsockname()[1]
+        self._timer: threading.Timer | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def add(self, fault: Fault) -> Fault:
+        """Append ``fault`` (scripted tests add theirs while clients run)."""
+        with self._lock:
+            self.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        """Drop every fault: from now on requests pass unharmed."""
+        with self._lock:
+            self.faults.clear()
+
+    def start(self) -> FaultProxy:
+        self._spawn(self._accept, "fault-proxy-accept")
+        if self.duration is not None:
+            self._timer = threading.Timer(self.duration, self.close)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __enter__(self) -> FaultProxy:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self.counts)
+
+    # -- choosing ------------------------------------------------------------------------------
+    def _choose(self, method: str, target: str, headers: dict) -> tuple[Fault | None, float]:
+        """The fault for this request (or None) and the delay to add before it."""
+        chosen, delay = None, 0.0
+        with self._lock:
+            self.counts["requests"] += 1
+            for fault in self.faults:
+                if not fault.matches(method, target, headers):
+                    continue
+                if fault.kind != "delay" and chosen is not None:
+                    continue
+                if fault.probability < 1.0 and self._random.random() >= fault.probability:
+                    continue
+                if fault.kind == "delay":
+                    delay += fault.seconds
+                    self._spend(fault, method, target)
+                else:
+                    chosen = fault
+        return chosen, delay
+
+    def _spend(self, fault: Fault, method: str, target: str) -> None:
+        """Count an applied fault (under the lock)."""
+        if fault.times is not None:
+            fault.times -= 1
+        self.counts[fault.kind] += 1
+        self.events.append((method, target, fault.kind))
+
+    def _applied(self, fault: Fault, method: str, target: str) -> None:
+        with self._lock:
+            self._spend(fault, method, target)
+
+    # -- connections ---------------------------------------------------------------------------
+    def _spawn(self, fn, name: str, *args) -> None:
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _track(self, sock: socket.socket) -> socket.socket:
+        sock.settimeout(IO_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            self._sockets.add(sock)
+        return sock
+
+    def _forget(self, sock: socket.socket | None, reset: bool = False) -> None:
+        if sock is None:
+            return
+        with self._lock:
+            self._sockets.discard(sock)
+        if reset:
+            _reset(sock)
+        else:
+            sock.close()
+
+    def _accept(self) -> None:
+        n = 0
+        while not self.closing.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            n += 1
+            self._spawn(self._serve, f"fault-proxy-{n}", self._track(client))
+
+    def _serve(self, client: socket.socket) -> None:
+        """Requests of one client connection, one at a time, over one server connection."""
+        upstream = _Upstream(self)
+        reader = _Stream(client)
+        try:
+            while not self.closing.is_set():
+                try:
+                    request, method, target, headers = _next_request(client, reader)
+                except _Closed:
+                    return  # the client is done with this connection
+                fault, delay = self._choose(method, target, headers)
+                if delay and self.closing.wait(delay):
+                    return
+                kind = fault.kind if fault is not None else None
+                if kind == "reset":
+                    self._applied(fault, method, target)
+                    self._forget(client, reset=True)
+                    return
+                if kind == "slowdown":
+                    self._applied(fault, method, target)
+                    client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml"
+                                   b"\r\nContent-Length: %d\r\n\r\n" % len(SLOWDOWN_BODY)
+                                   + SLOWDOWN_BODY)
+                    continue
+                reply_head, reply_headers, reply, stays_open = upstream.exchange(request,
+                                                                                 method)
+                if kind == "lose_reply":  # the server acted; the client never hears
+                    self._applied(fault, method, target)
+                    self._forget(client, reset=True)
+                    return
+                if kind == "cut_body" and reply:
+                    self._applied(fault, method, target)
+                    client.sendall(reply_head + reply[:len(reply) // 2])
+                    # a close, not a reset: a reset may discard what the client has not
+                    # read yet, and the half body must arrive before the end does
+                    client.shutdown(socket.SHUT_WR)
+                    return
+                client.sendall(reply_head + reply)
+                if not stays_open or "close" in (headers.get("connection", "").lower(),
+                                                 reply_headers.get("connection", "").lower()):
+                    return
+        except (OSError, _Closed, ValueError, IndexError):
+            return  # a peer went away or spoke something that is not HTTP/1.1: drop both
+        finally:
+            upstream.close()
+            if client.fileno() >= 0:
+                self._forget(client)
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection, and join the threads (bounded)."""
+        if self.closing.is_set():
+            return
+        self.closing.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.cancel()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept (Linux)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            sockets, threads = list(self._sockets), list(self._threads)
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv
+            except OSError:
+                pass
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(JOIN_S)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, metavar="127.0.0.1:PORT",
+                   help="the local HTTP server to forward to (loopback only)")
+    p.add_argument("--listen-port", type=int, default=0, metavar="PORT",
+                   help="port on 127.0.0.1 to listen on (default: a free one, printed)")
+    p.add_argument("--fault", type=parse_fault, action="append", default=[],
+                   metavar="KIND[:P[:METHODS[:SECONDS]]]",
+                   help=f"a fault to inject, repeatable; KIND is one of {', '.join(FAULT_KINDS)}"
+                   " (e.g. lose_reply:0.05:PUT, cut_body:0.05:GET, delay:1:any:20ms)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the probability rolls")
+    p.add_argument("--duration", type=float, default=DEFAULT_DURATION, metavar="S",
+                   help=f"exit after this many seconds (default {DEFAULT_DURATION:g})")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    host, sep, port = args.target.rpartition(":")
+    if not sep or not port.isdigit():
+        print(f"fault_proxy: --target {args.target!r} is not HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        proxy = FaultProxy(int(port), args.fault, seed=args.seed, target_host=host,
+                           port=args.listen_port, duration=args.duration)
+    except ValueError as exc:
+        print(f"fault_proxy: {exc}", file=sys.stderr)
+        return 2
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    with proxy:
+        print(f"fault_proxy: listening on {proxy.endpoint} -> {host}:{port}, "
+              f"{len(args.fault)} fault(s), seed {args.seed}, for {args.duration:g} s",
+              flush=True)
+        try:
+            while not done.wait(POLL_S) and not proxy.closing.is_set():
+                pass
+        except KeyboardInterrupt:
+            pass
+    print(f"fault_proxy: closed {json.dumps(proxy.stats())}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
