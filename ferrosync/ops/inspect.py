@@ -23,8 +23,9 @@ from ..errors import StorageError
 from ..liveness import describe_abort
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
-from .elastic_history import elastic_reports, is_elastic_namespace
+from .elastic_history import elastic_reports
 from .elastic_history import render as render_elastic
+from .keys import JobKeys, KeyFile
 from .scan import FoundGeneration, Namespace, Scan, human_bytes, printable_tree, read_record, scan
 from .watch import RankView, generation_status, judge, progress, stragglers
 
@@ -191,10 +192,12 @@ def objection_report(storage: Storage, obj, secret: bytes | None) -> dict:
                   "pid": record.get("pid"), "trust": record.trust, "problem": record.problem}
 
 
-def job_report(storage: Storage, ns: Namespace, found: Scan, secret: bytes | None) -> dict:
-    """One job's rendezvous namespace: announcements, waiting claims, objections."""
+def job_report(storage: Storage, ns: Namespace, found: Scan, keys: JobKeys) -> dict:
+    """One job's rendezvous namespace: announcements, waiting claims, objections, and
+    the key file its launcher left (whose key verified its records)."""
     announced = sorted(o.number for o in ns.of_kind("announcement"))
     ended = {(o.rank, o.number) for o in ns.of_kind("end")}
+    secret = keys.secret(ns.name)
     return {
         "namespace": ns.name,
         "job": ns.job,
@@ -205,6 +208,7 @@ def job_report(storage: Storage, ns: Namespace, found: Scan, secret: bytes | Non
         # each rank's newest claim without an end marker: running, or killed
         "open_claims": {r: n for r, n in _latest(ns.of_kind("join")).items()
                         if (int(r), n) not in ended},
+        **launch_report(keys.key_file(ns.job)),
         "objections": [objection_report(storage, o, secret) for o in
                        sorted(ns.of_kind("objection"), key=lambda o: (o.rank, o.number))],
         "announced_without_data": [n for n in announced if (p := ns.prefix_of(n)) is not None
@@ -218,14 +222,26 @@ def job_report(storage: Storage, ns: Namespace, found: Scan, secret: bytes | Non
     }
 
 
-def build_report(storage: Storage, secret: bytes | None, window: float,
+def launch_report(key_file: KeyFile | None) -> dict:
+    """The launch a job's key file describes: the file, and whether its launcher still
+    runs (None: another host's, this host cannot tell)."""
+    if key_file is None:
+        return {"key_file": None, "launcher": None}
+    running, state = key_file.launcher_state()
+    return {"key_file": key_file.path,
+            "launcher": {"host": key_file.launcher.get("host"),
+                         "pid": key_file.launcher.get("pid"), "running": running,
+                         "state": state}}
+
+
+def build_report(storage: Storage, keys: JobKeys, window: float,
                  objects: bool = False) -> dict:
     """Scan, watch heartbeats for ``window`` s, and describe everything found."""
-    found: Scan = scan(storage, secret)
+    found: Scan = scan(storage, keys)
     gens = found.ordered()
-    views = judge(storage, gens, secret, window)
+    views = judge(storage, gens, keys, window)
     reports = [generation_report(storage, g, views[g.prefix], found, objects) for g in gens]
-    jobs = [job_report(storage, ns, found, secret)
+    jobs = [job_report(storage, ns, found, keys)
             for _, ns in sorted(found.namespaces.items())]
     return {
         "url": storage.url,
@@ -242,9 +258,9 @@ def build_report(storage: Storage, secret: bytes | None, window: float,
         "generations": reports,
         "orphan_temp_files": [o.key for o in found.temps],
         "leftover_probes": [o.key for o in found.probes],
-        "elastic_jobs": elastic_reports(storage, [o.key for o in found.foreign], secret),
-        "foreign_objects": [o.key for o in found.foreign
-                            if not is_elastic_namespace(o.key.partition("/")[0])],
+        "elastic_jobs": elastic_reports(
+            storage, [o.key for objs in found.elastic.values() for o in objs], keys),
+        "foreign_objects": [o.key for o in found.foreign],
         "irregular_entries": [{"key": key, "kind": what} for key, what in found.irregular],
         "untrusted_announcements": sorted(
             r.key for ns in found.namespaces.values() for r in ns.announcements.values()
@@ -303,6 +319,8 @@ def _render_job(job: dict) -> list[str]:
     lines = [f"{_job_name(job['job'])} ({job['namespace']}/): "
              f"{len(job['announcements'])} announcement(s){newest}, "
              f"{job['join_records']} claims, {human_bytes(job['bytes'])}"]
+    if job["key_file"]:
+        lines.append(f"  key file {job['key_file']}: {job['launcher']['state']}")
     waiting = job["unconsumed_joins"]
     if waiting:
         lines.append(f"  claims newer than its newest announcement (ranks waiting for "
@@ -423,8 +441,8 @@ def _dash(value) -> str:
     return "-" if value is None else str(value)
 
 
-def run(storage: Storage, secret: bytes | None, window: float, *, as_json: bool,
+def run(storage: Storage, keys: JobKeys, window: float, *, as_json: bool,
         objects: bool) -> int:
-    report = build_report(storage, secret, window, objects)
+    report = build_report(storage, keys, window, objects)
     print(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
     return 0

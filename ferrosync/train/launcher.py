@@ -80,7 +80,7 @@ def launch(args, argv: list[str]) -> int:
                        elastic=args.elastic)
     if args.script is None:
         preflight(args, args.nproc)
-    url, created = args.sync, None
+    url, created, kept = args.sync, None, None
     if url is None:
         url = created = tempfile.mkdtemp(prefix="ferrosync-train-")
     try:
@@ -90,16 +90,23 @@ def launch(args, argv: list[str]) -> int:
         per_node = args.nproc // (args.nnodes_sim or 1)
         # an elastic job is the URL (plus the user's job id): a made-up id would keep
         # out the members that other commands start
+        named = bool(os.environ.get(ENV_JOB))
         job = os.environ.get(ENV_JOB, "") if args.elastic else launch_job_id()
         port = free_port()
         secret = launch_secret(args.elastic)
+        if not args.elastic and not named:  # a job id of this launch's own: its key file
+            kept = keep_key(job, secret, url)
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
             envs.append(_rank_env(rank, args.nproc, url, per_node, job, port, secret))
-        return Supervisor(commands, envs, url=url, elastic=args.elastic).run()
+        return Supervisor(commands, envs, url=url, elastic=args.elastic, job=job).run()
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
+            if kept:  # the job's records went with its temporary directory
+                from ..ops.keys import discard
+
+                discard(job)
 
 
 def launch_job_id() -> str:
@@ -137,6 +144,25 @@ def launch_secret(elastic: bool) -> str | None:
               "process of the job", file=sys.stderr, flush=True)
         return None
     return secrets.token_hex(32)
+
+
+def keep_key(job: str, secret: str | None, url: str) -> str | None:
+    """Write the launch's key file (``ferrosync/ops/keys.py``), so that its user's
+    ``ferrosync inspect``, ``gc`` and ``doctor`` verify the job without the secret
+    being copied by hand, and can tell when the launch is over; returns its path.
+
+    ``ConfigError`` (exit 2, before any rank starts) for a key directory others can
+    enter; a key that cannot be written (full disk, read-only home) is a warning: the
+    job runs, and the tools see it as they would without the file."""
+    from ..ops import keys
+
+    try:
+        return keys.save(job, secret, url)
+    except OSError as exc:
+        print(f"ferrosync.train: warning: cannot keep the key of job {job} in "
+              f"{keys.directory()} ({exc.strerror or exc}): `ferrosync inspect` and `gc` "
+              "will not verify it", file=sys.stderr, flush=True)
+        return None
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -301,8 +327,8 @@ class Supervisor:
     ``elastic``: lets the others run on, each an independent member)."""
 
     def __init__(self, commands: list[list[str]], envs: list[dict], *, url: str,
-                 elastic: bool = False) -> None:
-        self.commands, self.envs, self.url = commands, envs, url
+                 elastic: bool = False, job: str = "") -> None:
+        self.commands, self.envs, self.url, self.job = commands, envs, url, job
         self.elastic = elastic
         self.word = "member" if elastic else "rank"
         self.procs: list[subprocess.Popen] = []
@@ -349,7 +375,8 @@ class Supervisor:
                 stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent,
             ))
         pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.procs))
-        self._say(f"started {len(self.procs)} ranks ({pids}); sync URL {self.url}")
+        job = f" of job {self.job}" if self.job else ""
+        self._say(f"started {len(self.procs)} ranks ({pids}){job}; sync URL {self.url}")
         for rank, proc in enumerate(self.procs):
             out = _Pump(rank, proc.stdout, sys.stdout, self.out_lock,
                         hold_final=rank == 0 or self.elastic)
