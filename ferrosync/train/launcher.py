@@ -53,6 +53,7 @@ from ..env import (
     ENV_URL,
     ENV_WORLD_SIZE,
 )
+from ..errors import ConfigError
 
 #: set in each rank's environment: "you are a rank, ignore --nproc"
 ENV_CHILD = "FERROSYNC_TRAIN_CHILD"
@@ -76,6 +77,10 @@ def launch(args, argv: list[str]) -> int:
     from .runner import check_sync_options, check_sync_url, preflight
 
     # every check that writes nothing, before anything is created or started
+    if args.sync is not None:
+        check_url(args.sync, args.sync_options, processes=args.nproc)
+    if args.checkpoint_dir is not None:
+        check_url(args.checkpoint_dir, args.sync_options, flag="--checkpoint-dir")
     check_sync_options(args.sync or tempfile.gettempdir(), args.sync_options,
                        elastic=args.elastic)
     if args.script is None:
@@ -107,6 +112,45 @@ def launch(args, argv: list[str]) -> int:
                 from ..ops.keys import discard
 
                 discard(job)
+
+
+def check_url(url: str, options: dict, *, processes: int = 1, flag: str = "--sync") -> None:
+    """What the launcher can tell about a storage ``url`` without a request, through the
+    storage layer's own reading of it (``ConfigError``, exit 2, before any rank starts):
+    a mistyped URL (``s3:/bucket``, ``split_url``), a scheme no installed fsspec driver
+    serves (``driver_class``, with the ``pip install``), a driver that cannot create
+    only if absent (``--sync`` only: rendezvous needs it), and a store that is one
+    process's own (``memory://``) for more than one process."""
+    from ..registry import TORCH_SCHEMES
+    from ..storage import open_storage, split_url
+    from ..storage.base import EXCLUSIVE_CREATE_HINT
+    from ..storage.fsspec_store import driver_class, generic_create
+
+    protocol, _ = split_url(url)
+    if protocol in TORCH_SCHEMES:
+        return
+    if protocol not in ("file", "local"):
+        why = generic_create(driver_class(url, protocol))
+        if why is not None and flag == "--sync":
+            raise ConfigError(f"{flag} {url}: ranks cannot meet on this store: {why}",
+                              hint=EXCLUSIVE_CREATE_HINT)
+    try:
+        storage = open_storage(url, options.get("storage_options"))  # no request yet
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a driver that refuses the URL it was given
+        raise ConfigError(f"{flag} {url}: the {protocol}:// driver refused it "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())})",
+                          hint="check the URL against the driver's documentation") from None
+    try:
+        if processes > 1 and not storage.shared_between_processes:
+            raise ConfigError(
+                f"{flag} {url} is one process's memory: the {processes} processes of this "
+                "launch would each see only their own", hint="use a directory "
+                "(/dev/shm/NAME on one machine) or an object store; memory:// suits "
+                "--nproc 1 and tests in one process")
+    finally:
+        storage.close()
 
 
 def launch_job_id() -> str:
