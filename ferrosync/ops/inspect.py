@@ -16,6 +16,7 @@ clock (docs/design.md#no-cross-host-clocks); wall-clock ages are printed for inf
 from __future__ import annotations
 
 import json
+import os
 import time
 
 from ..costs import hourly, is_billed
@@ -319,8 +320,9 @@ def _render_job(job: dict) -> list[str]:
     lines = [f"{_job_name(job['job'])} ({job['namespace']}/): "
              f"{len(job['announcements'])} announcement(s){newest}, "
              f"{job['join_records']} claims, {human_bytes(job['bytes'])}"]
-    if job["key_file"]:
-        lines.append(f"  key file {job['key_file']}: {job['launcher']['state']}")
+    if job["key_file"]:  # the directory is the user's key directory (--json: the path)
+        lines.append(f"  key file {os.path.basename(job['key_file'])}: "
+                     f"{job['launcher']['state']}")
     waiting = job["unconsumed_joins"]
     if waiting:
         lines.append(f"  claims newer than its newest announcement (ranks waiting for "
