@@ -2,7 +2,7 @@
 
     ferrosync inspect URL [--json] [--watch S] [--objects]
     ferrosync gc URL [--keep N] [--dry-run] [--watch S] [--json]
-    ferrosync doctor URL [--json] [--size-mib N] [--samples N] [--strict]
+    ferrosync doctor URL [--json] [--size-mib N] [--samples N] [--strict] [--mode M]
     python -m ferrosync SUB ...            # the same, without the installed script
 
 Every tool takes ``--storage-options JSON`` (passed to the fsspec filesystem, e.g.
@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 100)")
     p.add_argument("--world-size", type=cli_number(int, minimum=1), default=8, metavar="N",
                    help="ranks in your job, for the timeout advice (default 8)")
+    p.add_argument("--mode", choices=["fixed", "elastic"], default=None,
+                   help="recommend settings for a fixed-size job (connect(url)) or an "
+                   "elastic one (connect(url, elastic=True)); default: elastic when the "
+                   "location holds an elastic job and no fixed-size one")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--strict", action="store_true", help="exit 1 if any check fails")
     return parser
@@ -127,7 +131,7 @@ def _dispatch(args) -> int:
             return doctor.run(storage, args.url, args.storage_options, size_mib=args.size_mib,
                               samples=args.samples, payload_mib=args.payload_mib,
                               world_size=args.world_size, as_json=args.json,
-                              strict=args.strict)
+                              strict=args.strict, mode=args.mode)
         from .ops.watch import default_window
 
         window = args.watch if args.watch is not None else default_window(storage)

@@ -529,6 +529,17 @@ def test_s3_smoke_inspect_gc_doctor(s3_transport, capsys, tmp_path):
     assert job["namespace"] == NS and after["foreign_objects"] == []
     assert not [k for k in after["leftover_probes"]]  # doctor cleaned up after itself
 
+    # beside an elastic job (one member, this process): doctor recommends what elastic
+    # members beat at on S3, and gc keeps every byte of it, by name
+    with ferrosync.connect(url, elastic=True, timeout=60, **opts) as sync:
+        sync.average_(torch.ones(4))
+    doctor = tool_json(capsys, "doctor", url, "--storage-options", so, "--size-mib", "0",
+                       "--samples", "3", "--mode", "elastic")
+    assert doctor["mode"] == "elastic" and doctor["recommended"]["heartbeat_interval"] >= 10
+    done = tool_json(capsys, "gc", url, "--storage-options", so, "--watch", "1")
+    assert [d["target"] for d in done["decisions"]] == ["el.tests/"], done
+    assert done["removed_objects"] == 0
+
 
 # -- doctor: exclusive create and atomic rename, tried on the location -----------------------
 

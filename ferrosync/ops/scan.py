@@ -432,6 +432,12 @@ def _local_subdirs(storage: Storage) -> list[str]:
 def namespace_names(storage: Storage) -> list[str]:
     """The rendezvous namespaces (``rdzv``, ``rdzv.{job}``) at the top of the location,
     without listing everything below it."""
+    return [n for n in top_names(storage) if _is_namespace(n)]
+
+
+def top_names(storage: Storage) -> list[str]:
+    """The names at the top of the location (directories, prefixes and objects), without
+    listing everything below it."""
     if isinstance(storage, LocalStorage):
         found = _local_subdirs(storage)
     elif isinstance(storage, FsspecStorage):
@@ -443,7 +449,7 @@ def namespace_names(storage: Storage) -> list[str]:
         found = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
     else:
         found = [key.split("/", 1)[0] for key, _ in storage.list("") if "/" in key]
-    return sorted({n for n in found if _is_namespace(n)})
+    return sorted(set(found))
 
 
 def read_markers(storage: Storage, gen: FoundGeneration, kind: str,
