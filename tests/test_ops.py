@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -387,6 +388,9 @@ def test_inspect_names_the_straggler(tmp_path, capsys):
         assert gen["stragglers"] == [1]
         code, text = tool(capsys, "inspect", url, "--watch", "1")
         assert "stragglers (the others wait for them): ranks [1]" in text
+        # since when, by the ranks' own clock (this host's here)
+        assert re.search(r"rank 0 entered collective 4 \(barrier\) [0-9.]+ s ago", text), text
+        assert all(r["collective_wall_age_s"] >= 0 for r in gen["ranks"]), gen["ranks"]
     finally:
         open(release, "w").close()
         out = collect(procs, q, timeout=60)

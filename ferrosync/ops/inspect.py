@@ -45,6 +45,7 @@ def rank_report(view: RankView) -> dict:
             heartbeat_state=last.get("state"), trust=last.trust,
             # another host's clock against ours: informational only, never for liveness
             heartbeat_wall_age_s=_wall_age(last.get("wall_time")),
+            collective_wall_age_s=_wall_age(last.get("position_at")),
             **_request_rate(last),
         )
     if view.abort is not None:
@@ -398,6 +399,8 @@ def _render_generation(gen: dict) -> list[str]:
     if prog is not None:
         lines.append(f"  progress: collective {prog['from']} -> {prog['to']} in "
                      f"{prog['seconds']:.1f} s" + ("  (STALLED)" if prog["stalled"] else ""))
+        if prog["stalled"]:
+            lines.extend(_since(gen["ranks"]))
     if gen["stragglers"]:
         lines.append(f"  stragglers (the others wait for them): ranks {gen['stragglers']}")
     req = gen.get("storage_requests")
@@ -425,6 +428,15 @@ def _render_generation(gen: dict) -> list[str]:
             detail = f"  {head}"
         lines.append(f"    {obj['key']}  {human_bytes(obj['size'])}{detail}")
     return lines
+
+
+def _since(ranks: list[dict]) -> list[str]:
+    """Since when each live rank of a stalled generation has been in its collective (its
+    own clock against ours: a hint, like hb age)."""
+    return [f"  rank {r['rank']} entered collective {r['collective']} ({r.get('op')}) "
+            f"{r['collective_wall_age_s']:g} s ago by its clock"
+            for r in ranks if r["state"] == "live" and r.get("collective_wall_age_s")
+            is not None]
 
 
 def _ranges(numbers: list[int]) -> str:
