@@ -19,7 +19,7 @@ import json
 import os
 import time
 
-from ..costs import hourly, is_billed
+from ..costs import hourly, is_billed, request_cost
 from ..errors import StorageError
 from ..liveness import describe_abort
 from ..storage import Storage
@@ -58,8 +58,8 @@ def rank_report(view: RankView) -> dict:
 
 
 def _request_rate(heartbeat) -> dict:
-    """The rank's storage requests per hour since it connected, from its own heartbeat
-    (both times by its own clock), and their cost per hour at S3 list prices."""
+    """The rank's storage requests since it connected, from its own heartbeat (both
+    times by its own clock): so far and per hour, and what they cost at S3 list prices."""
     counts, since, now = (heartbeat.get("requests"), heartbeat.get("connected_at"),
                           heartbeat.get("wall_time"))
     if not isinstance(counts, dict) or not all(
@@ -67,6 +67,8 @@ def _request_rate(heartbeat) -> dict:
         return {}
     clean = {k: v for k, v in counts.items() if isinstance(v, int) and v >= 0}
     return {"requests_by_kind": clean, "connected_s": round(now - since, 1),
+            "requests_so_far": clean.get("requests", 0),
+            "request_cost_so_far": request_cost(clean),
             **hourly(clean, now - since, None, billed=True)}
 
 
@@ -77,8 +79,11 @@ def requests_summary(ranks: list[dict], billed: bool) -> dict | None:
     if not rates:
         return None
     cost = sum(r["request_cost_per_hour"] for r in rates)
+    so_far = sum(r["request_cost_so_far"] for r in rates)
     return {"requests_per_hour": sum(r["requests_per_hour"] for r in rates),
-            "request_cost_per_hour": cost if billed else None, "ranks": len(rates)}
+            "request_cost_per_hour": cost if billed else None,
+            "requests_so_far": sum(r["requests_so_far"] for r in rates),
+            "request_cost_so_far": so_far if billed else None, "ranks": len(rates)}
 
 
 def _wall_age(wall) -> float | None:
@@ -405,10 +410,13 @@ def _render_generation(gen: dict) -> list[str]:
         lines.append(f"  stragglers (the others wait for them): ranks {gen['stragglers']}")
     req = gen.get("storage_requests")
     if req:
-        cost = req["request_cost_per_hour"]
-        lines.append(f"  storage requests: {req['requests_per_hour']:,.0f}/hour over "
-                     f"{req['ranks']} ranks since they connected"
-                     + (f", ${cost:,.4f}/hour at S3 list prices" if cost is not None else ""))
+        cost, so_far = req["request_cost_per_hour"], req["request_cost_so_far"]
+        lines.append(f"  storage requests: {req['requests_so_far']:,} so far"
+                     + (f" (${so_far:,.4f})" if so_far is not None else "")
+                     + f", {req['requests_per_hour']:,.0f}/hour"
+                     + (f" (${cost:,.4f}/hour)" if cost is not None else "")
+                     + f" over {req['ranks']} ranks since they connected"
+                     + (", at S3 list prices" if cost is not None else ""))
     for a in gen["aborts"]:
         where = f" at collective {a['collective']}" if a.get("collective") is not None else ""
         lines.append(f"  ABORT rank {a['rank']}{where}: {a['description']}"
