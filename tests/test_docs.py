@@ -572,9 +572,11 @@ def _kinds(text: str, *, skip_first: int = 0) -> set[str]:
 
 def _check_train_sample(sample: str) -> None:
     """docs/train.md's sample run against the real demo (2 ranks, the documented
-    command, 10 epochs): the same summary rows in the same order, the same step count,
-    accuracy within 1 point and bytes written within 2 % of the sample (digests and
-    timings differ between machines and torch builds), every FINAL key it shows."""
+    command, 10 epochs): what does not depend on the machine — the same summary rows in
+    the same order, the same step count, bytes written within 2 % of the sample, every
+    FINAL key it shows, the documented accuracy (>= 90 %) and every rank's digest the
+    same. Accuracy, digests and timings differ between machines and torch builds (the
+    sample says so), so they are not compared with the sample's."""
     out = _run_command("python -m ferrosync.train --nproc 2 --no-progress", cap=False)
     real_final = json.loads(out.strip().splitlines()[-1][len("FINAL "):])
 
@@ -588,7 +590,8 @@ def _check_train_sample(sample: str) -> None:
     assert shown <= set(real_final), sorted(shown - set(real_final))
     doc = {k: json.loads(v) for k, v in re.findall(r'"(\w+)":([^,.}]+[^,}]*)', doc_final)}
     assert doc["steps"] == real_final["steps"]
-    assert abs(doc["accuracy"] - real_final["accuracy"]) <= 0.01, (doc, real_final)
+    assert real_final["accuracy"] >= 0.90 and doc["accuracy"] >= 0.90, (doc, real_final)
+    assert real_final["ranks_agree"] is True
     assert abs(doc["bytes_written"] / real_final["bytes_written"] - 1) <= 0.02
     assert re.search(r"ranks agree\s+yes \(digest [0-9a-f]{16}\)", sample)
     m = re.search(r"accuracy\s+([\d.]+)%", sample)

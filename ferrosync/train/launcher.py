@@ -20,6 +20,11 @@ needs a rendezvous store we do not use):
   after a grace period), name the failed rank and its last error line, and exit
   with 2 if that rank reported bad input (exit code 2), else 1.
 
+Before any rank starts, everything the launcher can know is checked (``check_url``,
+``runner.preflight``): bad input is one line and exit 2. A launch under a job id of its
+own gets a fresh secret, kept in its user's key file (``ferrosync/ops/keys.py``) so that
+the same user's ``ferrosync inspect`` and ``gc`` can verify and collect the job.
+
 With ``--elastic`` each process is one member of the elastic job at the URL: a
 member that fails does not stop its siblings (the job goes on without it), every
 member's ``FINAL`` line is kept and the first is printed last, and no job id is made
