@@ -24,8 +24,8 @@ import os
 import sys
 
 from .env import ENV_SECRET
-from .ops.keys import directory as keys_directory
 from .errors import ConfigError, StorageError
+from .ops.keys import directory as keys_directory
 from .validate import cli_number
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
