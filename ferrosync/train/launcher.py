@@ -132,13 +132,12 @@ def check_url(url: str, options: dict, *, processes: int = 1, flag: str = "--syn
     from ..storage.fsspec_store import driver_class, generic_create
 
     protocol, _ = split_url(url)
-    if protocol in TORCH_SCHEMES:
-        return
-    if protocol not in ("file", "local"):
-        why = generic_create(driver_class(url, protocol))
-        if why is not None and flag == "--sync":
-            raise ConfigError(f"{flag} {url}: ranks cannot meet on this store: {why}",
-                              hint=EXCLUSIVE_CREATE_HINT)
+    if protocol in TORCH_SCHEMES or protocol in ("file", "local"):
+        return  # a directory: only its probe (a write) tells more
+    why = generic_create(driver_class(url, protocol))
+    if why is not None and flag == "--sync":
+        raise ConfigError(f"{flag} {url}: ranks cannot meet on this store: {why}",
+                          hint=EXCLUSIVE_CREATE_HINT)
     try:
         storage = open_storage(url, options.get("storage_options"))  # no request yet
     except ConfigError:
