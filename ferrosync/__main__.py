@@ -2,12 +2,14 @@
 
     ferrosync inspect URL [--json] [--watch S] [--objects]
     ferrosync gc URL [--keep N] [--dry-run] [--watch S] [--json]
-    ferrosync doctor URL [--json] [--size-mib N] [--samples N] [--strict]
+    ferrosync doctor URL [--json] [--size-mib N] [--samples N] [--strict] [--mode M]
     python -m ferrosync SUB ...            # the same, without the installed script
 
 Every tool takes ``--storage-options JSON`` (passed to the fsspec filesystem, e.g.
-``'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'``); ``inspect`` and
-``gc`` take ``--secret`` (default ``$FERROSYNC_SECRET``) to verify control records.
+``'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'``). ``inspect`` and
+``gc`` verify each job's control records with its key: the key file the launcher
+left for the job (``ferrosync/ops/keys.py``: ``~/.config/ferrosync/keys/JOB.key``, or
+``$FERROSYNC_KEYS``), else ``--secret`` (default ``$FERROSYNC_SECRET``).
 
 Exit status: 0 when the tool ran, whatever it found (``doctor --strict``: 1 if a
 check failed); 1 when storage failed underneath it; 2 on bad usage (unknown flag,
@@ -23,6 +25,7 @@ import sys
 
 from .env import ENV_SECRET
 from .errors import ConfigError, StorageError
+from .ops.keys import directory as keys_directory
 from .validate import cli_number
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -57,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(credentials, endpoint_url, ...); not for local paths")
         if secret:
             sub.add_argument("--secret", default=None,
-                             help=f"shared key to verify control records (default "
-                             f"${ENV_SECRET}; '' for none)")
+                             help=f"shared key to verify the records of jobs without a key "
+                             f"file (default ${ENV_SECRET}; '' for none); a job started by "
+                             "python -m ferrosync.train is verified with the key file its "
+                             f"launcher left in {keys_directory()}")
 
     def watch(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--watch", type=cli_number(minimum=0), default=None, metavar="SECONDS",
@@ -97,14 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 100)")
     p.add_argument("--world-size", type=cli_number(int, minimum=1), default=8, metavar="N",
                    help="ranks in your job, for the timeout advice (default 8)")
+    p.add_argument("--mode", choices=["fixed", "elastic"], default=None,
+                   help="recommend settings for a fixed-size job (connect(url)) or an "
+                   "elastic one (connect(url, elastic=True)); default: elastic when the "
+                   "location holds an elastic job and no fixed-size one")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--strict", action="store_true", help="exit 1 if any check fails")
     return parser
 
 
-def _secret(args) -> bytes | None:
+def _keys(args):
+    """Each job's key: its launcher's key file, else --secret / $FERROSYNC_SECRET."""
+    from .ops.keys import JobKeys
+
     value = args.secret if args.secret is not None else os.environ.get(ENV_SECRET)
-    return value.encode() if value else None
+    return JobKeys(value.encode() if value else None)
 
 
 def _dispatch(args) -> int:
@@ -119,7 +131,7 @@ def _dispatch(args) -> int:
             return doctor.run(storage, args.url, args.storage_options, size_mib=args.size_mib,
                               samples=args.samples, payload_mib=args.payload_mib,
                               world_size=args.world_size, as_json=args.json,
-                              strict=args.strict)
+                              strict=args.strict, mode=args.mode)
         from .ops.watch import default_window
 
         window = args.watch if args.watch is not None else default_window(storage)
@@ -127,12 +139,12 @@ def _dispatch(args) -> int:
             from .ops import inspect
 
             _check_reachable(storage)
-            return inspect.run(storage, _secret(args), window, as_json=args.json,
+            return inspect.run(storage, _keys(args), window, as_json=args.json,
                                objects=args.objects)
         from .ops import gc
 
         _check_reachable(storage)
-        return gc.run(storage, _secret(args), window, keep=args.keep, dry_run=args.dry_run,
+        return gc.run(storage, _keys(args), window, keep=args.keep, dry_run=args.dry_run,
                       as_json=args.json)
     finally:
         storage.close()

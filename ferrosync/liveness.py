@@ -294,6 +294,9 @@ class Heartbeat:
         with self._lock:
             self._record["collective"] = collective
             self._record["op"] = op
+            # when it began, by this host's clock: `inspect` says since when a hung job
+            # waits (for display only, like wall_time)
+            self._record["position_at"] = time.time()
 
     def failure(self, now: float) -> tuple[float, BaseException] | None:
         """(seconds the writes have been failing, last error), or None if they work."""

@@ -21,9 +21,12 @@ that is missing skips its cases with the reason, so they are always collected.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 
@@ -56,6 +59,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["FERROSYNC_JOB"] = "tests"
 for _scheduler_id in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
     os.environ.pop(_scheduler_id, None)
+# The launcher keeps each launch's key in a private directory the operator tools read
+# (ferrosync/ops/keys.py): the suite's launches keep theirs in one of its own, not in
+# the home directory of whoever runs it.
+os.environ["FERROSYNC_KEYS"] = tempfile.mkdtemp(prefix="ferrosync-keys-")
+atexit.register(shutil.rmtree, os.environ["FERROSYNC_KEYS"], True)
 
 BUCKET = "ferrosync-tests"
 

@@ -204,7 +204,8 @@ def test_every_option_is_documented_and_validated():
 #   directory before any block runs, and the commands that use it run it.
 # * ```bash``` blocks run command by command (`\` continuations joined, comments
 #   dropped) in the document's working directory: `python -m ferrosync...`, `ferrosync
-#   ...`, `python tools/...`, `python examples/...` and single-node `torchrun`. The
+#   ...`, `python tools/...`, `python examples/...` and single-node `torchrun` (a
+#   launch's launcher and the `ferrosync` tools run in this process, ranks as processes). The
 #   documented substitutions: at most `_MAX_STEPS` optimizer steps (a `--steps` is
 #   inserted or lowered; twice that with `--resume`, so a resumed run has steps left)
 #   and at most 2 ranks per command (this suite runs on 2 cores); `tools/...` and
@@ -469,6 +470,10 @@ def _run_command(command: str, cap: bool = True) -> str:
         code, out, _ = launch_in_process(words[3:], _CTX.workdir, env, merged=True)
         _check_outcome(words, code, out)
         return out
+    if words[1:3] == ["-m", "ferrosync"]:  # an operator tool: in this process too
+        code, out = _tool_in_process(words[3:], env)
+        _check_outcome(words, code, out)
+        return out
     procs = []
     for k in range(members):
         cwd = _CTX.workdir if members == 1 else _CTX.workdir / f"member-{k}"
@@ -489,6 +494,36 @@ def _run_command(command: str, cap: bool = True) -> str:
     for p, out in zip(procs, outputs):
         _check_outcome(words, p.returncode, out)
     return "\n".join(outputs)
+
+
+def _tool_in_process(argv: list[str], env: dict) -> tuple[int, str]:
+    """(exit code, stdout and stderr) of ``ferrosync ARGV`` run as a call to its
+    ``main`` in this process, in the document's directory with ``env`` as the
+    environment (both restored): a process of its own would only pay torch's import
+    again. Warnings print, as in a process of its own."""
+    import io
+    import warnings
+
+    from ferrosync.__main__ import main
+
+    out = io.StringIO()
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(_CTX.workdir)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
+                warnings.catch_warnings():
+            warnings.simplefilter("default")
+            try:
+                code = main(list(argv))
+            except SystemExit as exc:  # argparse's own errors
+                code = exc.code
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+    return code, out.getvalue()
 
 
 def _check_outcome(words: list[str], code: int, out: str) -> None:
@@ -572,9 +607,11 @@ def _kinds(text: str, *, skip_first: int = 0) -> set[str]:
 
 def _check_train_sample(sample: str) -> None:
     """docs/train.md's sample run against the real demo (2 ranks, the documented
-    command, 10 epochs): the same summary rows in the same order, the same step count,
-    accuracy within 1 point and bytes written within 2 % of the sample (digests and
-    timings differ between machines and torch builds), every FINAL key it shows."""
+    command, 10 epochs): what does not depend on the machine — the same summary rows in
+    the same order, the same step count, bytes written within 2 % of the sample, every
+    FINAL key it shows, the documented accuracy (>= 90 %) and every rank's digest the
+    same. Accuracy, digests and timings differ between machines and torch builds (the
+    sample says so), so they are not compared with the sample's."""
     out = _run_command("python -m ferrosync.train --nproc 2 --no-progress", cap=False)
     real_final = json.loads(out.strip().splitlines()[-1][len("FINAL "):])
 
@@ -588,7 +625,8 @@ def _check_train_sample(sample: str) -> None:
     assert shown <= set(real_final), sorted(shown - set(real_final))
     doc = {k: json.loads(v) for k, v in re.findall(r'"(\w+)":([^,.}]+[^,}]*)', doc_final)}
     assert doc["steps"] == real_final["steps"]
-    assert abs(doc["accuracy"] - real_final["accuracy"]) <= 0.01, (doc, real_final)
+    assert real_final["accuracy"] >= 0.90 and doc["accuracy"] >= 0.90, (doc, real_final)
+    assert real_final["ranks_agree"] is True
     assert abs(doc["bytes_written"] / real_final["bytes_written"] - 1) <= 0.02
     assert re.search(r"ranks agree\s+yes \(digest [0-9a-f]{16}\)", sample)
     m = re.search(r"accuracy\s+([\d.]+)%", sample)

@@ -9,12 +9,33 @@ finishes correctly once resumed. Real rank processes and the real CLI throughout
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import shutil
 import signal
+import subprocess
+import uuid
 
 import pytest
-from test_ops import FAST, NS, WATCH, generation_dirs, start_live, tool_json, w_steps
+import torch
+from test_ops import (
+    DEAD_PID,
+    FAST,
+    NS,
+    WATCH,
+    generation_dirs,
+    start_live,
+    tool,
+    tool_json,
+    w_steps,
+)
+from train_cli import cli_env, command
 
+import ferrosync
+from ferrosync import names
+from ferrosync.__main__ import main
+from ferrosync.storage import open_storage
 from ranks import collect, run_ranks
 
 JUNK = ["garbage", "nested", "sparse"]
@@ -75,3 +96,102 @@ def test_gc_keeps_a_dead_generation_whose_abort_marker_is_junk(tmp_path, capsys,
     done = tool_json(capsys, "gc", url, "--watch", WATCH)
     assert {d["target"]: d["action"] for d in done["decisions"]}[dead_dir] == "remove"
     assert dead_dir not in generation_dirs(url)
+
+
+# -- elastic namespaces ----------------------------------------------------------------------
+
+@pytest.mark.unit
+@pytest.mark.parametrize("where", ["directory", "memory"])
+def test_gc_never_touches_an_elastic_namespace_and_names_it(tmp_path, capsys, where):
+    """A real elastic job (one member, in this process) on a directory and on an object
+    store (memory://), plus a member's temp file whose pid is alive on no host here:
+    what a member writing from another NFS client looks like. gc keeps every byte
+    under ``el.<job>/`` and says so; "nothing here" would hide the job."""
+    url = str(tmp_path / "run") if where == "directory" else \
+        f"memory://gc-{uuid.uuid4().hex[:8]}/run"
+    with ferrosync.connect(url, elastic=True, job="exp8", timeout=60) as sync:
+        sync.average_(torch.ones(4))
+    storage = open_storage(url)
+    namespace = names.elastic_namespace("exp8")
+    in_flight = names.within(namespace, names.temp(names.elastic_roster(9), pid=DEAD_PID))
+    storage.put(in_flight, [b"a member's write in progress"])
+    def listed():  # everything but gc's own lock file (directories)
+        return sorted((k, n) for k, n in storage.list("") if k != names.GC_LOCK)
+
+    before = listed()
+    assert any(k == in_flight for k, _ in before)
+
+    done = tool_json(capsys, "gc", url, "--watch", "0.2")
+    (kept,) = [d for d in done["decisions"] if d["target"] == f"{namespace}/"]
+    assert kept["action"] == "keep" and "an elastic job" in kept["reason"], kept
+    assert "1 temp files" in kept["reason"] and "gc never removes anything there" in \
+        kept["reason"]
+    assert done["removed_objects"] == 0 and listed() == before
+    code, text = tool(capsys, "gc", url, "--watch", "0.2")
+    assert code == 0 and "nothing here" not in text, text
+    assert f"keep         {namespace}/: an elastic job" in text, text
+    assert text.rstrip().endswith("rdzv*/ records and elastic namespaces kept"), text
+    report = tool_json(capsys, "inspect", url, "--watch", "0")
+    assert report["orphan_temp_files"] == [] and report["foreign_objects"] == []
+    assert [j["namespace"] for j in report["elastic_jobs"]] == [namespace]
+
+
+# -- a full filesystem -----------------------------------------------------------------------
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs of 64 inodes (root only): a filesystem that really fills up."""
+    where = tmp_path / "full"
+    where.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,nr_inodes=64", "tmpfs",
+                           str(where)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _fill(where, leave: int) -> None:
+    free = os.statvfs(where).f_bavail * os.statvfs(where).f_frsize
+    with open(where / "filler", "wb") as f:  # someone else's data
+        f.write(b"x" * max(0, free - leave))
+
+
+def test_gc_frees_a_full_filesystem_a_job_died_on(tmp_path, capsys, small_tmpfs):
+    """A launched job runs out of space: its ranks cannot write their last heartbeat or
+    an abort marker, so its only generation is dead and its job's newest (kept for a
+    suspended job's sake). The key file proves the launch over (its launcher exited),
+    so gc, without a secret and on a filesystem without room for its own lock file,
+    removes it and gives the space back."""
+    _fill(small_tmpfs, leave=40 * 1024)
+    sync = small_tmpfs / "run"
+    launch = subprocess.run(command("--nproc", 2, "--steps", 20, "--sync", sync,
+                                    "--no-progress"), cwd=tmp_path, env=cli_env(),
+                            capture_output=True, text=True, timeout=180)
+    assert launch.returncode == 1 and "No space left on device" in launch.stderr, \
+        launch.stderr
+    inodes = 0
+    try:  # not even an empty file fits now
+        while True:
+            (small_tmpfs / f"inode.{inodes}").touch()
+            inodes += 1
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    (prefix,) = [p.name for p in sync.iterdir() if p.name.startswith("g")]
+    (namespace,) = [p.name for p in sync.iterdir() if p.name.startswith("rdzv.launch-")]
+    blocks = os.statvfs(small_tmpfs).f_bfree
+
+    code = main(["gc", str(sync), "--watch", WATCH])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "the filesystem is full" in err and "going on without the lock" in err
+    # dead (its ranks' heartbeats stopped without a final state) and its job's newest,
+    # so only the launcher's exit frees it
+    assert re.search(rf"removed +{prefix} \(\d+ objects, .*\): dead, and its job is "
+                     r"over: its launcher \(pid \d+ on .*\) has exited", out), out
+    assert [p.name for p in sync.iterdir()] == [namespace]
+    assert os.statvfs(small_tmpfs).f_bfree > blocks

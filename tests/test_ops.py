@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -387,6 +388,9 @@ def test_inspect_names_the_straggler(tmp_path, capsys):
         assert gen["stragglers"] == [1]
         code, text = tool(capsys, "inspect", url, "--watch", "1")
         assert "stragglers (the others wait for them): ranks [1]" in text
+        # since when, by the ranks' own clock (this host's here)
+        assert re.search(r"rank 0 entered collective 4 \(barrier\) [0-9.]+ s ago", text), text
+        assert all(r["collective_wall_age_s"] >= 0 for r in gen["ranks"]), gen["ranks"]
     finally:
         open(release, "w").close()
         out = collect(procs, q, timeout=60)
@@ -528,6 +532,17 @@ def test_s3_smoke_inspect_gc_doctor(s3_transport, capsys, tmp_path):
     assert job["announced_without_data"] == [0]  # ... its announcement stays
     assert job["namespace"] == NS and after["foreign_objects"] == []
     assert not [k for k in after["leftover_probes"]]  # doctor cleaned up after itself
+
+    # beside an elastic job (one member, this process): doctor recommends what elastic
+    # members beat at on S3, and gc keeps every byte of it, by name
+    with ferrosync.connect(url, elastic=True, timeout=60, **opts) as sync:
+        sync.average_(torch.ones(4))
+    doctor = tool_json(capsys, "doctor", url, "--storage-options", so, "--size-mib", "0",
+                       "--samples", "3", "--mode", "elastic")
+    assert doctor["mode"] == "elastic" and doctor["recommended"]["heartbeat_interval"] >= 10
+    done = tool_json(capsys, "gc", url, "--storage-options", so, "--watch", "1")
+    assert [d["target"] for d in done["decisions"]] == ["el.tests/"], done
+    assert done["removed_objects"] == 0
 
 
 # -- doctor: exclusive create and atomic rename, tried on the location -----------------------

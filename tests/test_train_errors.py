@@ -55,13 +55,37 @@ def _case(name, tmp_path, demo_checkpoint):
              "diloco"], "written with --strategy grad"),
         "trainer flag with script": (["--nproc", 2, "--steps", 3, __file__],
                                      "configure(s) the built-in trainer"),
+        "URL with one slash": (["--nproc", 2, "--sync", "s3:/bucket/run7"],
+                               "looks like a URL without the '//' after its scheme; write "
+                               "s3://bucket/run7"),
+        "misspelt scheme": (["--nproc", 2, "--sync", "s4://bucket/run7"],
+                            "unknown URL scheme 's4'"),
+        "scheme no driver serves": (["--nproc", 2, "--sync", "ftp://host/run7"],
+                                    "ranks cannot meet on this store: the FTPFileSystem"),
+        "memory for two processes": (["--nproc", 2, "--sync", "memory://exp7"],
+                                     "memory://exp7 is one process's memory"),
+        "checkpoint URL with one slash": (["--nproc", 2, "--checkpoint-dir", "s3:/b/ck"],
+                                          "write s3://b/ck"),
+        "model that needs arguments": (["--nproc", 2, "--model", "torch.nn:Linear"],
+                                       "--model torch.nn:Linear cannot be called with no "
+                                       "arguments (missing a required argument"),
+        "data that needs arguments": (["--nproc", 2, "--data", "torch.nn:Linear"],
+                                      "--data torch.nn:Linear cannot be called"),
+        "model that is no module": (["--nproc", 2, "--model", "builtins:dict"],
+                                    "--model must return a torch.nn.Module, got dict"),
+        "loss that is a class": (["--nproc", 2, "--loss", "torch.nn:MSELoss"],
+                                 "is a class, and the trainer calls it as FUNCTION"),
     }[name]
 
 
 CASES = ["unknown flag", "missing script", "zero ranks", "unreachable sync",
          "resume without checkpoint", "different model", "different world size",
          "sync-every with grad", "two cadences", "outer flag without diloco",
-         "window beyond timeout", "different strategy", "trainer flag with script"]
+         "window beyond timeout", "different strategy", "trainer flag with script",
+         "URL with one slash", "misspelt scheme", "scheme no driver serves",
+         "memory for two processes", "checkpoint URL with one slash",
+         "model that needs arguments", "data that needs arguments", "model that is no module",
+         "loss that is a class"]
 
 
 #: the cases run as a real ``python -m ferrosync.train`` process
@@ -93,7 +117,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, demo_checkpoint, name, monke
     assert lines[0].startswith("ferrosync.train: error: ") and needle in lines[0], lines[0]
     assert stdout == ""
     assert not sync.exists() and not (tmp_path / "metrics.jsonl").exists()
-    assert not (tmp_path / "ck").exists()
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "s3:").exists()
     assert _listing(demo_checkpoint) == before
 
 

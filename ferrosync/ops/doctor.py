@@ -32,7 +32,9 @@ Checks (each ok / warn / fail / info; see docs/operations.md):
 * latency: small put / get / open-miss round trips, p50 and p90;
 * throughput: one ``--size-mib`` object written and read back.
 
-Then it prints recommended ``connect()`` settings. Its probe objects live under
+Then it prints recommended ``connect()`` settings for the mode the job runs in
+(``--mode``; by default elastic when the location holds an elastic job and no
+fixed-size one; ``ops/recommend.py``). Its probe objects live under
 ``.doctor.{pid}.{hex}/`` and are removed afterwards (``gc`` removes them if doctor
 was killed).
 """
@@ -60,7 +62,11 @@ from ..storage import (
 )
 from ..storage.local_tools import LocalTree
 from ..stores import facts, store_of
-from .scan import human_bytes, namespace_names
+from .elastic_history import is_elastic_namespace
+from .keys import JobKeys, job_of
+from .recommend import recommend
+from .recommend import render as render_recommendation
+from .scan import human_bytes, top_names
 
 MiB = 1 << 20
 VISIBILITY_LIMIT = 30.0  # seconds: an object not visible by then fails the check
@@ -87,20 +93,12 @@ def _stats_ms(values: list[float]) -> dict:
             "max_ms": round(max(values) * 1e3, 3), "n": len(values)}
 
 
-def _nice(x: float) -> float:
-    """Round up to two significant digits, so settings read like a human chose them."""
-    if x <= 0:
-        return 0.0
-    scale = 10 ** (math.floor(math.log10(x)) - 1)
-    return round(math.ceil(x / scale - 1e-9) * scale, 12)
-
-
 class Doctor:
     """Runs the checks against ``storage``; a second, independent handle reads."""
 
     def __init__(self, storage: Storage, url: str, storage_options: dict | None, *,
                  size_mib: int, samples: int, payload_mib: int = 100,
-                 world_size: int = 8) -> None:
+                 world_size: int = 8, mode: str | None = None) -> None:
         self.storage = storage
         self.url = url
         self.options = storage_options
@@ -108,6 +106,8 @@ class Doctor:
         self.samples = samples
         self.payload_mib = payload_mib
         self.world_size = world_size
+        #: the job mode to recommend for: "fixed", "elastic", or None (from what is here)
+        self.mode = mode
         self.local = isinstance(storage, LocalStorage)
         self.prefix = names.doctor_dir()
         self.checks: list[Check] = []
@@ -170,6 +170,7 @@ class Doctor:
             "capabilities": self.capabilities,
             "store": {**facts(self.store),
                       "driver_class": type(getattr(self.storage, "fs", self.storage)).__name__},
+            "mode": self.mode or "fixed",
             "recommended": self.recommend() if "latency" in self.measured else None,
         }
 
@@ -216,14 +217,29 @@ class Doctor:
                     return False
             self.add("location", "ok", "bucket created now" if created else "bucket reachable",
                      created=created)
-        spaces = namespace_names(storage)  # one per job id (rdzv/: jobs without one)
-        existing = [k for ns in spaces for k, _ in storage.list(ns)
-                    if names.parse(k.rpartition("/")[2]).kind == "announcement"]
-        if existing:
-            self.add("existing jobs", "info", f"{len(existing)} generation(s) of "
-                     f"{len(spaces)} job namespace(s) announced here already (see "
-                     "`ferrosync inspect`); a new job gets a fresh one")
+        self.check_existing_jobs()
         return True
+
+    def check_existing_jobs(self) -> None:
+        """Jobs already here: how many, whose key this host has, and which mode (the
+        recommendations follow it unless ``--elastic``/``--fixed`` says)."""
+        top = top_names(self.storage)
+        spaces = [n for n in top if names.parse(n).kind == "namespace"]  # rdzv/: no id
+        elastic = [n for n in top if is_elastic_namespace(n)]
+        if self.mode is None:
+            self.mode = "elastic" if elastic and not spaces else "fixed"
+        existing = [k for ns in spaces for k, _ in self.storage.list(ns)
+                    if names.parse(k.rpartition("/")[2]).kind == "announcement"]
+        if not existing and not elastic:
+            return
+        keys = JobKeys()
+        known = [ns for ns in spaces + elastic if keys.key_file(job_of(ns)) is not None]
+        found = ([f"{len(existing)} generation(s) of {len(spaces)} job namespace(s) "
+                  "announced here already"] if existing else []) + (
+            [f"elastic job(s) {', '.join(elastic)}"] if elastic else [])
+        self.add("existing jobs", "info", f"{'; '.join(found)} (see `ferrosync inspect`; "
+                 f"this host has the key file of {len(known)} of them); a new job gets "
+                 "namespaces of its own", elastic=elastic, key_files=len(known))
 
     def check_filesystem(self) -> None:
         mount = mount_of(self.storage.root)
@@ -487,32 +503,10 @@ class Doctor:
 
     # -- recommendations -----------------------------------------------------------------
     def recommend(self) -> dict:
-        """Settings derived from the measurements (the store's defaults are the floor)."""
-        s = self.storage
-        payload_mib, world_size = self.payload_mib, self.world_size
-        lat = self.measured["latency"]
-        miss50, miss90 = lat["open_miss"]["p50_ms"] / 1e3, lat["open_miss"]["p90_ms"] / 1e3
-        put90 = lat["put"]["p90_ms"] / 1e3
-        vis = self.measured.get("visibility", {})
-        vis_max = max((v["max_ms"] / 1e3 for v in vis.values()), default=0.0)
-        # polling faster than a miss round trip only queues requests
-        poll_initial = _nice(max(s.poll_initial, min(miss50 / 2, 0.05)))
-        poll_max = _nice(max(s.poll_max, min(4 * miss90, 1.0)))
-        # a heartbeat put must be a small fraction of its period
-        interval = _nice(max(s.heartbeat_interval, 20 * put90))
-        hb_timeout = float(math.ceil(max(20.0, 5 * interval + 2 * vis_max)))
-        out = {"poll_initial": poll_initial, "poll_max": poll_max,
-               "heartbeat_interval": interval, "heartbeat_timeout": hb_timeout}
-        tp = self.measured.get("throughput")
-        if tp:
-            # root reduce: rank 0 reads world_size - 1 contributions and writes one result
-            seconds = payload_mib * MiB * world_size / min(tp["write_Bps"], tp["read_Bps"])
-            out["timeout"] = float(max(300, math.ceil(10 * seconds + vis_max)))
-            out["timeout_basis"] = (f"10x one collective of {payload_mib} MiB over "
-                                    f"{world_size} ranks at the measured throughput")
-        if self.mount and self.mount["fstype"].startswith("nfs"):
-            out["nfs_mount_options"] = "hard,lookupcache=positive (keep the default cto)"
-        return out
+        """Settings for a job of this location's mode (``ops/recommend.py``)."""
+        return recommend(self.storage, self.measured, mode=self.mode or "fixed",
+                         payload_mib=self.payload_mib, world_size=self.world_size,
+                         nfs=bool(self.mount and self.mount["fstype"].startswith("nfs")))
 
 
 def _pattern(version: int, size: int) -> bytes:
@@ -647,26 +641,15 @@ def render(report: dict) -> str:
         lines.append(f"  [{c['status']:<4}] {c['name']:<17} {c['summary']}")
     rec = report.get("recommended")
     if rec:
-        lines.append("")
-        lines.append("recommended settings:")
-        shown = ("poll_initial", "poll_max", "heartbeat_interval", "heartbeat_timeout",
-                 "timeout")
-        pairs = [f"{n}={rec[n]:g}" for n in shown if n in rec]
-        lines.append("  " + "  ".join(pairs))
-        if "timeout_basis" in rec:
-            lines.append(f"  (timeout: {rec['timeout_basis']}; scale it with your payload)")
-        args = ", ".join(p for p in pairs if not p.startswith("timeout="))
-        timeout = f", timeout={rec['timeout']:g}" if "timeout" in rec else ""
-        lines.append(f"  ferrosync.connect({report['url']!r}{timeout}, {args})")
-        if rec.get("nfs_mount_options"):
-            lines.append(f"  NFS mount options: {rec['nfs_mount_options']}")
+        lines.extend(render_recommendation(report["url"], rec))
     return "\n".join(lines)
 
 
 def run(storage: Storage, url: str, storage_options: dict | None, *, size_mib: int,
-        samples: int, payload_mib: int, world_size: int, as_json: bool, strict: bool) -> int:
+        samples: int, payload_mib: int, world_size: int, as_json: bool, strict: bool,
+        mode: str | None = None) -> int:
     doctor = Doctor(storage, url, storage_options, size_mib=size_mib, samples=samples,
-                    payload_mib=payload_mib, world_size=world_size)
+                    payload_mib=payload_mib, world_size=world_size, mode=mode)
     report = doctor.run()
     print(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
     failed = any(c["status"] == "fail" for c in report["checks"])

@@ -17,6 +17,7 @@ from .. import names
 from ..errors import ShardCorrupt
 from ..storage import Storage
 from ..wire import decode_record, job_key
+from .keys import JobKeys
 
 
 @dataclass
@@ -64,9 +65,10 @@ def _read(storage: Storage, key: str, secret: bytes | None, problems: list[str])
         return None
 
 
-def job_history(storage: Storage, job: ElasticJob, secret: bytes | None) -> dict:
+def job_history(storage: Storage, job: ElasticJob, keys: JobKeys) -> dict:
     """The job's rounds still on storage, and who joined or was dropped at each."""
-    secret = job_key(secret, job.namespace)  # each job's records are sealed with its key
+    # each job's records are sealed with a key derived from its secret
+    secret = job_key(keys.secret(job.namespace), job.namespace)
     rosters = {}
     for round_, entry in sorted(job.rosters.items()):
         record = _read(storage, entry["key"], secret, job.problems)
@@ -113,8 +115,9 @@ def job_history(storage: Storage, job: ElasticJob, secret: bytes | None) -> dict
     }
 
 
-def elastic_reports(storage: Storage, keys, secret: bytes | None) -> list[dict]:
-    return [job_history(storage, job, secret) for _, job in sorted(find_jobs(keys).items())]
+def elastic_reports(storage: Storage, listed, keys: JobKeys) -> list[dict]:
+    """The history of every elastic job among the ``listed`` keys."""
+    return [job_history(storage, job, keys) for _, job in sorted(find_jobs(listed).items())]
 
 
 def render(jobs: list[dict]) -> list[str]:

@@ -6,6 +6,9 @@ Run it (exit 0 whatever it finds; 2 on bad usage)::
     ferrosync gc /mnt/nfs/exp7 --keep 2        # each job keeps its two newest finished ones
     ferrosync gc s3://bucket/exp7 --storage-options '{"profile": "ops"}' --secret "$KEY"
 
+Each job's records are verified with its key: the key file its launcher left
+(``ops/keys.py``), else ``--secret`` / ``$FERROSYNC_SECRET``.
+
 What goes, and why it is safe:
 
 * A generation is removed when it is **finished** (every rank's last heartbeat says
@@ -15,13 +18,20 @@ What goes, and why it is safe:
 * Several jobs may share a location, each with its own rendezvous namespace
   (``rdzv/`` or ``rdzv.{job}/``) and its own generation numbers; a generation belongs
   to the job whose announcement names its directory ``g{g}.{token}``.
-* Each job's **newest** generation is removed only when finished: a job that has just
-  been announced may not have written its first heartbeat yet. A generation
+* Each job's **newest** generation is removed only when finished (a job that has just
+  been announced may not have written its first heartbeat yet, a suspended one writes
+  none), or when the job is provably over: its key file says which launcher started it,
+  and that launcher no longer runs on this host (its ranks die with it). That is how a
+  job whose ranks could not write their last heartbeat (a full disk) is freed. A generation
   directory without an announcement is a rank 0 between creating it and announcing
   it, and left alone, unless *every* job here has a trusted announcement of its
   number naming another directory (then it is an orphan: its rank 0 lost the race).
 * ``rdzv*/`` records are kept: they number future generations and let a restart skip
   consumed claims (a few hundred bytes each).
+* Nothing under an elastic job's namespace (``el/``, ``el.{job}/``) is ever removed, temp
+  files included: its members may run on other hosts (a temp file whose pid is not
+  alive *here* may be a member's write in progress on another NFS client), and the job
+  prunes its own rounds. Each is named in the report, with what it holds.
 * A temp file ``.{name}.{pid}.{hex}.tmp`` goes with its generation, or on its own
   when it outlived the watch window and its pid is none of its generation's running
   ranks (and, on a local directory, no live process here).
@@ -32,7 +42,9 @@ What goes, and why it is safe:
   (``Namespace.maybe_newest``): a suspended job's generation is never removed because
   of a file someone else put there.
 * On a local or NFS directory one ``gc`` at a time holds ``.ferrosync-gc.lock``
-  (an ``flock``); jobs never take it, they are protected by liveness.
+  (an ``flock``); jobs never take it, they are protected by liveness. On a full
+  filesystem, where the lock file cannot be created, gc goes on without it (and says
+  so): freeing space is what it is run for then.
 * Nothing is followed: links, FIFOs, sockets and devices (which ferrosync never
   writes) are reported and left alone, a link's target is never touched, and a
   generation directory is removed only when it is empty.
@@ -40,9 +52,11 @@ What goes, and why it is safe:
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -50,6 +64,8 @@ from .. import names
 from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
 from ..storage.local_tools import LocalTree
+from .elastic_history import is_elastic_namespace
+from .keys import JobKeys
 from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, printable, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
 
@@ -70,12 +86,12 @@ class Decision:
     namespace: str | None = None
 
 
-def plan(storage: Storage, secret: bytes | None, window: float, keep: int) -> list[Decision]:
+def plan(storage: Storage, keys: JobKeys, window: float, keep: int) -> list[Decision]:
     """Decide, without deleting anything, what gc would remove."""
     since = time.monotonic()
-    found = scan(storage, secret)
+    found = scan(storage, keys)
     gens = found.ordered()
-    views = judge(storage, gens, secret, window)
+    views = judge(storage, gens, keys, window)
     # a job being started may be in its namespace's newest announced generation before
     # its first heartbeat: each job's newest is removed only when finished
     newest = found.newest_prefixes
@@ -85,7 +101,7 @@ def plan(storage: Storage, secret: bytes | None, window: float, keep: int) -> li
     for gen in gens:  # newest first, so --keep keeps each job's newest
         status = generation_status(gen, views[gen.prefix], found)
         running_pids[gen.prefix] = _running_pids(views[gen.prefix])
-        decision = _decide(gen, status, views[gen.prefix], newest)
+        decision = _decide(gen, status, views[gen.prefix], newest, keys)
         if decision.action == "remove" and status in ("finished", "dead") and \
                 kept_finished.get(gen.namespace, 0) < keep:
             kept_finished[gen.namespace] = kept_finished.get(gen.namespace, 0) + 1
@@ -98,9 +114,24 @@ def plan(storage: Storage, secret: bytes | None, window: float, keep: int) -> li
     everyone = set().union(*running_pids.values()) if running_pids else set()
     decisions.extend(_loose_temps(storage, found.temps + found.probes, everyone,
                                   "temp files and probes outside generations", window, since))
+    decisions.extend(_elastic_decision(ns, objs) for ns, objs in sorted(found.elastic.items()))
     if found.irregular:
         decisions.append(_irregular_decision(found.irregular))
     return decisions
+
+
+def _elastic_decision(namespace: str, objs: list[Obj]) -> Decision:
+    """An elastic job's namespace: kept whole, and named with what it holds."""
+    ended = any(o.name == names.ELASTIC_ENDED for o in objs)
+    temps = sum(o.kind == "temp" for o in objs)
+    state = ("it has ended (its end marker is there): remove it by hand once nobody needs "
+             "its published state" if ended else "it may be running (members on other "
+             "hosts included)")
+    return Decision(f"{namespace}/", "keep",
+                    f"an elastic job ({len(objs)} objects, "
+                    f"{human_bytes(sum(o.size for o in objs))}"
+                    + (f", {temps} temp files" if temps else "") + "); gc never removes "
+                    f"anything there, temp files included: {state}", namespace=namespace)
 
 
 def _irregular_decision(entries: list[tuple[str, str]]) -> Decision:
@@ -126,8 +157,12 @@ def _running_pids(views: list[RankView]) -> set[int]:
 
 
 def _decide(gen: FoundGeneration, status: str, views: list[RankView], newest: set[str],
-            ) -> Decision:
+            job_keys: JobKeys) -> Decision:
     keys = [o.key for o in gen.objects] + [t.key for t in gen.temps]
+    over = _launch_over(gen, status, job_keys)
+    if over is not None:
+        return Decision(gen.prefix, "remove", f"{status}, and its job is over: {over}", keys,
+                        gen.bytes, gen.prefix, gen.namespace)
     if status not in REMOVABLE:
         why = {
             "live": "live: heartbeat counters are moving (ranks "
@@ -152,6 +187,16 @@ def _decide(gen: FoundGeneration, status: str, views: list[RankView], newest: se
     }[status]
     return Decision(gen.prefix, "remove", why, keys, gen.bytes,
                     gen.prefix if gen.has_dir or gen.objects else None, gen.namespace)
+
+
+def _launch_over(gen: FoundGeneration, status: str, job_keys: JobKeys) -> str | None:
+    """Why ``gen``'s job is provably over (its launcher has exited, so no rank runs),
+    for a generation nothing else would remove (its job's newest, or records that say
+    nothing); None otherwise. A heartbeat that moved (``live``) outweighs it."""
+    if status in ("live", "finished", "orphan") or not gen.announced:
+        return None
+    key_file = job_keys.key_file(gen.job)
+    return key_file.launcher_gone() if key_file is not None else None
 
 
 def _job_name(gen: FoundGeneration) -> str:
@@ -249,19 +294,25 @@ class _GcLock:
         self._fd: int | None = None
         self.lock_file = storage.path_of(GC_LOCK)
 
-    def acquire(self) -> bool:
-        """Take the lock without waiting; False when another gc holds it."""
-        fd = self._tree.open_lock(GC_LOCK)
+    def acquire(self) -> str:
+        """Take the lock without waiting: "held", "busy" (another gc holds it) or "full"
+        (the filesystem has no room for the lock file: gc goes on without it)."""
+        try:
+            fd = self._tree.open_lock(GC_LOCK)
+        except StorageError as exc:
+            if getattr(exc.__cause__, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+                return "full"
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            return False
+            return "busy"
         except BaseException:
             os.close(fd)
             raise
         self._fd = fd
-        return True
+        return "held"
 
     def release(self) -> None:
         if self._fd is not None:
@@ -274,17 +325,21 @@ def _locked(storage: Storage) -> _GcLock | None:
     return _GcLock(storage) if isinstance(storage, LocalStorage) else None
 
 
-def run(storage: Storage, secret: bytes | None, window: float, *, keep: int, dry_run: bool,
+def run(storage: Storage, keys: JobKeys, window: float, *, keep: int, dry_run: bool,
         as_json: bool) -> int:
     if isinstance(storage, LocalStorage) and not os.path.isdir(storage.root):
         print(f"nothing to collect: {storage.root} does not exist")
         return 0
     lock = None if dry_run else _locked(storage)
-    if lock is not None and not lock.acquire():
+    taken = lock.acquire() if lock is not None else None
+    if taken == "busy":
         print(f"another `ferrosync gc` holds {lock.lock_file}; try again when it is done")
         return 1
+    if taken == "full":
+        print(f"ferrosync gc: the filesystem is full, so {lock.lock_file} cannot be "
+              "created: going on without the lock (run one gc at a time)", file=sys.stderr)
     try:
-        decisions = plan(storage, secret, window, keep)
+        decisions = plan(storage, keys, window, keep)
         removed = (0, 0) if dry_run else apply(storage, decisions)
     finally:
         if lock is not None:
@@ -306,6 +361,8 @@ def run(storage: Storage, secret: bytes | None, window: float, *, keep: int, dry
         print("  nothing here")
     total = sum(len(d.keys) for d in decisions if d.action == "remove")
     total_bytes = sum(d.bytes for d in decisions if d.action == "remove")
+    elastic = " and elastic namespaces" if any(
+        is_elastic_namespace(d.target.rstrip("/")) for d in decisions) else ""
     print(f"{'would remove' if dry_run else 'removed'} {total} objects, "
-          f"{human_bytes(total_bytes)}; rdzv*/ records kept")
+          f"{human_bytes(total_bytes)}; rdzv*/ records{elastic} kept")
     return 0

@@ -16,15 +16,17 @@ clock (docs/design.md#no-cross-host-clocks); wall-clock ages are printed for inf
 from __future__ import annotations
 
 import json
+import os
 import time
 
-from ..costs import hourly, is_billed
+from ..costs import hourly, is_billed, request_cost
 from ..errors import StorageError
 from ..liveness import describe_abort
 from ..storage import Storage
 from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
-from .elastic_history import elastic_reports, is_elastic_namespace
+from .elastic_history import elastic_reports
 from .elastic_history import render as render_elastic
+from .keys import JobKeys, KeyFile
 from .scan import FoundGeneration, Namespace, Scan, human_bytes, printable_tree, read_record, scan
 from .watch import RankView, generation_status, judge, progress, stragglers
 
@@ -43,6 +45,7 @@ def rank_report(view: RankView) -> dict:
             heartbeat_state=last.get("state"), trust=last.trust,
             # another host's clock against ours: informational only, never for liveness
             heartbeat_wall_age_s=_wall_age(last.get("wall_time")),
+            collective_wall_age_s=_wall_age(last.get("position_at")),
             **_request_rate(last),
         )
     if view.abort is not None:
@@ -55,8 +58,8 @@ def rank_report(view: RankView) -> dict:
 
 
 def _request_rate(heartbeat) -> dict:
-    """The rank's storage requests per hour since it connected, from its own heartbeat
-    (both times by its own clock), and their cost per hour at S3 list prices."""
+    """The rank's storage requests since it connected, from its own heartbeat (both
+    times by its own clock): so far and per hour, and what they cost at S3 list prices."""
     counts, since, now = (heartbeat.get("requests"), heartbeat.get("connected_at"),
                           heartbeat.get("wall_time"))
     if not isinstance(counts, dict) or not all(
@@ -64,6 +67,8 @@ def _request_rate(heartbeat) -> dict:
         return {}
     clean = {k: v for k, v in counts.items() if isinstance(v, int) and v >= 0}
     return {"requests_by_kind": clean, "connected_s": round(now - since, 1),
+            "requests_so_far": clean.get("requests", 0),
+            "request_cost_so_far": request_cost(clean),
             **hourly(clean, now - since, None, billed=True)}
 
 
@@ -74,8 +79,11 @@ def requests_summary(ranks: list[dict], billed: bool) -> dict | None:
     if not rates:
         return None
     cost = sum(r["request_cost_per_hour"] for r in rates)
+    so_far = sum(r["request_cost_so_far"] for r in rates)
     return {"requests_per_hour": sum(r["requests_per_hour"] for r in rates),
-            "request_cost_per_hour": cost if billed else None, "ranks": len(rates)}
+            "request_cost_per_hour": cost if billed else None,
+            "requests_so_far": sum(r["requests_so_far"] for r in rates),
+            "request_cost_so_far": so_far if billed else None, "ranks": len(rates)}
 
 
 def _wall_age(wall) -> float | None:
@@ -189,10 +197,12 @@ def objection_report(storage: Storage, obj, secret: bytes | None) -> dict:
                   "pid": record.get("pid"), "trust": record.trust, "problem": record.problem}
 
 
-def job_report(storage: Storage, ns: Namespace, found: Scan, secret: bytes | None) -> dict:
-    """One job's rendezvous namespace: announcements, waiting claims, objections."""
+def job_report(storage: Storage, ns: Namespace, found: Scan, keys: JobKeys) -> dict:
+    """One job's rendezvous namespace: announcements, waiting claims, objections, and
+    the key file its launcher left (whose key verified its records)."""
     announced = sorted(o.number for o in ns.of_kind("announcement"))
     ended = {(o.rank, o.number) for o in ns.of_kind("end")}
+    secret = keys.secret(ns.name)
     return {
         "namespace": ns.name,
         "job": ns.job,
@@ -203,6 +213,7 @@ def job_report(storage: Storage, ns: Namespace, found: Scan, secret: bytes | Non
         # each rank's newest claim without an end marker: running, or killed
         "open_claims": {r: n for r, n in _latest(ns.of_kind("join")).items()
                         if (int(r), n) not in ended},
+        **launch_report(keys.key_file(ns.job)),
         "objections": [objection_report(storage, o, secret) for o in
                        sorted(ns.of_kind("objection"), key=lambda o: (o.rank, o.number))],
         "announced_without_data": [n for n in announced if (p := ns.prefix_of(n)) is not None
@@ -216,14 +227,26 @@ def job_report(storage: Storage, ns: Namespace, found: Scan, secret: bytes | Non
     }
 
 
-def build_report(storage: Storage, secret: bytes | None, window: float,
+def launch_report(key_file: KeyFile | None) -> dict:
+    """The launch a job's key file describes: the file, and whether its launcher still
+    runs (None: another host's, this host cannot tell)."""
+    if key_file is None:
+        return {"key_file": None, "launcher": None}
+    running, state = key_file.launcher_state()
+    return {"key_file": key_file.path,
+            "launcher": {"host": key_file.launcher.get("host"),
+                         "pid": key_file.launcher.get("pid"), "running": running,
+                         "state": state}}
+
+
+def build_report(storage: Storage, keys: JobKeys, window: float,
                  objects: bool = False) -> dict:
     """Scan, watch heartbeats for ``window`` s, and describe everything found."""
-    found: Scan = scan(storage, secret)
+    found: Scan = scan(storage, keys)
     gens = found.ordered()
-    views = judge(storage, gens, secret, window)
+    views = judge(storage, gens, keys, window)
     reports = [generation_report(storage, g, views[g.prefix], found, objects) for g in gens]
-    jobs = [job_report(storage, ns, found, secret)
+    jobs = [job_report(storage, ns, found, keys)
             for _, ns in sorted(found.namespaces.items())]
     return {
         "url": storage.url,
@@ -240,9 +263,9 @@ def build_report(storage: Storage, secret: bytes | None, window: float,
         "generations": reports,
         "orphan_temp_files": [o.key for o in found.temps],
         "leftover_probes": [o.key for o in found.probes],
-        "elastic_jobs": elastic_reports(storage, [o.key for o in found.foreign], secret),
-        "foreign_objects": [o.key for o in found.foreign
-                            if not is_elastic_namespace(o.key.partition("/")[0])],
+        "elastic_jobs": elastic_reports(
+            storage, [o.key for objs in found.elastic.values() for o in objs], keys),
+        "foreign_objects": [o.key for o in found.foreign],
         "irregular_entries": [{"key": key, "kind": what} for key, what in found.irregular],
         "untrusted_announcements": sorted(
             r.key for ns in found.namespaces.values() for r in ns.announcements.values()
@@ -301,6 +324,9 @@ def _render_job(job: dict) -> list[str]:
     lines = [f"{_job_name(job['job'])} ({job['namespace']}/): "
              f"{len(job['announcements'])} announcement(s){newest}, "
              f"{job['join_records']} claims, {human_bytes(job['bytes'])}"]
+    if job["key_file"]:  # the directory is the user's key directory (--json: the path)
+        lines.append(f"  key file {os.path.basename(job['key_file'])}: "
+                     f"{job['launcher']['state']}")
     waiting = job["unconsumed_joins"]
     if waiting:
         lines.append(f"  claims newer than its newest announcement (ranks waiting for "
@@ -376,14 +402,19 @@ def _render_generation(gen: dict) -> list[str]:
     if prog is not None:
         lines.append(f"  progress: collective {prog['from']} -> {prog['to']} in "
                      f"{prog['seconds']:.1f} s" + ("  (STALLED)" if prog["stalled"] else ""))
+        if prog["stalled"]:
+            lines.extend(_since(gen["ranks"]))
     if gen["stragglers"]:
         lines.append(f"  stragglers (the others wait for them): ranks {gen['stragglers']}")
     req = gen.get("storage_requests")
     if req:
-        cost = req["request_cost_per_hour"]
-        lines.append(f"  storage requests: {req['requests_per_hour']:,.0f}/hour over "
-                     f"{req['ranks']} ranks since they connected"
-                     + (f", ${cost:,.4f}/hour at S3 list prices" if cost is not None else ""))
+        cost, so_far = req["request_cost_per_hour"], req["request_cost_so_far"]
+        lines.append(f"  storage requests: {req['requests_so_far']:,} so far"
+                     + (f" (${so_far:,.4f})" if so_far is not None else "")
+                     + f", {req['requests_per_hour']:,.0f}/hour"
+                     + (f" (${cost:,.4f}/hour)" if cost is not None else "")
+                     + f" over {req['ranks']} ranks since they connected"
+                     + (", at S3 list prices" if cost is not None else ""))
     for a in gen["aborts"]:
         where = f" at collective {a['collective']}" if a.get("collective") is not None else ""
         lines.append(f"  ABORT rank {a['rank']}{where}: {a['description']}"
@@ -405,6 +436,15 @@ def _render_generation(gen: dict) -> list[str]:
     return lines
 
 
+def _since(ranks: list[dict]) -> list[str]:
+    """Since when each live rank of a stalled generation has been in its collective (its
+    own clock against ours: a hint, like hb age)."""
+    return [f"  rank {r['rank']} entered collective {r['collective']} ({r.get('op')}) "
+            f"{r['collective_wall_age_s']:g} s ago by its clock"
+            for r in ranks if r["state"] == "live" and r.get("collective_wall_age_s")
+            is not None]
+
+
 def _ranges(numbers: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2, 5"."""
     parts, start = [], None
@@ -421,8 +461,8 @@ def _dash(value) -> str:
     return "-" if value is None else str(value)
 
 
-def run(storage: Storage, secret: bytes | None, window: float, *, as_json: bool,
+def run(storage: Storage, keys: JobKeys, window: float, *, as_json: bool,
         objects: bool) -> int:
-    report = build_report(storage, secret, window, objects)
+    report = build_report(storage, keys, window, objects)
     print(json.dumps(report, indent=2, sort_keys=True) if as_json else render(report))
     return 0

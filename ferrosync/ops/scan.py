@@ -17,8 +17,9 @@ parses every name (``classify`` asks it what each listed key is):
 
 ``scan`` lists the location once (tools may list; the collective path never does)
 and reads the announcements, heartbeats and abort markers by exact name. Control
-records are parsed as JSON only, never unpickled, and their MAC is checked when a
-secret is given: a record that cannot be verified is shown but never acted upon.
+records are parsed as JSON only, never unpickled, and their MAC is checked with the
+key of their job (``keys.JobKeys``: the launcher's key file, else the operator's
+secret): a record that cannot be verified is shown but never acted upon.
 
 Every namespace is read on its own (``Scan.namespaces``): its announcements, its
 newest one (which may belong to a job still starting: ``Scan.newest_prefixes``),
@@ -42,6 +43,8 @@ from ..errors import ShardCorrupt, StorageError
 from ..storage import FsspecStorage, LocalStorage, Storage
 from ..storage.local_tools import LocalTree
 from ..wire import open_record
+from .elastic_history import is_elastic_namespace
+from .keys import JobKeys, job_of
 
 # re-exported for the tools: the names themselves live in ferrosync.names
 GC_LOCK = names.GC_LOCK
@@ -143,11 +146,6 @@ class FoundGeneration:
         return max(found) if found else None
 
 
-def job_of(namespace: str) -> str | None:
-    """``rdzv`` -> None (a job without an id), ``rdzv.{job}`` -> ``job``."""
-    return namespace.split(".", 1)[1] if "." in namespace else None
-
-
 def _token(record: Record | None) -> str | None:
     """The generation token an announcement names, if it names a valid one."""
     token = record.get("token") if record is not None else None
@@ -234,6 +232,9 @@ class Scan:
     temps: list[Obj]  # temporary files outside generation directories
     probes: list[Obj]  # leftover connect probes and doctor directories
     foreign: list[Obj]  # names ferrosync never writes: left alone
+    #: everything under each elastic job's namespace (``el``, ``el.{job}``), by namespace:
+    #: the elastic layer's own, read by ``elastic_history`` and never touched by gc
+    elastic: dict[str, list[Obj]] = field(default_factory=dict)
     #: (key, what it is) of links, FIFOs, sockets, devices (local stores): left alone
     irregular: list[tuple[str, str]] = field(default_factory=list)
 
@@ -268,8 +269,9 @@ class Scan:
 
 #: what the tools say about a record that ``wire.open_record`` does not trust
 _DISTRUST = {
-    "unverifiable": ("unverified", "the record carries a MAC: pass --secret (or set "
-                     "FERROSYNC_SECRET) to verify it"),
+    "unverifiable": ("unverified", "the record carries a MAC and this host has no key for "
+                     "its job: copy the job's key file from the host that launched it, or "
+                     "pass --secret (or set FERROSYNC_SECRET)"),
     "unsigned": ("bad", "the record carries no MAC but a secret was given (forged, or the "
                  "job ran without a secret: then pass --secret '')"),
     "forged": ("bad", "MAC mismatch: forged, or a different secret"),
@@ -338,8 +340,8 @@ def doctor_pid(key: str) -> int | None:
     return found.pid if found.kind == "doctor" else None
 
 
-def scan(storage: Storage, secret: bytes | None) -> Scan:
-    """List the location once and read its announcements, heartbeats and aborts."""
+def scan(storage: Storage, keys: JobKeys) -> Scan:
+    """List the location once and read its announcements (each with its job's key)."""
     objects = [classify(key, size) for key, size in storage.list("")]
     generations: dict[str, FoundGeneration] = {}
 
@@ -350,9 +352,13 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
         return generations[prefix]
 
     rdzv, temps, probes, foreign = [], [], [], []
+    elastic: dict[str, list[Obj]] = {}
     for obj in objects:
         directory = obj.key.rpartition("/")[0]
-        if _is_generation(directory):
+        top = obj.key.split("/", 1)[0]
+        if directory and is_elastic_namespace(top):
+            elastic.setdefault(top, []).append(obj)  # temp files there included
+        elif _is_generation(directory):
             gen = generation_of(directory)
             (gen.temps if obj.kind == "temp" else gen.objects).append(obj)
         elif obj.kind == "temp":
@@ -374,7 +380,7 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
         ns = namespaces.setdefault(obj.namespace, Namespace(obj.namespace))
         ns.records.append(obj)
         if obj.kind == "announcement":
-            record = read_record(storage, obj.key, secret)
+            record = read_record(storage, obj.key, keys.secret(ns.name))
             if record is not None:  # else deleted since the listing
                 ns.announcements[obj.number] = record
     for ns in sorted(namespaces.values(), key=lambda n: n.name):
@@ -400,7 +406,7 @@ def scan(storage: Storage, secret: bytes | None) -> Scan:
             namespaces.setdefault(name, Namespace(name))
     irregular = LocalTree(storage).irregular("") if isinstance(storage, LocalStorage) else []
     return Scan(storage.url, objects, generations, namespaces, rdzv, temps, probes, foreign,
-                irregular)
+                irregular=irregular, elastic=elastic)
 
 
 def _is_generation(name: str) -> bool:
@@ -426,6 +432,12 @@ def _local_subdirs(storage: Storage) -> list[str]:
 def namespace_names(storage: Storage) -> list[str]:
     """The rendezvous namespaces (``rdzv``, ``rdzv.{job}``) at the top of the location,
     without listing everything below it."""
+    return [n for n in top_names(storage) if _is_namespace(n)]
+
+
+def top_names(storage: Storage) -> list[str]:
+    """The names at the top of the location (directories, prefixes and objects), without
+    listing everything below it."""
     if isinstance(storage, LocalStorage):
         found = _local_subdirs(storage)
     elif isinstance(storage, FsspecStorage):
@@ -437,7 +449,7 @@ def namespace_names(storage: Storage) -> list[str]:
         found = [str(p).rstrip("/").rsplit("/", 1)[-1] for p in found]
     else:
         found = [key.split("/", 1)[0] for key, _ in storage.list("") if "/" in key]
-    return sorted({n for n in found if _is_namespace(n)})
+    return sorted(set(found))
 
 
 def read_markers(storage: Storage, gen: FoundGeneration, kind: str,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from .. import names
 from ..storage import FsspecStorage, LocalStorage, Storage
+from .keys import JobKeys
 from .scan import FoundGeneration, Record, Scan, read_markers, read_record
 
 FINAL_STATES = ("closed", "aborted")
@@ -75,8 +76,9 @@ def _undecided(record: Record | None) -> bool:
 
 
 def observe(storage: Storage, keys: dict[str, Record | None], window: float,
-            secret: bytes | None, poll: float) -> dict[str, Observation]:
-    """Watch the heartbeat records ``keys`` (with their first reads) for ``window`` s."""
+            secrets: dict[str, bytes | None], poll: float) -> dict[str, Observation]:
+    """Watch the heartbeat records ``keys`` (with their first reads) for ``window`` s,
+    each verified with its job's key (``secrets``, by record key)."""
     start = time.monotonic()
     last = dict(keys)
     changed = {k: False for k in keys}
@@ -85,7 +87,7 @@ def observe(storage: Storage, keys: dict[str, Record | None], window: float,
     while watching and time.monotonic() < deadline:
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
         for key in list(watching):
-            record = read_record(storage, key, secret)
+            record = read_record(storage, key, secrets[key])
             if record is None:
                 continue
             before = _beat(keys[key])
@@ -96,19 +98,22 @@ def observe(storage: Storage, keys: dict[str, Record | None], window: float,
     for key in keys:
         if changed[key]:
             # a fresh read: positions and ages as of the end of the watch, not the change
-            last[key] = read_record(storage, key, secret) or last[key]
+            last[key] = read_record(storage, key, secrets[key]) or last[key]
     watched = time.monotonic() - start
     return {k: Observation(keys[k], last[k], changed[k], watched) for k in keys}
 
 
-def judge(storage: Storage, gens: list[FoundGeneration], secret: bytes | None,
+def judge(storage: Storage, gens: list[FoundGeneration], keys: JobKeys,
           window: float) -> dict[str, list[RankView]]:
-    """Rank views of every generation in ``gens``, from one shared watch window."""
-    aborts = {g.prefix: read_markers(storage, g, "abort", secret) for g in gens}
+    """Rank views of every generation in ``gens``, from one shared watch window; each
+    generation's records verified with its job's key."""
+    aborts = {g.prefix: read_markers(storage, g, "abort", keys.secret(g.namespace))
+              for g in gens}
     first: dict[str, Record | None] = {}
+    secrets: dict[str, bytes | None] = {}
     ranks_of: dict[str, list[int]] = {}
     for gen in gens:
-        beats = read_markers(storage, gen, "heartbeat", secret)
+        beats = read_markers(storage, gen, "heartbeat", keys.secret(gen.namespace))
         world = gen.world_size or 0
         # every rank of the world, heartbeat or not: a missing one is worth reporting
         ranks = sorted(set(range(world)) | set(beats) | set(aborts[gen.prefix]))
@@ -116,8 +121,9 @@ def judge(storage: Storage, gens: list[FoundGeneration], secret: bytes | None,
         if world == 1 and not beats:
             continue  # a world of one writes no heartbeats: nothing to watch
         for rank in ranks:
-            first[names.within(gen.prefix, names.heartbeat(rank))] = beats.get(rank)
-    seen = observe(storage, first, window, secret, poll_period(storage))
+            key = names.within(gen.prefix, names.heartbeat(rank))
+            first[key], secrets[key] = beats.get(rank), keys.secret(gen.namespace)
+    seen = observe(storage, first, window, secrets, poll_period(storage))
     out = {}
     for gen in gens:
         views = []

@@ -45,6 +45,7 @@ do to a directory), ``fsspec_store`` (object stores), ``s3`` (S3 specifics) and 
 
 from __future__ import annotations
 
+import re
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
@@ -81,14 +82,33 @@ _OPENERS = {
 }
 
 
+#: a relative path whose first part starts like a URL scheme: ``s3:/bucket/run``,
+#: ``s3:bucket``, ``file:/tmp/x`` (a mistyped URL, not a directory named "s3:")
+_SCHEME_LIKE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(/*)(.*)", re.S)
+
+
+_LOCAL = ("file", "local")
+
+
 def split_url(url: str) -> tuple[str, str]:
     """(protocol, rest). A bare path, or ``file://``, is protocol "file".
 
     For ``file://`` the rest is the path (RFC 8089): ``file:///p`` and
     ``file://localhost/p`` are both ``/p``; any other host is a ``ConfigError`` (ranks
     started in different directories must never read a host name as a relative path).
+    A relative path that starts like a URL without its ``//`` (``s3:/bucket/run7``) is
+    a ``ConfigError``: read as a directory it would quietly become ``./s3:/bucket/run7``
+    (``./s3:/...`` says a directory is meant).
     """
     if "://" not in url:
+        mistyped = _SCHEME_LIKE.fullmatch(url)
+        if mistyped is not None:
+            scheme, _, rest = mistyped.groups()
+            scheme = scheme.lower()
+            fixed = f"{scheme}://{'/' if scheme in _LOCAL else ''}{rest}"
+            raise ConfigError(f"{url!r} looks like a URL without the '//' after its scheme",
+                              hint=f"write {fixed} (or ./{url} for a local directory of "
+                              "that name)")
         return "file", url
     parts = urlsplit(url)
     protocol, rest = parts.scheme.lower(), url.split("://", 1)[1]

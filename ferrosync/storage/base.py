@@ -154,6 +154,8 @@ class Storage:
     #: every request is a network round trip (object stores): a collective with fewer
     #: requests in sequence beats one that moves fewer bytes (``reduce="auto"``)
     round_trips_dominate: bool = False
+    #: what one process stores, another sees (False: ``memory://``, one process's own)
+    shared_between_processes: bool = True
 
     def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
             reuse: str | None = None) -> int:

@@ -52,8 +52,8 @@ class _BytesReader(Reader):
         self._whole = b""
 
 
-def _generic_create(fs) -> str | None:
-    """Why ``fs`` cannot create exclusively, where its class alone says so: a
+def generic_create(cls) -> str | None:
+    """Why the driver class ``cls`` cannot create exclusively, where the class alone says so: a
     synchronous driver that keeps fsspec's generic ``pipe_file``, whose
     ``mode="create"`` is ``exists()`` and then a plain write, so two writers can both
     pass the check and both "create". None where the driver has its own create (which
@@ -61,9 +61,9 @@ def _generic_create(fs) -> str | None:
     from fsspec.asyn import AsyncFileSystem
     from fsspec.spec import AbstractFileSystem
 
-    if isinstance(fs, AsyncFileSystem) or type(fs).pipe_file is not AbstractFileSystem.pipe_file:
+    if issubclass(cls, AsyncFileSystem) or cls.pipe_file is not AbstractFileSystem.pipe_file:
         return None
-    return (f"the {type(fs).__name__} driver keeps fsspec's generic pipe_file, whose create "
+    return (f"the {cls.__name__} driver keeps fsspec's generic pipe_file, whose create "
             "checks exists() and then overwrites: two writers can both create one name")
 
 
@@ -122,8 +122,9 @@ class FsspecStorage(Storage):
             self.poll_initial, self.poll_max, self.heartbeat_interval = 20e-6, 0.005, 1.0
             self.cheap_deletes = True
             self.round_trips_dominate = False
+            self.shared_between_processes = False  # this process's dictionary
         #: why this driver cannot create exclusively, where its class says so already
-        self._no_create = None if self._conditional_put else _generic_create(fs)
+        self._no_create = None if self._conditional_put else generic_create(type(fs))
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}" if key else self.root

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -294,8 +295,17 @@ def _check_elastic(args) -> None:
                           f"{args.strategy}", hint="pick one of those")
 
 
+#: how the trainer calls what each flag names: FACTORY() for a model or data set,
+#: FUNCTION(output, target) for a loss
+CALLED_WITH = {"--model": ("no arguments", 0), "--data": ("no arguments", 0),
+               "--loss": ("(output, target)", 2)}
+
+
 def resolve(spec: str, flag: str):
-    """``module:attr`` (attr may be dotted) -> the callable it names."""
+    """``module:attr`` (attr may be dotted) -> the callable it names, once its signature
+    is known to take the arguments the trainer will pass (``CALLED_WITH``): a
+    ``--model torch.nn:Linear`` is one line and exit 2 here, in the launcher, not a
+    TypeError on every rank."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{flag} {spec!r} is not MODULE:FACTORY",
@@ -308,6 +318,11 @@ def resolve(spec: str, flag: str):
         raise ConfigError(f"{flag} {spec}: cannot import {module_name!r} ({exc})",
                           hint="make it importable from the current directory or "
                           "PYTHONPATH") from None
+    except Exception as exc:  # noqa: BLE001 - the module's own code failed on import
+        raise ConfigError(f"{flag} {spec}: importing {module_name!r} failed "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())})",
+                          hint="fix the module (run `python -c 'import "
+                          f"{module_name}'` to see the traceback)") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{flag} {spec}: {module_name!r} has no attribute {attr!r}",
@@ -315,4 +330,27 @@ def resolve(spec: str, flag: str):
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{flag} {spec}: {attr!r} is not callable")
+    _check_call(obj, spec, flag)
     return obj
+
+
+def _check_call(obj, spec: str, flag: str) -> None:
+    """``obj`` accepts the call the trainer makes (a callable without a signature,
+    some builtins, is left to the ranks)."""
+    what, count = CALLED_WITH.get(flag, ("no arguments", 0))
+    if count and inspect.isclass(obj):  # torch.nn:MSELoss would build a module per step
+        raise ConfigError(f"{flag} {spec} is a class, and the trainer calls it as "
+                          f"FUNCTION{what}", hint="name a function, e.g. "
+                          "torch.nn.functional:mse_loss")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*[None] * count)
+    except TypeError as exc:
+        example = ("def build(): return torch.nn.Linear(10, 4)" if count == 0 else
+                   "def loss(output, target): ...")
+        raise ConfigError(f"{flag} {spec} cannot be called with {what} ({exc})",
+                          hint=f"name a function the trainer can call that way, e.g. "
+                          f"{example}") from None

@@ -20,6 +20,11 @@ needs a rendezvous store we do not use):
   after a grace period), name the failed rank and its last error line, and exit
   with 2 if that rank reported bad input (exit code 2), else 1.
 
+Before any rank starts, everything the launcher can know is checked (``check_url``,
+``runner.preflight``): bad input is one line and exit 2. A launch under a job id of its
+own gets a fresh secret, kept in its user's key file (``ferrosync/ops/keys.py``) so that
+the same user's ``ferrosync inspect`` and ``gc`` can verify and collect the job.
+
 With ``--elastic`` each process is one member of the elastic job at the URL: a
 member that fails does not stop its siblings (the job goes on without it), every
 member's ``FINAL`` line is kept and the first is printed last, and no job id is made
@@ -53,6 +58,7 @@ from ..env import (
     ENV_URL,
     ENV_WORLD_SIZE,
 )
+from ..errors import ConfigError
 
 #: set in each rank's environment: "you are a rank, ignore --nproc"
 ENV_CHILD = "FERROSYNC_TRAIN_CHILD"
@@ -76,11 +82,15 @@ def launch(args, argv: list[str]) -> int:
     from .runner import check_sync_options, check_sync_url, preflight
 
     # every check that writes nothing, before anything is created or started
+    if args.sync is not None:
+        check_url(args.sync, args.sync_options, processes=args.nproc)
+    if args.checkpoint_dir is not None:
+        check_url(args.checkpoint_dir, args.sync_options, flag="--checkpoint-dir")
     check_sync_options(args.sync or tempfile.gettempdir(), args.sync_options,
                        elastic=args.elastic)
     if args.script is None:
         preflight(args, args.nproc)
-    url, created = args.sync, None
+    url, created, kept = args.sync, None, None
     if url is None:
         url = created = tempfile.mkdtemp(prefix="ferrosync-train-")
     try:
@@ -90,16 +100,61 @@ def launch(args, argv: list[str]) -> int:
         per_node = args.nproc // (args.nnodes_sim or 1)
         # an elastic job is the URL (plus the user's job id): a made-up id would keep
         # out the members that other commands start
+        named = bool(os.environ.get(ENV_JOB))
         job = os.environ.get(ENV_JOB, "") if args.elastic else launch_job_id()
         port = free_port()
         secret = launch_secret(args.elastic)
+        if not args.elastic and not named:  # a job id of this launch's own: its key file
+            kept = keep_key(job, secret, url)
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
             envs.append(_rank_env(rank, args.nproc, url, per_node, job, port, secret))
-        return Supervisor(commands, envs, url=url, elastic=args.elastic).run()
+        return Supervisor(commands, envs, url=url, elastic=args.elastic, job=job).run()
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
+            if kept:  # the job's records went with its temporary directory
+                from ..ops.keys import discard
+
+                discard(job)
+
+
+def check_url(url: str, options: dict, *, processes: int = 1, flag: str = "--sync") -> None:
+    """What the launcher can tell about a storage ``url`` without a request, through the
+    storage layer's own reading of it (``ConfigError``, exit 2, before any rank starts):
+    a mistyped URL (``s3:/bucket``, ``split_url``), a scheme no installed fsspec driver
+    serves (``driver_class``, with the ``pip install``), a driver that cannot create
+    only if absent (``--sync`` only: rendezvous needs it), and a store that is one
+    process's own (``memory://``) for more than one process."""
+    from ..registry import TORCH_SCHEMES
+    from ..storage import open_storage, split_url
+    from ..storage.base import EXCLUSIVE_CREATE_HINT
+    from ..storage.fsspec_store import driver_class, generic_create
+
+    protocol, _ = split_url(url)
+    if protocol in TORCH_SCHEMES or protocol in ("file", "local"):
+        return  # a directory: only its probe (a write) tells more
+    why = generic_create(driver_class(url, protocol))
+    if why is not None and flag == "--sync":
+        raise ConfigError(f"{flag} {url}: ranks cannot meet on this store: {why}",
+                          hint=EXCLUSIVE_CREATE_HINT)
+    try:
+        storage = open_storage(url, options.get("storage_options"))  # no request yet
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a driver that refuses the URL it was given
+        raise ConfigError(f"{flag} {url}: the {protocol}:// driver refused it "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())})",
+                          hint="check the URL against the driver's documentation") from None
+    try:
+        if processes > 1 and not storage.shared_between_processes:
+            raise ConfigError(
+                f"{flag} {url} is one process's memory: the {processes} processes of this "
+                "launch would each see only their own", hint="use a directory "
+                "(/dev/shm/NAME on one machine) or an object store; memory:// suits "
+                "--nproc 1 and tests in one process")
+    finally:
+        storage.close()
 
 
 def launch_job_id() -> str:
@@ -137,6 +192,25 @@ def launch_secret(elastic: bool) -> str | None:
               "process of the job", file=sys.stderr, flush=True)
         return None
     return secrets.token_hex(32)
+
+
+def keep_key(job: str, secret: str | None, url: str) -> str | None:
+    """Write the launch's key file (``ferrosync/ops/keys.py``), so that its user's
+    ``ferrosync inspect``, ``gc`` and ``doctor`` verify the job without the secret
+    being copied by hand, and can tell when the launch is over; returns its path.
+
+    ``ConfigError`` (exit 2, before any rank starts) for a key directory others can
+    enter; a key that cannot be written (full disk, read-only home) is a warning: the
+    job runs, and the tools see it as they would without the file."""
+    from ..ops import keys
+
+    try:
+        return keys.save(job, secret, url)
+    except OSError as exc:
+        print(f"ferrosync.train: warning: cannot keep the key of job {job} in "
+              f"{keys.directory()} ({exc.strerror or exc}): `ferrosync inspect` and `gc` "
+              "will not verify it", file=sys.stderr, flush=True)
+        return None
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -301,8 +375,8 @@ class Supervisor:
     ``elastic``: lets the others run on, each an independent member)."""
 
     def __init__(self, commands: list[list[str]], envs: list[dict], *, url: str,
-                 elastic: bool = False) -> None:
-        self.commands, self.envs, self.url = commands, envs, url
+                 elastic: bool = False, job: str = "") -> None:
+        self.commands, self.envs, self.url, self.job = commands, envs, url, job
         self.elastic = elastic
         self.word = "member" if elastic else "rank"
         self.procs: list[subprocess.Popen] = []
@@ -349,7 +423,8 @@ class Supervisor:
                 stderr=subprocess.PIPE, start_new_session=True, preexec_fn=die_with_parent,
             ))
         pids = ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self.procs))
-        self._say(f"started {len(self.procs)} ranks ({pids}); sync URL {self.url}")
+        job = f" of job {self.job}" if self.job else ""
+        self._say(f"started {len(self.procs)} ranks ({pids}){job}; sync URL {self.url}")
         for rank, proc in enumerate(self.procs):
             out = _Pump(rank, proc.stdout, sys.stdout, self.out_lock,
                         hold_final=rank == 0 or self.elastic)

@@ -227,8 +227,10 @@ def _check_strategy_fits(strategy, model_fn) -> None:
             model = model_fn()
     except Exception:  # noqa: BLE001 - any failure here is re-checked by every rank
         return
-    if isinstance(model, torch.nn.Module):
-        strategy.check_model(model)
+    if not isinstance(model, torch.nn.Module):  # every rank would refuse it (Trainer)
+        raise ConfigError(f"--model must return a torch.nn.Module, got "
+                          f"{type(model).__name__}", hint="return the model itself")
+    strategy.check_model(model)
 
 
 # -- one rank ------------------------------------------------------------------------------

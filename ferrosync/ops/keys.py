@@ -1,0 +1,297 @@
+"""Key files: what the launcher keeps of each launch so that its user's tools can read it.
+
+``python -m ferrosync.train --nproc N`` gives the ranks of a launch a fresh secret that
+is set in their environments only (``train/launcher.py``, ``launch_secret``). So that the
+same user can still verify the job's records with ``ferrosync inspect``, ``gc`` and
+``doctor`` without copying that secret by hand, the launcher writes one small file per
+launch before any rank starts, named by the job id the ranks meet under::
+
+    ~/.config/ferrosync/keys/launch-0123456789abcdef.key   ($XDG_CONFIG_HOME, or $FERROSYNC_KEYS)
+
+a JSON object: ``secret`` (hex; null when the ranks use the user's own
+``$FERROSYNC_SECRET``, which is never copied here), ``url``, and where the launcher runs
+(``host``, ``boot_id``, ``pid_ns``, ``pid``, ``start``): the tools on that host can then
+tell that a launch is over (its launcher has exited, and with it every rank), which is
+what lets ``gc`` free a job that crashed without writing its final heartbeats (a full
+disk). The file lives on the user's own machine, never on the shared store: anyone who
+can read the store must not learn the key.
+
+Rules (one home: ``directory``, ``save``, ``load``):
+
+* the directory is the user's and 0700 (made so; an existing one that is not the
+  user's, or that group or others may enter, is refused: ``ConfigError``);
+* a key file is written 0600 through a temporary file and an exclusive link, never
+  following a link; a file that is not a regular file of this user, or that group or
+  others may read or write, is refused with a ``ConfigError`` naming the ``chmod`` to run
+  (a key others could read is no key; one others could write could be theirs);
+* tools look a job's key up by the job id they find on the store; that id is untrusted
+  input, so only a valid job id (``names.JOB_ID``: no ``/``, no leading dot) names a
+  file.
+
+To let an operator on another host verify a job, copy its key file into their key
+directory (``install -m 600 -D launch-….key ~/.config/ferrosync/keys/launch-….key``),
+or give them its ``secret`` field for ``--secret``; a team that wants every job
+readable by all its operators sets one ``$FERROSYNC_SECRET``, which the launcher keeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import stat
+from dataclasses import dataclass
+
+from .. import names
+from ..errors import ConfigError
+
+#: the directory of key files (default: $XDG_CONFIG_HOME/ferrosync/keys)
+ENV_KEYS = "FERROSYNC_KEYS"
+SUFFIX = ".key"
+#: a key file is a few hundred bytes: anything larger is not one
+MAX_BYTES = 16384
+_JOB = re.compile(names.JOB_ID)
+_HEX_SECRET = re.compile(r"[0-9a-f]{16,1024}")
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def directory(env=None) -> str:
+    """Where key files live: ``$FERROSYNC_KEYS``, else ``$XDG_CONFIG_HOME/ferrosync/keys``,
+    else ``~/.config/ferrosync/keys``."""
+    env = os.environ if env is None else env
+    if env.get(ENV_KEYS):
+        return os.path.abspath(os.path.expanduser(env[ENV_KEYS]))
+    config = env.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(config, "ferrosync", "keys")
+
+
+def path_of(job: str, where: str | None = None) -> str | None:
+    """The key file of ``job`` (None: not a job id, so it cannot name a file)."""
+    if not isinstance(job, str) or not _JOB.fullmatch(job):
+        return None
+    return os.path.join(where or directory(), job + SUFFIX)
+
+
+@dataclass(frozen=True)
+class KeyFile:
+    """One launch as its key file describes it."""
+
+    job: str
+    path: str
+    secret: bytes | None  # None: the ranks used the user's own $FERROSYNC_SECRET
+    url: str | None
+    launcher: dict  # host, boot_id, pid_ns, pid, start
+
+    def launcher_state(self) -> tuple[bool | None, str]:
+        """(does the launcher still run?, in words): None when this host cannot tell.
+
+        Its ranks die with their launcher (a parent-death signal, and the launcher
+        stops them before it exits), so a launcher that no longer runs means no rank
+        does. Only a tool in the launcher's own host, boot and pid namespace can look
+        its pid up; the process start time tells a reused pid apart."""
+        here, was = launch_context(), self.launcher
+        pid, host = was.get("pid"), was.get("host")
+        if host != here["host"]:
+            return None, f"launched on {host}: only a tool there can tell if it runs"
+        if was.get("boot_id") != here["boot_id"]:
+            if here["boot_id"] and was.get("boot_id"):
+                return False, f"{host} has rebooted since it was launched"
+            return None, "this host cannot tell whether its launcher runs"
+        if was.get("pid_ns") != here["pid_ns"] or not isinstance(pid, int):
+            return None, f"launched from another pid namespace on {host}"
+        if process_start(pid) == was.get("start"):
+            return True, f"its launcher (pid {pid} on {host}) is running"
+        return False, f"its launcher (pid {pid} on {host}) has exited"
+
+    def launcher_gone(self) -> str | None:
+        """Why the launch is provably over, or None (running, or cannot tell)."""
+        running, why = self.launcher_state()
+        return why if running is False else None
+
+
+def launch_context(pid: int | None = None) -> dict:
+    """This host, boot and pid namespace, and ``pid``'s start time (the launcher's)."""
+    pid = os.getpid() if pid is None else pid
+    return {"host": socket.gethostname(), "boot_id": _read_text(
+        "/proc/sys/kernel/random/boot_id"), "pid_ns": _readlink("/proc/self/ns/pid"),
+            "pid": pid, "start": process_start(pid)}
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (/proc/PID/stat field 22); None
+    when no such process runs (or there is no /proc)."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    fields = text.rpartition(")")[2].split()  # after the command name, which may hold ")"
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return None
+
+
+# -- writing (the launcher) -------------------------------------------------------------
+
+def private_directory(where: str | None = None) -> str:
+    """The key directory, created 0700 if missing; ``ConfigError`` when it exists but is
+    not this user's, or group or others may enter it."""
+    where = where or directory()
+    os.makedirs(where, mode=0o700, exist_ok=True)
+    info = os.stat(where)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ConfigError(f"the key directory {where} is not a directory",
+                          hint=f"remove it, or set ${ENV_KEYS} to a private directory")
+    _check_private(where, info, "key directory", "700")
+    return where
+
+
+def save(job: str, secret: str | None, url: str, where: str | None = None) -> str:
+    """Write ``job``'s key file (0600, created exclusively, never through a link);
+    returns its path. ``ConfigError`` for an unsafe key directory; ``OSError`` when it
+    cannot be written (a full disk, a read-only home)."""
+    where = private_directory(where)
+    path = path_of(job, where)
+    if path is None:
+        raise ConfigError(f"job id {job!r} cannot name a key file")
+    body = json.dumps({"v": 1, "job": job, "secret": secret, "url": url,
+                       "launcher": launch_context()}, sort_keys=True).encode()
+    temp = os.path.join(where, f".{job}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temp, _OPEN_NEW, 0o600)
+    try:
+        try:
+            os.write(fd, body)
+            os.fchmod(fd, 0o600)  # whatever the umask
+        finally:
+            os.close(fd)
+        os.link(temp, path)  # exclusive: never replaces another launch's file
+    finally:
+        os.unlink(temp)
+    return path
+
+
+def discard(job: str, where: str | None = None) -> None:
+    """Remove ``job``'s key file (a launch whose sync directory is gone with it)."""
+    path = path_of(job, where)
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+# -- reading (the tools) ----------------------------------------------------------------
+
+def load(job: str, where: str | None = None) -> KeyFile | None:
+    """``job``'s key file, or None when there is none. ``ConfigError`` when it is a link
+    or not a regular file, not this user's, readable or writable by group or others,
+    or not a key file."""
+    path = path_of(job, where)
+    if path is None:
+        return None
+    try:
+        fd = os.open(path, _OPEN_READ)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:  # ELOOP: a link planted at the name
+        raise ConfigError(f"cannot use the key file {path} ({exc.strerror})", path=path,
+                          hint="it must be a regular file of yours: remove it, and copy "
+                          "the job's key file there again") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"the key file {path} is not a regular file",
+                              hint="remove it; a key file is a plain file of yours, mode 0600")
+        _check_private(path, info, "key file", "600")
+        raw = os.read(fd, MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    return _parse(raw, job, path)
+
+
+def _check_private(path: str, info: os.stat_result, what: str, mode: str) -> None:
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"the {what} {path} belongs to uid {info.st_uid}, not to you "
+                          f"(uid {os.geteuid()})", hint=f"use a {what} of your own "
+                          f"(${ENV_KEYS} names the directory)")
+    if info.st_mode & 0o077:
+        raise ConfigError(f"the {what} {path} is open to group or others (mode "
+                          f"{stat.S_IMODE(info.st_mode):04o})",
+                          hint=f"chmod {mode} {path} (a key others can read or replace "
+                          "protects nothing)")
+
+
+def _parse(raw: bytes, job: str, path: str) -> KeyFile:
+    try:
+        if len(raw) > MAX_BYTES:
+            raise ValueError(f"larger than {MAX_BYTES} bytes")
+        record = json.loads(raw)
+        if not isinstance(record, dict) or record.get("job") != job:
+            raise ValueError(f"it does not name job {job}")
+        secret = record.get("secret")
+        if secret is not None and not (isinstance(secret, str)
+                                       and _HEX_SECRET.fullmatch(secret)):
+            raise ValueError("its secret is not a hex string")
+        launcher = record.get("launcher")
+        url = record.get("url")
+    except ValueError as exc:
+        raise ConfigError(f"{path} is not a ferrosync key file ({exc})", path=path,
+                          hint="remove it, or copy the job's key file there again") from None
+    return KeyFile(job, path, secret.encode() if secret else None,
+                   url if isinstance(url, str) else None,
+                   launcher if isinstance(launcher, dict) else {})
+
+
+class JobKeys:
+    """The secret that verifies each job's records, for the tools: the job's own key
+    file where the launcher left one, else the operator's ``--secret`` (or
+    ``$FERROSYNC_SECRET``), which covers jobs started otherwise.
+
+    ``namespace`` is where a job's records live (``rdzv.{job}``, ``el.{job}``; a job
+    without an id, or None, has no key file)."""
+
+    def __init__(self, fallback: bytes | None = None, where: str | None = None) -> None:
+        self.fallback = fallback
+        self.where = where
+        self._files: dict[str, KeyFile | None] = {}
+
+    def key_file(self, job: str | None) -> KeyFile | None:
+        if job is None:
+            return None
+        if job not in self._files:
+            self._files[job] = load(job, self.where)
+        return self._files[job]
+
+    def secret(self, namespace: str | None) -> bytes | None:
+        found = self.key_file(job_of(namespace))
+        if found is not None and found.secret is not None:
+            return found.secret
+        return self.fallback
+
+    def used(self) -> dict[str, str]:
+        """{job: key file path} of the key files found so far."""
+        return {job: f.path for job, f in sorted(self._files.items()) if f is not None}
+
+
+def job_of(namespace: str | None) -> str | None:
+    """``rdzv.{job}`` / ``el.{job}`` -> ``job``; a namespace without an id -> None."""
+    if not namespace or "." not in namespace:
+        return None
+    return namespace.split(".", 1)[1]

@@ -1,0 +1,96 @@
+"""The settings ``ferrosync doctor`` recommends, from what it measured, for the mode a job
+runs in: a fixed-size job (``connect(url)``) or an elastic one (``connect(url,
+elastic=True)``).
+
+The floor of every recommendation is what a job of that mode resolves by itself on this
+store: the options dataclass's ``timing(storage)`` (``backends/options.py``, the one
+place where defaults meet the store; elastic members on an object store beat every
+10 s, not 2 s), so a recommendation is never below the defaults and never a copy of
+them. Above the floor it follows the measurements:
+
+* ``poll_initial`` about half an open-miss round trip (polling faster only queues
+  requests), ``poll_max`` about 4 × the p90 miss (at most 1 s);
+* ``heartbeat_interval`` at least 20 × the p90 put (a beat must be cheap next to its
+  period);
+* ``heartbeat_timeout`` at least three intervals (what a job's own default allows) plus
+  twice the worst visibility delay, in whole seconds;
+* ``timeout`` (one collective) 10 × the time one root-reduce collective of
+  ``payload_mib`` over ``world_size`` ranks takes at the measured throughput, at
+  least 300 s;
+
+and the result is parsed by the same options class, so ``connect`` accepts it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..backends.options import ElasticOptions, StorageOptions
+
+MiB = 1 << 20
+MODES = ("fixed", "elastic")
+#: the heartbeat settings shown, in order
+SHOWN = ("poll_initial", "poll_max", "heartbeat_interval", "heartbeat_timeout", "timeout")
+
+
+def nice(x: float) -> float:
+    """Round up to two significant digits, so settings read like a human chose them."""
+    if x <= 0:
+        return 0.0
+    scale = 10 ** (math.floor(math.log10(x)) - 1)
+    return round(math.ceil(x / scale - 1e-9) * scale, 12)
+
+
+def options_class(mode: str):
+    return ElasticOptions if mode == "elastic" else StorageOptions
+
+
+def recommend(storage, measured: dict, *, mode: str, payload_mib: int, world_size: int,
+              nfs: bool) -> dict:
+    """Settings for a job of ``mode`` on ``storage`` from doctor's ``measured``."""
+    cls = options_class(mode)
+    floor = cls.parse({}).timing(storage)  # what a job of this mode resolves by itself
+    lat = measured["latency"]
+    miss50, miss90 = lat["open_miss"]["p50_ms"] / 1e3, lat["open_miss"]["p90_ms"] / 1e3
+    put90 = lat["put"]["p90_ms"] / 1e3
+    vis = measured.get("visibility", {})
+    vis_max = max((v["max_ms"] / 1e3 for v in vis.values()), default=0.0)
+    interval = nice(max(floor.heartbeat_interval, 20 * put90))
+    out = {
+        "mode": mode,
+        "poll_initial": nice(max(floor.poll[0], min(miss50 / 2, 0.05))),
+        "poll_max": nice(max(floor.poll[1], min(4 * miss90, 1.0))),
+        "heartbeat_interval": interval,
+        "heartbeat_timeout": float(max(floor.heartbeat_timeout,
+                                       3 * interval + round(2 * vis_max))),
+    }
+    # connect accepts it (one home for the rules between them)
+    cls.parse({k: out[k] for k in SHOWN if k in out}).timing(storage)
+    tp = measured.get("throughput")
+    if tp:
+        # root reduce: rank 0 reads world_size - 1 contributions and writes one result
+        seconds = payload_mib * MiB * world_size / min(tp["write_Bps"], tp["read_Bps"])
+        out["timeout"] = float(max(300, math.ceil(10 * seconds + vis_max)))
+        out["timeout_basis"] = (f"10x one collective of {payload_mib} MiB over "
+                                f"{world_size} ranks at the measured throughput")
+    if nfs:
+        out["nfs_mount_options"] = "hard,lookupcache=positive (keep the default cto)"
+    return out
+
+
+def render(url: str, rec: dict) -> list[str]:
+    """The report's recommendation lines: the settings, then the call that uses them."""
+    elastic = rec.get("mode") == "elastic"
+    pairs = [f"{n}={rec[n]:g}" for n in SHOWN if n in rec]
+    lines = ["", "recommended settings" + (" for an elastic job's members (connect(..., "
+                                         "elastic=True), --elastic):" if elastic else ":"),
+             "  " + "  ".join(pairs)]
+    if "timeout_basis" in rec:
+        lines.append(f"  (timeout: {rec['timeout_basis']}; scale it with your payload)")
+    args = ", ".join(p for p in pairs if not p.startswith("timeout="))
+    timeout = f", timeout={rec['timeout']:g}" if "timeout" in rec else ""
+    mode = ", elastic=True" if elastic else ""
+    lines.append(f"  ferrosync.connect({url!r}{mode}{timeout}, {args})")
+    if rec.get("nfs_mount_options"):
+        lines.append(f"  NFS mount options: {rec['nfs_mount_options']}")
+    return lines
