@@ -541,7 +541,7 @@ def test_every_member_stopped_by_sigterm_then_a_new_one_resumes_where_they_left(
     assert (first["step"], first["epoch"], first["members"]) == (25, 1, 1), first
 
 
-def _founding_trainer(strategy, **kwargs):
+def _small_trainer(strategy, **kwargs):
     from ferrosync.train.elastic import ElasticTrainer
 
     g = torch.Generator().manual_seed(3)
@@ -550,18 +550,21 @@ def _founding_trainer(strategy, **kwargs):
     return ElasticTrainer(lambda: torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
                                                       torch.nn.Linear(5, 3)),
                           lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-                          torch.nn.functional.cross_entropy, data, steps=8, batch_size=8,
-                          strategy=strategy, progress=False, report=False, **kwargs)
+                          torch.nn.functional.cross_entropy, data, steps=30, batch_size=8,
+                          strategy=strategy, progress=False, report=False,
+                          publish_every_seconds=0, **kwargs)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("wire", ["int8", "bfloat16"])
-def test_founders_take_rank_0s_model_bit_for_bit_through_a_lossy_wire(tmp_path, wire):
-    """The only member is asked to leave (SIGTERM's path, in process): it finishes its
-    step, publishes the state as rank 0 and raises ``MemberLeft``. Two founders then
-    restart the job through an int8 / bfloat16 wire: right after founding each holds
-    the published model bit for bit (a broadcast, not an average through the codec,
-    which rounded it on every founder)."""
+def test_leaving_members_and_founders_through_a_lossy_wire(tmp_path, wire):
+    """In process, two members (threads) of a job whose averages go through an int8 /
+    bfloat16 wire. Member b (rank 1) is asked to leave (SIGTERM's path): its vote
+    rides in its next round, after which it leaves and rank 0, asked nothing, publishes
+    that step's state (the ballot: so members asked at nearly the same time never
+    strand each other). Then rank 0 is asked and leaves, publishing. Two founders
+    restart the job: right after founding each holds the published model bit for bit
+    (a broadcast; an average through the codec rounded it on every founder)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ferrosync.strategies import GradAveraging
@@ -573,25 +576,56 @@ def test_founders_take_rank_0s_model_bit_for_bit_through_a_lossy_wire(tmp_path, 
             self.digest = param_digest(model)
             super().attach(model, optimizer, sync)
 
-    options = dict(elastic=True, job="found", wire_dtype=wire, timeout=60,
-                   heartbeat_interval=0.2, heartbeat_timeout=3)
-    alone = _founding_trainer(GradAveraging(), publish_every_seconds=0)
-    alone.step_hooks.append(lambda: alone.step == 3 and alone.request_leave())
-    with ferrosync.connect(str(tmp_path), **options) as sync, \
-            pytest.raises(MemberLeft) as left:
-        alone.fit(sync)
-    assert (left.value.step, left.value.published) == (3, True), left.value
-    published = param_digest(alone.model)
+    url = str(tmp_path)
+    options = dict(elastic=True, job="leave", wire_dtype=wire, timeout=60,
+                   heartbeat_interval=0.2, heartbeat_timeout=5)
+    a, b = _small_trainer(GradAveraging()), _small_trainer(GradAveraging())
+    seen = {}
+
+    def pace_a():  # a waits for b to join, then records what is published when b leaves
+        sync = seen["a_sync"]
+        if sync.world_size < 2 and "b_left" not in seen:
+            time.sleep(0.02)  # rounds go on (b is admitted at one); bounded by the steps
+        if "b_left" in seen and a.step > seen["b_left"].step and "state" not in seen:
+            seen["state"] = sync.read_state().meta["step"]  # a published at b's last step
+            a.request_leave()
+
+    def ask_b():
+        if b.joined_at is not None and b.step == b.joined_at + 2:
+            b.request_leave()
+
+    a.step_hooks.append(pace_a)
+    b.step_hooks.append(ask_b)
+
+    def member(name, trainer):
+        with ferrosync.connect(url, **options) as sync:
+            seen[f"{name}_sync"] = sync
+            try:
+                trainer.fit(sync)
+            except MemberLeft as left:
+                seen[f"{name}_left"] = left
+                return left
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(member, "a", a)
+        wait_until(lambda: "a_sync" in seen, "member a connected", timeout=30)
+        second = pool.submit(member, "b", b)
+        left_a, left_b = first.result(timeout=120), second.result(timeout=120)
+    assert (left_b.rank, left_b.published) == (1, False), left_b
+    assert left_b.step == b.joined_at + 3  # asked after step +2: its vote rode in step +3
+    assert seen["state"] == left_b.step  # rank 0 published when b left
+    assert left_a.published and left_a.step > left_b.step, left_a
+    published = param_digest(a.model)
 
     def found(trainer):
-        with ferrosync.connect(str(tmp_path), min_ranks=2, **options) as sync:
+        with ferrosync.connect(url, min_ranks=2, **options) as sync:
             return trainer.fit(sync)
 
-    founders = [_founding_trainer(Recording()) for _ in range(2)]
+    founders = [_small_trainer(Recording()) for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
         finals = list(pool.map(found, founders))
     assert [f.strategy.digest for f in founders] == [published, published]
-    assert all(f["joined_at_step"] == 3 and f["steps"] == 8 for f in finals), finals
+    assert all(f["joined_at_step"] == left_a.step and f["steps"] == 30 for f in finals)
     assert finals[0]["param_digest"] == finals[1]["param_digest"]
 
 

@@ -185,7 +185,7 @@ class ElasticTrainer(Trainer):
         self.membership_changes = 0
         self.joined_at: int | None = None
         self._phase = TRAINING
-        self._training = self._leave_asked = False
+        self._leave_asked = self._stalled = False
         self._published = [0, 0.0]  # states this member published, and their seconds
 
     def _build_data(self, dataset, n, num_workers, *, epochs, steps) -> None:
@@ -327,25 +327,30 @@ class ElasticTrainer(Trainer):
                                f"{int(theirs[0])})", path=sync.url, hint="connect again")
 
     def request_leave(self) -> bool:
-        """Ask this member to leave at its next round boundary: it finishes the round it
-        is in, publishes the state if it is rank 0 (at the job's last step it finishes
-        the job instead), and ``fit`` raises ``MemberLeft``. True when that will happen;
-        False when ``fit`` is not training (it is joining, or not running): leave at
-        once then. Safe to call from a signal handler."""
-        self._leave_asked = True
-        return self._training
+        """Ask this member to leave the job: its vote to leave rides in its next round
+        (the strategy's ballot), after which it leaves (``fit`` raises ``MemberLeft``)
+        and rank 0, which reads every vote of that round, publishes the state: so
+        members asked at about the same time either leave in one round or the later
+        ones find the state already published. At the job's last step it finishes the
+        job instead. True when that will happen; False when there is nothing to
+        finish (``fit`` is joining or not running, or the job waits below
+        ``min_ranks`` because others left, with the state published): leave at once
+        then. Safe to call from a signal handler."""
+        self._leave_asked = self.strategy.vote = True
+        log = getattr(self, "_log", None)  # open from the first step to the summary
+        return log is not None and log.open and not self._stalled
 
     # -- the loop's hooks (Trainer.fit) -------------------------------------------------
     def _start(self, sync) -> dict | None:
         """Join the job's state (founders: one round); the report of a job that had
         already ended, else None after attaching the strategy (founders' rank 0
         publishes at once: the state of the new roster, with the strategy's)."""
-        self._training = False
         if not getattr(sync, "elastic", False):
             raise ConfigError("ElasticTrainer.fit needs connect(..., elastic=True)")
         # training randomness (dropout, augmentation) differs per member
         seed_streams(derived_seed(self.seed, sync.member_id))
         founding = sync.founding  # before the bootstrap's round changes it
+        self._stalled = False
         self._phase = self._bootstrap(sync)
         if self._phase == SUMMARISED:  # the job had ended before this member came
             return self._report_ended(self._ended_summary(sync.url))
@@ -356,7 +361,6 @@ class ElasticTrainer(Trainer):
             # after attach: a strategy's state (DiLoCo's global copy and outer
             # optimizer) exists only from there
             self._publish(sync, TRAINING, now=True)
-        self._training = True
         return None
 
     def _keep_going(self) -> bool:
@@ -373,15 +377,18 @@ class ElasticTrainer(Trainer):
         return {**super()._record(*args), "members": self.world_size}
 
     def _at_boundary(self, sync, record: dict) -> None:
-        """After every step; at a round boundary (the step synced): rank 0 publishes
-        when due (``_publish``); a member asked to leave leaves here. Publishes are
-        counted in ``_end`` (``checkpoints``)."""
+        """After every step; at a round boundary (the step synced): members whose vote
+        to leave rode in this round leave (so does one asked meanwhile when the job
+        now waits below ``min_ranks``), and rank 0 publishes first when any member
+        leaves or a publish is due (``_publish``). Publishes are counted in ``_end``."""
         if not record["synced"]:
             return None
-        leaving = self._leave_asked and self.step < self.total_steps
-        published = self._publish(sync, TRAINING, now=leaving)
+        voters = self.strategy.voters  # the same on every member of the round
+        self._stalled = voters > 0 and sync.world_size - voters < self.min_ranks
+        leaving = (self.strategy.voted or (self._leave_asked and self._stalled)) and (
+            self.step < self.total_steps)
+        published = self._publish(sync, TRAINING, now=voters > 0 or leaving)
         if leaving:
-            self._training = False
             raise MemberLeft(sync.member_id, self.step, sync.rank, published)
         return None
 
@@ -416,7 +423,6 @@ class ElasticTrainer(Trainer):
                                  self.storage_prices_given, sync.url), job_wall_s=job_wall)
         self._publish(sync, SUMMARISED)
         sync.end_job()  # later comers report instead of waiting for a round
-        self._training = False
         self.rank, self.world_size = sync.rank, sync.world_size
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
                        membership_changes=sync.membership_changes, members=sync.world_size,

@@ -36,6 +36,7 @@ class RunLog:
         writes = trainer.per_member or trainer.rank == 0
         resume = trainer.step if trainer.per_member else trainer.resumed_from
         self.metrics = self.board = self.bar = None
+        self.open = True  # until ``close``: the loop, its end and the summary run
         try:
             if writes and trainer.metrics_path:
                 self.metrics = MetricsWriter(trainer.metrics_path, resume_step=resume)
@@ -99,6 +100,7 @@ class RunLog:
     def close(self, summary: dict | None) -> None:
         """Close everything; ``summary``'s eval numbers go to TensorBoard first (None
         after a failure). Idempotent."""
+        self.open = False
         self._close_files()
         board, self.board = self.board, None
         if board is not None:

@@ -279,7 +279,8 @@ def _leave_on_sigterm(trainer: ElasticTrainer) -> None:
 
     def asked(signum, frame):
         if not trainer.request_leave():
-            raise _LeftAtOnce("it was not training: joining the job, or done")
+            raise _LeftAtOnce("no round to finish: it was joining, or the job waits below "
+                              "--min-ranks after others left")
         signal.signal(signal.SIGTERM, at_once("a second SIGTERM"))
         signal.signal(signal.SIGALRM, at_once(f"its round did not end within {LEAVE_GRACE_S:g} s"))
         signal.setitimer(signal.ITIMER_REAL, LEAVE_GRACE_S)

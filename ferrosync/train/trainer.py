@@ -146,10 +146,9 @@ class Trainer:
     ) -> None:
         # every argument is checked before anything is built (model_fn may be costly)
         self.batch_size = integer("batch_size", batch_size, minimum=1)
-        epochs = integer("epochs", epochs, minimum=1, allow_none=True)
-        steps = integer("steps", steps, minimum=1, allow_none=True)
-        self.checkpoint_every = integer("checkpoint_every", checkpoint_every, minimum=1,
-                                        allow_none=True)
+        epochs, steps, self.checkpoint_every = (
+            integer(name, value, minimum=1, allow_none=True) for name, value in
+            (("epochs", epochs), ("steps", steps), ("checkpoint_every", checkpoint_every)))
         self.keep_checkpoints = integer("keep_checkpoints", keep_checkpoints, minimum=1)
         if epochs is None and steps is None:
             raise ConfigError("give epochs or steps (or both: whichever ends first)")
@@ -162,10 +161,7 @@ class Trainer:
         _check_callables(model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn,
                          eval_fn=eval_fn)
         n = _dataset_length(dataset)
-        self.strategy = strategy if strategy is not None else GradAveraging()
-        if not isinstance(self.strategy, Strategy):
-            raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
-                              f"{type(self.strategy).__name__}")
+        self.strategy = _strategy(strategy)
         if tensorboard_dir is not None:
             require_tensorboard()  # a missing package is bad input, found before any I/O
         if sync is not None:
@@ -308,7 +304,7 @@ class Trainer:
         ended = self._start(sync)        # checks, the strategy; an elastic member joins
         if ended is not None:            # an elastic job that ended before this member
             return ended
-        log = RunLog(self, sync)         # metrics file, TensorBoard, progress bar, totals
+        self._log = log = RunLog(self, sync)  # metrics file, TensorBoard, progress, totals
         self.model.train()
         try:
             while self._keep_going():
@@ -498,6 +494,15 @@ def _dataset_length(dataset) -> int:
     if n == 0:
         raise ConfigError("dataset is empty")
     return n
+
+
+def _strategy(strategy) -> Strategy:
+    """``strategy``, by default ``GradAveraging()``; a ConfigError if it is not one."""
+    strategy = strategy if strategy is not None else GradAveraging()
+    if not isinstance(strategy, Strategy):
+        raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
+                          f"{type(strategy).__name__}")
+    return strategy
 
 
 def _check_callables(**functions) -> None:
