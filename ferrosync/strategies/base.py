@@ -41,7 +41,9 @@ class Strategy:
     taken from a local clock is first agreed through the sync). Each call blocks
     until its collectives are done. ``keep_going``, ``wants_batch`` and
     ``progress`` are local and cheap; their answers only change at a sync, from
-    values every rank received, so all ranks see the same loop.
+    values every rank received, so all ranks see the same loop. In an elastic job a
+    strategy's one collective per sync also carries ``_ballot`` (then ``_count``):
+    the members' votes to leave (``ElasticTrainer.request_leave``).
     """
 
     #: the ``--strategy`` value that selects this class

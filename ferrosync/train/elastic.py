@@ -29,8 +29,12 @@ leave whenever they do. What keeps them one model:
   published state (any number of members), else from ``seed``, and take rank 0's
   model in one round: a broadcast, an exact copy whatever the ``wire_dtype``.
 * **Leaving.** A member asked to leave (``request_leave``: SIGTERM on the command
-  line) finishes the round it is in, publishes the state if it is rank 0, and
-  ``fit`` raises ``MemberLeft``; closing the sync then tells the others it left.
+  line) votes in its next round: the strategy's collective carries one float64
+  ballot element per member (``Strategy._ballot``), so after that round every
+  member knows how many of it leave. The voters leave there (``fit`` raises
+  ``MemberLeft``; closing the sync tells the others), and rank 0 publishes the
+  state after any round with a voter, so members asked at about the same time
+  never strand the publisher in a round that cannot complete.
 * **Policy when the membership changes** under ``grad``: the batch per member is
   fixed, so the global batch is ``members * batch_size``; the learning rate is not
   rescaled (the average is a mean, so the gradient's scale does not change with
