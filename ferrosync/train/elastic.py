@@ -225,12 +225,13 @@ class ElasticTrainer(Trainer):
 
     # -- the job's state -------------------------------------------------------------
     def _state(self, phase: str, changes: int) -> tuple[dict, dict]:
-        tensors, skeleton = {}, {}
-        for part, tree in (("model", self.model.state_dict()),
-                           ("optimizer", self.optimizer.state_dict()),
-                           ("strategy", self.strategy.state_dict())):
-            named, skeleton[part] = flatten(tree, part)
-            tensors.update(named)
+        """The job's state for ``publish_state``: its tensors by name, and ``meta`` (the
+        parts' skeletons, the step, the data position, the phase, the settings)."""
+        parts = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "strategy": self.strategy.state_dict()}
+        flat = {part: flatten(tree, part) for part, tree in parts.items()}
+        tensors = {name: t for named, _ in flat.values() for name, t in named.items()}
+        skeleton = {part: shape for part, (_, shape) in flat.items()}
         meta = {"step": self.step, "epoch": self.data.epoch, "position": self.data.position,
                 "phase": phase, "membership_changes": changes, "skeleton": skeleton,
                 "strategy": self.strategy.name, "batch_size": self.batch_size,
