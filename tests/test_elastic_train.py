@@ -660,11 +660,13 @@ def test_elastic_progress_lines_show_on_stderr(capsys):
         handler.setStream(sys.stderr)  # this test's captured stderr
         logger.info("waiting for members: 1 here, 2 needed (min_ranks=2)")
         logger.debug("not shown")
+        logging.getLogger("ferrosync.elastic.rounds").info("still waiting")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     assert capsys.readouterr().err == (
-        "ferrosync.elastic: waiting for members: 1 here, 2 needed (min_ranks=2)\n")
+        "ferrosync.elastic: waiting for members: 1 here, 2 needed (min_ranks=2)\n"
+        "ferrosync.elastic: still waiting\n")
 
 
 @pytest.mark.unit

@@ -299,7 +299,7 @@ def show_elastic_progress() -> logging.Handler:
             return handler
     handler = logging.StreamHandler()  # sys.stderr
     handler.ferrosync_train = True
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.setFormatter(logging.Formatter("ferrosync.elastic: %(message)s"))  # submodules too
     handler.setLevel(logging.INFO)
     logger.addHandler(handler)
     if logger.getEffectiveLevel() > logging.INFO:
