@@ -21,6 +21,7 @@ import torch
 from train_cli import final_of, read_metrics_so_far, start_cli
 from train_models import HOLD, HOLD_AT
 
+import ferrosync
 from ferrosync import names
 from ferrosync.elastic.state import PublishedState
 from ferrosync.errors import ShardCorrupt
@@ -288,6 +289,10 @@ def test_a_finished_job_reports_without_training(tmp_path):
     assert code == 0, err
     again = final_of(out)
     assert again["param_digest"] == done["param_digest"] and again["steps"] == 30
+    # one line says so (no summary table of a run that trained nothing), then FINAL
+    said, final = out.strip().splitlines()[-2:]
+    assert said.startswith("ferrosync.train: this job already ended at step 30 (FINAL"), out
+    assert final.startswith("FINAL ") and "samples/s" not in out, out
     assert again["steps_this_run"] == 0 and metrics(tmp_path, "b") == []
     # inspect tells the story: the state's step and phase, and the end marker
     out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
@@ -499,3 +504,196 @@ def test_a_newcomer_that_does_not_fit_is_refused_alone(tmp_path, flags, words):
     finals = finals_of(procs, ("a", "b"))
     assert all(f["membership_changes"] == 0 and f["members"] == 2 for f in finals.values())
     assert len({f["param_digest"] for f in finals.values()}) == 1
+
+
+def test_every_member_stopped_by_sigterm_then_a_new_one_resumes_where_they_left(tmp_path):
+    """Total loss by SIGTERM (every member gets a preemption notice at once): each
+    finishes its round (diloco: the merge at step 24), rank 0 publishes, and each says
+    it left and exits 143; a member started later resumes at exactly step 24, and its
+    first metrics line carries the data's epoch there (1), not 0. Meanwhile a third
+    process started on a running member's metrics file is refused in one line."""
+    url = str(tmp_path / "job")
+    # 2 members x 1024 samples: 16 steps per epoch of the demo's 32,768
+    flags = ("--min-ranks", "2", "--strategy", "diloco", "--sync-every", 4, "--steps", 40,
+             "--batch-size", 1024, "--model", "train_models:paced_mlp", *FAST)
+    hold = held(tmp_path, at=22)  # inside the round that merges at step 24
+    procs = {n: member(tmp_path, url, n, *flags, **hold) for n in ("a", "b")}
+    wait_for(procs, lambda: min(last_step(tmp_path, n) for n in procs) >= 21,
+             "both members held at step 22")
+    code, _, err = finish(start_cli("--elastic", "--sync", url, "--no-progress", "--metrics",
+                                    tmp_path / "a.jsonl", *flags, cwd=tmp_path))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err[-2000:]
+    assert "another process on this host" in err and "a.jsonl" in err, err
+    for proc in procs.values():
+        proc.send_signal(signal.SIGTERM)
+    hold[HOLD].unlink()
+    said = {}
+    for name, proc in procs.items():
+        code, _, err = finish(proc)
+        assert code == 128 + signal.SIGTERM, (name, err[-2000:])
+        (said[name],) = [line for line in err.splitlines() if "left the job at step" in line]
+        assert last_step(tmp_path, name) == 24, metrics(tmp_path, name)[-1]
+    assert sum("published the job's state at step 24" in line for line in said.values()) == 1, said
+    c = member(tmp_path, url, "c", *flags[2:], "--min-ranks", "1")
+    (final,) = finals_of({"c": c}, ["c"]).values()
+    assert final["joined_at_step"] == 24 and final["steps"] == 40, final
+    first = metrics(tmp_path, "c")[0]
+    assert (first["step"], first["epoch"], first["members"]) == (25, 1, 1), first
+
+
+def _small_trainer(strategy, **kwargs):
+    from ferrosync.train.elastic import ElasticTrainer
+
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(96, 6, generator=g),
+                                          torch.randint(0, 3, (96,), generator=g))
+    return ElasticTrainer(lambda: torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(),
+                                                      torch.nn.Linear(5, 3)),
+                          lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                          torch.nn.functional.cross_entropy, data, steps=30, batch_size=8,
+                          strategy=strategy, progress=False, report=False,
+                          publish_every_seconds=0, **kwargs)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("wire", ["int8", "bfloat16"])
+def test_leaving_members_and_founders_through_a_lossy_wire(tmp_path, wire):
+    """In process, two members (threads) of a job whose averages go through an int8 /
+    bfloat16 wire. Member b (rank 1) is asked to leave (SIGTERM's path): its vote
+    rides in its next round, after which it leaves and rank 0, asked nothing, publishes
+    that step's state (the ballot: so members asked at nearly the same time never
+    strand each other). Then rank 0 is asked and leaves, publishing. Two founders
+    restart the job: right after founding each holds the published model bit for bit
+    (a broadcast; an average through the codec rounded it on every founder)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ferrosync.strategies import GradAveraging
+    from ferrosync.train.elastic import MemberLeft
+    from ferrosync.train.metrics import param_digest
+
+    class Recording(GradAveraging):
+        def attach(self, model, optimizer, sync):  # after founding, before training
+            self.digest = param_digest(model)
+            super().attach(model, optimizer, sync)
+
+    url = str(tmp_path)
+    options = dict(elastic=True, job="leave", wire_dtype=wire, timeout=60,
+                   heartbeat_interval=0.2, heartbeat_timeout=5)
+    a, b = _small_trainer(GradAveraging()), _small_trainer(GradAveraging())
+    seen = {}
+
+    def pace_a():  # a waits for b to join, then records what is published when b leaves
+        sync = seen["a_sync"]
+        if sync.world_size < 2 and "b_left" not in seen:
+            time.sleep(0.02)  # rounds go on (b is admitted at one); bounded by the steps
+        if "b_left" in seen and a.step > seen["b_left"].step and "state" not in seen:
+            seen["state"] = sync.read_state().meta["step"]  # a published at b's last step
+            a.request_leave()
+
+    def ask_b():
+        if b.joined_at is not None and b.step == b.joined_at + 2:
+            b.request_leave()
+
+    a.step_hooks.append(pace_a)
+    b.step_hooks.append(ask_b)
+
+    def member(name, trainer):
+        with ferrosync.connect(url, **options) as sync:
+            seen[f"{name}_sync"] = sync
+            try:
+                trainer.fit(sync)
+            except MemberLeft as left:
+                seen[f"{name}_left"] = left
+                return left
+
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(member, "a", a)
+        wait_until(lambda: "a_sync" in seen, "member a connected", timeout=30)
+        second = pool.submit(member, "b", b)
+        left_a, left_b = first.result(timeout=120), second.result(timeout=120)
+    assert (left_b.rank, left_b.published) == (1, False), left_b
+    assert left_b.step == b.joined_at + 3  # asked after step +2: its vote rode in step +3
+    assert seen["state"] == left_b.step  # rank 0 published when b left
+    assert left_a.published and left_a.step > left_b.step, left_a
+    published = param_digest(a.model)
+
+    def found(trainer):
+        with ferrosync.connect(url, min_ranks=2, **options) as sync:
+            return trainer.fit(sync)
+
+    founders = [_small_trainer(Recording()) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        finals = list(pool.map(found, founders))
+    assert [f.strategy.digest for f in founders] == [published, published]
+    assert all(f["joined_at_step"] == left_a.step and f["steps"] == 30 for f in finals)
+    assert finals[0]["param_digest"] == finals[1]["param_digest"]
+
+
+@pytest.mark.unit
+def test_rank_0_publishes_by_steps_and_by_clock():
+    from ferrosync.train.elastic import PUBLISH_EVERY_SECONDS, Publishing
+
+    clock = Publishing()  # the default: the clock alone
+    clock.done(step=10, now=100.0)
+    assert not clock.due(11, 100.0 + PUBLISH_EVERY_SECONDS - 1)
+    assert clock.due(11, 100.0 + PUBLISH_EVERY_SECONDS)
+    steps = Publishing(every=20, seconds=0)
+    steps.done(step=39, now=0.0)
+    assert not steps.due(39, 1e9) and steps.due(40, 0.0)
+    steps.done(step=40, now=0.0)
+    assert not steps.due(59, 0.0) and steps.due(61, 0.0)
+
+
+@pytest.mark.unit
+def test_elastic_progress_lines_show_on_stderr(capsys):
+    """The elastic layer says what a member waits for through the ``ferrosync.elastic``
+    logger at INFO; a member of the trainer shows those lines on stderr."""
+    import logging
+
+    from ferrosync.train.runner import show_elastic_progress
+
+    logger = logging.getLogger("ferrosync.elastic")
+    level = logger.level
+    handler = show_elastic_progress()
+    try:
+        assert show_elastic_progress() is handler  # once per process
+        handler.setStream(sys.stderr)  # this test's captured stderr
+        logger.info("waiting for members: 1 here, 2 needed (min_ranks=2)")
+        logger.debug("not shown")
+        logging.getLogger("ferrosync.elastic.rounds").info("still waiting")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert capsys.readouterr().err == (
+        "ferrosync.elastic: waiting for members: 1 here, 2 needed (min_ranks=2)\n"
+        "ferrosync.elastic: still waiting\n")
+
+
+@pytest.mark.unit
+def test_a_metrics_path_has_one_writer_per_host(tmp_path):
+    """A file another process holds is refused in one line naming its pid; claims of
+    one path within one process nest; the last release frees it."""
+    import fcntl
+
+    from ferrosync.errors import ConfigError
+    from ferrosync.train.metrics import PathClaim
+
+    path = tmp_path / "m.jsonl"
+    first = PathClaim(str(path))
+    second = PathClaim(str(tmp_path / "." / "m.jsonl"))  # the same file: nests
+    second.release()
+    second.release()  # idempotent
+    other = os.open(first.lock_file, os.O_RDWR)  # another open file: another process
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert os.pread(other, 32, 0) == f"{os.getpid()}\n".encode()
+        first.release()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free now
+        os.pwrite(other, b"4242\n", 0)
+        with pytest.raises(ConfigError, match="pid 4242") as refused:
+            PathClaim(str(path))
+        assert "--metrics" in str(refused.value) and "\n" not in str(refused.value)
+    finally:
+        os.close(other)
+    PathClaim(str(path)).release()  # the lock went with its file: free again

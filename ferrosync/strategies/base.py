@@ -41,7 +41,9 @@ class Strategy:
     taken from a local clock is first agreed through the sync). Each call blocks
     until its collectives are done. ``keep_going``, ``wants_batch`` and
     ``progress`` are local and cheap; their answers only change at a sync, from
-    values every rank received, so all ranks see the same loop.
+    values every rank received, so all ranks see the same loop. In an elastic job a
+    strategy's one collective per sync also carries ``_ballot`` (then ``_count``):
+    the members' votes to leave (``ElasticTrainer.request_leave``).
     """
 
     #: the ``--strategy`` value that selects this class
@@ -65,6 +67,11 @@ class Strategy:
         self._restored = False
         self._syncs = 0
         self._sync_bytes = 0
+        #: an elastic member's vote to leave the job, cast in its next sync (``_ballot``);
+        #: after each sync ``voted`` says whether this member's vote was in it and
+        #: ``voters`` how many of the sync's members voted to leave (the same everywhere)
+        self.vote, self.voted, self.voters = False, False, 0
+        self._box: torch.Tensor | None = None
 
     # -- the loop's hooks -----------------------------------------------------------
     def check_model(self, model: torch.nn.Module, rank: int | None = None) -> None:
@@ -161,6 +168,29 @@ class Strategy:
                 "divergence": None, "divergence_mean": None, "pre_norm": None,
                 "post_norm": None, "masses": None}
 
+    # -- an elastic member's ballot --------------------------------------------------
+    def _ballot(self, beside: list[torch.Tensor]) -> list[torch.Tensor]:
+        """In an elastic job, ``[vote]``: one float64 element that the sync's collective
+        carries besides the tensors ``beside`` (on their device, in a dtype bucket of
+        its own, so a lossy wire codes it apart from them), so after every sync every
+        member knows how many of its members voted to leave (``_count``), at no extra
+        round. ``[]`` in a fixed-size job."""
+        if not self.sync.elastic:
+            return []
+        device = beside[0].device if beside else torch.device("cpu")
+        if self._box is None or self._box.device != device:
+            self._box = torch.zeros(1, dtype=torch.float64, device=device)
+        self.voted = bool(self.vote)
+        self._box.fill_(1.0 if self.voted else 0.0)
+        return [self._box]
+
+    def _count(self) -> None:
+        """After the sync that carried the ballot: ``voters``, the members that voted to
+        leave (the average of the votes times the contributors, rounded: a lossy wire's
+        error is far below a half vote)."""
+        if self.sync.elastic and self._box is not None:
+            self.voters = round(float(self._box[0]) * len(self.sync.contributors))
+
     @contextmanager
     def _measured(self, telemetry: dict):
         """Times a block of collectives into ``telemetry`` (``sync_s``, ``sync_bytes``)."""
@@ -199,10 +229,26 @@ class GradAveraging(Strategy):
 
     def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         with self._measured({"synced": True}) as telemetry:
-            self.sync.average_gradients(model)
+            if self.sync.elastic:  # the ballot rides along as one more "gradient"
+                params = list(model.parameters())
+                self.sync.average_gradients([*params, self._ballot_param(params)])
+                self._count()
+            else:
+                self.sync.average_gradients(model)
         self._syncs += 1
         optimizer.step()
         return telemetry
+
+    def _ballot_param(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """A stand-in parameter whose ``grad`` is the ballot (``average_gradients``
+        keeps a lossy codec's state per parameter list, so the list must be stable)."""
+        (box,) = self._ballot(params)
+        holder = getattr(self, "_ballot_holder", None)
+        if holder is None or holder.grad is not box:
+            holder = self._ballot_holder = torch.zeros(1, dtype=torch.float64,
+                                                       device=box.device, requires_grad=True)
+            holder.grad = box
+        return holder
 
     def summary(self) -> dict:
         return {**super().summary(), "sync_every": 1}

@@ -111,7 +111,8 @@ class DiLoCo(PeriodicStrategy):
                 torch.sub(g, d, out=d)  # Δ_r = θ_g - θ_r
             for s, b in zip(self._stage, self._buffers):
                 s.copy_(b)
-            self.sync.average_([*self._delta, *self._stage], weight=weight)
+            tensors = [*self._delta, *self._stage]
+            self.sync.average_([*tensors, *self._ballot(tensors)], weight=weight)
             for g, d in zip(self._global, self._delta):
                 g.grad = d
             self.outer.step()

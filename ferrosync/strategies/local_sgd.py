@@ -37,7 +37,7 @@ class LocalSGD(PeriodicStrategy):
         with torch.no_grad():
             for s, t in zip(self._stage, local):
                 s.copy_(t)
-            self.sync.average_(self._stage, weight=weight)
+            self.sync.average_([*self._stage, *self._ballot(self._stage)], weight=weight)
             merged = self._stage[: len(params)]
             distance = norm(p - m for p, m in zip(params, merged))
             post_norm = norm(merged)

@@ -237,7 +237,8 @@ class PeriodicStrategy(Strategy):
         of the round, so its weight is its own window's)."""
         with self._measured({"synced": True, "skipped": False}) as telemetry:
             weight = float(self._window) ** self.gamma if self._window > 0 else 0.0
-            self._merge_measured(model, weight, telemetry)
+            self._merge_measured(model, weight, telemetry)  # the ballot rides along
+            self._count()
         self._syncs += 1
         self._window = 0
         self._all_done = done

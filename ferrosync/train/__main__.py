@@ -7,7 +7,8 @@ Run:
 
 ``python -m ferrosync.train --help`` lists every flag. Exit codes: 0 when every rank
 succeeded, 2 for bad input (found by the launcher or by a rank), 130 after Ctrl-C,
-1 for any other failure. Every error is one line on stderr, ``ferrosync.train: error:
+143 when stopped by SIGTERM (an ``--elastic`` member leaves after its round and says
+so), 1 for any other failure. Every error is one line on stderr, ``ferrosync.train: error:
 ...`` (a rank's full traceback comes first with ``--verbose``).
 """
 

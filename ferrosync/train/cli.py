@@ -19,6 +19,7 @@ from ..strategies import STRATEGIES, DiLoCo, LocalSGD, known_settings
 from ..strategies.diloco import OUTER_LR, OUTER_MOMENTUM
 from ..strategies.streaming import FRAGMENTS, OVERLAP_STEPS
 from ..validate import cli_number
+from .elastic import PUBLISH_EVERY_SECONDS
 
 PROG = "python -m ferrosync.train"
 DEFAULT_EPOCHS = 10
@@ -32,7 +33,8 @@ TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "chec
                  "checkpoint_every", "resume", "strategy", "model", "data", "loss",
                  "optimizer", "device", "keep_checkpoints", "sync_options", "no_progress",
                  "tensorboard",
-                 "timeout", "storage_prices", "publish_every", *STRATEGY_FLAGS)
+                 "timeout", "storage_prices", "publish_every", "publish_every_seconds",
+                 *STRATEGY_FLAGS)
 
 EPILOG = f"""\
 examples:
@@ -44,6 +46,11 @@ examples:
   {PROG} --nproc 4 --strategy local-sgd --sync-every-seconds 5   uneven ranks
   {PROG} --nproc 2 my_script.py --my-flag 1     run your own script on every rank
   srun -N2 --ntasks-per-node=4 {PROG} --sync s3://bucket/run1   one rank per task
+
+exit codes: 0 every rank succeeded; 1 a rank failed (or ranks ended with different
+parameters); 2 bad input (one line, nothing written); 130 Ctrl-C; 143 stopped by
+SIGTERM (a rank at once; an --elastic member after its round, having published the
+state if it was rank 0, with a line saying it left)
 """
 
 
@@ -133,7 +140,12 @@ def _elastic_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--publish-every", type=cli_number(int, minimum=1), metavar="K",
                    help="with --elastic: rank 0 also publishes the job's state every K steps "
                    "(what the job resumes from if every member is lost; it is always "
-                   "published when members join and at the end)")
+                   "published when members join, when rank 0 leaves and at the end)")
+    g.add_argument("--publish-every-seconds", type=_non_negative, metavar="S",
+                   help="with --elastic: rank 0 also publishes at the first round boundary "
+                   f"S seconds after its last publish (default {PUBLISH_EVERY_SECONDS:g}; 0 = "
+                   "off): what a job that loses every member at once (SIGKILL) retrains at "
+                   "most")
 
 
 def _trainer_flags(p: argparse.ArgumentParser) -> None:
@@ -274,7 +286,9 @@ def _check_elastic(args) -> None:
     """The flags that only make sense with --elastic, and those that cannot go with it."""
     if not args.elastic:
         given = [f for f, v in (("--min-ranks", args.min_ranks), ("--max-ranks", args.max_ranks),
-                                ("--publish-every", args.publish_every)) if v is not None]
+                                ("--publish-every", args.publish_every),
+                                ("--publish-every-seconds", args.publish_every_seconds))
+                 if v is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} need(s) --elastic")
         return

@@ -1,5 +1,10 @@
-"""``ElasticTrainer``: the built-in training loop for a member of an elastic job
+"""``ElasticTrainer``: the built-in trainer as one member of an elastic job
 (``python -m ferrosync.train --elastic``; docs/elastic.md#the-trainer).
+
+It runs ``Trainer.fit``, the one training loop, and overrides only the loop's hooks:
+where a batch comes from (``_next_batch``), what happens before the first step
+(``_start``: join the job's state), after every step (``_at_boundary``: publish the
+state, leave) and at the end (``_finish``, ``_end``).
 
 Every process is one member of the job at the sync URL; members start, die and
 leave whenever they do. What keeps them one model:
@@ -12,18 +17,24 @@ leave whenever they do. What keeps them one model:
   the current roster trains on the k-th ``batch_size`` of them, so the members'
   shards of every step are disjoint and follow the membership (``GlobalBatches``).
 * **Bootstrap through the store.** After every round that admits newcomers (and
-  every ``publish_every`` steps, and at the end) rank 0 publishes the whole
-  training state (model, optimizer, strategy, step, data position) with
-  ``publish_state``. A newcomer reads exactly the state after the round that
-  admitted it and makes its first collective in the next round, so the members wait
-  for it for at most one of its steps. If no such state comes (the publisher is
-  gone, or half the timeout passed), it leaves gracefully and joins again
-  (``RejoinNeeded``).
-* **Founding.** Members admitted by a roster none of whose members contributed to it start the
-  job, or restart it after every member went: they resume from the newest
+  every ``publish_every`` steps, every ``publish_every_seconds``, when it leaves,
+  and at the end) rank 0 publishes the whole training state (model, optimizer,
+  strategy, step, data position) with ``publish_state``. A newcomer reads exactly
+  the state after the round that admitted it and makes its first collective in the
+  next round, so the members wait for it for at most one of its steps. If no such
+  state comes (the publisher is gone, or half the timeout passed), it leaves
+  gracefully and joins again (``RejoinNeeded``).
+* **Founding.** Members admitted by a roster none of whose members contributed to it
+  start the job, or restart it after every member went: they resume from the newest
   published state (any number of members), else from ``seed``, and take rank 0's
-  copy in one round (an average in which only rank 0 has weight, so a founder that
-  dies meanwhile cannot stop it).
+  model in one round: a broadcast, an exact copy whatever the ``wire_dtype``.
+* **Leaving.** A member asked to leave (``request_leave``: SIGTERM on the command
+  line) votes in its next round: the strategy's collective carries one float64
+  ballot element per member (``Strategy._ballot``), so after that round every
+  member knows how many of it leave. The voters leave there (``fit`` raises
+  ``MemberLeft``; closing the sync tells the others), and rank 0 publishes the
+  state after any round with a voter, so members asked at about the same time
+  never strand the publisher in a round that cannot complete.
 * **Policy when the membership changes** under ``grad``: the batch per member is
   fixed, so the global batch is ``members * batch_size``; the learning rate is not
   rescaled (the average is a mean, so the gradient's scale does not change with
@@ -33,39 +44,38 @@ leave whenever they do. What keeps them one model:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import os
-import sys
 import time
-from collections import deque
+import types
 
 import torch
 
-from ..costs import hourly, is_billed
 from ..errors import ConfigError, PeerFailed, RejoinNeeded, SyncTimeout
 from ..stats import PHASES
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .batching import batch_of
-from .metrics import MetricsWriter, TensorBoardWriter, final_line, format_summary
+from .fingerprint import check_same_data
+from .metrics import final_line
 from .state_tree import flatten, unflatten
-from .trainer import (
-    LOSS_WINDOW,
-    Trainer,
-    _close,
-    check_same_data,
-    derived_seed,
-    seed_streams,
-)
+from .summary import job_rates, summarise
+from .trainer import Trainer, derived_seed, seed_streams
 
-__all__ = ["ElasticTrainer", "GlobalBatches", "RejoinNeeded", "ELASTIC_STRATEGIES"]
+__all__ = ["ElasticTrainer", "GlobalBatches", "MemberLeft", "Publishing", "RejoinNeeded",
+           "ELASTIC_STRATEGIES", "PUBLISH_EVERY_SECONDS"]
 
 #: the strategies an elastic job can run: one collective per sync, lockstep
 ELASTIC_STRATEGIES = (GradAveraging, LocalSGD, DiLoCo)
 #: ``meta["phase"]`` of a published state: training goes on; the last step is done
 #: (the summary round comes next); the summary round is done too
 TRAINING, FINISHED, SUMMARISED = "training", "finished", "summarised"
+#: rank 0 publishes the state at the first round boundary this long after its last
+#: publish (``--publish-every-seconds``): what a job that loses every member at once
+#: without warning (SIGKILL) retrains at most; the cost is in docs/elastic.md
+PUBLISH_EVERY_SECONDS = 300.0
 
 
 class GlobalBatches:
@@ -102,6 +112,44 @@ class GlobalBatches:
         return self._order[1]
 
 
+@dataclasses.dataclass
+class Publishing:
+    """When rank 0 publishes the job's state besides joins, leaves and the end: every
+    ``every`` global steps (``--publish-every``) and at the first round boundary
+    ``seconds`` after its last publish (``--publish-every-seconds``; 0 or None: off)."""
+
+    every: int | None = None
+    seconds: float | None = PUBLISH_EVERY_SECONDS
+    step: int = 0     # the step of the last publish (or where this member started)
+    at: float = 0.0   # and when (time.monotonic)
+
+    def due(self, step: int, now: float) -> bool:
+        by_steps = bool(self.every) and step // self.every > self.step // self.every
+        by_clock = bool(self.seconds) and now - self.at >= self.seconds
+        return by_steps or by_clock
+
+    def done(self, step: int, now: float) -> None:
+        self.step, self.at = step, now
+
+
+class MemberLeft(Exception):
+    """Raised by ``ElasticTrainer.fit`` when the member was asked to leave
+    (``request_leave``) and did: it finished its round at global ``step`` and, if it
+    was rank 0, published the state first (``published``). Not a failure: close the
+    sync without an error (outside the ``with connect(...)`` block's exception path)
+    so the others read "left" at once."""
+
+    def __init__(self, member: str, step: int, rank: int, published: bool) -> None:
+        self.member, self.step, self.rank, self.published = member, step, rank, published
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        how = (f"it published the job's state at step {self.step} first" if self.published
+               else f"as rank {self.rank} it published nothing: rank 0 publishes")
+        return (f"member {self.member} left the job at step {self.step}, its round "
+                f"finished; {how}")
+
+
 class ElasticTrainer(Trainer):
     """Train as one member of an elastic job. Arguments as ``Trainer``, except:
 
@@ -109,18 +157,25 @@ class ElasticTrainer(Trainer):
         steps: the job's global steps (``epochs`` converts at ``min_ranks`` members).
         min_ranks: only for converting ``epochs`` to steps.
         publish_every: rank 0 also publishes the state every this many steps (what
-            a job restarted after losing every member resumes from); the state is
-            always published after a round that admits newcomers and at the end.
+            a job restarted after losing every member resumes from).
+        publish_every_seconds: and at the first round boundary this long after its
+            last publish (default ``PUBLISH_EVERY_SECONDS``; 0 or None: off). The
+            state is always published after a round that admits newcomers, when rank
+            0 leaves (``request_leave``) and at the end.
         metrics_path: this member writes its own file (``members`` on every line).
 
     There are no checkpoint or resume arguments: the published state is the
     checkpoint, and a job whose members all went resumes from it by itself.
     """
 
+    per_member = True
+
     def __init__(self, model_fn, optimizer_fn, loss_fn, dataset, *, min_ranks: int = 1,
-                 publish_every: int | None = None, **kwargs) -> None:
+                 publish_every: int | None = None,
+                 publish_every_seconds: float | None = PUBLISH_EVERY_SECONDS,
+                 **kwargs) -> None:
         self.min_ranks = min_ranks
-        self.publish_every = publish_every
+        self.publishing = Publishing(publish_every, publish_every_seconds)
         super().__init__(model_fn, optimizer_fn, loss_fn, dataset, rank=0, world_size=1,
                          **kwargs)
         if not isinstance(self.strategy, ELASTIC_STRATEGIES):
@@ -133,6 +188,9 @@ class ElasticTrainer(Trainer):
                               hint="use --sync-every H")
         self.membership_changes = 0
         self.joined_at: int | None = None
+        self._phase = TRAINING
+        self._leave_asked = self._stalled = False
+        self._published = [0, 0.0]  # states this member published, and their seconds
 
     def _build_data(self, dataset, n, num_workers, *, epochs, steps) -> None:
         self.data = GlobalBatches(dataset, n, self.batch_size, self.seed)
@@ -167,12 +225,13 @@ class ElasticTrainer(Trainer):
 
     # -- the job's state -------------------------------------------------------------
     def _state(self, phase: str, changes: int) -> tuple[dict, dict]:
-        tensors, skeleton = {}, {}
-        for part, tree in (("model", self.model.state_dict()),
-                           ("optimizer", self.optimizer.state_dict()),
-                           ("strategy", self.strategy.state_dict())):
-            named, skeleton[part] = flatten(tree, part)
-            tensors.update(named)
+        """The job's state for ``publish_state``: its tensors by name, and ``meta`` (the
+        parts' skeletons, the step, the data position, the phase, the settings)."""
+        parts = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "strategy": self.strategy.state_dict()}
+        flat = {part: flatten(tree, part) for part, tree in parts.items()}
+        tensors = {name: t for named, _ in flat.values() for name, t in named.items()}
+        skeleton = {part: shape for part, (_, shape) in flat.items()}
         meta = {"step": self.step, "epoch": self.data.epoch, "position": self.data.position,
                 "phase": phase, "membership_changes": changes, "skeleton": skeleton,
                 "strategy": self.strategy.name, "batch_size": self.batch_size,
@@ -222,9 +281,11 @@ class ElasticTrainer(Trainer):
         return phase
 
     def _bootstrap(self, sync) -> str:
-        """Collective for founders (one round), local for a newcomer: start from the
-        job's state. Returns the phase to continue from. Publishes nothing: the
-        strategy's state exists only once it is attached (``fit`` publishes then)."""
+        """Start from the job's state; returns the phase to continue from. A newcomer
+        reads the state rank 0 publishes after the round that admitted it (no
+        collective); founders read the newest published state and take rank 0's copy
+        (one round). Publishes nothing: the strategy's state exists only once it is
+        attached (``_start`` publishes then)."""
         founding = sync.founding
         # the largest state this model can have: the model, and per parameter byte the
         # optimizer's and the strategy's copies (AdamW: 2, DiLoCo: 2) with room to spare
@@ -247,115 +308,134 @@ class ElasticTrainer(Trainer):
         if founding and phase != TRAINING:
             return SUMMARISED  # the job is over: report it, touch nothing
         if founding:
-            # rank 0's start for everyone: only rank 0 has weight in this average
-            with torch.no_grad():
-                tensors = [t.detach() for t in self.model.state_dict().values()
-                           if t.is_floating_point()]
-                sync.average_(tensors, weight=1.0 if sync.rank == 0 else 0.0)
+            self._take_rank0_copy(sync, state.round if state is not None else -1)
         return phase
 
-    def _changes(self, sync) -> int:
-        """The job's membership changes: counted in its rosters, the same on every
-        member and over the job's whole life (a restart after every member was lost
-        continues the count)."""
-        return sync.membership_changes
+    def _take_rank0_copy(self, sync, state_round: int) -> None:
+        """Founders, one round: every tensor of rank 0's model, exactly (a broadcast: no
+        codec touches it, whatever the job's ``wire_dtype``), and the step and data
+        position it resumes from, compared with this founder's own. Rank 0 gone
+        meanwhile, or another state read than rank 0's: join again (``RejoinNeeded``;
+        as a newcomer this member then gets the state rank 0 publishes for it)."""
+        mine = torch.tensor([self.step, self.data.epoch, self.data.position, state_round],
+                            dtype=torch.int64)
+        theirs = mine.clone()
+        with torch.no_grad():
+            try:
+                sync.broadcast_([*self.model.state_dict().values(), theirs], src=0)
+            except PeerFailed as exc:
+                raise RejoinNeeded(f"rank 0 of the founders left before its model came: {exc}",
+                                   path=sync.url, hint="connect again") from exc
+        if not torch.equal(mine, theirs):
+            raise RejoinNeeded(f"this founder read the state of round {state_round} (step "
+                               f"{self.step}), rank 0 that of round {int(theirs[3])} (step "
+                               f"{int(theirs[0])})", path=sync.url, hint="connect again")
 
-    def _after_round(self, sync, phase: str) -> None:
-        """Every member after a round: rank 0 publishes the state when newcomers need
-        it, when ``publish_every`` says so, or at the end."""
-        every = self.publish_every
-        due = every and self.step // every > self._published // every
-        if sync.rank == 0 and (sync.newcomers or due or phase != TRAINING):
-            tensors, meta = self._state(phase, self._changes(sync))
-            sync.publish_state(tensors, meta)
-            self._published = self.step
+    def request_leave(self) -> bool:
+        """Ask this member to leave the job: its vote to leave rides in its next round
+        (the strategy's ballot), after which it leaves (``fit`` raises ``MemberLeft``)
+        and rank 0, which reads every vote of that round, publishes the state: so
+        members asked at about the same time either leave in one round or the later
+        ones find the state already published. At the job's last step it finishes the
+        job instead. True when that will happen; False when there is nothing to
+        finish (``fit`` is joining or not running, or the job waits below
+        ``min_ranks`` because others left, with the state published): leave at once
+        then. Safe to call from a signal handler."""
+        self._leave_asked = self.strategy.vote = True
+        log = getattr(self, "_log", None)  # open from the first step to the summary
+        return log is not None and log.open and not self._stalled
 
-    # -- the loop --------------------------------------------------------------------
-    def fit(self, sync=None) -> dict:
-        """Train as a member until the job's last step; the summary (FINAL's fields).
-
-        Collective among the members of each round (see the module docstring).
-        Raises ``RejoinNeeded`` when this newcomer must connect again, and whatever a
-        collective raises (``PeerFailed`` if this member was dropped, ``SyncTimeout``
-        below ``min_ranks``)."""
-        sync = sync if sync is not None else self.sync
-        if sync is None or not getattr(sync, "elastic", False):
+    # -- the loop's hooks (Trainer.fit) -------------------------------------------------
+    def _start(self, sync) -> dict | None:
+        """Join the job's state (founders: one round); the report of a job that had
+        already ended, else None after attaching the strategy (founders' rank 0
+        publishes at once: the state of the new roster, with the strategy's)."""
+        if not getattr(sync, "elastic", False):
             raise ConfigError("ElasticTrainer.fit needs connect(..., elastic=True)")
         # training randomness (dropout, augmentation) differs per member
         seed_streams(derived_seed(self.seed, sync.member_id))
-        self._published = -1
         founding = sync.founding  # before the bootstrap's round changes it
-        phase = self._bootstrap(sync)
-        if phase == SUMMARISED:  # the job had ended before this member came
-            return self._report(self._ended_summary(sync.url), rank=0)
+        self._stalled = False
+        self._phase = self._bootstrap(sync)
+        if self._phase == SUMMARISED:  # the job had ended before this member came
+            return self._report_ended(self._ended_summary(sync.url))
         self.rank, self.world_size = sync.rank, sync.world_size
-        strategy = self.strategy
-        strategy.attach(self.model, self.optimizer, sync)  # elastic: broadcasts nothing
-        strategy.begin(self.total_steps, self.step)
+        self._attach(sync)  # elastic: the strategy broadcasts nothing
+        self.publishing.done(self.step, time.monotonic())
         if founding:
             # after attach: a strategy's state (DiLoCo's global copy and outer
-            # optimizer) exists only from there, and --publish-every is due at once
-            self._after_round(sync, TRAINING)
-        metrics = (MetricsWriter(self.metrics_path, resume_step=self.step)
-                   if self.metrics_path else None)
-        if self.tensorboard_dir:  # every member writes its own, like its metrics file
-            self._board = TensorBoardWriter(self.tensorboard_dir)
-        bar = self._progress_bar()
-        totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
-        losses: deque[float] = deque(maxlen=LOSS_WINDOW)
-        samples, start_step = 0, self.step
-        begin = time.perf_counter()
-        stats_begin, counters_begin = sync.stats["total"], sync.counters.snapshot()
-        self.model.train()
-        try:
-            while phase == TRAINING and self.step < self.total_steps:
-                rank, world = sync.rank, sync.world_size  # this step's shards
-                record = self._train_step(sync, *self.data.take(rank, world))
-                self.epoch = self.data.epoch
-                samples += record.pop("samples")
-                losses.append(record["loss"])
-                totals["compute_s"] += record["compute_s"]
-                totals["sync_s"] += record["sync_s"]
-                if record["synced"]:
-                    self._after_round(sync, TRAINING)
-                if metrics is not None:
-                    metrics.write({**record, "members": world})
-                self._board_write({**record, "members": world})
-                for hook in self.step_hooks:
-                    hook()
-                self.rank, self.world_size = sync.rank, sync.world_size
-                if bar is not None:
-                    self._update_bar(bar, record, samples, totals["sync_s"],
-                                     time.perf_counter() - begin)
-            if phase == TRAINING:
-                strategy.finish(self.model, self.optimizer)
-                phase = FINISHED
-                self._after_round(sync, FINISHED)
-        except BaseException:
-            self._board_close(None)
-            raise
-        finally:
-            _close(bar, metrics)
-        wall = time.perf_counter() - begin
-        self.rank, self.world_size = sync.rank, sync.world_size
-        summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
-                                  samples, start_step)
-        # the rates are the job's: the summed counts over the longest member's time, the
-        # same numbers on every member (one more round: every member's wall time)
-        walls = sync.all_gather(torch.tensor([wall], dtype=torch.float64))
-        job_wall = max(float(w[0]) for w in walls)
-        summary.update(hourly(summary["storage_requests"], job_wall, self.storage_prices,
-                              billed=is_billed(sync.url)),
-                       samples_per_s=summary["samples"] / job_wall if job_wall > 0 else 0.0,
-                       job_wall_s=job_wall)
-        self._after_round(sync, SUMMARISED)
-        sync.end_job()  # later comers report instead of waiting for a round
-        summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
-                       membership_changes=self._changes(sync), members=sync.world_size,
-                       joined_at_step=self.joined_at, elastic=True)
-        self._board_close(summary)
-        return self._report(summary, rank=sync.rank)
+            # optimizer) exists only from there
+            self._publish(sync, TRAINING, now=True)
+        return None
 
+    def _keep_going(self) -> bool:
+        return self._phase == TRAINING and super()._keep_going()
+
+    def _next_batch(self, sync):
+        """This member's slice of the job's next global batch, for the current roster."""
+        self.rank, self.world_size = sync.rank, sync.world_size  # this step's shards
+        batch = self.data.take(self.rank, self.world_size)
+        self.epoch = self.data.epoch  # the step's epoch, also for a newcomer's first line
+        return batch
+
+    def _record(self, *args) -> dict:
+        return {**super()._record(*args), "members": self.world_size}
+
+    def _at_boundary(self, sync, record: dict) -> None:
+        """After every step; at a round boundary (the step synced): members whose vote
+        to leave rode in this round leave (so does one asked meanwhile when the job
+        now waits below ``min_ranks``), and rank 0 publishes first when any member
+        leaves or a publish is due (``_publish``). Publishes are counted in ``_end``."""
+        if not record["synced"]:
+            return None
+        voters = self.strategy.voters  # the same on every member of the round
+        self._stalled = voters > 0 and sync.world_size - voters < self.min_ranks
+        leaving = (self.strategy.voted or (self._leave_asked and self._stalled)) and (
+            self.step < self.total_steps)
+        published = self._publish(sync, TRAINING, now=voters > 0 or leaving)
+        if leaving:
+            raise MemberLeft(sync.member_id, self.step, sync.rank, published)
+        return None
+
+    def _publish(self, sync, phase: str, *, now: bool = False) -> bool:
+        """Rank 0, after a round: publish the job's state if newcomers need it, if
+        ``now``, at the end (``phase`` is not TRAINING), or when ``publishing`` says it
+        is due. Whether it published."""
+        due = (now or phase != TRAINING or sync.newcomers
+               or self.publishing.due(self.step, time.monotonic()))
+        if sync.rank != 0 or not due:
+            return False
+        start = time.perf_counter()
+        tensors, meta = self._state(phase, sync.membership_changes)
+        sync.publish_state(tensors, meta)
+        self.publishing.done(self.step, time.monotonic())
+        self._published[0] += 1
+        self._published[1] += time.perf_counter() - start
+        return True
+
+    def _finish(self, sync) -> None:
+        if self._phase == TRAINING:
+            super()._finish(sync)
+            self._phase = FINISHED
+            self._publish(sync, FINISHED)
+
+    def _end(self, sync, summary: dict, log) -> dict:
+        """The job's rates (one more round: the members' wall times, so the numbers are
+        the same on every member), the last state published, the job marked ended."""
+        walls = sync.all_gather(torch.tensor([log.wall], dtype=torch.float64))
+        job_wall = max(float(w[0]) for w in walls)
+        summary.update(job_rates(summary["storage_requests"], summary["samples"], job_wall,
+                                 self.storage_prices_given, sync.url), job_wall_s=job_wall)
+        self._publish(sync, SUMMARISED)
+        sync.end_job()  # later comers report instead of waiting for a round
+        self.rank, self.world_size = sync.rank, sync.world_size
+        summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
+                       membership_changes=sync.membership_changes, members=sync.world_size,
+                       joined_at_step=self.joined_at, elastic=True,
+                       checkpoints=self._published[0], checkpoint_s=self._published[1])
+        return summary
+
+    # -- a job that ended before this member ------------------------------------------------
     def report_ended(self, state, url: str) -> dict:
         """Report a job that ended before this process could join it, from its
         published state (``JobEnded`` from connect): no collective, nothing written."""
@@ -364,25 +444,26 @@ class ElasticTrainer(Trainer):
                               path=url, hint="start another job (another job id or URL)")
         self._load(state, url, None)
         self.joined_at = self.step
-        return self._report(self._ended_summary(url), rank=0)
+        return self._report_ended(self._ended_summary(url))
 
     def _ended_summary(self, url: str) -> dict:
         """The summary of a finished job's model as this process holds it, alone."""
-        totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
-        summary = self._summarise(_Alone(url), (_Alone.STATS, {}), totals, [], 0.0, 0,
-                                  self.step)
+        nothing = types.SimpleNamespace(
+            counters_begin={}, stats_begin=_Alone.STATS, losses=(), samples=0, wall=0.0,
+            start_step=self.step,
+            totals={"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0})
+        summary = summarise(self, _Alone(url), nothing)
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
                        membership_changes=self.membership_changes, members=0,
                        joined_at_step=self.joined_at, elastic=True)
         return summary
 
-    def _report(self, summary: dict, rank: int) -> dict:
+    def _report_ended(self, summary: dict) -> dict:
+        """One line saying so, then the job's ``FINAL`` line (its model, as published)."""
         if self.report:
-            if not summary["ranks_agree"]:
-                print(f"ferrosync.train: members ended with DIFFERENT parameters: "
-                      f"{summary['rank_digests']}", file=sys.stderr, flush=True)
-            if rank == 0:
-                print(format_summary(summary), flush=True)
+            print(f"ferrosync.train: this job already ended at step {summary['steps']} "
+                  "(FINAL below: the job's model as it ended; this member trained nothing)",
+                  flush=True)
             print(final_line(summary), flush=True)
         return summary
 
@@ -393,19 +474,15 @@ class _Alone:
 
     STATS = {"bytes_written": 0, "bytes_read": 0, "requests": 0,
              **{phase: 0.0 for phase in PHASES}}
+    rank, world_size = 0, 1
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.stats = {"total": dict(self.STATS)}
-        self.counters = _NoCounters()
+        self.counters = types.SimpleNamespace(snapshot=dict)
 
     def all_gather(self, tensor):
         return [tensor]
-
-
-class _NoCounters:
-    def snapshot(self) -> dict:
-        return {}
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:

@@ -22,6 +22,8 @@ import random
 import numpy
 import torch
 
+from ..errors import ConfigError
+
 #: items hashed besides the first and the last (a few reads, however large the data)
 SAMPLED_ITEMS = 6
 #: bytes of the fingerprint: the length (8, little-endian) then the items' hash
@@ -51,6 +53,29 @@ def fingerprint(dataset, n: int) -> bytes:
 def length_of(value: bytes) -> int:
     """The dataset length a fingerprint carries."""
     return int.from_bytes(bytes(value[:8]), "little")
+
+
+def check_same_data(prints: list[bytes], *, rank: int | None = None, what: str = "rank",
+                    path: str | None = None) -> None:
+    """Raise the one ``ConfigError`` for ranks whose dataset fingerprints (in rank
+    order) differ from rank 0's: the data factory is not deterministic."""
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if not differ:
+        return
+    lengths = {r: length_of(prints[r]) if len(prints[r]) == SIZE else None
+               for r in (0, *differ)}
+    if len(set(lengths.values())) > 1:
+        how = ", ".join(f"{n} samples on {what} {r}" for r, n in lengths.items())
+    else:
+        how = (f"{lengths[0]} samples each, but other samples on {what}"
+               f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} than on "
+               f"{what} 0")
+    raise ConfigError(
+        f"the {what}s built different datasets ({how}); every {what} must train on the "
+        "same data, so the data factory (--data) must be deterministic", rank=rank, path=path,
+        hint="seed every random generator it uses (e.g. torch.Generator().manual_seed(0) "
+        "passed to torch.randn, numpy.random.default_rng(0), random.Random(0)), or load "
+        "the data from a file")
 
 
 class _fixed_randomness:

@@ -18,31 +18,109 @@ writes a line for the sync it joined idle: the same ``step`` again, ``loss`` nul
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import math
 import os
+import weakref
 
 import torch
 
 from .. import names
 from ..errors import ConfigError
+from .threads import host_dir, own_directory
 
 #: keys the FINAL line always carries (docs/design.md#final-line)
 FINAL_KEYS = ("steps", "loss", "accuracy", "param_digest", "ranks_agree", "bytes_written",
               "bytes_read", "requests")
 
 
-class MetricsWriter:
-    """Appends one JSON line per step to a local file (rank 0 only).
+class PathClaim:
+    """This process is the one writer of a local output file on this host.
 
-    On a resumed run, lines after the resumed step (written by the interrupted
-    run after its last checkpoint) are dropped first, so the file reads as one
-    uninterrupted run.
+    Two trainers started by hand in one directory with the same ``--metrics PATH``
+    (two elastic members, two launches) would otherwise rewrite and interleave one
+    file silently; the second is refused with a one-line ``ConfigError`` (exit 2)
+    naming the process that writes it. The claim is an exclusive ``flock`` on a file
+    named after the path's real location in this user's host-local directory
+    (``/dev/shm/ferrosync-<uid>/claims``): the kernel drops it when its process dies,
+    so a killed writer never blocks the next one. Claims of one path within one
+    process nest (a notebook that builds a second trainer). Processes on other hosts
+    writing one file on a shared file system are not seen.
+    """
+
+    _held: dict[str, list] = {}  # real path -> [fd, claims], this process's
+
+    def __init__(self, path: str, flag: str = "--metrics") -> None:
+        self.real = os.path.realpath(path)
+        directory = host_dir("claims")
+        name = hashlib.sha256(self.real.encode()).hexdigest()[:32]
+        #: the host-local file whose lock is the claim (None: no usable directory)
+        self.lock_file = os.path.join(directory, name) if own_directory(directory) else None
+        held = self._held.get(self.real)
+        if held is None:
+            fd = self._lock(path, flag)
+            held = self._held[self.real] = [fd, 0]  # fd None: no usable host directory
+        held[1] += 1
+        # released by release(), or when this object is collected
+        self._finalizer = weakref.finalize(self, PathClaim._unclaim, self.real)
+
+    def _lock(self, path: str, flag: str) -> int | None:
+        if self.lock_file is None:
+            return None
+        try:
+            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
+                         0o600)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"{flag} {path}: another process on this host (pid {holder}) is writing "
+                "this file; two writers would clobber each other",
+                hint=f"give each process its own {flag} path (e.g. member-$$.jsonl)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def release(self) -> None:
+        """Idempotent; the last claim of the path in this process unlocks it."""
+        self._finalizer()
+
+    @classmethod
+    def _unclaim(cls, real: str) -> None:
+        held = cls._held[real]
+        held[1] -= 1
+        if held[1] == 0:
+            del cls._held[real]
+            if held[0] is not None:
+                os.close(held[0])
+
+
+class MetricsWriter:
+    """Appends one JSON line per step to a local file (rank 0 only; with ``--elastic``
+    every member its own).
+
+    The path is claimed first (``PathClaim``: another live process writing it on this
+    host is a ConfigError). On a resumed run, lines after the resumed step (written by
+    the interrupted run after its last checkpoint) are dropped, so the file reads as
+    one uninterrupted run.
     """
 
     def __init__(self, path: str, resume_step: int | None = None) -> None:
         self.path = os.path.abspath(path)
+        self._claim = PathClaim(self.path)
+        try:
+            self._file = self._open(resume_step)
+        except BaseException:
+            self._claim.release()
+            raise
+
+    def _open(self, resume_step: int | None):
         directory = os.path.dirname(self.path)
         os.makedirs(directory, exist_ok=True)
         kept = []
@@ -62,13 +140,14 @@ class MetricsWriter:
         with open(os.open(tmp, flags, 0o666), "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(tmp, self.path)
-        self._file = open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        return open(self.path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record, separators=(", ", ": ")) + "\n")
 
     def close(self) -> None:
         self._file.close()
+        self._claim.release()
 
 
 def require_tensorboard():

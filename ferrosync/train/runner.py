@@ -7,6 +7,7 @@ input is one line and exit code 2 before any rank starts.
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import signal
@@ -24,7 +25,13 @@ from ..strategies import make_strategy
 from . import demo
 from .checkpoint import CheckpointStore, check_compatible, probe_location
 from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, STRATEGY_FLAGS, resolve
-from .elastic import ElasticTrainer, RejoinNeeded, metrics_path_for
+from .elastic import (
+    PUBLISH_EVERY_SECONDS,
+    ElasticTrainer,
+    MemberLeft,
+    RejoinNeeded,
+    metrics_path_for,
+)
 from .metrics import require_tensorboard
 from .threads import share_threads
 from .trainer import Trainer, resolve_device
@@ -34,6 +41,13 @@ LOSSES = {
     "mse": torch.nn.functional.mse_loss,
 }
 EVAL_BATCH = 1024
+#: the exit code of a rank or member stopped by SIGTERM (128 + 15, as a shell reports
+#: it): a fixed-size rank at once, an elastic member after finishing its round
+SIGTERM_EXIT = 128 + signal.SIGTERM
+#: an elastic member that gets SIGTERM finishes its round within this long, else it
+#: leaves at once without publishing: inside the 30 s a Kubernetes pod (and GCE's
+#: preemption notice) gives a process between SIGTERM and SIGKILL
+LEAVE_GRACE_S = 25.0
 
 
 # -- building the trainer from flags -----------------------------------------------------
@@ -138,6 +152,8 @@ def build_trainer(args) -> Trainer:
         trainer = ElasticTrainer(
             _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,
             min_ranks=args.min_ranks or 1, publish_every=args.publish_every,
+            publish_every_seconds=(PUBLISH_EVERY_SECONDS if args.publish_every_seconds is None
+                                   else args.publish_every_seconds),
             metrics_path=metrics_path_for(args.metrics),
             tensorboard_dir=metrics_path_for(args.tensorboard),
             device=resolve_device(args.device, int(os.environ.get("LOCAL_RANK", 0) or 0)))
@@ -240,9 +256,57 @@ def _stop_on_sigterm() -> None:
     # (peers learn at once through the abort marker) and removes temporary files
     # instead of killing the process mid-write.
     def handler(signum, frame):
-        raise SystemExit(128 + signum)
+        raise SystemExit(SIGTERM_EXIT)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+class _LeftAtOnce(SystemExit):
+    """An elastic member stopped by SIGTERM without finishing a round (``why``)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(SIGTERM_EXIT)
+        self.why = why
+
+
+def _leave_on_sigterm(trainer: ElasticTrainer) -> None:
+    """SIGTERM (a preemption notice, the launcher's stop) asks an elastic member to
+    leave: it finishes its round, publishes the state if it is rank 0, and leaves
+    (``MemberLeft``), within ``LEAVE_GRACE_S``. Past the grace, at a second SIGTERM,
+    or while it is not training (joining), it leaves at once."""
+    def at_once(why):
+        def handler(signum, frame):
+            raise _LeftAtOnce(why)
+        return handler
+
+    def asked(signum, frame):
+        if not trainer.request_leave():
+            raise _LeftAtOnce("no round to finish: it was joining, or the job waits below "
+                              "--min-ranks after others left")
+        signal.signal(signal.SIGTERM, at_once("a second SIGTERM"))
+        signal.signal(signal.SIGALRM, at_once(f"its round did not end within {LEAVE_GRACE_S:g} s"))
+        signal.setitimer(signal.ITIMER_REAL, LEAVE_GRACE_S)
+
+    signal.signal(signal.SIGTERM, asked)
+
+
+def show_elastic_progress() -> logging.Handler:
+    """The elastic layer's progress lines (logger ``ferrosync.elastic``, INFO: "waiting
+    for members: 1 here, 2 needed ...", at the start of a wait and every 30 s) on
+    stderr, one line each: what a member started by hand is waiting for. Once per
+    process; returns the handler."""
+    logger = logging.getLogger("ferrosync.elastic")
+    for handler in logger.handlers:
+        if getattr(handler, "ferrosync_train", False):
+            return handler
+    handler = logging.StreamHandler()  # sys.stderr
+    handler.ferrosync_train = True
+    handler.setFormatter(logging.Formatter("ferrosync.elastic: %(message)s"))  # submodules too
+    handler.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
 
 
 def _ignore_sigterm_while_exiting() -> None:
@@ -287,7 +351,19 @@ def run_member(trainer: ElasticTrainer, args, url: str) -> int:
     """One member of the elastic job at ``url``: join (or found), train to the job's
     end, report. A newcomer whose state never came, or a member the others dropped
     (it was paused or starved past ``heartbeat_timeout``), joins again as a new member;
-    attempts that make no progress for ``--timeout`` end in ``SyncTimeout``."""
+    attempts that make no progress for ``--timeout`` end in ``SyncTimeout``. SIGTERM:
+    it leaves after its round (``_leave_on_sigterm``), says so, exits ``SIGTERM_EXIT``."""
+    show_elastic_progress()
+    _leave_on_sigterm(trainer)
+    try:
+        return _membership(trainer, args, url)
+    except _LeftAtOnce as exc:
+        print(f"ferrosync.train: SIGTERM: the member left the job at once ({exc.why}); "
+              "it published nothing", file=sys.stderr, flush=True)
+        raise
+
+
+def _membership(trainer: ElasticTrainer, args, url: str) -> int:
     timeout = args.timeout or 300.0
     deadline = time.monotonic() + timeout
     while True:
@@ -298,10 +374,14 @@ def run_member(trainer: ElasticTrainer, args, url: str) -> int:
         except JobEnded:  # it ended before this member got in: report its model
             summary = trainer.report_ended(peek_state(url, args.sync_options, timeout), url)
             break
+        left = None
         with sync:
             try:
                 summary = trainer.fit(sync)
                 break
+            except MemberLeft as exc:  # not an error: the close says "left"
+                signal.setitimer(signal.ITIMER_REAL, 0)  # the grace is over
+                left = exc
             except (RejoinNeeded, MemberDropped) as exc:
                 if trainer.joined_at is not None and trainer.step > trainer.joined_at:
                     deadline = time.monotonic() + timeout  # it trained: a fresh bound
@@ -310,6 +390,11 @@ def run_member(trainer: ElasticTrainer, args, url: str) -> int:
                                       hint="check that its members are running") from exc
                 print(f"ferrosync.train: member {sync.member_id}: {exc}; joining again",
                       file=sys.stderr, flush=True)
+        if left is not None:
+            print(f"ferrosync.train: SIGTERM: {left} (exit code {SIGTERM_EXIT})",
+                  file=sys.stderr, flush=True)
+            return SIGTERM_EXIT
+    signal.setitimer(signal.ITIMER_REAL, 0)  # a SIGTERM at the end: the job is done
     return 0 if summary["ranks_agree"] else 1
 
 

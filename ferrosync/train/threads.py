@@ -32,10 +32,27 @@ RECOUNT_S = 1.0
 ENV_THREADS = "OMP_NUM_THREADS"
 
 
+def host_dir(name: str) -> str:
+    """``ferrosync-<uid>/<name>`` in host-local memory (``/dev/shm``, else the temporary
+    directory): what this user's processes on this host share."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"ferrosync-{os.getuid()}", name)
+
+
 def registry_dir() -> str:
     """Where processes announce themselves: host-local memory, per user."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"ferrosync-{os.getuid()}", "train-procs")
+    return host_dir("train-procs")
+
+
+def own_directory(path: str) -> bool:
+    """Create ``path`` (0700) if needed; whether it is a directory of this user (not a
+    link, not planted by someone else: its contents are then trusted)."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
 
 
 def host_cores() -> int:
@@ -88,11 +105,9 @@ class ThreadShare:
     def register(self) -> bool:
         """Announce this process; False (and threads left alone) if the directory is
         unusable (not ours, a link, read-only)."""
+        if not own_directory(self.directory):
+            return False  # planted by someone else: do not trust its contents
         try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            info = os.lstat(self.directory)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                return False  # planted by someone else: do not trust its contents
             fd = os.open(os.path.join(self.directory, self.name),
                          os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
             os.close(fd)

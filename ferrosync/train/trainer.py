@@ -16,6 +16,13 @@ window (``wants_batch``; a time-based strategy may give a rank nothing left to d
 and it then joins the sync with zero work); with a lockstep strategy that is just
 ``step < total_steps``.
 
+``fit`` is the one training loop of the package: the elastic trainer
+(``ElasticTrainer``, ``train/elastic.py``) runs it too and overrides only its hooks:
+``_start`` (before the first step), ``_next_batch`` (where a batch comes from),
+``_at_boundary`` (after every step: a checkpoint here, a published state or a leave
+there), ``_keep_going``, ``_finish`` and ``_end`` (after the summary). What a run
+reports as it goes lives in ``RunLog``, the summary in ``summary.summarise``.
+
 Determinism (what makes ``--resume`` bit-exact on CPU): the model is built from
 ``torch.manual_seed(seed)`` on every rank; then each rank seeds its own training
 RNGs (torch, ``random``, NumPy) from ``(seed, rank)``; the data order depends only
@@ -25,26 +32,20 @@ the sync), the optimizer and strategy state, and the position inside the epoch.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import math
-import os
 import random
 import sys
 import time
 import warnings
-from collections import deque
-from typing import Callable, ClassVar
+from typing import Callable
 
 import numpy
 import torch
 
-from ..costs import hourly, is_billed, parse_prices
+from ..costs import parse_prices
 from ..env import discover
 from ..errors import ConfigError
 from ..partition import ShardSampler
-from ..stats import PHASES
-from ..storage import REQUEST_KINDS
 from ..strategies import TELEMETRY_KEYS, GradAveraging, Strategy
 from ..validate import integer
 from .batching import batch_loader
@@ -55,23 +56,12 @@ from .checkpoint import (
     model_signature,
     restore_rng,
 )
-from .fingerprint import SIZE, fingerprint, length_of
-from .metrics import (
-    MetricsWriter,
-    TensorBoardWriter,
-    final_line,
-    format_summary,
-    param_digest,
-    require_tensorboard,
-)
+from .fingerprint import check_same_data, fingerprint
+from .metrics import PathClaim, final_line, format_summary, require_tensorboard
+from .run_log import LOSS_WINDOW, RunLog
+from .summary import float_or_none, summarise
 
-__all__ = ["Trainer", "resolve_device"]
-
-#: the final "loss" is the mean over ranks of each rank's last this-many batch losses
-LOSS_WINDOW = 20
-
-#: the storage counters the summary reports (all requests, then each billed kind)
-_REQUEST_KEYS = ("requests", *REQUEST_KINDS)
+__all__ = ["Trainer", "resolve_device", "LOSS_WINDOW"]
 
 
 class Trainer:
@@ -97,7 +87,8 @@ class Trainer:
         strategy: a ``Strategy``; default ``GradAveraging()`` (see
             ``ferrosync.strategies``: ``LocalSGD``, ``DiLoCo``).
         seed: model initialisation, data order and per-rank RNG seeds derive from it.
-        metrics_path: rank 0 writes one JSON line per step there (a local path).
+        metrics_path: rank 0 writes one JSON line per step there (a local path;
+            another live process writing it on this host is a ConfigError, here).
         tensorboard_dir: rank 0 writes TensorBoard scalars there (``TensorBoardWriter``;
             needs the ``tensorboard`` package: ``pip install 'ferrosync[tensorboard]'``).
         checkpoint_dir: directory or fsspec URL, visible to every rank.
@@ -119,6 +110,10 @@ class Trainer:
         ConfigError: on bad arguments or an unusable checkpoint (before any I/O
             on the sync; rank 0 also checks that ``checkpoint_dir`` is writable).
     """
+
+    #: False: rank 0 writes the metrics file and TensorBoard and prints the summary
+    #: for all ranks. True (an elastic job): every member writes its own and reports.
+    per_member = False
 
     def __init__(
         self,
@@ -151,45 +146,38 @@ class Trainer:
     ) -> None:
         # every argument is checked before anything is built (model_fn may be costly)
         self.batch_size = integer("batch_size", batch_size, minimum=1)
-        epochs = integer("epochs", epochs, minimum=1, allow_none=True)
-        steps = integer("steps", steps, minimum=1, allow_none=True)
-        self.checkpoint_every = integer("checkpoint_every", checkpoint_every, minimum=1,
-                                        allow_none=True)
+        epochs, steps, self.checkpoint_every = (
+            integer(name, value, minimum=1, allow_none=True) for name, value in
+            (("epochs", epochs), ("steps", steps), ("checkpoint_every", checkpoint_every)))
         self.keep_checkpoints = integer("keep_checkpoints", keep_checkpoints, minimum=1)
         if epochs is None and steps is None:
             raise ConfigError("give epochs or steps (or both: whichever ends first)")
         self.seed = integer("seed", seed)
-        self.storage_prices = parse_prices(storage_prices)  # checked now, priced per store
-        self._storage_prices_given = storage_prices
+        parse_prices(storage_prices)  # checked now; priced per store (summary.job_rates)
+        self.storage_prices_given = storage_prices
         if (checkpoint_every or resume) and not checkpoint_dir:
             raise ConfigError("checkpoint_every and resume need checkpoint_dir",
                               hint="pass --checkpoint-dir DIR_OR_URL")
         _check_callables(model_fn=model_fn, optimizer_fn=optimizer_fn, loss_fn=loss_fn,
                          eval_fn=eval_fn)
         n = _dataset_length(dataset)
-
+        self.strategy = _strategy(strategy)
+        if tensorboard_dir is not None:
+            require_tensorboard()  # a missing package is bad input, found before any I/O
         if sync is not None:
             rank, world_size = sync.rank, sync.world_size
         identity = discover(rank, world_size)
         self.rank, self.world_size = identity.rank, identity.world_size
-        self.sync = sync
-        self.loss_fn, self.eval_fn = loss_fn, eval_fn
-        self.strategy = strategy if strategy is not None else GradAveraging()
-        if not isinstance(self.strategy, Strategy):
-            raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
-                              f"{type(self.strategy).__name__}")
-        self.metrics_path = metrics_path
-        if tensorboard_dir is not None:
-            require_tensorboard()  # a missing package is bad input, found before any I/O
-        self.tensorboard_dir = tensorboard_dir
-        self._board: TensorBoardWriter | None = None
+        self.sync, self.loss_fn, self.eval_fn = sync, loss_fn, eval_fn
+        self.metrics_path, self.tensorboard_dir = metrics_path, tensorboard_dir
+        if metrics_path and (self.per_member or self.rank == 0):
+            self._metrics_claim = PathClaim(metrics_path)  # another writer: refused now
         self._batch_accuracy: float | None = None
         #: called with no arguments after every step, on the training thread (the
         #: command line's ``ThreadShare.adjust``)
         self.step_hooks: list[Callable[[], object]] = []
         self.progress, self.report = progress, report
         self.device = resolve_device(device, identity.local_rank)
-
         self._build_model(model_fn, optimizer_fn)
         self._build_data(dataset, n, num_workers, epochs=epochs, steps=steps)
         # compared across ranks at the start of fit: the same data everywhere
@@ -313,97 +301,94 @@ class Trainer:
         sync = sync if sync is not None else self.sync
         if sync is None:
             raise ConfigError("no GradSync: pass sync= to Trainer or to fit()")
+        ended = self._start(sync)        # checks, the strategy; an elastic member joins
+        if ended is not None:            # an elastic job that ended before this member
+            return ended
+        self._log = log = RunLog(self, sync)  # metrics file, TensorBoard, progress, totals
+        self.model.train()
+        try:
+            while self._keep_going():
+                if self.strategy.wants_batch():
+                    record = self._train_step(sync, *self._next_batch(sync), log)
+                else:  # nothing left for this rank in this window: join the sync idle
+                    record = self._idle_step(sync)
+                log.step(record, world_size=self.world_size, accuracy=self._batch_accuracy)
+                # a checkpoint when one is due; an elastic member publishes, or leaves
+                log.saved(self._at_boundary(sync, record))
+            self._finish(sync)
+        except BaseException:
+            log.close(None)
+            raise
+        log.stop()
+        summary = self._end(sync, summarise(self, sync, log), log)
+        log.close(summary)
+        return self._report(summary)
+
+    # -- the loop's hooks (ElasticTrainer overrides them) --------------------------------
+    def _start(self, sync) -> dict | None:
+        """Collective, before the first step: the sync fits this trainer, every rank
+        holds the same data, the strategy is attached (rank 0's model everywhere).
+        Returns None: train (an elastic member returns the report of a job that had
+        ended before it came)."""
         if (sync.rank, sync.world_size) != (self.rank, self.world_size):
             raise ConfigError(
                 f"the GradSync is rank {sync.rank} of {sync.world_size}, the Trainer was "
                 f"built for rank {self.rank} of {self.world_size}",
                 hint="build the Trainer with the same rank/world_size (or the same environment)",
             )
-        self._check_same_data(sync)
-        strategy = self.strategy
-        strategy.attach(self.model, self.optimizer, sync)
-        strategy.begin(self.total_steps, self.step)
-        metrics = None
-        if self.metrics_path and self.rank == 0:
-            metrics = MetricsWriter(self.metrics_path, resume_step=self.resumed_from)
-        if self.tensorboard_dir and self.rank == 0:
-            self._board = TensorBoardWriter(self.tensorboard_dir)
-        bar = self._progress_bar()
-        totals = {"compute_s": 0.0, "sync_s": 0.0, "checkpoint_s": 0.0, "checkpoints": 0}
-        losses: deque[float] = deque(maxlen=LOSS_WINDOW)
-        start_step, samples = self.step, 0
-        begin = time.perf_counter()
-        stats_begin = sync.stats["total"]
-        counters_begin = sync.counters.snapshot()  # every request, heartbeats included
-        batches = self._batches()
-        every = self.checkpoint_every
-        self.model.train()
-        try:
-            while strategy.keep_going(self.step, self.total_steps):
-                done_before = strategy.progress(self.step)
-                if strategy.wants_batch():
-                    record = self._train_step(sync, *next(batches))
-                else:  # nothing left for this rank in this window: join the sync idle
-                    record = self._idle_step(sync)
-                samples += record.pop("samples")
-                if record["loss"] is not None:
-                    losses.append(record["loss"])
-                totals["compute_s"] += record["compute_s"]
-                totals["sync_s"] += record["sync_s"]
-                if metrics is not None:
-                    metrics.write(record)
-                self._board_write(record)
-                for hook in self.step_hooks:
-                    hook()
-                if bar is not None:
-                    self._update_bar(bar, record, samples, totals["sync_s"],
-                                     time.perf_counter() - begin)
-                # agreed progress and the agreed end: every rank checkpoints together
-                done_now = strategy.progress(self.step)
-                due = every and done_now // every > done_before // every
-                last = not strategy.keep_going(self.step, self.total_steps)
-                if due or (self.checkpoints is not None and last):
-                    totals["checkpoint_s"] += self._save_checkpoint(sync)
-                    totals["checkpoints"] += 1
-            strategy.finish(self.model, self.optimizer)
-        except BaseException:
-            self._board_close(None)
-            raise
-        finally:
-            _close(bar, metrics)
-        wall = time.perf_counter() - begin
-        summary = self._summarise(sync, (stats_begin, counters_begin), totals, losses, wall,
-                                  samples, start_step)
-        self._board_close(summary)
-        if self.report and self.rank == 0:
-            if not summary["ranks_agree"]:
-                print(f"ferrosync.train: ranks ended with DIFFERENT parameters: "
-                      f"{summary['rank_digests']}", file=sys.stderr, flush=True)
-            print(format_summary(summary), flush=True)
-            print(final_line(summary), flush=True)
-        return summary
-
-    def _check_same_data(self, sync) -> None:
-        """Collective (``all_gather`` of ``fingerprint.SIZE`` bytes): every rank holds the
-        same dataset, or every rank raises the same ``ConfigError`` before any step."""
         mine = torch.frombuffer(bytearray(self.data_fingerprint), dtype=torch.uint8)
         check_same_data([bytes(t.tolist()) for t in sync.all_gather(mine)], rank=sync.rank,
                         path=sync.url)
+        self._attach(sync)
+        self._stream = self._batches()
+        self._saved_at = self.strategy.progress(self.step)  # the last checkpoint's progress
+        return None
 
-    def _board_write(self, record: dict) -> None:
-        if self._board is not None:
-            trained = record["loss"] is not None  # an idle step trained no batch
-            self._board.write({**record,
-                               "accuracy": self._batch_accuracy if trained else None})
+    def _attach(self, sync) -> None:
+        self.strategy.attach(self.model, self.optimizer, sync)
+        self.strategy.begin(self.total_steps, self.step)
 
-    def _board_close(self, summary: dict | None) -> None:
-        """The end's eval numbers (``summary``; None after a failure), then close."""
-        board, self._board = self._board, None
-        if board is not None:
-            if summary is not None:
-                board.final(summary)
-            board.close()
+    def _keep_going(self) -> bool:
+        return self.strategy.keep_going(self.step, self.total_steps)
 
+    def _next_batch(self, sync):
+        """This rank's next ``(input, target)``: its shard, epoch after epoch."""
+        return next(self._stream)
+
+    def _at_boundary(self, sync, record: dict) -> float | None:
+        """Collective, after every step: a checkpoint when the agreed progress crossed a
+        multiple of ``checkpoint_every``, and at the end. Its seconds, or None."""
+        if self.checkpoints is None:
+            return None
+        done = self.strategy.progress(self.step)  # the same on every rank
+        every = self.checkpoint_every
+        if not (every and done // every > self._saved_at // every) and self._keep_going():
+            return None
+        self._saved_at = done
+        return self._save_checkpoint(sync)
+
+    def _finish(self, sync) -> None:
+        """Collective, after the last step: every rank ends with the same model."""
+        self.strategy.finish(self.model, self.optimizer)
+
+    def _end(self, sync, summary: dict, log: RunLog) -> dict:
+        """After the summary round: what the summary still needs (nothing here)."""
+        return summary
+
+    def _report(self, summary: dict) -> dict:
+        """Rank 0 (every member of an elastic job) prints the summary table and the
+        ``FINAL`` line."""
+        if self.report and (self.per_member or self.rank == 0):
+            if not summary["ranks_agree"]:
+                print(f"ferrosync.train: {'members' if self.per_member else 'ranks'} ended "
+                      f"with DIFFERENT parameters: {summary['rank_digests']}",
+                      file=sys.stderr, flush=True)
+            if self.rank == 0:
+                print(format_summary(summary), flush=True)
+            print(final_line(summary), flush=True)
+        return summary
+
+    # -- one step ----------------------------------------------------------------------
     def _batches(self):
         """This rank's batches, epoch after epoch, for as long as the loop asks."""
         while True:
@@ -411,7 +396,7 @@ class Trainer:
             yield from self.loader
             self.epoch, self.consumed = self.epoch + 1, 0
 
-    def _train_step(self, sync, x, y) -> dict:
+    def _train_step(self, sync, x, y, log: RunLog) -> dict:
         start = time.perf_counter()
         before = sync.stats["total"]
         x = x.to(self.device, non_blocking=True) if isinstance(x, torch.Tensor) else x
@@ -420,8 +405,7 @@ class Trainer:
         output = self.model(x)
         loss = self.loss_fn(output, y)
         loss.backward()
-        self._batch_accuracy = (_batch_accuracy(output, y) if self._board is not None
-                                else None)
+        self._batch_accuracy = _batch_accuracy(output, y) if log.wants_accuracy else None
         telemetry = self.strategy.step(self.model, self.optimizer)
         loss_value = float(loss.detach())  # after the step: no extra device sync before it
         self.step += 1
@@ -438,6 +422,7 @@ class Trainer:
         return self._record(sync, start, before, telemetry, None, 0)
 
     def _record(self, sync, start, before, telemetry, loss, batch) -> dict:
+        """The step's metrics line (``metrics.py``), plus ``samples`` for the totals."""
         after = sync.stats["total"]
         step_s = time.perf_counter() - start
         sync_s = float(telemetry.get("sync_s", 0.0))
@@ -445,7 +430,7 @@ class Trainer:
             "step": self.step,
             "epoch": self.epoch,
             "loss": loss,
-            "lr": _float_or_none(self.optimizer.param_groups[0].get("lr")),
+            "lr": float_or_none(self.optimizer.param_groups[0].get("lr")),
             "compute_s": max(step_s - sync_s, 0.0),
             "sync_s": sync_s,
             "bytes": (after["bytes_written"] - before["bytes_written"]
@@ -455,140 +440,6 @@ class Trainer:
             **{key: telemetry.get(key) for key in TELEMETRY_KEYS},
             "samples": batch,
         }
-
-    def _progress_bar(self):
-        if not (self.progress and self.rank == 0):
-            return None
-        from tqdm import tqdm
-
-        # through a pipe (the launcher, a log file) redraw rarely instead of 10x a second
-        interactive = sys.stderr.isatty() or _env_flag("FERROSYNC_TTY")
-        return tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step",
-                    file=sys.stderr, dynamic_ncols=interactive,
-                    mininterval=0.2 if interactive else 5.0)
-
-    def _update_bar(self, bar, record: dict, samples: int, sync_s: float,
-                    elapsed: float) -> None:
-        bar.set_postfix(loss=f"{record['loss'] or 0:.4f}",
-                        samples_s=f"{samples * self.world_size / elapsed:,.0f}",
-                        sync=f"{100 * sync_s / elapsed:.0f}%", refresh=False)
-        bar.update(self.step - bar.n)
-
-    def _summarise(self, sync, begin, totals, losses, wall, samples, start_step) -> dict:
-        """Collective: evaluate, then gather every rank's digest, counters and loss.
-
-        ``begin``: ``(stats, counters)`` when ``fit`` started."""
-        stats_begin, counters_begin = begin
-        counters = sync.counters.snapshot()
-        requests = [counters.get(k, 0) - counters_begin.get(k, 0) for k in _REQUEST_KEYS]
-        evaluation = {}
-        if self.eval_fn is not None:
-            self.model.eval()
-            with torch.no_grad():
-                evaluation = dict(self.eval_fn(self.model) or {})
-        stats = sync.stats["total"]
-        mine = RankReport(
-            digest=param_digest(self.model),
-            bytes_written=stats["bytes_written"], bytes_read=stats["bytes_read"],
-            requests=stats["requests"],
-            loss=sum(losses) / len(losses) if losses else math.nan,
-            steps=self.step, samples=samples, storage_requests=tuple(requests))
-        per_rank = [RankReport.unpack(g) for g in sync.all_gather(mine.pack())]
-        digests = [r.digest.hex() for r in per_rank]
-        rank_losses = [r.loss for r in per_rank if math.isfinite(r.loss)]
-        phases = {p: stats[p] - stats_begin[p] for p in PHASES}
-        steps_run = self.step - start_step
-        accuracy = evaluation.get("accuracy")
-        storage_requests = {k: int(sum(r.storage_requests[i] for r in per_rank))
-                            for i, k in enumerate(_REQUEST_KEYS)}
-        samples_total = sum(r.samples for r in per_rank)
-        return {
-            "steps": self.step,
-            "epochs": self.step / self.steps_per_epoch,
-            "world_size": self.world_size,
-            "strategy": self.strategy.name,
-            "loss": sum(rank_losses) / len(rank_losses) if rank_losses else None,
-            "eval_loss": _float_or_none(evaluation.get("loss")),
-            "accuracy": _float_or_none(accuracy),
-            "param_digest": digests[self.rank],
-            "rank_digests": digests,
-            "ranks_agree": len(set(digests)) == 1,
-            "bytes_written": int(sum(r.bytes_written for r in per_rank)),
-            "bytes_read": int(sum(r.bytes_read for r in per_rank)),
-            "requests": int(sum(r.requests for r in per_rank)),
-            "rank_steps": [int(r.steps) for r in per_rank],
-            "samples": int(samples_total),
-            "samples_per_s": samples_total / wall if wall > 0 else 0.0,
-            "wall_s": wall,
-            "compute_s": totals["compute_s"],
-            "sync_s": totals["sync_s"],
-            **phases,
-            "storage_requests": storage_requests,
-            **hourly(storage_requests, wall,
-                     parse_prices(self._storage_prices_given, sync.url),
-                     billed=is_billed(sync.url)),
-            "checkpoint_s": totals["checkpoint_s"],
-            "checkpoints": totals["checkpoints"],
-            "steps_this_run": steps_run,
-            "resumed_from": self.resumed_from,
-            **self.strategy.summary(),
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class RankReport:
-    """What each rank contributes to the summary, gathered in one ``all_gather``:
-    the parameter digest (32 bytes) then the numbers as float64, in field order."""
-
-    digest: bytes
-    bytes_written: float
-    bytes_read: float
-    requests: float
-    loss: float  # NaN: this rank trained no batch
-    steps: float
-    samples: float
-    storage_requests: tuple  # one per _REQUEST_KEYS
-
-    DIGEST_BYTES: ClassVar[int] = 32
-    NUMBERS: ClassVar[tuple[str, ...]] = ("bytes_written", "bytes_read", "requests", "loss",
-                                          "steps", "samples")
-
-    def pack(self) -> torch.Tensor:
-        numbers = torch.tensor([*(getattr(self, n) for n in self.NUMBERS),
-                                *self.storage_requests], dtype=torch.float64)
-        return torch.cat([torch.frombuffer(bytearray(self.digest), dtype=torch.uint8),
-                          numbers.view(torch.uint8)])
-
-    @classmethod
-    def unpack(cls, packed: torch.Tensor) -> RankReport:
-        digest = bytes(packed[:cls.DIGEST_BYTES].tolist())
-        values = packed[cls.DIGEST_BYTES:].clone().view(torch.float64).tolist()
-        fixed = len(cls.NUMBERS)
-        return cls(digest=digest, **dict(zip(cls.NUMBERS, values[:fixed])),
-                   storage_requests=tuple(values[fixed:]))
-
-
-def check_same_data(prints: list[bytes], *, rank: int | None = None, what: str = "rank",
-                    path: str | None = None) -> None:
-    """Raise the one ``ConfigError`` for ranks whose dataset fingerprints (in rank
-    order) differ from rank 0's: the data factory is not deterministic."""
-    differ = [r for r, p in enumerate(prints) if p != prints[0]]
-    if not differ:
-        return
-    lengths = {r: length_of(prints[r]) if len(prints[r]) == SIZE else None
-               for r in (0, *differ)}
-    if len(set(lengths.values())) > 1:
-        how = ", ".join(f"{n} samples on {what} {r}" for r, n in lengths.items())
-    else:
-        how = (f"{lengths[0]} samples each, but other samples on {what}"
-               f"{'s' if len(differ) > 1 else ''} {', '.join(map(str, differ))} than on "
-               f"{what} 0")
-    raise ConfigError(
-        f"the {what}s built different datasets ({how}); every {what} must train on the "
-        "same data, so the data factory (--data) must be deterministic", rank=rank, path=path,
-        hint="seed every random generator it uses (e.g. torch.Generator().manual_seed(0) "
-        "passed to torch.randn, numpy.random.default_rng(0), random.Random(0)), or load "
-        "the data from a file")
 
 
 def resolve_device(device, local_rank: int = 0) -> torch.device:
@@ -619,13 +470,6 @@ def _batch_accuracy(output, target) -> float | None:
         return float((output.argmax(dim=-1) == target).float().mean())
 
 
-def _close(*outputs) -> None:
-    """Close the progress bar and metrics writer a loop opened (either may be None)."""
-    for output in outputs:
-        if output is not None:
-            output.close()
-
-
 def derived_seed(seed: int, label) -> int:
     """A seed for one stream (a rank, a member, an epoch's order) derived from ``seed``.
 
@@ -652,22 +496,17 @@ def _dataset_length(dataset) -> int:
     return n
 
 
+def _strategy(strategy) -> Strategy:
+    """``strategy``, by default ``GradAveraging()``; a ConfigError if it is not one."""
+    strategy = strategy if strategy is not None else GradAveraging()
+    if not isinstance(strategy, Strategy):
+        raise ConfigError(f"strategy must be a ferrosync.strategies.Strategy, got "
+                          f"{type(strategy).__name__}")
+    return strategy
+
+
 def _check_callables(**functions) -> None:
     """``eval_fn`` may be None; the others must be given."""
     for name, fn in functions.items():
         if fn is not None and not callable(fn):
             raise ConfigError(f"{name} must be callable, got {type(fn).__name__}")
-
-
-def _float_or_none(value) -> float | None:
-    """A reported number (an optimizer's lr, ``eval_fn``'s results) for the summary:
-    not a check (``validate.number`` would refuse a tensor or NumPy scalar, which
-    ``float`` takes), and a non-finite one is reported as null, not refused."""
-    if value is None:
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0")
