@@ -11,7 +11,7 @@ inside it would run ``ferrosync/__init__.py`` (which imports torch) from the mid
 of ``import torch``. It imports nothing but torch (already half-imported when the
 hook runs) and registers thin wrappers that import ``ferrosync.ddp`` on first use:
 
-* the backend factory (``ferrosync.ddp.process_group.create_backend``);
+* the backend factory (``ferrosync.ddp.factory.create_backend``);
 * the init_method handlers of ``ferrosync.ddp.init_methods``: bare paths, the
   object-store schemes, and torch's ``file://`` and ``env://`` handlers wrapped so
   they only change what torch itself would reject. What they take over is decided
@@ -120,7 +120,7 @@ def _init_methods():
 
 
 def _create_backend(backend_opts, pg_options):
-    from ferrosync.ddp.process_group import create_backend
+    from ferrosync.ddp.factory import create_backend
 
     return create_backend(backend_opts, pg_options)
 

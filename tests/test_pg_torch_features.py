@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ferrosync.ddp import process_group
+from ferrosync.ddp import factory
 from ranks import run_ranks
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -307,7 +307,7 @@ def test_no_collective_reaches_the_placeholder(tmp_path):
 
 
 def test_placeholder_trick_pinned_to_tested_torch():
-    tested = process_group.PLACEHOLDER_TESTED_TORCH
+    tested = factory.PLACEHOLDER_TESTED_TORCH
     assert tested == ("2.13",)
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     if version not in tested:

@@ -47,7 +47,7 @@ def __getattr__(name: str):
 
 
 def _create_backend(backend_opts, pg_options):
-    from .process_group import create_backend
+    from .factory import create_backend
 
     return create_backend(backend_opts, pg_options)
 
@@ -63,7 +63,7 @@ def stats(group=None) -> dict:
     is initialised or the group runs another backend.
     """
     from ..errors import ConfigError
-    from .process_group import SyncProcessGroup
+    from .process_group import sync_of
 
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -71,20 +71,13 @@ def stats(group=None) -> dict:
                               hint="call dist.init_process_group('ferrosync', ...) first, or "
                               "pass group=")
         group = dist.distributed_c10d._get_default_group()
-    found = group if isinstance(group, SyncProcessGroup) else None
-    if found is None and isinstance(group, dist.ProcessGroup):
-        try:  # torch wraps the backend a factory returned in a ProcessGroup
-            backend = group._get_backend(torch.device("cpu"))
-        except (RuntimeError, AttributeError, ValueError):
-            backend = None
-        if isinstance(backend, SyncProcessGroup):
-            found = backend
+    found = sync_of(group)
     if found is None:
         name = getattr(group, "name", lambda: type(group).__name__)
         raise ConfigError(f"ferrosync.ddp.stats(): the group is not a {BACKEND_NAME!r} "
                           f"process group ({name() if callable(name) else name})",
                           hint=f"pass a group created with backend {BACKEND_NAME!r}")
-    return found.sync.stats
+    return found.stats
 
 
 def register() -> bool:

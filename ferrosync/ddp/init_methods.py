@@ -160,15 +160,25 @@ class EnvStore(_LocalStore):
                 "ferrosync.train do) for backends other than 'ferrosync'")
 
 
+def _innermost(store):
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def is_shared_store(store) -> bool:
+    """Whether ``store`` reaches the other ranks (not a process-local ``UrlStore`` or
+    ``EnvStore``, which init_methods make where the ranks meet in storage only)."""
+    return not isinstance(_innermost(store), _LocalStore)
+
+
 def location_of(store) -> str | None:
     """The storage URL an init_method stands for, from the store torch built for it.
 
     Returns None when the store says nothing about a location (``env://``,
     ``tcp://`` or an explicit ``store=``); the caller then needs another source.
     """
-    inner = store
-    while isinstance(inner, dist.PrefixStore):
-        inner = inner.underlying_store
+    inner = _innermost(store)
     if isinstance(inner, UrlStore):
         return inner.url
     if isinstance(inner, dist.FileStore):
