@@ -179,10 +179,17 @@ class _Recorder:
 
 
 def _run_here() -> int:
-    """The upstream runner: the tests named in ``$FERROSYNC_SUITE_TESTS`` (JSON list)."""
+    """The upstream runner: the tests chosen by ``$FERROSYNC_SUITE_TESTS`` (JSON: exact
+    ``tests``, else those matching the regex ``pattern``), in the class's order."""
     import unittest
 
-    names = json.loads(os.environ[SELECT_ENV])
+    choice = json.loads(os.environ[SELECT_ENV])
+    names = unittest.TestLoader().getTestCaseNames(TestDistBackendWithSpawn)
+    if choice.get("tests"):
+        wanted = set(choice["tests"])
+        names = [n for n in names if n in wanted or n.rsplit("_", 1)[0] in wanted]
+    else:
+        names = [n for n in names if re.search(choice["pattern"], n)]
     suite = unittest.TestSuite(TestDistBackendWithSpawn(name) for name in names)
     runner = unittest.TextTestRunner(resultclass=_Recorder, verbosity=1, stream=sys.stderr)
     result = runner.run(suite)
@@ -193,22 +200,14 @@ def _run_here() -> int:
 
 # -- the driver's role ---------------------------------------------------------------------
 
-def all_tests() -> list[str]:
-    """Every test name of the suite, in file order (read from the source: importing it
-    needs BACKEND and is slow)."""
-    from importlib.util import find_spec
-
-    path = find_spec("torch.testing._internal.distributed.distributed_test").origin
-    with open(path) as f:
-        return re.findall(r"^        def (test_\w+)\(", f.read(), flags=re.M)
-
-
-def select(patterns, everything: bool = False) -> list[str]:
-    names = all_tests()
-    if everything:
-        return names
-    regex = re.compile("|".join(patterns))
-    return [n for n in names if regex.search(n)]
+def choice(args) -> dict:
+    """What to run, as the runner role reads it from ``$FERROSYNC_SUITE_TESTS``."""
+    if args.tests:
+        return {"tests": args.tests}
+    pattern = ".*" if args.all else "|".join(SELECTION)
+    if args.pattern:
+        pattern = f"(?=.*(?:{args.pattern}))(?:{pattern})"
+    return {"pattern": pattern}
 
 
 def out_of_scope(name: str) -> str | None:
@@ -218,9 +217,10 @@ def out_of_scope(name: str) -> str | None:
     return None
 
 
-def run_backend(backend: str, tests: list[str], *, world_size: int = 2, start: str = "spawn",
+def run_backend(backend: str, tests: dict, *, world_size: int = 2, start: str = "spawn",
                 timeout: float = 3600.0, log=None) -> dict[str, dict]:
-    """Run ``tests`` on ``backend`` in a fresh interpreter; {test: record}."""
+    """Run the ``tests`` chosen (see ``choice``) on ``backend`` in a fresh interpreter;
+    {test: record}."""
     with tempfile.TemporaryDirectory(prefix=f"torchsuite-{backend}-") as scratch:
         temp_dir = os.path.join(scratch, "temp")
         os.makedirs(temp_dir)
@@ -244,8 +244,9 @@ def run_backend(backend: str, tests: list[str], *, world_size: int = 2, start: s
             return {r["test"]: r for r in json.load(f)}
 
 
-def table(tests: list[str], runs: dict[str, dict[str, dict]]) -> str:
+def table(runs: dict[str, dict[str, dict]]) -> str:
     backends = list(runs)
+    tests = list(dict.fromkeys(name for records in runs.values() for name in records))
     lines = ["| test | " + " | ".join(backends) + " |",
              "|---|" + "---|" * len(backends)]
     for name in tests:
@@ -288,17 +289,15 @@ def main(argv=None) -> int:
                         help="print the failure of every test that gloo passes and the "
                         "other backend does not")
     args = parser.parse_args(argv)
-    tests = args.tests or select(SELECTION, args.all)
-    if args.pattern:
-        tests = [t for t in tests if re.search(args.pattern, t)]
+    tests = choice(args)
     runs = {}
     for backend in args.backends.split(","):
         t0 = time.monotonic()
         runs[backend] = run_backend(backend, tests, world_size=args.world_size,
                                     start=args.start_method)
-        print(f"{backend}: {len(tests)} tests in {time.monotonic() - t0:.0f} s",
+        print(f"{backend}: {len(runs[backend])} tests in {time.monotonic() - t0:.0f} s",
               file=sys.stderr)
-    print(table(tests, runs))
+    print(table(runs))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)

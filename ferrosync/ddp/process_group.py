@@ -85,6 +85,7 @@ from .inference import needs_stand_ins as _needs_stand_ins
 from .object_warning import warn_object_collective as _warn_object_collective
 from .work import Done as _Done
 from .work import Pending as _Pending
+from .work import Received as _Received
 
 __all__ = ["SyncProcessGroup", "sync_of", "ObjectCollectiveWarning"]
 
@@ -103,11 +104,6 @@ _COMBINE = {
 }
 _BITWISE = (_Op.BAND, _Op.BOR, _Op.BXOR)
 _INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_UNSUPPORTED_HINT = (
-    "ferrosync's process group implements allreduce, broadcast, allgather, "
-    "reduce_scatter, reduce, gather, scatter and barrier; use backend 'gloo' or 'nccl' "
-    "for the rest"
-)
 
 
 #: torch versions on which the async allreduce's private API is tested
@@ -130,6 +126,22 @@ def _reduce_op(opts) -> _Op:
     if isinstance(op, dist.ReduceOp):
         op = op.op
     return op if isinstance(op, _Op) else _Op(op)
+
+
+def _split_rows(error, what: str, tensor: torch.Tensor, sizes, world: int) -> list:
+    """``tensor`` cut along dim 0 by ``sizes`` (evenly when empty), for all_to_all_single."""
+    sizes = list(sizes or [])
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if not sizes:
+        if rows % world:
+            raise error(f"all_to_all_single {what} has {rows} rows, not divisible by the "
+                        f"world size {world}", hint="pass split sizes")
+        sizes = [rows // world] * world
+    if len(sizes) != world or sum(sizes) != rows:
+        raise error(f"all_to_all_single {what} split sizes {sizes} do not cut its {rows} "
+                    f"rows into {world} parts")
+    return list(torch.split(tensor.view(rows, -1) if tensor.dim() else tensor.view(1, 1),
+                            sizes))
 
 
 class SyncProcessGroup(dist.ProcessGroup):
@@ -197,10 +209,9 @@ class SyncProcessGroup(dist.ProcessGroup):
 
     def _check_list(self, what: str, tensors, count: int, numel: int) -> None:
         if len(tensors) != count:
-            raise self._error(f"{what} has {len(tensors)} tensors, expected {count} (one per "
-                              "rank)")
+            raise self._error(f"{what} has {len(tensors)} tensors, expected {count}")
         for i, t in enumerate(tensors):
-            if t.numel() != numel:
+            if numel is not None and t.numel() != numel:
                 raise self._error(f"{what}[{i}] has {t.numel()} elements, expected {numel}",
                                   hint="every rank's tensor must have the same shape")
 
@@ -466,31 +477,100 @@ class SyncProcessGroup(dist.ProcessGroup):
         self.sync.barrier()
         return _Done([])
 
-    def _unsupported(self, name: str):
-        raise self._error(f"{name} is not supported by the ferrosync backend",
-                          hint=_UNSUPPORTED_HINT)
+    @_inference_safe
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """``output_lists[r][i]`` becomes rank r's ``input_list[i]`` (gloo's layout: one
+        list per rank); one all-gather of the inputs laid end to end when they share a
+        dtype, else one per input."""
+        self._settle()
+        _warn_object_collective(self.sync)
+        world = self.sync.world_size
+        if len(output_lists) != world:
+            raise self._error(f"all_gather_coalesced got {len(output_lists)} output lists, "
+                              f"expected {world} (one per rank)")
+        for r, outs in enumerate(output_lists):
+            self._check_list(f"all_gather_coalesced output_lists[{r}]", outs, len(input_list),
+                             None)
+            for i, (out, inp) in enumerate(zip(outs, input_list)):
+                if out.numel() != inp.numel():
+                    raise self._error(f"all_gather_coalesced output_lists[{r}][{i}] has "
+                                      f"{out.numel()} elements, input_list[{i}] {inp.numel()}")
+        with torch.no_grad():
+            groups = ([list(input_list)] if len({t.dtype for t in input_list}) <= 1
+                      else [[t] for t in input_list])
+            first = 0
+            for group in groups:
+                flat = torch.cat([t.detach().reshape(-1) for t in group]) if group else \
+                    torch.empty(0)
+                for r, part in enumerate(self.sync.all_gather(flat)):
+                    offset = 0
+                    for i, t in enumerate(group, start=first):
+                        out = output_lists[r][i]
+                        out.copy_(part[offset:offset + t.numel()].view(out.shape))
+                        offset += t.numel()
+                first += len(group)
+        return _Done(output_lists)
+
+    # -- all-to-all and point-to-point (GradSync.all_to_all / send / irecv) ------------------
+    @_inference_safe
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._settle()
+        self.sync.all_to_all(list(output_tensors), list(input_tensors))
+        return _Done(output_tensors)
+
+    @_inference_safe
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._settle()
+        world = self.sync.world_size
+        outputs = _split_rows(self._error, "output", output, output_split_sizes, world)
+        inputs = _split_rows(self._error, "input", input, input_split_sizes, world)
+        self.sync.all_to_all(outputs, inputs)
+        return _Done([output])
+
+    # torch >= 2.13's name for it (dist.all_to_all_single)
+    all_to_all_single = alltoall_base
 
     def send(self, tensors, dst, tag=0):
-        self._unsupported("send")
+        """Publishes the message now (it never waits for ``dst``): complete when returned."""
+        self._settle()
+        (tensor,) = tensors
+        self.sync.send(tensor, dst, tag=tag)
+        return _Done(list(tensors))
 
     def recv(self, tensors, src, tag=0):
-        self._unsupported("recv")
+        """A posted receive: the message is this one (the next from ``src`` on ``tag``),
+        read by the returned Work's ``wait``."""
+        (tensor,) = tensors
+        return _Received(self.sync.irecv(tensor, src, tag=tag), list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        self._unsupported("recv_anysource")
+        """A receive from whichever rank has a message first (``backends/messages.py``);
+        the Work's ``_source_rank()`` names it."""
+        (tensor,) = tensors
+        return _Received(self.sync.irecv(tensor, None, tag=tag), list(tensors))
 
-    def alltoall(self, output_tensors, input_tensors, opts=None):
-        self._unsupported("all_to_all")
+    def _wait_for_pending_works(self) -> None:
+        self._settle()
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        self._unsupported("all_to_all_single")
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
-                          opts=None):
-        self._unsupported("all_to_all_single")
+    def _refuse(self, name: str, hint: str):
+        raise self._error(f"{name} is not supported by the {BACKEND_NAME} backend", hint=hint)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        self._unsupported("monitored_barrier")
+        self._refuse("monitored_barrier", "use barrier(): it raises PeerFailed or SyncTimeout "
+                     "naming a rank that failed or never arrived")
+
+    def set_timeout(self, timeout) -> None:
+        self._refuse("set_timeout", "pass timeout= to init_process_group or new_group")
+
+    def _enable_collectives_timing(self) -> None:
+        self._refuse("_enable_collectives_timing", "ferrosync.ddp.stats(group) gives the "
+                     "seconds each phase took")
+
+    def split_group(self, *args, **kwargs):
+        self._refuse("split_group", "use dist.new_group(ranks)")
+
+    def merge_remote_group(self, *args, **kwargs):
+        self._refuse("merge_remote_group", "use dist.new_group(ranks)")
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
