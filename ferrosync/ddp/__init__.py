@@ -27,16 +27,17 @@ import warnings
 import torch
 import torch.distributed as dist
 
+import ferrosync_autoload
+
 from .constants import BACKEND_NAME, ENV_PG_OPTIONS
 
 _LAZY = {
     "hook": "comm_hook",
     "wrap": "comm_hook",
     "SyncProcessGroup": "process_group",
-    "register_scheme": "init_methods",
 }
 
-__all__ = ["BACKEND_NAME", "ENV_PG_OPTIONS", "register", "stats", *_LAZY]
+__all__ = ["BACKEND_NAME", "ENV_PG_OPTIONS", "register", "register_scheme", "stats", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -44,12 +45,6 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def _create_backend(backend_opts, pg_options):
-    from .factory import create_backend
-
-    return create_backend(backend_opts, pg_options)
 
 
 def stats(group=None) -> dict:
@@ -81,26 +76,25 @@ def stats(group=None) -> dict:
 
 
 def register() -> bool:
-    """Register backend ``"ferrosync"`` and its init_method handlers with torch.
+    """Register backend ``"ferrosync"`` and its init_method handlers with torch, through
+    the one registrar (``ferrosync_autoload.register``).
 
     Idempotent and cheap (imports nothing beyond torch); ``import ferrosync`` calls
     it. Returns False when this torch build has no ``torch.distributed``, or (with
     a ``RuntimeWarning``) when its registration API differs from the one ferrosync
     knows: ``connect`` and the rest of ferrosync keep working either way.
     """
-    if not dist.is_available():
-        return False
     try:
-        from .init_methods import register_handlers
-
-        if not hasattr(dist.Backend, BACKEND_NAME.upper()):
-            dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
-                                          devices=["cpu", "cuda"])
-        register_handlers()
+        return ferrosync_autoload.register()
     except Exception as exc:  # a torch API change must not break `import ferrosync`
         warnings.warn(f"ferrosync could not register its torch.distributed backend with "
                       f"torch {torch.__version__} ({type(exc).__name__}: {exc}); "
                       "init_process_group('ferrosync') will not work, ferrosync.connect will",
                       RuntimeWarning, stacklevel=2)
         return False
-    return True
+
+
+def register_scheme(scheme: str) -> bool:
+    """Accept ``scheme://bucket/prefix`` as an init_method naming an fsspec location
+    (``ferrosync_autoload.register_scheme``); False when ``scheme`` has a handler."""
+    return ferrosync_autoload.register_scheme(scheme)
