@@ -213,7 +213,8 @@ class GenerationObjects:
             f"(ranks {missing})",
             rank=self.rank, collective=self.seq, path=self.storage.path_of(self.prefix),
             hint="are those ranks running with the same URL, and calling the same "
-            "collectives in the same order?",
+            "collectives in the same order? Each wait's timeout is connect's timeout= "
+            "(init_process_group's for the torch backend)",
         )
 
     def _remote_error(self, incoming: Incoming):

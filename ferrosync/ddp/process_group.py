@@ -128,6 +128,23 @@ def _reduce_op(opts) -> _Op:
     return op if isinstance(op, _Op) else _Op(op)
 
 
+def _sparse_sum(sync: GradSync, t: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of a sparse COO tensor, in rank order (gloo's sparse
+    allreduce): every rank's indices and values through ``all_gather`` (padded to the
+    largest count of entries), summed and coalesced alike on every rank."""
+    t = t.coalesce()
+    indices, values = t.indices(), t.values()
+    counts = [int(c) for c in sync.all_gather(torch.tensor([indices.shape[1]]))]
+    most = max(counts)
+    pad = most - indices.shape[1]
+    indices = torch.cat([indices, indices.new_zeros((indices.shape[0], pad))], 1)
+    values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
+    parts = zip(counts, sync.all_gather(indices), sync.all_gather(values))
+    total = reduce(torch.add, [torch.sparse_coo_tensor(i[:, :n], v[:n], t.shape)
+                               for n, i, v in parts])
+    return total.coalesce()
+
+
 def _split_rows(error, what: str, tensor: torch.Tensor, sizes, world: int) -> list:
     """``tensor`` cut along dim 0 by ``sizes`` (evenly when empty), for all_to_all_single."""
     sizes = list(sizes or [])
@@ -254,6 +271,12 @@ class SyncProcessGroup(dist.ProcessGroup):
     # -- torch.distributed.ProcessGroup interface ------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = _reduce_op(opts)
+        if op == _Op.SUM and tensors and all(t.is_sparse for t in tensors):
+            self._settle()
+            with torch.no_grad():
+                for t in tensors:
+                    t.copy_(_sparse_sum(self.sync, t))
+            return _Done(tensors)
         self._check_op(op, tensors)
         tensors = list(tensors)
         # inference tensors (Lightning's test loop): the collective runs on normal
