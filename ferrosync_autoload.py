@@ -38,6 +38,7 @@ from __future__ import annotations
 import os
 
 from ferrosync_schemes import BACKEND_NAME, ddp_object_schemes
+
 #: set to 0 to keep ``import torch`` from registering backend "ferrosync"
 ENV_SWITCH = "FERROSYNC_AUTOLOAD"
 #: == ferrosync.env.ENV_URL (a test keeps them equal: that module is inside the package)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-
 #: the torch.distributed backend's name (registered by ``ferrosync_autoload.register``)
 BACKEND_NAME = "ferrosync"
 

@@ -99,7 +99,8 @@ def test_no_name_parses_as_another_kind():
     "g1.0123456789ABCDEF", "g1.0123456789abcdef0", "rdzv.", "rdzv.-bad", "rdzv.a/b",
     "rdzvx", ".tmp", ".x.tmp", ".x.1.abc.tmp", ".x.1.ABCDEF12.tmp", ".spare.1", ".spare.x.0badcafe",
     ".probe.1.0badcafe", ".probe.r1.0badcaf", ".doctor.x.ab", ".doctor.1.", "ferrosync-gc.lock",
-    "step-00000040.pt", "latest.json", "m1.r2.d3", "m1.r2.d3.t-4", "mx.r1.d2.t3", "c1.r2/hb.r0", "c\u0661.r1", "hb.r\u0662",
+    "step-00000040.pt", "latest.json", "m1.r2.d3", "m1.r2.d3.t-4", "mx.r1.d2.t3",
+    "c1.r2/hb.r0", "c\u0661.r1", "hb.r\u0662",
 ])
 def test_foreign_names_parse_as_unknown(name):
     assert names.parse(name) == names.Name("unknown")

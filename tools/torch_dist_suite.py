@@ -245,16 +245,24 @@ def run_backend(backend: str, tests: dict, *, world_size: int = 2, start: str = 
 
 
 def table(runs: dict[str, dict[str, dict]]) -> str:
+    """Markdown: one row per test some backend ran (passed or failed), then the tests
+    every backend skipped, counted by the suite's reason."""
     backends = list(runs)
     tests = list(dict.fromkeys(name for records in runs.values() for name in records))
-    lines = ["| test | " + " | ".join(backends) + " |",
-             "|---|" + "---|" * len(backends)]
+    lines = ["| test | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    skipped: dict[str, int] = {}
     for name in tests:
-        cells = []
-        for backend in backends:
-            record = runs[backend].get(name)
-            cells.append(record["outcome"] if record else "-")
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        records = [runs[b].get(name) for b in backends]
+        if all(r is not None and r["outcome"] == "skip" for r in records):
+            reason = records[0]["detail"].splitlines()[0][:80] if records[0]["detail"] else "?"
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        cells = [r["outcome"] if r else "-" for r in records]
+        note = out_of_scope(name)
+        lines.append(f"| {name} | " + " | ".join(cells) + " |" + (" out of scope" if note else ""))
+    lines.append("")
+    lines.append("Skipped by every backend: " + "; ".join(
+        f"{count} ({reason})" for reason, count in sorted(skipped.items(), key=lambda i: -i[1])))
     totals = []
     for backend in backends:
         outcomes = [r["outcome"] for r in runs[backend].values()]

@@ -37,9 +37,8 @@ from .. import names
 from ..codecs import RawCodec, as_uint8
 from ..errors import LayoutMismatch, PeerFailed, ShardCorrupt, SyncTimeout
 from ..storage import RECORD_LIMIT, Backoff
-from ..wire import DTYPE_CODES, DTYPES, HEADER_SIZE, KIND_BROADCAST, MAC_SIZE, FLAG_AUTH
-from ..wire import layout_digest, parse_header, seal
-from .incoming import Expected, Incoming, Part
+from ..wire import DTYPE_CODES, DTYPES, HEADER_SIZE, KIND_BROADCAST, MAC_SIZE, layout_digest, seal
+from .incoming import Expected, Incoming, Part, read_header
 
 
 def message_digest(src: int, dst: int, tag: int) -> bytes:
@@ -154,11 +153,7 @@ class Mailbox:
         path = self.storage.path_of(key)
         with reader:
             with self._stats.phase("read_s"):
-                raw = bytearray(HEADER_SIZE + MAC_SIZE)
-                got = reader.readinto(memoryview(raw)[:HEADER_SIZE])
-                header = parse_header(raw[:got], path=path, rank=self.rank, key=self.key)
-                if header.flags & FLAG_AUTH:
-                    reader.readinto(memoryview(raw)[HEADER_SIZE:])
+                header, raw_head = read_header(reader, path, self.rank, self.key)
             what = f"message {number} from rank {src} (tag {tag})"
             if header.generation != self.tag or header.collective != number:
                 raise ShardCorrupt(
@@ -181,8 +176,7 @@ class Mailbox:
             expected.check(header, src, path, self.rank, lambda other, digest: ShardCorrupt(
                 f"{what} carries another pair's or tag's digest (a moved object)",
                 rank=self.rank, path=path, hint="something else writes under this URL"))
-            incoming = Incoming(reader, header, bytes(raw[:header.size]), path, self.key,
-                                self.rank)
+            incoming = Incoming(reader, header, raw_head, path, self.key, self.rank)
             incoming.read_into(flat, expected.codec, self._chunk_bytes, self._pool,
                                self._stats)
         self.storage.delete([key])  # read by its one reader: consumed
