@@ -24,7 +24,7 @@ def _both(store, world=2):
 
     def rank(r):
         try:
-            out[r] = job.job_from_store(dist.PrefixStore("g/", store), r, world, 10.0)
+            out[r] = job.job_from_store(store, r, world, 10.0)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -36,7 +36,7 @@ def _both(store, world=2):
 
 @pytest.mark.unit
 def test_every_rank_reads_rank_0s_fresh_id():
-    threads, out, errors = _both(dist.HashStore(), world=3)
+    threads, out, errors = _both(dist.PrefixStore("g/", dist.HashStore()), world=3)
     for t in threads:
         t.join(15)
     assert not errors
@@ -72,6 +72,33 @@ def test_a_stale_id_in_the_store_is_not_taken():
         t.join(15)
     assert not errors
     assert out[0] == out[1] != "torch-0000000000000000"
+
+
+class _SlowAnswers(dist.Store):
+    """A shared store whose answers (``ferrosync/go/...``) take a while to be written."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = dist.HashStore()
+
+    def set(self, key, value):
+        if key.startswith("ferrosync/go/"):
+            threading.Event().wait(0.4)  # rank 1 gives up waiting and reads the id again
+        self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+
+@pytest.mark.unit
+def test_a_slow_rank_0_answers_the_token_rank_1_waits_for():
+    threads, out, errors = _both(_SlowAnswers())
+    for t in threads:
+        t.join(15)
+    assert not errors and out[0] == out[1]
 
 
 @pytest.mark.unit

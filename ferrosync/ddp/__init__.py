@@ -15,8 +15,10 @@ Two routes, both over the same storage layer and wire format as ``ferrosync.conn
        model = ferrosync.ddp.wrap(model, sync)
 
 See ``docs/ddp.md``. Modules: ``init_methods`` (init_method URLs), ``process_group``
-(``SyncProcessGroup``, the backend factory), ``comm_hook`` (``hook``, ``wrap``).
-Only ``register`` runs at ``import ferrosync``; the rest loads on first use.
+(``SyncProcessGroup``), ``factory`` (what torch calls to make a group), ``job`` (a
+group's job id through torch's store), ``comm_hook`` (``hook``, ``wrap``). Registering
+with torch is ``ferrosync_autoload``'s alone (``register`` here calls it); only that
+runs at ``import ferrosync``, the rest loads on first use.
 """
 
 from __future__ import annotations

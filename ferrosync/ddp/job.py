@@ -13,8 +13,9 @@ A store can outlive its job (a FileStore file left by a killed run, which torch
 itself asks users to delete): a rank must not take a stale id for this run's. So
 every rank r > 0 answers the id it read with a token of its own
 (``ferrosync/ack/<id>/<r>``), and only rank 0 of this run, which drew that id, answers
-that token (``ferrosync/go/<token>``); a rank that read a stale id gets no answer,
-reads the id again and meets the fresh one once rank 0 has written it. Every wait
+that token (``ferrosync/go/<token>``, naming the id); a rank that read a stale id gets
+no answer, reads the id again and answers the fresh one, with the same token, once
+rank 0 has written it. Every wait
 polls ``check`` (which never blocks) within the group's timeout.
 
 Subgroups (``new_group``) inherit the id of the default group when it is a
@@ -77,16 +78,21 @@ def job_from_store(store, rank: int, world_size: int, timeout: float) -> str:
             _await_key(store, key, deadline, f"rank {peer} to read the job id", rank)
             store.set(_go_key(store.get(key).decode()), job)
         return job
-    wait = 0.05
+    # one token for every id this rank answers: rank 0 answers it once, whichever of
+    # this rank's acks it read, and the answer names the id it drew
+    token = secrets.token_hex(8)
+    answer = _go_key(token)
+    acked, wait = None, 0.05
     while True:
         _await_key(store, JOB_KEY, deadline, "rank 0's job id", rank)
         job = store.get(JOB_KEY).decode()
-        token = secrets.token_hex(8)
-        store.set(_ack_key(job, rank), token)
-        if _await_key(store, _go_key(token), deadline, "rank 0's answer", rank,
+        if job != acked:
+            store.set(_ack_key(job, rank), token)
+            acked = job
+        if _await_key(store, answer, deadline, "rank 0's answer", rank,
                       give_up=time.monotonic() + wait):
-            return job
-        wait = min(2 * wait, 1.0)  # a stale id (or a slow rank 0): read it again
+            return store.get(answer).decode()
+        wait = min(2 * wait, 1.0)  # a stale id (or a slow rank 0): read the id again
 
 
 def group_job(store, rank: int, world_size: int, timeout: float, *,
