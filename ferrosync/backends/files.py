@@ -55,17 +55,15 @@ from ..wire import (
 from .common import accumulate, divide_into, total_weight
 from .encoder import Encoder
 from .incoming import Expected, Part
-from .messages import Mailbox
+from .messages import Exchanges, Mailbox
 from .objects import GenerationObjects
 from .options import StorageOptions
 
 _log = logging.getLogger(__name__)
 
 
-class FileSync(GradSync):
+class FileSync(Exchanges, GradSync):
     """GradSync over a shared directory (local, NFS) or an fsspec object store."""
-
-    point_to_point = True
 
     @classmethod
     def check_options(cls, options: dict) -> StorageOptions:
@@ -488,39 +486,6 @@ class FileSync(GradSync):
         # every rank wrote for s, so every rank finished the collectives before it
         objects.recycler.gathered([objects.key_of(mine)])
         return out
-
-    def _all_to_all_flat(self, outputs, inputs, digest, layout):
-        """Rank k publishes its chunk for rank j as ``c{s}.r{k}.s{j}`` (raw) and reads
-        ``c{s}.r{j}.s{k}`` from every other rank j; chunks may differ in size (each
-        reader knows what it expects from each rank, and the header says what came)."""
-        s = self._begin("all_to_all")
-        me = self.rank
-        outputs[me].copy_(inputs[me])
-        if self.world_size == 1:
-            return
-        objects = self._objects
-        objects.ensure_layout(digest, layout)
-        mine = []
-        for j in range(self.world_size):
-            if j != me:
-                mine.append(names.contribution(s, me, j))
-                self._publish_copy(mine[-1], inputs[j], digest)
-        for k in range(self.world_size):
-            if k != me:
-                self._receive_copy(names.contribution(s, k, me), k, [k],
-                                   f"the chunk rank {k} sends this rank", outputs[k], digest)
-        # every rank published for s, so every rank finished the collectives before it
-        objects.recycler.gathered([objects.key_of(name) for name in mine])
-
-    # point-to-point (docs/design.md#point-to-point; ``messages.py``) ------------------------
-    def _send_flat(self, flat, dst, tag):
-        self._mailbox.send(flat, dst, tag, self._raise_if_failed)
-
-    def _post_recv(self, src, tag):
-        return self._mailbox.post(src, tag)
-
-    def _recv_flat(self, flat, src, tag, number=None, block=True):
-        return self._mailbox.receive(flat, src, tag, number, block=block)
 
     # failure and shutdown ------------------------------------------------------------------
     def _publish_abort(self, exc):
