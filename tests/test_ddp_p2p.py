@@ -239,19 +239,6 @@ def exchange(rank, world, init_method, backend):
         dist.destroy_process_group()
 
 
-def test_point_to_point_and_all_to_all_equal_gloos_bit_for_bit(tmp_path):
-    runs = {}
-    for backend in ("gloo", "ferrosync"):
-        init = f"file://{tmp_path}/{backend}.store"
-        runs[backend] = run_ranks(exchange, 2, init, backend, timeout=120)
-    for theirs, ours in zip(runs["gloo"], runs["ferrosync"]):
-        assert len(theirs) == len(ours) >= 7
-        for a, b in zip(theirs, ours):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
-                               b.view(torch.uint8) if b.dtype != torch.bool else b)
-
-
 def pipeline(rank, world, init_method, backend, steps=3):
     """GPipe over two stages of a small MLP: rank 0 runs the first half, rank 1 the
     second and the loss; the activations and gradients between them are send/recv."""
@@ -287,13 +274,25 @@ def pipeline(rank, world, init_method, backend, steps=3):
         dist.destroy_process_group()
 
 
-def test_pipeline_parallel_training_equals_gloos(tmp_path):
-    """Same losses and weights as gloo, bit for bit: the stages compute the same
-    operations on the same inputs, and storage carries every activation and gradient
-    byte for byte (nothing is reduced, so nothing depends on the transport)."""
-    runs = {b: run_ranks(pipeline, 2, f"file://{tmp_path}/{b}.store", b, timeout=180)
+def both(rank, world, init_method, backend):
+    return (exchange(rank, world, init_method + ".x", backend),
+            pipeline(rank, world, init_method + ".p", backend))
+
+
+def test_point_to_point_all_to_all_and_a_pipeline_equal_gloos_bit_for_bit(tmp_path):
+    """Every tensor received equals gloo's bit for bit; and a two-stage GPipe trains
+    to the same losses and weights as over gloo, bit for bit: the stages compute the
+    same operations on the same inputs, and storage carries every activation and
+    gradient byte for byte (nothing is reduced, so nothing depends on the transport)."""
+    runs = {b: run_ranks(both, 2, f"file://{tmp_path}/{b}", b, timeout=180)
             for b in ("gloo", "ferrosync")}
-    (g0, g1), (f0, f1) = runs["gloo"], runs["ferrosync"]
+    for (theirs, _), (ours, _) in zip(runs["gloo"], runs["ferrosync"]):
+        assert len(theirs) == len(ours) >= 7
+        for a, b in zip(theirs, ours):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
+                               b.view(torch.uint8) if b.dtype != torch.bool else b)
+    (g0, g1), (f0, f1) = [[r[1] for r in runs[b]] for b in ("gloo", "ferrosync")]
     assert len(g1[0]) == 3 and all(torch.equal(a, b) for a, b in zip(g1[0], f1[0]))
     for theirs, ours in ((g0[1], f0[1]), (g1[1], f1[1])):
         assert all(torch.equal(a, b) for a, b in zip(theirs, ours))

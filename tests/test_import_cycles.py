@@ -12,6 +12,7 @@ module importing itself, fails the test with the cycle's path.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 
 import pytest
@@ -20,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOOK = "ferrosync_autoload"
 
 
+@functools.cache
 def modules() -> dict[str, str]:
     """{dotted name: file} for the package and the hook module."""
     found = {HOOK: os.path.join(ROOT, f"{HOOK}.py")}
@@ -41,6 +43,11 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     base = parts if is_package else parts[:-1]
     base = base[: len(base) - (node.level - 1)]
     return ".".join(base + ([node.module] if node.module else []))
+
+
+@functools.cache
+def graph() -> dict[str, set[str]]:
+    return edges(modules())
 
 
 def edges(mods: dict[str, str]) -> dict[str, set[str]]:
@@ -103,9 +110,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 @pytest.mark.unit
 def test_no_import_cycles():
-    graph = edges(modules())
-    assert HOOK in graph and "ferrosync.ddp.factory" in graph
-    found = cycles(graph)
+    assert HOOK in graph() and "ferrosync.ddp.factory" in graph()
+    found = cycles(graph())
     assert not found, "import cycles (lazy imports included): " + "; ".join(
         " <-> ".join(c) for c in found)
 
@@ -114,8 +120,7 @@ def test_no_import_cycles():
 def test_the_detector_sees_lazy_and_relative_imports():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"], ["d"]]
-    mods = modules()
-    real = edges(mods)
+    real = graph()
     # lazy (inside a function) and relative imports are edges
     assert "ferrosync.ddp.factory" in real[HOOK]
     assert "ferrosync.api" in real["ferrosync.ddp.factory"]
