@@ -118,8 +118,8 @@ def test_no_import_cycles():
 
 @pytest.mark.unit
 def test_the_detector_sees_lazy_and_relative_imports():
-    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": set()}
-    assert cycles(graph) == [["a", "b", "c"], ["d"]]
+    toy = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"d"}, "e": set()}
+    assert cycles(toy) == [["a", "b", "c"], ["d"]]
     real = graph()
     # lazy (inside a function) and relative imports are edges
     assert "ferrosync.ddp.factory" in real[HOOK]
