@@ -56,7 +56,7 @@ from .validate import error as value_error
 from .validate import number
 from .wire import DTYPE_CODES, layout_digest
 
-__all__ = ["connect", "GradSync", "SyncHandle", "fail_open_syncs"]
+__all__ = ["connect", "GradSync", "SyncHandle", "Receive", "fail_open_syncs"]
 
 
 _log = logging.getLogger(__name__)
@@ -211,6 +211,89 @@ class GradSync(OwnershipGuard, abc.ABC):
 
         self.run_collective("barrier", body)
 
+    # -- point-to-point and all-to-all (docs/design.md#point-to-point) -------------------
+    def all_to_all(self, outputs: list, inputs: list) -> None:
+        """Collective: rank r's ``inputs[j]`` lands in rank j's ``outputs[r]``, exactly.
+
+        Every rank passes ``world_size`` inputs and ``world_size`` outputs of one dtype
+        (any ferrosync carries); sizes may differ from pair to pair (uneven splits), but
+        rank j's ``outputs[r]`` must have as many elements as rank r's ``inputs[j]``
+        (else ``LayoutMismatch``). Blocks until every output is in place.
+        """
+        self._check_point_to_point("all_to_all")
+        inputs, outputs = as_tensor_list(inputs), as_tensor_list(outputs)
+        for what, tensors, in_place in (("inputs", inputs, False), ("outputs", outputs, True)):
+            if len(tensors) != self.world_size:
+                raise value_error(f"all_to_all {what}", f"{self.world_size} tensors (one per "
+                                  "rank)", tensors, got=f"{len(tensors)} tensors", rank=self.rank)
+            check_tensors(tensors, op="all_to_all", rank=self.rank, path=self.url,
+                          names=[f"{what}[{i}]" for i in range(len(tensors))],
+                          in_place=in_place, dtypes=tuple(DTYPE_CODES))
+        dtypes = {t.dtype for t in inputs + outputs}
+        if len(dtypes) > 1:
+            raise value_error("all_to_all tensors", "one dtype", sorted(map(str, dtypes)),
+                              rank=self.rank)
+        layout = {"op": "all_to_all", "dtype": str(dtypes.pop())}
+        digest = layout_digest(json.dumps(layout, sort_keys=True))
+
+        def body():
+            with torch.no_grad():
+                flats = [_plain(t).view(-1) for t in inputs]
+                outs = [_receiver(t) for t in outputs]
+                self._all_to_all_flat([o[0] for o in outs], flats, digest, layout)
+                for _, finish in outs:
+                    finish()
+
+        self.run_collective("all_to_all", body)
+
+    def send(self, tensor: torch.Tensor, dst: int, *, tag: int = 0) -> None:
+        """Point-to-point: publish ``tensor`` (any dtype) for rank ``dst``'s matching
+        ``recv``. Not a collective (no other rank takes part, no collective number):
+        the n-th send to ``dst`` with ``tag`` is the n-th ``recv`` there from this rank
+        with ``tag``. Returns once the message is stored; never waits for ``dst``."""
+        self._check_point_to_point("send")
+        dst, tag = self._check_peer("dst", dst), _check_tag(tag, self.rank)
+        check_tensors([tensor], op="send", rank=self.rank, path=self.url, names=["tensor"],
+                      in_place=False, dtypes=tuple(DTYPE_CODES))
+        source = _plain(tensor).view(-1)
+        self.run_collective("send", lambda: self._send_flat(source, dst, tag))
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, *, tag: int = 0) -> int:
+        """Point-to-point: wait for the next message from rank ``src`` with ``tag`` (any
+        rank's with ``src=None``: the lowest rank with one waiting, see
+        ``backends/messages.py``) and copy it into ``tensor`` (same dtype and size as
+        sent, else ``LayoutMismatch``). Returns the sender's rank."""
+        return self.irecv(tensor, src, tag=tag).wait()
+
+    def irecv(self, tensor: torch.Tensor, src: int | None = None, *, tag: int = 0) -> Receive:
+        """``recv`` posted now and read by the returned ``Receive``'s ``wait()``: receives
+        from one rank match its sends in the order they were posted, whichever is
+        waited for first. Nothing is read (and nothing blocks) until then."""
+        self._check_point_to_point("recv")
+        if src is not None:
+            src = self._check_peer("src", src)
+        tag = _check_tag(tag, self.rank)
+        check_tensors([tensor], op="recv", rank=self.rank, path=self.url, names=["tensor"],
+                      in_place=True, dtypes=tuple(DTYPE_CODES))
+        number = None
+        if src is not None:  # the message is this one, whenever it is read (no I/O)
+            self._check_usable()
+            number = self._post_recv(src, tag)
+        return Receive(self, tensor, src, tag, number)
+
+    def _check_point_to_point(self, op: str) -> None:
+        if not self.point_to_point:
+            raise ConfigError(f"{op} is not supported by {type(self).__name__}", rank=self.rank,
+                              path=self.url, hint="point-to-point and all_to_all run on a "
+                              "storage URL (a directory or an object store)")
+
+    def _check_peer(self, name: str, peer) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not (
+                0 <= peer < self.world_size) or peer == self.rank:
+            raise value_error(name, f"another rank in [0, {self.world_size})", peer,
+                              rank=self.rank)
+        return peer
+
     def close(self) -> None:
         """Release storage handles and threads. Idempotent; never waits on peers and
         never raises because a peer failed (pending async collectives are cancelled).
@@ -357,6 +440,28 @@ class GradSync(OwnershipGuard, abc.ABC):
     def _barrier(self, digest: bytes, layout: dict) -> None:
         """Return once every rank has entered."""
 
+    #: whether the backend implements the point-to-point primitives below
+    point_to_point = False
+
+    def _all_to_all_flat(self, outputs: list, inputs: list, digest: bytes,
+                         layout: dict) -> None:
+        """Collective: ``outputs[r]`` becomes rank r's ``inputs[self.rank]`` (contiguous)."""
+        raise NotImplementedError
+
+    def _send_flat(self, flat: torch.Tensor, dst: int, tag: int) -> None:
+        """Point-to-point, no collective number: publish the next message to ``dst``."""
+        raise NotImplementedError
+
+    def _post_recv(self, src: int, tag: int) -> int:
+        """Take the number of the next message from ``src`` on ``tag``."""
+        raise NotImplementedError
+
+    def _recv_flat(self, flat: torch.Tensor, src: int | None, tag: int,
+                   number: int | None = None, block: bool = True) -> int | None:
+        """Read message ``number`` of ``src`` (``None``: the next of any rank) into ``flat``;
+        the source rank, or None when not ``block`` and nothing is there yet."""
+        raise NotImplementedError
+
     @abc.abstractmethod
     def _publish_abort(self, exc: BaseException) -> None:
         """Tell peers this rank failed, so they raise now instead of at their timeout
@@ -365,6 +470,56 @@ class GradSync(OwnershipGuard, abc.ABC):
     @abc.abstractmethod
     def _shutdown(self, failure: BaseException | None) -> None:
         """Stop threads and release handles; must not wait on peers or raise."""
+
+
+class Receive:
+    """A posted point-to-point receive (``GradSync.irecv``); ``wait()`` reads it."""
+
+    def __init__(self, sync: GradSync, tensor: torch.Tensor, src: int | None, tag: int,
+                 number: int | None) -> None:
+        self._sync, self._tensor, self._tag, self._number = sync, tensor, tag, number
+        self.src = src  # the sender's rank once known
+        self._done = False
+
+    def _read(self, block: bool) -> None:
+        with torch.no_grad():
+            flat, finish = _receiver(self._tensor)
+            source = self._sync._recv_flat(flat, self.src, self._tag, self._number,
+                                           block=block)
+            if source is not None:
+                finish()
+                self.src, self._done = source, True
+
+    def wait(self) -> int:
+        """Block until the message is in the tensor; returns the sender's rank."""
+        if not self._done:
+            self._sync.run_collective("recv", lambda: self._read(True))
+        return self.src
+
+    def done(self) -> bool:
+        """Whether the message is in the tensor (one look, without waiting)."""
+        if not self._done:
+            self._sync.run_collective("recv", lambda: self._read(False))
+        return self._done
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """Its values in one contiguous CPU block (conjugation and negation applied)."""
+    return tensor.detach().resolve_conj().resolve_neg().contiguous().cpu()
+
+
+def _receiver(tensor: torch.Tensor):
+    """(a contiguous flat CPU tensor to receive into, a function that puts it in place)."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.detach().view(-1), lambda: None
+    flat = torch.empty(tensor.numel(), dtype=tensor.dtype)
+    return flat, lambda: tensor.detach().copy_(flat.view(tensor.shape))
+
+
+def _check_tag(tag, rank: int) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise value_error("tag", "an integer >= 0", tag, rank=rank)
+    return tag
 
 
 def _stream(kind: str, tensors: list) -> str:

@@ -419,7 +419,9 @@ class PeerMonitor:
     ``PeerFailed`` (a peer aborted, closed early or stopped beating), the peer's own
     error class when its abort marker names one, ``LayoutMismatch`` (the peer's
     heartbeat shows another operation at this collective), or ``StorageError`` (this
-    rank's own heartbeat has not been written for ``timeout``).
+    rank's own heartbeat has not been written for ``timeout``). A point-to-point wait
+    passes ``collective=None, op=None``: it has no place in the collective sequence, so
+    only aborts, silence and a closed peer count.
     """
 
     def __init__(self, storage: Storage, prefix: str, rank: int, interval: float,
@@ -476,8 +478,11 @@ class PeerMonitor:
                 state = record.get("state")
                 closed_at = record.get("collective")
                 # a peer that closed *after* entering this collective finished it (it
-                # published what we wait for, the next poll will see it): not a failure
-                if state == "closed" and isinstance(closed_at, int) and closed_at < collective:
+                # published what we wait for, the next poll will see it): not a failure.
+                # A point-to-point wait (collective None) has no position to compare: a
+                # closed peer fails it, and the waiter looks for the message once more
+                if state == "closed" and (collective is None or (
+                        isinstance(closed_at, int) and closed_at < collective)):
                     raise PeerFailed(
                         f"rank {peer} closed its connection (after collective "
                         f"{record.get('collective')}) while this rank waits for it",
@@ -486,7 +491,8 @@ class PeerMonitor:
                         "(one rank ran fewer steps or batches)",
                     )
                 peer_op = record.get("op")
-                if record.get("collective") == collective and peer_op and peer_op != op:
+                if (op is not None and record.get("collective") == collective and peer_op
+                        and peer_op != op):
                     raise LayoutMismatch(
                         f"rank {self._rank} called {op}, rank {peer} called {peer_op} "
                         "(seen in its heartbeat)",

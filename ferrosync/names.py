@@ -11,6 +11,7 @@ A run's storage location holds::
         c{s}.r{k}[.s{j}]        rank k's contribution to collective s (``contribution``)
         c{s}.out[.s{j}]         its result, a broadcast or an error record (``result``)
         layout.{d}.r{k}         rank k's description of layout digest d (``layout_record``)
+        m{n}.r{k}.d{j}.t{t}     the n-th message from rank k to rank j with tag t (``message``)
         hb.r{k}                 rank k's heartbeat (``heartbeat``)
         abort.r{k}              rank k's abort marker (``abort``)
     .{name}.{pid}.{8 hex}.tmp   a writer's temporary file, next to ``name`` (``temp``)
@@ -57,6 +58,12 @@ def contribution(seq: int, rank: int, slice_: int | None = None) -> str:
 def result(seq: int, slice_: int | None = None) -> str:
     """The result of collective ``seq`` (or slice ``slice_`` of it)."""
     return f"c{seq}.out" if slice_ is None else f"c{seq}.out.s{slice_}"
+
+
+def message(src: int, dst: int, tag: int, number: int) -> str:
+    """The ``number``-th point-to-point message (0, 1, ...) from rank ``src`` to rank
+    ``dst`` with tag ``tag``: numbered per (src, dst, tag), alike on both sides."""
+    return f"m{number}.r{src}.d{dst}.t{tag}"
 
 
 def layout_record(digest: bytes, rank: int) -> str:
@@ -162,6 +169,8 @@ class Name:
     pid: int | None = None  # temp, spare, doctor: the writer's process id
     job: str | None = None  # namespace: the job id (None: a job without one)
     target: str | None = None  # temp: the name the temporary file will be renamed to
+    peer: int | None = None  # message: the destination rank (``rank`` is the source)
+    tag: int | None = None  # message: its tag
 
 
 # a decimal number: ASCII digits only (``\d`` would take any script's), leading zeros
@@ -178,6 +187,7 @@ _PATTERNS = (
     ("contribution", rf"c{_N}\.r{_N}(?:\.s{_N})?", ("collective", "rank", "slice")),
     ("result", rf"c{_N}\.out(?:\.s{_N})?", ("collective", "slice")),
     ("layout", rf"layout\.([0-9a-f]+)\.r{_N}", ("digest", "rank")),
+    ("message", rf"m{_N}\.r{_N}\.d{_N}\.t{_N}", ("number", "rank", "peer", "tag")),
     ("heartbeat", rf"hb\.r{_N}", ("rank",)),
     ("abort", rf"abort\.r{_N}", ("rank",)),
     ("namespace", rf"{RDZV}(?:\.({JOB_ID}))?", ("job",)),
@@ -195,7 +205,7 @@ KINDS = tuple(kind for kind, _, _ in _PATTERNS) + ("unknown",)
 #: rendezvous records (inside a namespace)
 RENDEZVOUS_KINDS = ("join", "announcement", "objection", "end")
 #: objects inside a generation directory
-GENERATION_KINDS = ("contribution", "result", "layout", "heartbeat", "abort")
+GENERATION_KINDS = ("contribution", "result", "layout", "message", "heartbeat", "abort")
 
 
 def parse(name: str) -> Name:

@@ -36,7 +36,9 @@ an id) or ``rdzv.{job}/`` (see ``ferrosync.env.discover_job``), named by
    second job started within that window is seen and both fail with
    ``DuplicateRank`` rather than average each other's data. Setting a job id
    (``FERROSYNC_JOB``; SLURM, torchrun and ``python -m ferrosync.train`` provide
-   one) removes the wait.
+   one, and the ``"ferrosync"`` torch backend draws one through torch's store:
+   ``ferrosync.ddp.job``) removes the wait. A ``timeout`` shorter than the window
+   fails in it, with a ``SyncTimeout`` that says so.
 
 A process killed by SIGKILL leaves a claim with no ``end`` marker: its restart
 waits one objection window (two heartbeat intervals and a second), never the
@@ -361,8 +363,13 @@ def _settle(plan: _Plan, claim: Claim, deadline: float) -> None:
         if time.monotonic() >= until:
             return
         if time.monotonic() >= deadline:
-            raise SyncTimeout(f"timed out after {plan.timeout:g} s in the claim window",
-                              rank=plan.rank, path=plan.url)
+            raise SyncTimeout(
+                f"timed out after {plan.timeout:g} s in the claim window: a job without an "
+                f"id waits {window:g} s before its first collective (so that a second job "
+                "on this URL is seen)", rank=plan.rank, path=plan.url,
+                hint="give the job an id (connect(job=...) or FERROSYNC_JOB; "
+                "init_process_group('ferrosync') finds one in torch's store), or a timeout "
+                f"longer than {window:g} s")
         backoff.sleep(min(until, deadline))
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ferrosync_schemes import SCHEMES, scheme
+
 from .storage import split_url
 
 __all__ = ["Store", "STORES", "UNKNOWN", "facts", "store_of"]
@@ -31,7 +33,6 @@ class Store:
     """One kind of store: its name, the driver, and what it guarantees."""
 
     name: str
-    schemes: tuple[str, ...]
     driver: str
     #: the request that creates only if absent, in a few words (doctor's check names it)
     create_request: str
@@ -45,10 +46,15 @@ class Store:
     emulator: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
+    @property
+    def schemes(self) -> tuple[str, ...]:
+        """Its URL schemes, from the one table of schemes (``ferrosync_schemes``)."""
+        return tuple(name for name, row in SCHEMES.items() if row.store == self.name)
+
 
 STORES: tuple[Store, ...] = (
     Store(
-        name="directory", schemes=("file", "local"), driver="ferrosync (os calls)",
+        name="directory", driver="ferrosync (os calls)",
         create_request="os.link",
         conditional_create="`os.link` of a written temp file: EEXIST when the name exists",
         read_after_write="local: immediate; NFS: close-to-open (open() revalidates; mount "
@@ -56,7 +62,7 @@ STORES: tuple[Store, ...] = (
         delete_visibility="local: immediate; NFS: with `lookupcache=positive`",
     ),
     Store(
-        name="Amazon S3", schemes=("s3", "s3a"), driver="s3fs",
+        name="Amazon S3", driver="s3fs",
         create_request="conditional PUT (If-None-Match: *)",
         conditional_create="PUT with `If-None-Match: *`: 412 when the key exists (AWS "
         "since 2024-08, MinIO, SeaweedFS); needs botocore >= 1.35.20",
@@ -67,7 +73,7 @@ STORES: tuple[Store, ...] = (
         emulator="`client_kwargs={\"endpoint_url\": URL}` (moto, SeaweedFS, MinIO)",
     ),
     Store(
-        name="Google Cloud Storage", schemes=("gs", "gcs"), driver="gcsfs",
+        name="Google Cloud Storage", driver="gcsfs",
         create_request="insert with ifGenerationMatch=0",
         conditional_create="insert with `ifGenerationMatch=0`: 412 when the object exists",
         read_after_write="strong (global), also for overwrites",
@@ -82,7 +88,7 @@ STORES: tuple[Store, ...] = (
         "=false` before gcsfs is imported does the same)",
     ),
     Store(
-        name="Azure Blob Storage", schemes=("az", "abfs", "abfss"), driver="adlfs",
+        name="Azure Blob Storage", driver="adlfs",
         create_request="Put Blob with If-None-Match: * (overwrite=False)",
         conditional_create="Put Blob with `If-None-Match: *` (adlfs: `overwrite=False`): "
         "409 BlobAlreadyExists when the blob exists",
@@ -94,7 +100,7 @@ STORES: tuple[Store, ...] = (
         emulator="`connection_string=...;BlobEndpoint=URL/ACCOUNT;` (Azurite)",
     ),
     Store(
-        name="memory", schemes=("memory",), driver="fsspec MemoryFileSystem",
+        name="memory", driver="fsspec MemoryFileSystem",
         create_request="open(mode='xb')",
         conditional_create="`open(mode=\"xb\")` in this process",
         read_after_write="immediate (one process only)",
@@ -104,7 +110,7 @@ STORES: tuple[Store, ...] = (
 
 #: any other fsspec store: nothing is known until tried
 UNKNOWN = Store(
-    name="other fsspec store", schemes=(), driver="its fsspec driver",
+    name="other fsspec store", driver="its fsspec driver",
     create_request="pipe_file(mode='create')",
     conditional_create="`pipe_file(mode=\"create\")`; connect refuses the store unless a "
     "create of an existing name fails (fsspec's generic exists-then-write is refused)",
@@ -125,9 +131,8 @@ def facts(store: Store) -> dict:
 
 
 def store_of(url: str) -> Store:
-    """The ``Store`` a URL names (``UNKNOWN`` for a scheme not in ``STORES``)."""
+    """The ``Store`` a URL names (``UNKNOWN`` for a scheme the table of schemes gives
+    no store)."""
     protocol, _ = split_url(url)
-    for store in STORES:
-        if protocol in store.schemes:
-            return store
-    return UNKNOWN
+    name = scheme(protocol).store
+    return next((store for store in STORES if store.name == name), UNKNOWN)

@@ -235,7 +235,7 @@ def collectives(rank, world, location, options=None):
     errors = []
     for bad in (lambda: dist.all_reduce(ints.bool(), op=Op.AVG),  # integer AVG works
                 lambda: dist.all_reduce(base.clone(), op=Op.BAND),
-                lambda: dist.send(base, dst=(rank + 1) % world)):
+                lambda: dist.send(base, dst=(rank + 1) % world, tag=-1)):  # gloo's rule
         try:
             bad()
         except ValueError as exc:  # ConfigError

@@ -219,12 +219,24 @@ def test_unmodified_script_with_two_processes(tmp_path):
 
 # -- the hook itself, in this process -------------------------------------------------------
 
-def test_schemes_match_init_methods():
+def test_one_table_of_schemes_one_registrar():
+    """The registrar takes its schemes and the backend's name from the table the package
+    reads (``ferrosync_schemes``), and its wrappers call handlers init_methods has."""
+    import ferrosync_schemes
+    from ferrosync.ddp import constants
     from ferrosync.env import ENV_URL
+    from ferrosync.stores import store_of
 
-    assert ferrosync_autoload.OBJECT_SCHEMES == init_methods.OBJECT_SCHEMES
-    assert ferrosync_autoload.BACKEND_NAME == "ferrosync"
+    assert ferrosync_autoload.BACKEND_NAME == constants.BACKEND_NAME == "ferrosync"
     assert ferrosync_autoload.ENV_URL == ENV_URL
+    objects = ferrosync_schemes.ddp_object_schemes()
+    assert {"s3", "gs", "az"} <= set(objects) and "memory" not in objects
+    for scheme in (*objects, *ferrosync_autoload.TAKES_OVER):
+        name = "object_store" if scheme in objects else scheme
+        assert callable(getattr(init_methods, f"{name}_handler")), scheme
+    for scheme, row in ferrosync_schemes.SCHEMES.items():
+        url = f"{scheme}:///x" if row.protocol == "file" else f"{scheme}://bucket/x"
+        assert store_of(url).name == (row.store or "other fsspec store")
 
 
 def test_hook_never_raises(monkeypatch):
@@ -268,7 +280,8 @@ def test_hook_imports_only_torch():
     top = {alias.name for node in tree.body if isinstance(node, ast.Import)
            for alias in node.names}
     top |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom)}
-    assert top <= {"__future__", "os"}, top  # torch and ferrosync only inside functions
+    # torch and ferrosync only inside functions; the table of schemes imports nothing
+    assert top <= {"__future__", "os", "ferrosync_schemes"}, top
 
 
 def test_a_gloo_user_imports_nothing_of_ferrosync(tmp_path):

@@ -20,6 +20,8 @@ CASES = [
     (names.result(12, 4), names.Name("result", collective=12, slice=4)),
     (names.layout_record(bytes.fromhex("00ff10aa20bb30cc"), 5),
      names.Name("layout", rank=5, digest="00ff10aa20bb30cc")),
+    (names.message(2, 0, 5, 11), names.Name("message", rank=2, peer=0, tag=5, number=11)),
+    (names.message(0, 1, 0, 0), names.Name("message", rank=0, peer=1, tag=0, number=0)),
     (names.heartbeat(9), names.Name("heartbeat", rank=9)),
     (names.abort(2), names.Name("abort", rank=2)),
     (names.namespace(None), names.Name("namespace")),
@@ -53,6 +55,7 @@ def test_the_formats_are_the_documented_spellings():
     assert names.result(12, 4) == "c12.out.s4"
     assert names.layout_record(b"\x01\x02", 5) == "layout.0102.r5"
     assert names.heartbeat(9) == "hb.r9"
+    assert names.message(2, 0, 5, 11) == "m11.r2.d0.t5"
     assert names.abort(2) == "abort.r2"
     assert names.namespace(None) == "rdzv"
     assert names.namespace("j") == "rdzv.j"
@@ -96,15 +99,16 @@ def test_no_name_parses_as_another_kind():
     "g1.0123456789ABCDEF", "g1.0123456789abcdef0", "rdzv.", "rdzv.-bad", "rdzv.a/b",
     "rdzvx", ".tmp", ".x.tmp", ".x.1.abc.tmp", ".x.1.ABCDEF12.tmp", ".spare.1", ".spare.x.0badcafe",
     ".probe.1.0badcafe", ".probe.r1.0badcaf", ".doctor.x.ab", ".doctor.1.", "ferrosync-gc.lock",
-    "step-00000040.pt", "latest.json", "c1.r2/hb.r0", "c\u0661.r1", "hb.r\u0662",
+    "step-00000040.pt", "latest.json", "m1.r2.d3", "m1.r2.d3.t-4", "mx.r1.d2.t3",
+    "c1.r2/hb.r0", "c\u0661.r1", "hb.r\u0662",
 ])
 def test_foreign_names_parse_as_unknown(name):
     assert names.parse(name) == names.Name("unknown")
 
 
 def test_data_and_rendezvous_kind_groups():
-    assert set(names.GENERATION_KINDS) == {"contribution", "result", "layout", "heartbeat",
-                                           "abort"}
+    assert set(names.GENERATION_KINDS) == {"contribution", "result", "layout", "message",
+                                           "heartbeat", "abort"}
     assert set(names.RENDEZVOUS_KINDS) == {"join", "announcement", "objection", "end"}
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ferrosync.ddp import process_group
+from ferrosync.ddp import factory
 from ranks import run_ranks
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -273,18 +273,16 @@ def placeholder_probe(rank, world, location):
             dist.all_reduce(a)
             dist.all_reduce(b)
         seen.append(a.tolist() + b.tolist())
-        # unsupported calls raise ferrosync's ConfigError (never reach the placeholder,
-        # whose send/recv are no-ops even with error_on_collective)
-        refused = []
-        peer = (rank + 1) % world
-        for call in (lambda: dist.batch_isend_irecv([dist.P2POp(dist.isend, t, peer)]),
-                     lambda: dist.recv(torch.empty(1)),
-                     lambda: funcol.all_to_all_single(torch.ones(world), None, None, pg)):
-            try:
-                call()
-            except ValueError as exc:
-                refused.append(type(exc).__name__)
-        seen.append(refused)
+        # point-to-point and all-to-all through torch's own front ends (the placeholder's
+        # send/recv would be silent no-ops even with error_on_collective)
+        peer, prev = (rank + 1) % world, (rank - 1) % world
+        got = torch.empty(1)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.tensor([1.0 * rank]),
+                                                       peer),
+                                            dist.P2POp(dist.irecv, got, prev)]):
+            work.wait()
+        a2a = funcol.all_to_all_single(torch.arange(world) + 10.0 * rank, None, None, pg)
+        seen.append([got.item(), funcol.wait_tensor(a2a).tolist()])
         dist.barrier()
         # the placeholder would be a silent no-op without error_on_collective
         try:
@@ -299,15 +297,16 @@ def placeholder_probe(rank, world, location):
 
 def test_no_collective_reaches_the_placeholder(tmp_path):
     results = run_ranks(placeholder_probe, WORLD, str(tmp_path))
-    for seen, raised in results:
-        assert seen == [[3.0] * 3, [2.0, 2.0], [0.0, 1.0], [2.0], [0, 1], [2.0], [2.0],
-                        [True, ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])],
-                        [2.0, 2.0, 2.0], ["ConfigError"] * 3]
+    for rank, (seen, raised) in enumerate(results):
+        assert seen[-1] == [(rank - 1) % WORLD, [10.0 * k + rank for k in range(WORLD)]]
+        assert seen[:-1] == [[3.0] * 3, [2.0, 2.0], [0.0, 1.0], [2.0], [0, 1], [2.0], [2.0],
+                             [True, ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])],
+                             [2.0, 2.0, 2.0]]
         assert raised is not None and "error_on_collective" in raised
 
 
 def test_placeholder_trick_pinned_to_tested_torch():
-    tested = process_group.PLACEHOLDER_TESTED_TORCH
+    tested = factory.PLACEHOLDER_TESTED_TORCH
     assert tested == ("2.13",)
     version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     if version not in tested:

@@ -55,13 +55,14 @@ from ..wire import (
 from .common import accumulate, divide_into, total_weight
 from .encoder import Encoder
 from .incoming import Expected, Part
+from .messages import Exchanges, Mailbox
 from .objects import GenerationObjects
 from .options import StorageOptions
 
 _log = logging.getLogger(__name__)
 
 
-class FileSync(GradSync):
+class FileSync(Exchanges, GradSync):
     """GradSync over a shared directory (local, NFS) or an fsspec object store."""
 
     @classmethod
@@ -107,6 +108,10 @@ class FileSync(GradSync):
             key=self._key, poll=poll, monitor=monitor, stats=self._stats, timeout=timeout,
             url=url)
         self._objects.before_put = self._raise_if_failed
+        self._mailbox = Mailbox(
+            storage, prefix, self._generation, rank=self.rank, world_size=self.world_size,
+            key=self._key, poll=poll, monitor=monitor, stats=self._stats, timeout=timeout,
+            url=url, pool=self._pool, chunk_bytes=options.chunk_bytes)
         if self.world_size > 1:
             self._heartbeat = Heartbeat(storage, prefix, self.rank, interval, self._key,
                                         self._generation.number)

@@ -19,12 +19,27 @@ from ..codecs import Codec, Int8Codec, as_uint8
 from ..errors import ShardCorrupt
 from ..wire import (
     DTYPE_CODES,
+    FLAG_AUTH,
     FLAG_EMPTY,
     FLAG_UNCHANGED,
+    HEADER_SIZE,
     KIND_NAMES,
+    MAC_SIZE,
     Header,
     PayloadCheck,
+    parse_header,
 )
+
+
+def read_header(reader, path: str, rank: int, key: bytes | None) -> tuple[Header, bytes]:
+    """The checked header at the start of an opened object, and its raw bytes (with the
+    MAC, if any: the payload check covers them)."""
+    raw = bytearray(HEADER_SIZE + MAC_SIZE)
+    got = reader.readinto(memoryview(raw)[:HEADER_SIZE])
+    header = parse_header(raw[:got], path=path, rank=rank, key=key)
+    if header.flags & FLAG_AUTH:
+        reader.readinto(memoryview(raw)[HEADER_SIZE:])
+    return header, bytes(raw[:header.size])
 
 
 @dataclass(frozen=True)

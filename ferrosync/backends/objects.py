@@ -30,7 +30,6 @@ from ..errors import (
 from ..storage import RECORD_LIMIT, Backoff, object_exists
 from ..wire import (
     DTYPE_CODES,
-    FLAG_AUTH,
     HEADER_SIZE,
     KIND_ERROR,
     MAC_SIZE,
@@ -38,11 +37,10 @@ from ..wire import (
     decode_record,
     encode_record,
     loads_bounded,
-    parse_header,
     seal,
 )
 from .common import MISMATCH_HINT, describe_mismatch
-from .incoming import Incoming
+from .incoming import Incoming, read_header
 from .recycler import Recycler
 
 _log = logging.getLogger(__name__)
@@ -171,11 +169,7 @@ class GenerationObjects:
 
     def _open_checked(self, reader, path: str) -> Incoming:
         with self._stats.phase("read_s"):
-            raw = bytearray(HEADER_SIZE + MAC_SIZE)
-            got = reader.readinto(memoryview(raw)[:HEADER_SIZE])
-            header = parse_header(raw[:got], path=path, rank=self.rank, key=self.key)
-            if header.flags & FLAG_AUTH:
-                reader.readinto(memoryview(raw)[HEADER_SIZE:])
+            header, raw_head = read_header(reader, path, self.rank, self.key)
         if header.generation != self.generation.tag or header.collective != self.seq:
             raise ShardCorrupt(
                 f"object belongs to generation tag {header.generation:016x} collective "
@@ -190,8 +184,7 @@ class GenerationObjects:
                 rank=self.rank, collective=self.seq, path=path,
                 hint="the object was truncated or appended to on storage",
             )
-        incoming = Incoming(reader, header, bytes(raw[: header.size]), path, self.key,
-                            self.rank)
+        incoming = Incoming(reader, header, raw_head, path, self.key, self.rank)
         if header.kind == KIND_ERROR:
             if header.payload_nbytes > RECORD_LIMIT:  # its whole payload is buffered
                 raise ShardCorrupt(
@@ -213,7 +206,8 @@ class GenerationObjects:
             f"(ranks {missing})",
             rank=self.rank, collective=self.seq, path=self.storage.path_of(self.prefix),
             hint="are those ranks running with the same URL, and calling the same "
-            "collectives in the same order?",
+            "collectives in the same order? Each wait's timeout is connect's timeout= "
+            "(init_process_group's for the torch backend)",
         )
 
     def _remote_error(self, incoming: Incoming):

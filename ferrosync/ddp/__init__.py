@@ -15,8 +15,10 @@ Two routes, both over the same storage layer and wire format as ``ferrosync.conn
        model = ferrosync.ddp.wrap(model, sync)
 
 See ``docs/ddp.md``. Modules: ``init_methods`` (init_method URLs), ``process_group``
-(``SyncProcessGroup``, the backend factory), ``comm_hook`` (``hook``, ``wrap``).
-Only ``register`` runs at ``import ferrosync``; the rest loads on first use.
+(``SyncProcessGroup``), ``factory`` (what torch calls to make a group), ``job`` (a
+group's job id through torch's store), ``comm_hook`` (``hook``, ``wrap``). Registering
+with torch is ``ferrosync_autoload``'s alone (``register`` here calls it); only that
+runs at ``import ferrosync``, the rest loads on first use.
 """
 
 from __future__ import annotations
@@ -27,16 +29,17 @@ import warnings
 import torch
 import torch.distributed as dist
 
+import ferrosync_autoload
+
 from .constants import BACKEND_NAME, ENV_PG_OPTIONS
 
 _LAZY = {
     "hook": "comm_hook",
     "wrap": "comm_hook",
     "SyncProcessGroup": "process_group",
-    "register_scheme": "init_methods",
 }
 
-__all__ = ["BACKEND_NAME", "ENV_PG_OPTIONS", "register", "stats", *_LAZY]
+__all__ = ["BACKEND_NAME", "ENV_PG_OPTIONS", "register", "register_scheme", "stats", *_LAZY]
 
 
 def __getattr__(name: str):
@@ -44,12 +47,6 @@ def __getattr__(name: str):
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(f"{__name__}.{module}"), name)
-
-
-def _create_backend(backend_opts, pg_options):
-    from .process_group import create_backend
-
-    return create_backend(backend_opts, pg_options)
 
 
 def stats(group=None) -> dict:
@@ -63,7 +60,7 @@ def stats(group=None) -> dict:
     is initialised or the group runs another backend.
     """
     from ..errors import ConfigError
-    from .process_group import SyncProcessGroup
+    from .process_group import sync_of
 
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
@@ -71,43 +68,35 @@ def stats(group=None) -> dict:
                               hint="call dist.init_process_group('ferrosync', ...) first, or "
                               "pass group=")
         group = dist.distributed_c10d._get_default_group()
-    found = group if isinstance(group, SyncProcessGroup) else None
-    if found is None and isinstance(group, dist.ProcessGroup):
-        try:  # torch wraps the backend a factory returned in a ProcessGroup
-            backend = group._get_backend(torch.device("cpu"))
-        except (RuntimeError, AttributeError, ValueError):
-            backend = None
-        if isinstance(backend, SyncProcessGroup):
-            found = backend
+    found = sync_of(group)
     if found is None:
         name = getattr(group, "name", lambda: type(group).__name__)
         raise ConfigError(f"ferrosync.ddp.stats(): the group is not a {BACKEND_NAME!r} "
                           f"process group ({name() if callable(name) else name})",
                           hint=f"pass a group created with backend {BACKEND_NAME!r}")
-    return found.sync.stats
+    return found.stats
 
 
 def register() -> bool:
-    """Register backend ``"ferrosync"`` and its init_method handlers with torch.
+    """Register backend ``"ferrosync"`` and its init_method handlers with torch, through
+    the one registrar (``ferrosync_autoload.register``).
 
     Idempotent and cheap (imports nothing beyond torch); ``import ferrosync`` calls
     it. Returns False when this torch build has no ``torch.distributed``, or (with
     a ``RuntimeWarning``) when its registration API differs from the one ferrosync
     knows: ``connect`` and the rest of ferrosync keep working either way.
     """
-    if not dist.is_available():
-        return False
     try:
-        from .init_methods import register_handlers
-
-        if not hasattr(dist.Backend, BACKEND_NAME.upper()):
-            dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True,
-                                          devices=["cpu", "cuda"])
-        register_handlers()
+        return ferrosync_autoload.register()
     except Exception as exc:  # a torch API change must not break `import ferrosync`
         warnings.warn(f"ferrosync could not register its torch.distributed backend with "
                       f"torch {torch.__version__} ({type(exc).__name__}: {exc}); "
                       "init_process_group('ferrosync') will not work, ferrosync.connect will",
                       RuntimeWarning, stacklevel=2)
         return False
-    return True
+
+
+def register_scheme(scheme: str) -> bool:
+    """Accept ``scheme://bucket/prefix`` as an init_method naming an fsspec location
+    (``ferrosync_autoload.register_scheme``); False when ``scheme`` has a handler."""
+    return ferrosync_autoload.register_scheme(scheme)

@@ -10,9 +10,9 @@ no key-value store at all (its own rendezvous runs in storage), only the storage
   ferrosync's data lives in ``/dir``.
 * ``file:///path/f`` naming anything else keeps torch's own meaning (a store file,
   made by torch's handler): ``FileStore("/path/f")``; data in ``/path/f.ferrosync``.
-* ``s3://bucket/run`` (any scheme in ``OBJECT_SCHEMES``, or added with
-  ``register_scheme``): a process-local ``UrlStore`` that carries the URL; data in
-  ``s3://bucket/run``.
+* ``s3://bucket/run`` (any scheme ``ferrosync_schemes`` marks for the backend, or
+  added with ``register_scheme``): a process-local ``UrlStore`` that carries the URL;
+  data in ``s3://bucket/run``.
 * ``env://`` (torch's default when no init_method is given): torch's own handler
   (a TCPStore at ``MASTER_ADDR:MASTER_PORT``, as torchrun and ``python -m
   ferrosync.train`` set them). Only when ``MASTER_ADDR`` is unset, where torch
@@ -31,22 +31,19 @@ URL has no store shared between hosts, so only the ferrosync backend can use it
 
 Rank and world size come from the URL query that torch appends
 (``init_process_group(rank=, world_size=)``), else from the environment
-(torchrun, SLURM; see ``ferrosync.env``). Registering the handlers imports nothing
-beyond torch: fsspec loads when the backend first touches storage. ``import torch``
-registers them too, through the ``ferrosync_autoload`` entry point (lazy wrappers
-around the handlers here; ``register_handlers`` then leaves them in place).
+(torchrun, SLURM; see ``ferrosync.env``). The handlers here do the work; which URLs
+reach them, and their registration with torch, is the registrar's
+(``ferrosync_autoload``, which loads this module on first use and which this module
+never imports).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import stat
 from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
-
-import ferrosync_autoload  # the rules for which init_methods are ferrosync's
 
 from ..env import ENV_URL, discover
 from ..errors import ConfigError, StorageError
@@ -56,9 +53,6 @@ from ..storage.local import DIR_MODE, file_kind
 STORE_FILE = "c10d.store"
 #: data directory next to a FileStore *file* named by a ``file://`` init_method
 FILE_DATA_SUFFIX = ".ferrosync"
-#: fsspec schemes whose URLs are accepted as init_method (``register_scheme`` adds more)
-OBJECT_SCHEMES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "oci",
-                  "hdfs", "webhdfs")
 
 ENV_MASTER_ADDR = "MASTER_ADDR"
 ENV_MASTER_PORT = "MASTER_PORT"
@@ -160,15 +154,25 @@ class EnvStore(_LocalStore):
                 "ferrosync.train do) for backends other than 'ferrosync'")
 
 
+def _innermost(store):
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+def is_shared_store(store) -> bool:
+    """Whether ``store`` reaches the other ranks (not a process-local ``UrlStore`` or
+    ``EnvStore``, which init_methods make where the ranks meet in storage only)."""
+    return not isinstance(_innermost(store), _LocalStore)
+
+
 def location_of(store) -> str | None:
     """The storage URL an init_method stands for, from the store torch built for it.
 
     Returns None when the store says nothing about a location (``env://``,
     ``tcp://`` or an explicit ``store=``); the caller then needs another source.
     """
-    inner = store
-    while isinstance(inner, dist.PrefixStore):
-        inner = inner.underlying_store
+    inner = _innermost(store)
     if isinstance(inner, UrlStore):
         return inner.url
     if isinstance(inner, dist.FileStore):
@@ -227,7 +231,7 @@ def _refuse_special(path: str) -> None:
         )
 
 
-def _local_handler(url: str, **kwargs):
+def local_handler(url: str, **kwargs):
     """A bare path: a directory (created if missing), or an existing store file."""
     parts = urlsplit(url)
     rank, world_size = _identity(parts.query, url)
@@ -242,43 +246,29 @@ def _local_handler(url: str, **kwargs):
     raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
 
 
-def _file_handler(torch_handler):
-    """torch's ``file://`` handler, extended to URLs naming a directory."""
-
-    def handler(url: str, **kwargs):
-        parts = urlsplit(url)
-        if ferrosync_autoload.takes_over_file(url):
-            rank, world_size = _identity(parts.query, url)
-            yield _directory_store(parts.path, world_size), rank, world_size
-            raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
-        yield from torch_handler(url, **kwargs)
-
-    handler.ferrosync_wraps = torch_handler
-    return handler
+def file_handler(url: str, **kwargs):
+    """``file://`` naming a directory (which torch's own handler rejects)."""
+    parts = urlsplit(url)
+    rank, world_size = _identity(parts.query, url)
+    yield _directory_store(parts.path, world_size), rank, world_size
+    raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
 
 
-def _env_handler(torch_handler):
-    """torch's ``env://`` handler; without ``MASTER_ADDR`` but with ``$FERROSYNC_URL``,
-    a process-local ``EnvStore`` (see the module docstring)."""
-
-    def handler(url: str, **kwargs):
-        if not ferrosync_autoload.takes_over_env(url):
-            yield from torch_handler(url, **kwargs)
-            return
-        parts = urlsplit(url)
-        # torch's own env:// query parameter; meaningless without a TCPStore
-        query = "&".join(p for p in parts.query.split("&") if not p.startswith("use_libuv="))
-        rank, world_size = _identity(query, url)
-        store = EnvStore(rank)
-        _LIVE_URL_STORES.append(store)
-        yield store, rank, world_size
-        raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
-
-    handler.ferrosync_wraps = torch_handler
-    return handler
+def env_handler(url: str, **kwargs):
+    """``env://`` without ``MASTER_ADDR`` but with ``$FERROSYNC_URL``: a process-local
+    ``EnvStore`` (see the module docstring)."""
+    parts = urlsplit(url)
+    # torch's own env:// query parameter; meaningless without a TCPStore
+    query = "&".join(p for p in parts.query.split("&") if not p.startswith("use_libuv="))
+    rank, world_size = _identity(query, url)
+    store = EnvStore(rank)
+    _LIVE_URL_STORES.append(store)
+    yield store, rank, world_size
+    raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
 
 
-def _object_store_handler(url: str, **kwargs):
+def object_store_handler(url: str, **kwargs):
+    """``scheme://bucket/prefix``: a process-local ``UrlStore`` carrying the URL."""
     parts = urlsplit(url)
     rank, world_size = _identity(parts.query, url)
     if not parts.netloc:
@@ -288,39 +278,3 @@ def _object_store_handler(url: str, **kwargs):
     _LIVE_URL_STORES.append(store)
     yield store, rank, world_size
     raise RuntimeError(f"init_method {url!r} cannot re-rendezvous")
-
-
-def _rendezvous():
-    # the module, not the function torch.distributed re-exports under the same name
-    return importlib.import_module("torch.distributed.rendezvous")
-
-
-def register_scheme(scheme: str) -> bool:
-    """Accept ``scheme://...`` as an init_method naming an fsspec location.
-
-    Returns False when a handler for ``scheme`` exists already (it is kept).
-    """
-    try:
-        _rendezvous().register_rendezvous_handler(scheme, _object_store_handler)
-    except RuntimeError:  # already registered (by us, or by someone else: theirs wins)
-        return False
-    return True
-
-
-def register_handlers() -> None:
-    """Install the handlers above. Idempotent; imports nothing but torch."""
-    rendezvous = _rendezvous()
-    try:
-        rendezvous.register_rendezvous_handler("", _local_handler)
-    except RuntimeError:
-        pass
-    for scheme in OBJECT_SCHEMES:
-        register_scheme(scheme)
-    # torch refuses to register a second "file" or "env" handler, so the wrappers
-    # replace the entries in its table; they only change what torch itself would
-    # reject. A wrapper already there (ferrosync_autoload's) is kept.
-    table = getattr(rendezvous, "_rendezvous_handlers", None)
-    for scheme, wrap in (("file", _file_handler), ("env", _env_handler)):
-        current = table.get(scheme) if isinstance(table, dict) else None
-        if current is not None and not hasattr(current, "ferrosync_wraps"):
-            table[scheme] = wrap(current)

@@ -61,14 +61,11 @@ Reductions:
 
 To torch the group looks like a built-in one (``_device_types``, ``group_name``), so
 DeviceMesh, DTensor, functional collectives, FSDP2 and DCP accept it: see
-``_attach_placeholders``.
+``factory.attach_placeholders``.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import threading
 import warnings
 from functools import reduce
@@ -78,20 +75,19 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from .. import validate
-from ..api import GradSync, connect
+from ..api import GradSync
 from ..codecs import FLOAT_DTYPES
-from ..env import ENV_URL
 from ..errors import ConfigError, ObjectCollectiveWarning
-from .constants import BACKEND_NAME, ENV_PG_OPTIONS
+from .constants import BACKEND_NAME
 from .inference import StandIns as _StandIns
 from .inference import inference_safe as _inference_safe
 from .inference import needs_stand_ins as _needs_stand_ins
-from .init_methods import location_of
 from .object_warning import warn_object_collective as _warn_object_collective
 from .work import Done as _Done
 from .work import Pending as _Pending
+from .work import Received as _Received
 
-__all__ = ["SyncProcessGroup", "create_backend", "ObjectCollectiveWarning"]
+__all__ = ["SyncProcessGroup", "sync_of", "ObjectCollectiveWarning"]
 
 _Op = dist.ReduceOp.RedOpType
 _AVERAGED = FLOAT_DTYPES  # the dtypes GradSync.average_ takes
@@ -108,11 +104,6 @@ _COMBINE = {
 }
 _BITWISE = (_Op.BAND, _Op.BOR, _Op.BXOR)
 _INTEGER = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_UNSUPPORTED_HINT = (
-    "ferrosync's process group implements allreduce, broadcast, allgather, "
-    "reduce_scatter, reduce, gather, scatter and barrier; use backend 'gloo' or 'nccl' "
-    "for the rest"
-)
 
 
 #: torch versions on which the async allreduce's private API is tested
@@ -135,6 +126,39 @@ def _reduce_op(opts) -> _Op:
     if isinstance(op, dist.ReduceOp):
         op = op.op
     return op if isinstance(op, _Op) else _Op(op)
+
+
+def _sparse_sum(sync: GradSync, t: torch.Tensor) -> torch.Tensor:
+    """The sum over the ranks of a sparse COO tensor, in rank order (gloo's sparse
+    allreduce): every rank's indices and values through ``all_gather`` (padded to the
+    largest count of entries), summed and coalesced alike on every rank."""
+    t = t.coalesce()
+    indices, values = t.indices(), t.values()
+    counts = [int(c) for c in sync.all_gather(torch.tensor([indices.shape[1]]))]
+    most = max(counts)
+    pad = most - indices.shape[1]
+    indices = torch.cat([indices, indices.new_zeros((indices.shape[0], pad))], 1)
+    values = torch.cat([values, values.new_zeros((pad, *values.shape[1:]))])
+    parts = zip(counts, sync.all_gather(indices), sync.all_gather(values))
+    total = reduce(torch.add, [torch.sparse_coo_tensor(i[:, :n], v[:n], t.shape)
+                               for n, i, v in parts])
+    return total.coalesce()
+
+
+def _split_rows(error, what: str, tensor: torch.Tensor, sizes, world: int) -> list:
+    """``tensor`` cut along dim 0 by ``sizes`` (evenly when empty), for all_to_all_single."""
+    sizes = list(sizes or [])
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if not sizes:
+        if rows % world:
+            raise error(f"all_to_all_single {what} has {rows} rows, not divisible by the "
+                        f"world size {world}", hint="pass split sizes")
+        sizes = [rows // world] * world
+    if len(sizes) != world or sum(sizes) != rows:
+        raise error(f"all_to_all_single {what} split sizes {sizes} do not cut its {rows} "
+                    f"rows into {world} parts")
+    return list(torch.split(tensor.view(rows, -1) if tensor.dim() else tensor.view(1, 1),
+                            sizes))
 
 
 class SyncProcessGroup(dist.ProcessGroup):
@@ -202,10 +226,9 @@ class SyncProcessGroup(dist.ProcessGroup):
 
     def _check_list(self, what: str, tensors, count: int, numel: int) -> None:
         if len(tensors) != count:
-            raise self._error(f"{what} has {len(tensors)} tensors, expected {count} (one per "
-                              "rank)")
+            raise self._error(f"{what} has {len(tensors)} tensors, expected {count}")
         for i, t in enumerate(tensors):
-            if t.numel() != numel:
+            if numel is not None and t.numel() != numel:
                 raise self._error(f"{what}[{i}] has {t.numel()} elements, expected {numel}",
                                   hint="every rank's tensor must have the same shape")
 
@@ -248,6 +271,12 @@ class SyncProcessGroup(dist.ProcessGroup):
     # -- torch.distributed.ProcessGroup interface ------------------------------------------
     def allreduce(self, tensors, opts=None):
         op = _reduce_op(opts)
+        if op == _Op.SUM and tensors and all(t.is_sparse for t in tensors):
+            self._settle()
+            with torch.no_grad():
+                for t in tensors:
+                    t.copy_(_sparse_sum(self.sync, t))
+            return _Done(tensors)
         self._check_op(op, tensors)
         tensors = list(tensors)
         # inference tensors (Lightning's test loop): the collective runs on normal
@@ -471,31 +500,100 @@ class SyncProcessGroup(dist.ProcessGroup):
         self.sync.barrier()
         return _Done([])
 
-    def _unsupported(self, name: str):
-        raise self._error(f"{name} is not supported by the ferrosync backend",
-                          hint=_UNSUPPORTED_HINT)
+    @_inference_safe
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """``output_lists[r][i]`` becomes rank r's ``input_list[i]`` (gloo's layout: one
+        list per rank); one all-gather of the inputs laid end to end when they share a
+        dtype, else one per input."""
+        self._settle()
+        _warn_object_collective(self.sync)
+        world = self.sync.world_size
+        if len(output_lists) != world:
+            raise self._error(f"all_gather_coalesced got {len(output_lists)} output lists, "
+                              f"expected {world} (one per rank)")
+        for r, outs in enumerate(output_lists):
+            self._check_list(f"all_gather_coalesced output_lists[{r}]", outs, len(input_list),
+                             None)
+            for i, (out, inp) in enumerate(zip(outs, input_list)):
+                if out.numel() != inp.numel():
+                    raise self._error(f"all_gather_coalesced output_lists[{r}][{i}] has "
+                                      f"{out.numel()} elements, input_list[{i}] {inp.numel()}")
+        with torch.no_grad():
+            groups = ([list(input_list)] if len({t.dtype for t in input_list}) <= 1
+                      else [[t] for t in input_list])
+            first = 0
+            for group in groups:
+                flat = torch.cat([t.detach().reshape(-1) for t in group]) if group else \
+                    torch.empty(0)
+                for r, part in enumerate(self.sync.all_gather(flat)):
+                    offset = 0
+                    for i, t in enumerate(group, start=first):
+                        out = output_lists[r][i]
+                        out.copy_(part[offset:offset + t.numel()].view(out.shape))
+                        offset += t.numel()
+                first += len(group)
+        return _Done(output_lists)
+
+    # -- all-to-all and point-to-point (GradSync.all_to_all / send / irecv) ------------------
+    @_inference_safe
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._settle()
+        self.sync.all_to_all(list(output_tensors), list(input_tensors))
+        return _Done(output_tensors)
+
+    @_inference_safe
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._settle()
+        world = self.sync.world_size
+        outputs = _split_rows(self._error, "output", output, output_split_sizes, world)
+        inputs = _split_rows(self._error, "input", input, input_split_sizes, world)
+        self.sync.all_to_all(outputs, inputs)
+        return _Done([output])
+
+    # torch >= 2.13's name for it (dist.all_to_all_single)
+    all_to_all_single = alltoall_base
 
     def send(self, tensors, dst, tag=0):
-        self._unsupported("send")
+        """Publishes the message now (it never waits for ``dst``): complete when returned."""
+        self._settle()
+        (tensor,) = tensors
+        self.sync.send(tensor, dst, tag=tag)
+        return _Done(list(tensors))
 
     def recv(self, tensors, src, tag=0):
-        self._unsupported("recv")
+        """A posted receive: the message is this one (the next from ``src`` on ``tag``),
+        read by the returned Work's ``wait``."""
+        (tensor,) = tensors
+        return _Received(self.sync.irecv(tensor, src, tag=tag), list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        self._unsupported("recv_anysource")
+        """A receive from whichever rank has a message first (``backends/messages.py``);
+        the Work's ``_source_rank()`` names it."""
+        (tensor,) = tensors
+        return _Received(self.sync.irecv(tensor, None, tag=tag), list(tensors))
 
-    def alltoall(self, output_tensors, input_tensors, opts=None):
-        self._unsupported("all_to_all")
+    def _wait_for_pending_works(self) -> None:
+        self._settle()
 
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        self._unsupported("all_to_all_single")
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
-                          opts=None):
-        self._unsupported("all_to_all_single")
+    def _refuse(self, name: str, hint: str):
+        raise self._error(f"{name} is not supported by the {BACKEND_NAME} backend", hint=hint)
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
-        self._unsupported("monitored_barrier")
+        self._refuse("monitored_barrier", "use barrier(): it raises PeerFailed or SyncTimeout "
+                     "naming a rank that failed or never arrived")
+
+    def set_timeout(self, timeout) -> None:
+        self._refuse("set_timeout", "pass timeout= to init_process_group or new_group")
+
+    def _enable_collectives_timing(self) -> None:
+        self._refuse("_enable_collectives_timing", "ferrosync.ddp.stats(group) gives the "
+                     "seconds each phase took")
+
+    def split_group(self, *args, **kwargs):
+        self._refuse("split_group", "use dist.new_group(ranks)")
+
+    def merge_remote_group(self, *args, **kwargs):
+        self._refuse("merge_remote_group", "use dist.new_group(ranks)")
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -508,118 +606,17 @@ class SyncProcessGroup(dist.ProcessGroup):
         self.shutdown()
 
 
-# -- looking like a real torch group ---------------------------------------------------------
-
-#: torch versions on which ``_attach_placeholders`` is tested (tests/test_pg_torch_features.py)
-PLACEHOLDER_TESTED_TORCH = ("2.13",)
-
-
-def _attach_placeholders(pg: SyncProcessGroup, group_name: str) -> bool:
-    """Register a placeholder c10d ``Backend`` per device on ``pg`` (private torch API).
-
-    torch keeps a group's device types and its name in its C++ backends
-    (``ProcessGroup::setBackend``, ``getGroupName``), and a Python ``ProcessGroup``
-    has none, so ``pg._device_types`` is empty and ``group_name`` raises: DeviceMesh,
-    functional collectives, FSDP2 and DCP then refuse the group. A Python class cannot
-    subclass ``torch._C._distributed_c10d.Backend``, so the placeholder is torch's
-    ``FakeProcessGroup`` with ``error_on_collective=True``: every collective that would
-    reach it raises instead of silently doing nothing. The real collectives stay
-    ``SyncProcessGroup``'s methods, which torch's C++ reaches through the Python
-    ProcessGroup trampoline (``torch/csrc/distributed/c10d/PyProcessGroup.hpp``), or
-    directly from Python. The trampoline does not forward every method (e.g.
-    ``recvAnysource``, coalescing); those are reached from Python only, where
-    ``SyncProcessGroup`` defines them, and ``FakeProcessGroup``'s send/recv, which
-    ignore ``error_on_collective``, are shadowed by ours. tests/test_pg_torch_features.py
-    checks that no collective reaches the placeholder.
-
-    Private API used: ``torch._C._distributed_c10d.FakeProcessGroup._create_internal``
-    and ``.Options.error_on_collective``, ``ProcessGroup._register_backend``,
-    ``ProcessGroup.BackendType.CUSTOM``, ``ProcessGroup._set_group_name`` (torch's own
-    ``_new_process_group_helper`` sets the same name again after the factory returns).
-    Tested on the torch versions in ``PLACEHOLDER_TESTED_TORCH``. Returns False, with
-    a ``RuntimeWarning``, where this torch lacks the API; the group then works as a
-    plain Python group (DDP and ``torch.distributed`` calls, not the above).
-    """
-    try:
-        fake = torch._C._distributed_c10d.FakeProcessGroup
-        options = fake.Options()
-        options.error_on_collective = True
-        placeholder = fake._create_internal(pg.rank(), pg.size(), options)
-        for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
-            pg._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM,
-                                 placeholder)
-        pg._set_group_name(str(group_name))
-    except Exception as exc:  # an API change in a torch we are not tested on
-        warnings.warn(f"ferrosync could not give its process group device types and a name "
-                      f"on torch {torch.__version__} ({type(exc).__name__}: {exc}); "
-                      "DeviceMesh, functional collectives, FSDP2 and DCP will refuse it",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    pg._placeholder = placeholder
-    return True
-
-
-# -- the backend factory -------------------------------------------------------------------
-
-def _options(pg_options) -> dict:
-    """``ferrosync.connect`` options: ``$FERROSYNC_PG_OPTIONS`` (JSON), then ``pg_options``."""
-    options: dict = {}
-    raw = os.environ.get(ENV_PG_OPTIONS, "").strip()
-    if raw:
-        try:
-            options = json.loads(raw)
-        except ValueError as exc:
-            raise ConfigError(f"{ENV_PG_OPTIONS} is not valid JSON ({exc})",
-                              hint='set it to a JSON object such as {"secret": "..."}') from None
-        if not isinstance(options, dict):
-            raise ConfigError(f"{ENV_PG_OPTIONS} must be a JSON object, got {raw[:80]!r}")
-    if pg_options is not None:
-        if not isinstance(pg_options, dict):
-            raise ConfigError(
-                f"pg_options for backend {BACKEND_NAME!r} must be a dict of ferrosync.connect "
-                f"options, got {type(pg_options).__name__}",
-                hint="e.g. pg_options={'storage_options': {...}, 'secret': '...'}")
-        options.update(pg_options)
-    return options
-
-
-def _group_suffix(group_id: str) -> str:
-    return "group." + re.sub(r"[^A-Za-z0-9_.-]", "_", str(group_id))
-
-
-def create_backend(backend_opts, pg_options) -> SyncProcessGroup:
-    """torch's factory for backend "ferrosync" (registered with ``extended_api=True``).
-
-    Collective over the group's ranks: connects every rank to the storage location
-    named by the init_method (see ``init_methods``), or by ``pg_options["url"]`` /
-    ``$FERROSYNC_URL`` when the init_method names none (``env://``, ``tcp://``).
-    The world group uses the location itself, a subgroup ``<location>/group.<name>``.
-    The init timeout bounds every wait. Option ``overlap`` (default true) is the
-    group's, not ``connect``'s (see ``SyncProcessGroup``). Raises ``ConfigError`` (bad
-    options, no location) or ``SyncTimeout`` (peers missing).
-    """
-    options = _options(pg_options)
-    url = options.pop("url", None)
-    location = location_of(backend_opts.store)
-    if location is not None:
-        if url is not None and url != location:
-            raise ConfigError(
-                f"pg_options url {url!r} differs from the init_method's location {location!r}",
-                rank=backend_opts.group_rank, hint="give the location once")
-        url = location
-    url = url or os.environ.get(ENV_URL)
-    if not url:
-        raise ConfigError(
-            f"backend {BACKEND_NAME!r} needs a storage location, and init_method names none",
-            rank=backend_opts.group_rank,
-            hint="use init_method='/shared/dir' or 's3://bucket/run', or set FERROSYNC_URL",
-        )
-    if list(backend_opts.global_ranks_in_group):  # a subgroup (the world group has [])
-        url = url.rstrip("/") + "/" + _group_suffix(backend_opts.group_id)
-    overlap = validate.boolean("overlap", options.pop("overlap", True),
-                               rank=backend_opts.group_rank)
-    sync = connect(url, rank=backend_opts.group_rank, world_size=backend_opts.group_size,
-                   timeout=backend_opts.timeout.total_seconds(), **options)
-    pg = SyncProcessGroup(sync, owns_sync=True, overlap=overlap)
-    _attach_placeholders(pg, backend_opts.group_id)
-    return pg
+def sync_of(group) -> GradSync | None:
+    """The GradSync behind ``group``: a ``SyncProcessGroup``, or a torch ``ProcessGroup``
+    wrapping one (what ``init_process_group("ferrosync")`` and ``new_group`` make); None
+    for any other group."""
+    if isinstance(group, SyncProcessGroup):
+        return group.sync
+    if isinstance(group, dist.ProcessGroup):
+        try:  # torch wraps the backend a factory returned in a ProcessGroup
+            backend = group._get_backend(torch.device("cpu"))
+        except (RuntimeError, AttributeError, ValueError):
+            return None
+        if isinstance(backend, SyncProcessGroup):
+            return backend.sync
+    return None

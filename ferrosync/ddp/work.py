@@ -1,6 +1,7 @@
 """torch ``Work`` objects of the ``"ferrosync"`` process group: ``Done`` for the
 synchronous collectives, ``Pending`` for an allreduce running on the GradSync's async
-thread (its ``wait`` and future deliver the collective's typed error)."""
+thread (its ``wait`` and future deliver the collective's typed error), ``Received`` for
+a posted receive (``irecv``: its ``wait`` reads the message)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch.futures import Future
 
 from ..errors import SyncTimeout
 
-__all__ = ["Done", "Pending"]
+__all__ = ["Done", "Pending", "Received"]
 
 
 class Done(dist._Work):
@@ -87,4 +88,43 @@ class Pending(dist._Work):
         return self._result
 
     def get_future(self) -> Future:
+        return self._future
+
+
+class Received(dist._Work):
+    """A posted receive (``GradSync.irecv``'s ``Receive``): the message is chosen when
+    posted and read by ``wait`` (or a successful ``is_completed``), so a receive never
+    blocks the calls after it. ``_source_rank`` is the sender's rank (torch reads it
+    after ``recv`` from any source)."""
+
+    def __init__(self, receive, tensors) -> None:
+        super().__init__()
+        self._receive = receive
+        self._tensors = tensors
+        self._future = Future()
+
+    def wait(self, timeout: datetime.timedelta = datetime.timedelta(0)) -> bool:
+        self._receive.wait()
+        if not self._future.done():
+            self._future.set_result(self._tensors)
+        return True
+
+    def is_completed(self) -> bool:
+        if self._receive.done():
+            return self.wait()
+        return False
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def _source_rank(self) -> int:
+        self.wait()
+        return self._receive.src
+
+    def result(self):
+        self.wait()
+        return self._tensors
+
+    def get_future(self) -> Future:
+        self.wait()
         return self._future

@@ -36,7 +36,8 @@ Rules kept here (docs/design.md#storage-rules):
   ``StorageError``, and rewrites a parked spare only when it is a regular file of
   this uid with one link. Links in the path *to* the root are the user's business.
 
-One engine per module, chosen by ``open_storage`` from the URL's scheme (``_OPENERS``):
+One engine per module, chosen by ``open_storage`` from the URL's scheme (the one table of
+schemes, ``ferrosync_schemes.SCHEMES``: opener, fsspec protocol, install hint, store):
 ``base`` (the interface, counters, readers, retry, the location probe), ``classify``
 (transient or not), ``local`` (directories), ``local_tools`` (what only the operator tools
 do to a directory), ``fsspec_store`` (object stores), ``s3`` (S3 specifics) and ``mounts``
@@ -45,8 +46,11 @@ do to a directory), ``fsspec_store`` (object stores), ``s3`` (S3 specifics) and 
 
 from __future__ import annotations
 
+import importlib
 import re
 from urllib.parse import urlsplit
+
+from ferrosync_schemes import scheme
 
 from ..errors import ConfigError
 from .base import (
@@ -61,33 +65,28 @@ from .base import (
     oversized,
     probe_location,
 )
-from .fsspec_store import FsspecStorage, gcs_driver, open_fsspec, open_gcs
-from .local import LocalStorage, open_local
+from .fsspec_store import FsspecStorage, gcs_driver
+from .local import LocalStorage
 from .mounts import LOCAL_FILESYSTEMS, is_local_filesystem, mount_of
-from .s3 import open_s3
 
 __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
     "object_exists", "probe_location", "mount_of", "is_local_filesystem", "LOCAL_FILESYSTEMS",
     "ExclusiveCreateUnsupported", "gcs_driver", "RECORD_LIMIT",
-    "REQUEST_KINDS", "Reader", "oversized", "split_url",
+    "REQUEST_KINDS", "Reader", "oversized", "split_url", "opener_of",
 ]
 
-#: URL scheme -> the engine's opener, ``opener(url, protocol, rest, storage_options,
-#: timeout)``; any other scheme is an fsspec driver's (``open_fsspec``)
-_OPENERS = {
-    "file": open_local, "local": open_local,
-    "s3": open_s3, "s3a": open_s3,
-    "gs": open_gcs, "gcs": open_gcs,
-}
+def opener_of(protocol: str):
+    """The engine's opener for ``protocol``, ``opener(url, protocol, rest,
+    storage_options, timeout)``, named by the one table of schemes (``ferrosync_schemes``;
+    any scheme without a row is an fsspec driver's)."""
+    module, _, name = scheme(protocol).opener.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 #: a relative path whose first part starts like a URL scheme: ``s3:/bucket/run``,
 #: ``s3:bucket``, ``file:/tmp/x`` (a mistyped URL, not a directory named "s3:")
 _SCHEME_LIKE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(/*)(.*)", re.S)
-
-
-_LOCAL = ("file", "local")
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -103,9 +102,10 @@ def split_url(url: str) -> tuple[str, str]:
     if "://" not in url:
         mistyped = _SCHEME_LIKE.fullmatch(url)
         if mistyped is not None:
-            scheme, _, rest = mistyped.groups()
-            scheme = scheme.lower()
-            fixed = f"{scheme}://{'/' if scheme in _LOCAL else ''}{rest}"
+            name, _, rest = mistyped.groups()
+            name = name.lower()
+            local = scheme(name).protocol == "file"  # file:///abs/path
+            fixed = f"{name}://{'/' if local else ''}{rest}"
             raise ConfigError(f"{url!r} looks like a URL without the '//' after its scheme",
                               hint=f"write {fixed} (or ./{url} for a local directory of "
                               "that name)")
@@ -135,7 +135,6 @@ def open_storage(url: str, storage_options: dict | None = None, *,
     ``pip install`` that adds it.
     """
     protocol, rest = split_url(url)
-    opener = _OPENERS.get(protocol, open_fsspec)
-    storage = opener(url, protocol, rest, dict(storage_options or {}), timeout)
+    storage = opener_of(protocol)(url, protocol, rest, dict(storage_options or {}), timeout)
     storage.retry_s = timeout  # a call's retries end within it
     return storage

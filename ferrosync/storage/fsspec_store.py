@@ -15,6 +15,8 @@ import os
 from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
+from ferrosync_schemes import scheme
+
 from ..errors import ConfigError, FerrosyncError, StorageError
 from .base import (
     EXCLUSIVE_CREATE_HINT,
@@ -372,13 +374,14 @@ def _accepts_refresh(fs) -> bool:
 
 
 def _driver_hint(protocol: str, exc: BaseException) -> str:
-    """The ``pip install`` that adds ``protocol``'s fsspec driver, from fsspec's own
-    ``known_implementations``: the driver's package, or (for drivers inside fsspec)
-    the module its import missed."""
+    """The ``pip install`` that adds ``protocol``'s fsspec driver: the table of schemes'
+    (``ferrosync_schemes``), else from fsspec's own ``known_implementations`` (the
+    driver's package, or for drivers inside fsspec the module its import missed)."""
     from fsspec.registry import known_implementations
 
-    if protocol in ("s3", "s3a"):
-        return "pip install 'ferrosync[s3]'"
+    install = scheme(protocol).install
+    if install:
+        return install
     module = str(known_implementations.get(protocol, {}).get("class", "")).split(".")[0]
     if module and module != "fsspec":
         return f"pip install {module.replace('_', '-')}"

@@ -1,0 +1,231 @@
+"""Point-to-point messages of one generation through storage (``Mailbox``).
+
+A message is one object, ``names.message(src, dst, tag, n)``: the n-th message rank
+``src`` sends rank ``dst`` with ``tag`` (n = 0, 1, ... per (src, dst, tag), counted alike
+by the sender as it sends and by the receiver as it posts receives). It is an exact
+copy of the tensor's bytes with the object header every collective object has (kind
+"broadcast", raw codec), so it gets the same trust: checksum or MAC over header and
+payload, the generation token binding it to this job and generation, ``n`` in the
+header's collective field, and a layout digest over (source, destination, tag) so an
+object moved onto another pair's or tag's name is refused (docs/design.md#point-to-point).
+
+Messages take no collective number: only two ranks take part, and the collective
+sequence must stay the same on every rank. The sender's publish never waits for the
+receiver (storage holds the message until it is read), so sends cannot deadlock; the
+receiver polls the exact name, checks the sender's liveness (abort marker, heartbeat)
+as a collective's waits do, and deletes the message once it has read it.
+
+**Receiving from any source** (``src=None``): each poll looks at every other rank's
+next message on ``tag``, in rank order, and takes the first one there. Among the
+messages present at one poll the lowest rank wins; which ranks' messages have arrived
+by then is up to the timing of the sends, as with MPI's ``MPI_ANY_SOURCE``. Each
+candidate's counter only moves when its message is taken, so a later receive from a
+specific rank gets the next message of that rank, never one skipped.
+
+Used by one ``FileSync`` from the thread inside its call (``GradSync.run_collective``);
+not thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from .. import names
+from ..codecs import RawCodec, as_uint8
+from ..errors import LayoutMismatch, PeerFailed, ShardCorrupt, SyncTimeout
+from ..storage import RECORD_LIMIT, Backoff
+from ..wire import DTYPE_CODES, DTYPES, HEADER_SIZE, KIND_BROADCAST, MAC_SIZE, layout_digest, seal
+from .incoming import Expected, Incoming, Part, read_header
+
+
+def message_digest(src: int, dst: int, tag: int) -> bytes:
+    """The layout digest a message between ``src`` and ``dst`` with ``tag`` carries."""
+    return layout_digest(json.dumps({"op": "message", "src": src, "dst": dst, "tag": tag}))
+
+
+class Mailbox:
+    """Send and receive point-to-point messages in one generation (see the module)."""
+
+    def __init__(self, storage, prefix: str, generation, *, rank: int, world_size: int,
+                 key: bytes | None, poll: tuple[float, float], monitor, stats,
+                 timeout: float, url: str, pool, chunk_bytes: int) -> None:
+        self.storage = storage
+        self.prefix = prefix
+        self.tag = generation.tag
+        self.rank, self.world_size = rank, world_size
+        self.key = key
+        self.timeout = timeout
+        self._poll = poll
+        self._monitor = monitor
+        self._stats = stats
+        self._url = url
+        self._pool = pool
+        self._chunk_bytes = chunk_bytes
+        self._sent: dict[tuple[int, int], int] = {}  # (dst, tag) -> next number
+        self._posted: dict[tuple[int, int], int] = {}  # (src, tag) -> next number
+
+    def _key_of(self, src: int, dst: int, tag: int, number: int) -> str:
+        return names.within(self.prefix, names.message(src, dst, tag, number))
+
+    def _expected(self, src: int, dst: int, tag: int, number: int, flat: torch.Tensor):
+        return Expected(KIND_BROADCAST, flat.dtype, RawCodec(flat.dtype),
+                        message_digest(src, dst, tag), Part.whole(flat.numel()),
+                        self.world_size, self.tag, number)
+
+    # -- sending -----------------------------------------------------------------------------
+    def send(self, flat: torch.Tensor, dst: int, tag: int, before_put) -> int:
+        """Publish ``flat`` (contiguous) as the next message to ``dst`` on ``tag``; returns
+        its number. Returns once the object is written: it never waits for ``dst``."""
+        number = self._sent.get((dst, tag), 0)
+        expected = self._expected(self.rank, dst, tag, number, flat)
+        payload = as_uint8(flat).numpy() if flat.numel() else b""
+        header = expected.header(self.rank, weight=1.0, nbytes=len(payload))
+        before_put("send")
+        with self._stats.phase("write_s"):
+            self.storage.put(self._key_of(self.rank, dst, tag, number),
+                             [seal(header, [payload], self.key), payload])
+        self.storage.counters.add(objects=1)
+        self._sent[(dst, tag)] = number + 1
+        return number
+
+    # -- receiving ---------------------------------------------------------------------------
+    def post(self, src: int, tag: int) -> int:
+        """Take the number of the next message from ``src`` on ``tag`` (a receive posted
+        now gets that message, whenever it is read)."""
+        number = self._posted.get((src, tag), 0)
+        self._posted[(src, tag)] = number + 1
+        return number
+
+    def receive(self, flat: torch.Tensor, src: int | None, tag: int,
+                number: int | None = None, *, block: bool = True) -> int | None:
+        """Read a message into ``flat`` (contiguous): message ``number`` of ``src`` (posted
+        with ``post``), the next one of ``src``, or with ``src=None`` the next one of
+        whichever rank has one first (see the module docstring). Returns the source
+        rank, or None when ``block`` is False and nothing is there yet."""
+        if src is not None and number is None:
+            number = self.post(src, tag)
+        deadline = time.monotonic() + self.timeout
+        backoff = Backoff(*self._poll)
+        with self._stats.phase("wait_s"):
+            while True:
+                found = self._look(flat, src, tag, number)
+                if found is not None or not block:
+                    break
+                candidates = [src] if src is not None else [
+                    r for r in range(self.world_size) if r != self.rank]
+                try:
+                    self._monitor.maybe_check(candidates, None, None)
+                except PeerFailed:
+                    found = self._look(flat, src, tag, number)  # sent, then closed
+                    if found is None:
+                        raise
+                    break
+                deadline = max(deadline, self._monitor.resumed_at + self.timeout)
+                if time.monotonic() >= deadline:
+                    raise self._timeout(src, tag, number)
+                backoff.sleep(deadline)
+        if found is None:
+            return None
+        source, reader, number = found
+        self._read(reader, flat, source, tag, number)
+        if src is None:
+            self._posted[(source, tag)] = number + 1
+        return source
+
+    def _look(self, flat, src, tag, number):
+        """One poll: (source, reader, number) of the message wanted, or None."""
+        limit = HEADER_SIZE + MAC_SIZE + max(flat.numel() * flat.element_size(), RECORD_LIMIT)
+        sources = [src] if src is not None else [
+            r for r in range(self.world_size) if r != self.rank]
+        for source in sources:
+            n = number if src is not None else self._posted.get((source, tag), 0)
+            reader = self.storage.open(self._key_of(source, self.rank, tag, n),
+                                       max_bytes=limit, rank=self.rank)
+            if reader is not None:
+                return source, reader, n
+        return None
+
+    def _read(self, reader, flat: torch.Tensor, src: int, tag: int, number: int) -> None:
+        key = self._key_of(src, self.rank, tag, number)
+        path = self.storage.path_of(key)
+        with reader:
+            with self._stats.phase("read_s"):
+                header, raw_head = read_header(reader, path, self.rank, self.key)
+            what = f"message {number} from rank {src} (tag {tag})"
+            if header.generation != self.tag or header.collective != number:
+                raise ShardCorrupt(
+                    f"{what} belongs to generation tag {header.generation:016x} message "
+                    f"{header.collective}, expected {self.tag:016x} message {number}",
+                    rank=self.rank, path=path,
+                    hint="something else writes under this URL: give each job its own URL")
+            if reader.size != header.size + header.payload_nbytes:
+                raise ShardCorrupt(f"{what} has {reader.size} bytes, its header says "
+                                   f"{header.size + header.payload_nbytes}", rank=self.rank,
+                                   path=path, hint="it was truncated or appended to")
+            if (header.dtype, header.count) != (DTYPE_CODES[flat.dtype], flat.numel()):
+                theirs = DTYPES.get(header.dtype, f"dtype code {header.dtype}")
+                raise LayoutMismatch(
+                    f"rank {src} sent {header.count} elements of {theirs} as {what}; this "
+                    f"rank receives {flat.numel()} of {flat.dtype}", rank=self.rank,
+                    path=path, hint="send and receive tensors of the same dtype and size, "
+                    "in the same order on both sides")
+            expected = self._expected(src, self.rank, tag, number, flat)
+            expected.check(header, src, path, self.rank, lambda other, digest: ShardCorrupt(
+                f"{what} carries another pair's or tag's digest (a moved object)",
+                rank=self.rank, path=path, hint="something else writes under this URL"))
+            incoming = Incoming(reader, header, raw_head, path, self.key, self.rank)
+            incoming.read_into(flat, expected.codec, self._chunk_bytes, self._pool,
+                               self._stats)
+        self.storage.delete([key])  # read by its one reader: consumed
+
+    def _timeout(self, src, tag, number) -> SyncTimeout:
+        which = (f"message {number} from rank {src}" if src is not None
+                 else "a message from any rank")
+        return SyncTimeout(
+            f"timed out after {self.timeout:g} s in recv waiting for {which} (tag {tag})",
+            rank=self.rank, path=self.storage.path_of(self.prefix),
+            hint="does the sending rank call send with this rank and tag, as many times?")
+
+
+class Exchanges:
+    """``FileSync``'s point-to-point primitives and ``all_to_all`` (a mixin, so that the
+    class stays one reader's size): messages through its ``Mailbox``, the all-to-all
+    through its exact-copy objects in the collective sequence."""
+
+    point_to_point = True
+
+    def _all_to_all_flat(self, outputs, inputs, digest, layout):
+        """Rank k publishes its chunk for rank j as ``c{s}.r{k}.s{j}`` (raw) and reads
+        ``c{s}.r{j}.s{k}`` from every other rank j; chunks may differ in size (each
+        reader knows what it expects from each rank, and the header says what came)."""
+        s = self._begin("all_to_all")
+        me = self.rank
+        outputs[me].copy_(inputs[me])
+        if self.world_size == 1:
+            return
+        objects = self._objects
+        objects.ensure_layout(digest, layout)
+        mine = []
+        for j in range(self.world_size):
+            if j != me:
+                mine.append(names.contribution(s, me, j))
+                self._publish_copy(mine[-1], inputs[j], digest)
+        for k in range(self.world_size):
+            if k != me:
+                self._receive_copy(names.contribution(s, k, me), k, [k],
+                                   f"the chunk rank {k} sends this rank", outputs[k], digest)
+        # every rank published for s, so every rank finished the collectives before it
+        objects.recycler.gathered([objects.key_of(name) for name in mine])
+
+    # point-to-point (docs/design.md#point-to-point; ``messages.py``) ------------------------
+    def _send_flat(self, flat, dst, tag):
+        self._mailbox.send(flat, dst, tag, self._raise_if_failed)
+
+    def _post_recv(self, src, tag):
+        return self._mailbox.post(src, tag)
+
+    def _recv_flat(self, flat, src, tag, number=None, block=True):
+        return self._mailbox.receive(flat, src, tag, number, block=block)
