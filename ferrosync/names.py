@@ -226,6 +226,7 @@ def parse(name: str) -> Name:
 #     r{r}.m.{path}      a range of a tree reduce's average (``elastic_result``)
 #     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
 #     state / state.{r}  the published training state and its pointer (``elastic_state``)
+#     layout.{digest}    what a call of that layout digest passed (``elastic_layout``)
 #     ended              the job is over: joiners stop waiting (``ELASTIC_ENDED``)
 #     job                what every member must agree on (``ELASTIC_JOB_RECORD``)
 #
@@ -248,6 +249,11 @@ _MEMBER_ID = re.compile(r"[0-9a-f]{16}")
 def elastic_namespace(job: str | None) -> str:
     """Where an elastic job's objects live: ``el`` or ``el.{job}``."""
     return ELASTIC if job is None else f"{ELASTIC}.{job}"
+
+
+def is_elastic_namespace(name: str) -> bool:
+    """Whether the path component ``name`` is an elastic job's namespace."""
+    return name == ELASTIC or name.startswith(ELASTIC + ".")
 
 
 def is_member_id(member_id) -> bool:
@@ -296,6 +302,12 @@ def elastic_result(round_: int, path) -> str:
     return f"r{round_}.m.{_path(path)}"
 
 
+def elastic_layout(digest: bytes) -> str:
+    """The description of the call whose layout digest is ``digest`` (content-addressed:
+    every member that calls with that layout writes the same record)."""
+    return f"layout.{digest.hex()}"
+
+
 def elastic_state(round_: int) -> str:
     """The training state published after round ``round_``."""
     return f"state.{round_}"
@@ -307,16 +319,18 @@ _ELASTIC_PATTERNS = (
     ("elastic_join", rf"join\.{_N}", ("number",)),
     ("elastic_roster", rf"r{_N}\.roster", ("collective",)),
     ("elastic_contribution", rf"r{_N}\.([0-9a-f]{{16}})", ("collective", "token")),
-    ("elastic_piece", rf"r{_N}\.t[0-9]+\.[0-9]+(?:\.[0-9]+)+", ("collective",)),
+    ("elastic_piece", rf"r{_N}\.t{_N}\.[0-9]+(?:\.[0-9]+)+", ("collective", "number")),
     ("elastic_result", rf"r{_N}\.m(?:\.[0-9]+)+", ("collective",)),
     ("elastic_latest", re.escape(ELASTIC_LATEST), ()),
     ("elastic_state_pointer", re.escape(ELASTIC_STATE_POINTER), ()),
     ("elastic_state", rf"state\.{_N}", ("collective",)),
+    ("elastic_layout", r"layout\.([0-9a-f]{16})", ("digest",)),
     ("elastic_ended", re.escape(ELASTIC_ENDED), ()),
     ("elastic_job", re.escape(ELASTIC_JOB_RECORD), ()),
 )
 _ELASTIC_COMPILED = tuple((kind, re.compile(p), f) for kind, p, f in _ELASTIC_PATTERNS)
-#: what ``parse_elastic`` can answer (``collective`` holds the round, ``token`` the id)
+#: what ``parse_elastic`` can answer (``collective`` holds the round, ``token`` the id,
+#: ``number`` a join entry's index or a tree piece's level)
 ELASTIC_KINDS = tuple(kind for kind, _, _ in _ELASTIC_PATTERNS) + ("unknown",)
 
 
