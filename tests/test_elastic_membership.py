@@ -291,6 +291,29 @@ def test_joiners_claim_the_smallest_free_entries_in_order(storage):
     assert record_at(storage, f"{NS}/join.1") == {"id": B}
 
 
+@pytest.mark.unit
+def test_a_claim_finds_the_first_free_entry_in_logarithmic_requests(storage):
+    """100,000 entries planted ahead of the queue (empty names): the claim gallops and
+    bisects to the first free entry instead of trying every one."""
+    for n in range(100_000):
+        storage.objects[f"{NS}/join.{n}"] = b""
+    assert mb.Rosters(layer(storage)).claim(A, 0, 1e18) == 100_000
+    assert len(storage.log) < 60, len(storage.log)
+
+
+@pytest.mark.unit
+def test_a_claim_that_keeps_losing_its_race_ends_at_the_deadline(storage, clock):
+    def someone_else_first(key):  # every entry is taken just before this member's create
+        storage.objects[key] = encode_record({"id": B}, SECRET)
+        storage.before("put", f"{NS}/join.*", someone_else_first)
+
+    storage.before("put", f"{NS}/join.*", someone_else_first)
+    start = clock.now
+    with pytest.raises(SyncTimeout, match="no free entry of the join queue"):
+        mb.Rosters(layer(storage)).claim(A, 0, start + 2.0)
+    assert clock.now - start < 2.1
+
+
 def test_a_join_entry_is_read_once_then_remembered(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     mb.Rosters(layer(storage, SECRET)).claim(A, 0, 1e18)

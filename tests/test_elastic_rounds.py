@@ -171,12 +171,41 @@ def test_the_checker_waits_for_min_ranks_and_admits_joiners_in_queue_order(stora
     for who in (B, C, D):
         beating(storage, clock, who)
     clock.call_later(1.0, lambda: joiners.rosters.claim(B, 0, 1e18))
-    clock.call_later(2.0, lambda: (joiners.rosters.claim(C, 0, 1e18), joiners.rosters.claim(D, 0, 1e18)))
+    clock.call_later(2.0, lambda: (joiners.rosters.claim(C, 0, 1e18),
+                                   joiners.rosters.claim(D, 0, 1e18)))
     start = clock.now
     roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=start + 30.0)
     assert roster.members == (A, B, C)  # max_ranks=3: D waits for a later round
     assert roster.join_next == 2
     assert 2.0 <= clock.now - start < 2.0 + POLL[1] + 0.05
+
+
+@pytest.mark.unit
+def test_a_wait_below_min_ranks_says_how_many_members_are_there(storage, clock, caplog):
+    """The checker of a job being founded says how many members it has and needs, when
+    it starts waiting and every 30 s after (the trainer shows these lines)."""
+    me = Member(storage, min_ranks=2)
+    beating(storage, clock, A)
+    me.rosters.claim(A, 0, 1e18)
+    caplog.set_level("INFO", logger="ferrosync.elastic")
+    start = clock.now
+    with pytest.raises(SyncTimeout, match="fewer than min_ranks=2"):
+        me.agreement.wait(0, mb.EMPTY, [], deadline=start + 65.0, queued=1)
+    lines = [r for r in caplog.records if r.name == "ferrosync.elastic"]
+    assert [r.getMessage() for r in lines] == [
+        "waiting for members: 1 here, 2 needed (min_ranks=2)"] * 3  # at 0, 30 and 60 s
+    assert all(r.levelname == "INFO" for r in lines)
+
+
+@pytest.mark.unit
+def test_a_joiner_of_a_job_being_founded_says_how_many_are_queued(storage, clock, caplog):
+    me = Member(storage, min_ranks=3)
+    beating(storage, clock, A)  # the checker: alive, but waiting for a third member
+    caplog.set_level("INFO", logger="ferrosync.elastic")
+    with pytest.raises(SyncTimeout):
+        me.agreement.wait(0, mb.EMPTY, [A], deadline=clock.now + 10.0, queued=2)
+    assert [r.getMessage() for r in caplog.records if r.name == "ferrosync.elastic"] == [
+        "waiting for members: 2 here, 3 needed (min_ranks=3)"]
 
 
 def test_a_joiner_that_left_before_admission_is_skipped_and_its_entry_consumed(storage, clock):

@@ -61,7 +61,7 @@ def check_record(objects, spec: dict | None, settings: dict, defaults: dict,
         if record.get(setting, defaults[setting]) != value:
             raise ConfigError(
                 f"this member does not fit the elastic job at {url}: the job runs with "
-                f"{setting}={record.get(setting, defaults[setting])!r} (here {value!r})",
+                f"{setting} {record.get(setting, defaults[setting])!r} (here {value!r})",
                 path=path, hint=f"start every member with the same {setting} (or use "
                 "another job id)")
     if not theirs or not mine:
