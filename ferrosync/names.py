@@ -225,7 +225,8 @@ def parse(name: str) -> Name:
 #                        (``elastic_piece``; level 0: the slices of a contribution)
 #     r{r}.m.{path}      a range of a tree reduce's average (``elastic_result``)
 #     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
-#     state / state.{r}  the published training state and its pointer (``elastic_state``)
+#     state / state.{r}.{i}  the published training state's parts and their pointer
+#                        (``elastic_state``)
 #     layout.{digest}    what a call of that layout digest passed (``elastic_layout``)
 #     ended              the job is over: joiners stop waiting (``ELASTIC_ENDED``)
 #     job                what every member must agree on (``ELASTIC_JOB_RECORD``)
@@ -308,9 +309,10 @@ def elastic_layout(digest: bytes) -> str:
     return f"layout.{digest.hex()}"
 
 
-def elastic_state(round_: int) -> str:
-    """The training state published after round ``round_``."""
-    return f"state.{round_}"
+def elastic_state(round_: int, part: int | None = None) -> str:
+    """The training state published after round ``round_``: part ``part`` of it (an
+    older publisher wrote one object, without a part)."""
+    return f"state.{round_}" if part is None else f"state.{round_}.{part}"
 
 
 _ELASTIC_PATTERNS = (
@@ -323,7 +325,7 @@ _ELASTIC_PATTERNS = (
     ("elastic_result", rf"r{_N}\.m(?:\.[0-9]+)+", ("collective",)),
     ("elastic_latest", re.escape(ELASTIC_LATEST), ()),
     ("elastic_state_pointer", re.escape(ELASTIC_STATE_POINTER), ()),
-    ("elastic_state", rf"state\.{_N}", ("collective",)),
+    ("elastic_state", rf"state\.{_N}(?:\.{_N})?", ("collective", "slice")),
     ("elastic_layout", r"layout\.([0-9a-f]{16})", ("digest",)),
     ("elastic_ended", re.escape(ELASTIC_ENDED), ()),
     ("elastic_job", re.escape(ELASTIC_JOB_RECORD), ()),
@@ -342,6 +344,7 @@ def parse_elastic(name: str) -> Name:
             continue
         values = {}
         for field_name, value in zip(fields, m.groups()):
-            values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
+            if value is not None:
+                values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
         return Name(kind, **values)
     return Name("unknown")

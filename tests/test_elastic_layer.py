@@ -152,7 +152,7 @@ def test_a_damaged_state_is_refused_and_the_callers_tensors_are_untouched(tmp_pa
         sync.publish_state({"w": torch.arange(1000, dtype=torch.float32)}, {"step": 7})
         got = sync.read_state()
         assert got.meta == {"step": 7} and torch.equal(got.tensors["w"], torch.arange(1000.0))
-        key = os.path.join(str(tmp_path), "el.state", names.elastic_state(sync.round))
+        key = os.path.join(str(tmp_path), "el.state", names.elastic_state(sync.round, 0))
         with open(key, "r+b") as f:  # one payload byte flipped on storage
             f.seek(-10, os.SEEK_END)
             byte = f.read(1)
@@ -164,3 +164,24 @@ def test_a_damaged_state_is_refused_and_the_callers_tensors_are_untouched(tmp_pa
         assert not mine.any()  # nothing unverified reached the caller's tensors
         with pytest.raises(ShardCorrupt, match="checksum mismatch"):
             sync.read_state()
+
+
+def test_a_state_of_several_parts_reads_back_exactly(tmp_path):
+    """A state larger than a part (an eighth of it, at least 1 MiB) is published in
+    parts that cut across its tensors; both reads put every byte back in place."""
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(700_000, generator=g),
+             "b": torch.arange(50_000, dtype=torch.int64),
+             "c": torch.randn(3, 100_000, generator=g).to(torch.bfloat16),
+             "empty": torch.empty(0)}
+    with ferrosync.connect(str(tmp_path), elastic=True, job="parts", timeout=TIMEOUT,
+                           **FAST) as sync:
+        sync.publish_state(state)
+        parts = [n for n in os.listdir(tmp_path / "el.parts") if n.startswith("state.")]
+        assert len(parts) == 4, parts  # 3.8 MB in 1 MiB parts
+        got = sync.read_state().tensors
+        assert list(got) == list(state)
+        assert all(torch.equal(got[k], state[k]) for k in state)
+        mine = {k: torch.zeros_like(v) for k, v in state.items()}
+        sync.fetch_state(mine)
+        assert all(torch.equal(mine[k], state[k]) for k in state)

@@ -19,7 +19,7 @@ from ferrosync.backends import objects as objects_module
 from ferrosync.backends.objects import Objects
 from ferrosync.elastic import membership as mb
 from ferrosync.elastic import rounds
-from ferrosync.errors import MemberDropped, ShardCorrupt, SyncTimeout
+from ferrosync.errors import MemberDropped, SyncTimeout
 from ferrosync.wire import job_key, job_tag
 
 NS = names.elastic_namespace("unit")

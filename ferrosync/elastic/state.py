@@ -1,8 +1,9 @@
 """The state bootstrap of an elastic job (docs/elastic.md#state).
 
-A member publishes tensors as ``state.{r}`` (one sealed object: a ``wire`` header,
-whose layout digest covers the tensors' dtypes and shapes, then their raw bytes in
-order) and then points ``state`` at it. The pointer is a sealed control record that
+A member publishes tensors as the parts ``state.{r}.{i}`` of one byte stream (their
+raw bytes in order), each a sealed ``wire`` object whose header says which bytes of
+the stream it carries and whose layout digest covers all the tensors' dtypes and
+shapes, and then points ``state`` at them. The pointer is a sealed control record that
 also carries the *manifest* (each tensor's name, dtype and shape) and a small JSON
 ``meta`` dict, so a joiner that does not know the layout yet (an optimizer whose
 state is created lazily, a step counter) can allocate the tensors itself: nothing
@@ -13,12 +14,11 @@ not completely written. The publisher deletes the state it published before, so 
 reader may find the pointer's object gone: it then reads the pointer again (bounded
 by the timeout).
 
-**Memory.** A reader streams the object straight into the tensors it returns (or, for
-``fetch``, into one copy of the caller's, copied over once verified), verifying the
-checksum or MAC as the bytes arrive, and hands nothing out before the check passed:
-about the state's size once, not the several copies of reading the object whole
-first (where the storage's reader streams: a directory; an object store's reader
-holds its one GET's bytes).
+**Memory.** A reader streams each part straight into the tensors it returns (or, for
+``fetch``, into one copy of the caller's, copied over once verified), verifying each
+part's checksum or MAC as its bytes arrive, and hands nothing out before every part
+passed: about the state's size once, plus one part (an object store's reader holds
+its GET's bytes: parts keep that to at most an eighth of the state, and 64 MiB).
 """
 
 from __future__ import annotations
@@ -42,6 +42,29 @@ _DTYPES = {str(d).replace("torch.", ""): d for d in DTYPE_CODES}
 _POLL = (0.02, 0.5)
 #: the largest state ``read_state`` allocates unless told otherwise (``max_bytes``)
 DEFAULT_MAX_STATE_BYTES = 16 << 30
+#: a state's parts: an eighth of it, within these bounds (bytes)
+PART_BYTES = (1 << 20, 64 << 20)
+
+
+def part_bytes(total: int) -> int:
+    """The size of each part (the last may be shorter) of a state of ``total`` bytes."""
+    return min(max(total // 8, PART_BYTES[0]), PART_BYTES[1])
+
+
+def _spans(total: int, part: int) -> list[tuple[int, int]]:
+    """(first byte, end byte) of each part of a ``total``-byte stream."""
+    return [(lo, min(lo + part, total)) for lo in range(0, total, part)] or [(0, 0)]
+
+
+def _views(buffers: list, lo: int, hi: int) -> list:
+    """Byte views of ``buffers`` (one stream, in order) covering [lo, hi)."""
+    out, start = [], 0
+    for buf in buffers:
+        end = start + len(buf)
+        if end > lo and start < hi:
+            out.append(buf[max(lo, start) - start:min(hi, end) - start])
+        start = end
+    return out
 
 
 @dataclass(frozen=True)
@@ -68,16 +91,12 @@ def _named(tensors) -> tuple[list[str], list[torch.Tensor]]:
     return [str(i) for i in range(len(tensors))], tensors
 
 
-def _nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class StateStore:
     """Publishes and reads the job's state objects through the job's object layer."""
 
     def __init__(self, objects) -> None:
         self._objects = objects
-        self._published: str | None = None  # the key this member published last
+        self._published: list[str] = []  # the keys of what this member published last
 
     def publish(self, tensors, round_: int, rank: int, meta: dict | None = None) -> int:
         labels, tensors = _named(tensors)
@@ -88,26 +107,33 @@ class StateStore:
             json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"publish_state meta must be plain JSON: {exc}") from None
-        parts = [as_uint8(t.detach().contiguous().cpu()).numpy() for t in tensors
-                 if t.numel()]
-        nbytes = sum(p.nbytes for p in parts)
-        # the header names the round in its generation field (not the job's tag, as a
-        # contribution does): the pointer says which round to expect
-        header = Header(kind=KIND_BROADCAST, dtype=_UINT8, codec=CODEC_RAW, rank=rank,
-                        world_size=0, generation=round_, collective=round_, count=nbytes,
-                        offset=0, total=nbytes, weight=0.0, layout=_digest(tensors),
-                        payload_nbytes=nbytes)
-        name = names.elastic_state(round_)
-        self._objects.put(name, header, parts)
+        buffers = [as_uint8(t.detach().contiguous().cpu()).numpy() for t in tensors
+                   if t.numel()]
+        nbytes = sum(b.nbytes for b in buffers)
+        spans = _spans(nbytes, part_bytes(nbytes))
+        digest = _digest(tensors)
+        keys = []
+        for i, (lo, hi) in enumerate(spans):
+            # the header names the round in its generation field (not the job's tag, as
+            # a contribution does): the pointer says which round to expect
+            header = Header(kind=KIND_BROADCAST, dtype=_UINT8, codec=CODEC_RAW, rank=rank,
+                            world_size=0, generation=round_, collective=round_,
+                            count=hi - lo, offset=lo, total=nbytes, weight=0.0,
+                            layout=digest, payload_nbytes=hi - lo, slice=i,
+                            nslices=len(spans))
+            name = names.elastic_state(round_, i)
+            self._objects.put(name, header, _views(buffers, lo, hi))
+            keys.append(self._objects.key_of(name))
         manifest = {"names": labels,
                     "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
                     "shapes": [list(t.shape) for t in tensors]}
         self._objects.put_record(names.ELASTIC_STATE_POINTER,
-                                 {"round": round_, "manifest": manifest, "meta": meta})
-        key = self._objects.key_of(name)
-        if self._published is not None and self._published != key:
-            self._objects.storage.delete([self._published])
-        self._published = key
+                                 {"round": round_, "manifest": manifest, "meta": meta,
+                                  "parts": len(spans)})
+        old = [k for k in self._published if k not in keys]
+        if old:
+            self._objects.storage.delete(old)
+        self._published = keys
         return round_
 
     def _pointer(self, rank: int) -> dict | None:
@@ -139,22 +165,8 @@ class StateStore:
             if not seen["fresh"]:
                 return () if min_round is None else None
             tensors = allocate(pointer)
-            nbytes = _nbytes(tensors)
-            name = names.elastic_state(pointer["round"])
-            incoming = objects.open_object(name, max_bytes=objects.head + nbytes,
-                                           collective=pointer["round"], tag=pointer["round"])
-            if incoming is None:  # replaced by a newer state meanwhile: read the pointer
-                return None
-            with incoming:
-                header = incoming.header
-                if (header.kind != KIND_BROADCAST or header.payload_nbytes != nbytes
-                        or header.layout != _digest(tensors)):
-                    raise ShardCorrupt(
-                        f"state object does not match round {pointer['round']}'s manifest "
-                        f"({header.payload_nbytes} bytes, {nbytes} expected)", rank=rank,
-                        path=incoming.path, hint="let nothing else write under this URL")
-                incoming.read_into_buffers([as_uint8(t).numpy() for t in tensors
-                                            if t.numel()])
+            if not self._read_parts(pointer, tensors, rank):
+                return None  # replaced by a newer state meanwhile: read the pointer again
             return pointer, tensors
 
         def between():
@@ -172,6 +184,43 @@ class StateStore:
         found = objects.wait_for(attempt, deadline=deadline, expired=expired,
                                  between=between, poll=_POLL)
         return found or None
+
+    def _read_parts(self, pointer: dict, tensors: list[torch.Tensor], rank: int) -> bool:
+        """Read every part of the state ``pointer`` names into ``tensors`` (False when a
+        part is gone: a newer state replaced it), each at exactly the size its place in
+        the stream gives, its header checked against that place and the tensors'
+        layout, its checksum or MAC verified as its bytes arrive."""
+        objects, round_ = self._objects, pointer["round"]
+        buffers = [as_uint8(t).numpy() for t in tensors if t.numel()]
+        nbytes, digest = sum(b.nbytes for b in buffers), _digest(tensors)
+        parts = pointer.get("parts")
+        if parts is None:  # one object, as an older publisher wrote it
+            spans, names_ = [(0, nbytes)], [names.elastic_state(round_)]
+        else:
+            spans = _spans(nbytes, part_bytes(nbytes))
+            names_ = [names.elastic_state(round_, i) for i in range(len(spans))]
+            if parts != len(spans):
+                raise ShardCorrupt(f"the state pointer of round {round_} names {parts!r} "
+                                   f"parts, its manifest {len(spans)}", rank=rank,
+                                   path=objects.path_of(names.ELASTIC_STATE_POINTER),
+                                   hint="let nothing else write under this URL")
+        for i, ((lo, hi), name) in enumerate(zip(spans, names_)):
+            incoming = objects.open_object(name, max_bytes=objects.head + hi - lo,
+                                           collective=round_, tag=round_)
+            if incoming is None:
+                return False
+            with incoming:
+                h = incoming.header
+                place = (h.offset, h.count, h.total, h.slice, h.nslices)
+                if (h.kind != KIND_BROADCAST or h.payload_nbytes != hi - lo
+                        or h.layout != digest or place != (lo, hi - lo, nbytes, i, len(spans))):
+                    raise ShardCorrupt(
+                        f"state object does not match round {round_}'s manifest "
+                        f"({h.payload_nbytes} bytes at {h.offset}, {hi - lo} expected at "
+                        f"{lo})", rank=rank, path=incoming.path,
+                        hint="let nothing else write under this URL")
+                incoming.read_into_buffers(_views(buffers, lo, hi))
+        return True
 
     def fetch(self, tensors, deadline: float, rank: int) -> int | None:
         _, tensors = _named(tensors)
