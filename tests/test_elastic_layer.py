@@ -4,7 +4,8 @@ Several members of one job run in threads of this process over a directory (each
 own ``ElasticSync``: the thread rule is per ``GradSync``), so a protocol case costs no
 process start-up: faults injected with ``FERROSYNC_FAULTS``, ``stats``, a tree round
 whose layouts differ, a member that never writes its slices, and reads of the
-published state. Real processes: tests/test_elastic.py.
+published state (all in the unit tier), and the first contact with an unreachable store.
+Real processes: tests/test_elastic.py.
 """
 
 from __future__ import annotations
@@ -12,16 +13,16 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
 
 import ferrosync
+from conftest import free_port
 from ferrosync import names
-from ferrosync.errors import LayoutMismatch, ShardCorrupt, StorageError
+from ferrosync.errors import ConfigError, LayoutMismatch, ShardCorrupt, StorageError
 from ferrosync.faults import ENV_FAULTS, _object_kind
-
-pytestmark = pytest.mark.unit
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.5}
 TIMEOUT = 30.0
@@ -65,6 +66,7 @@ def _set_when(path: str, event: threading.Event) -> None:
 
 # -- fault injection and counters ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_fault_injection_reaches_an_elastic_member_and_stats_count_its_objects(
         tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_FAULTS, json.dumps([{
@@ -82,6 +84,7 @@ def test_fault_injection_reaches_an_elastic_member_and_stats_count_its_objects(
     assert sync.stats["total"]["objects_written"] == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name, kind", [
     ("el.j/r3.0123456789abcdef", ("contrib", 3)),
     ("el/r4.t0.2.1", ("contrib", 4)),
@@ -100,6 +103,7 @@ def test_faults_know_elastic_objects_by_their_names(name, kind):
 
 # -- tree rounds: what went wrong, and whose fault it is -----------------------------------
 
+@pytest.mark.unit
 def test_a_layout_mismatch_in_a_tree_round_names_the_first_difference_everywhere(tmp_path):
     ids = {}
 
@@ -119,6 +123,7 @@ def test_a_layout_mismatch_in_a_tree_round_names_the_first_difference_everywhere
             assert f"member {ids[3]}" in text, text
 
 
+@pytest.mark.unit
 def test_a_member_that_never_wrote_its_slices_is_named_as_the_one_at_fault(tmp_path):
     culprit = {}
 
@@ -146,6 +151,7 @@ def test_a_member_that_never_wrote_its_slices_is_named_as_the_one_at_fault(tmp_p
 
 # -- state --------------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_a_damaged_state_is_refused_and_the_callers_tensors_are_untouched(tmp_path):
     with ferrosync.connect(str(tmp_path), elastic=True, job="state", timeout=TIMEOUT,
                            **FAST) as sync:
@@ -166,6 +172,7 @@ def test_a_damaged_state_is_refused_and_the_callers_tensors_are_untouched(tmp_pa
             sync.read_state()
 
 
+@pytest.mark.unit
 def test_a_state_of_several_parts_reads_back_exactly(tmp_path):
     """A state larger than a part (an eighth of it, at least 1 MiB) is published in
     parts that cut across its tensors; both reads put every byte back in place."""
@@ -185,3 +192,14 @@ def test_a_state_of_several_parts_reads_back_exactly(tmp_path):
         mine = {k: torch.zeros_like(v) for k, v in state.items()}
         sync.fetch_state(mine)
         assert all(torch.equal(mine[k], state[k]) for k in state)
+
+
+def test_an_unreachable_store_fails_within_the_connect_timeout():
+    """The elastic member opens its store with connect's first-contact timeout, as
+    FileSync does (without it botocore's own defaults took 30 s here)."""
+    options = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "k", "secret": "s"}
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="cannot reach|no answer from"):
+        ferrosync.connect("s3://bucket/closed", elastic=True, timeout=5,
+                          storage_options=options)
+    assert time.monotonic() - start < 20
