@@ -211,9 +211,13 @@ class StateStore:
                 return False
             with incoming:
                 h = incoming.header
+                if h.layout != digest:  # binds the manifest to the object
+                    raise ShardCorrupt("the state pointer's manifest does not describe the "
+                                       "state object", rank=rank, path=incoming.path,
+                                       hint="let nothing else write under this URL")
                 place = (h.offset, h.count, h.total, h.slice, h.nslices)
                 if (h.kind != KIND_BROADCAST or h.payload_nbytes != hi - lo
-                        or h.layout != digest or place != (lo, hi - lo, nbytes, i, len(spans))):
+                        or place != (lo, hi - lo, nbytes, i, len(spans))):
                     raise ShardCorrupt(
                         f"state object does not match round {round_}'s manifest "
                         f"({h.payload_nbytes} bytes at {h.offset}, {hi - lo} expected at "
