@@ -127,6 +127,10 @@ class Exchange:
             mismatch=mismatch, other_layouts=True)
 
     def missing_slice(self, round_: int, position: int, path) -> Exception:
+        """The error for slice ``path`` of the member at ``position``, not there although
+        its marker was seen: ``LayoutMismatch`` if its marker names another layout; the
+        member at fault (``ShardCorrupt``) if its marker is there and the round is not
+        over; else this member fell behind (``MemberDropped``)."""
         prev = self._round[0]
         member = prev.members[position]
         slice_ = names.elastic_piece(round_, 0, position, path)
