@@ -91,6 +91,21 @@ class GradSync(OwnershipGuard, abc.ABC):
         self._init_guard()
 
     @classmethod
+    def identity(cls, rank: int | None, world_size: int | None) -> Identity:
+        """Who this process is in the job, before ``__init__``: ``rank`` and
+        ``world_size`` as given to ``connect``, else from the environment (torchrun,
+        SLURM), else 0 of 1. A backend whose membership is agreed at run time (an
+        elastic job's) overrides it."""
+        if rank is not None and world_size is None and discover().source == "default":
+            raise ConfigError(
+                f"rank={rank} given, but no world size: not as world_size=, and none in "
+                "the environment",
+                hint="pass world_size= as well; world sizes come from "
+                "connect(world_size=...), or from WORLD_SIZE (torchrun, python -m "
+                "ferrosync.train) or SLURM_NTASKS (srun) in every rank's environment")
+        return discover(rank, world_size)
+
+    @classmethod
     @abc.abstractmethod
     def check_options(cls, options: dict):
         """Validate ``connect``'s keyword options before any I/O and return them typed
@@ -568,8 +583,7 @@ def _named_parameters(module_or_params) -> list[tuple[str, torch.Tensor]]:
 # -- connect ------------------------------------------------------------------------------
 
 def connect(url: str | None = None, *, rank: int | None = None, world_size: int | None = None,
-            timeout: float = 300.0, elastic: bool = False, min_ranks: int = 1,
-            max_ranks: int | None = None, **options) -> GradSync:
+            timeout: float = 300.0, **options) -> GradSync:
     """Connect this process to the ranks meeting at ``url``.
 
     Args:
@@ -581,18 +595,18 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
             ``SyncTimeout``.
         **options: backend options (``reduce``, ``wire_dtype``, ``secret``,
             ``storage_options``, ``heartbeat_timeout``, ...; see the README). An
-            unknown option is a ``ConfigError``.
-        elastic: join an elastic job on a storage URL (docs/elastic.md): members come
-            and go, ``rank``/``world_size`` are not given (``RANK``/``WORLD_SIZE`` in
-            the environment are ignored) but follow the agreed membership.
-        min_ranks, max_ranks: with ``elastic``, the fewest members a round waits for
-            and the most it admits (None: no limit).
+            unknown option is a ``ConfigError``. Two select another backend on a
+            storage URL: ``local="gloo"`` (the two-level sync) and ``elastic=True``: join
+            an elastic job (docs/elastic.md; with ``min_ranks``, ``max_ranks``,
+            ``fan_in``): members come and go, ``rank``/``world_size`` are not given
+            (``RANK``/``WORLD_SIZE`` in the environment are ignored) but follow the
+            agreed membership, and ``connect`` returns an ``ElasticSync``.
 
     Collective: every rank calls it; it returns once all ranks have joined (or raises
     ``SyncTimeout`` after ``timeout``). Arguments are validated before any I/O. With
     ``elastic=True`` it returns once a roster admits this member.
     """
-    from .registry import backend_for
+    from .registry import registration_for, selected_options
 
     if url is None:
         url = os.environ.get(ENV_URL)
@@ -605,31 +619,8 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
     if not isinstance(url, str) or not url.strip():
         raise value_error("url", "a non-empty string", url)
     number("timeout", timeout, positive=True, unit="seconds")
-    from . import validate
-
-    if validate.boolean("elastic", elastic):
-        if rank is not None or world_size is not None:
-            raise ConfigError(
-                "rank and world_size cannot be given with elastic=True: an elastic "
-                "member's rank and world size follow the membership agreed each round",
-                hint="drop rank=/world_size= (read sync.rank and sync.world_size instead)")
-        from .registry import elastic_connector
-
-        return elastic_connector(url, options)(url.strip(), float(timeout), min_ranks,
-                                               max_ranks, options)
-    if min_ranks != 1 or max_ranks is not None:
-        raise ConfigError("min_ranks and max_ranks apply to elastic jobs only",
-                          hint="pass elastic=True, or drop min_ranks/max_ranks")
-    if rank is not None and world_size is None and discover().source == "default":
-        raise ConfigError(
-            f"rank={rank} given, but no world size: not as world_size=, and none in the "
-            "environment",
-            hint="pass world_size= as well; world sizes come from connect(world_size=...), "
-            "or from WORLD_SIZE (torchrun, python -m ferrosync.train) or SLURM_NTASKS "
-            "(srun) in every rank's environment")
-    identity = discover(rank, world_size)
-    if "local" in options and options["local"] is None:
-        del options["local"]  # local=None: the flat (one-level) backend
-    backend = backend_for(url, options)
+    options = selected_options(options)
+    backend = registration_for(url, options).load_backend()
     checked = backend.check_options(options)
+    identity = backend.identity(rank, world_size)
     return backend(url.strip(), identity, float(timeout), checked)

@@ -28,7 +28,14 @@ data is being reduced.
 ``kill`` is SIGKILL (no cleanup, no abort marker: peers must notice the silence).
 ``replay`` (``write`` phase) publishes, instead of this rank's object, a byte-for-byte
 copy of ``from_rank``'s object of the same name pattern and collective — what a
-tenant who can copy objects but holds no secret can do.
+tenant who can copy objects but holds no secret can do (fixed-size jobs only).
+
+**Elastic jobs** (``connect(url, elastic=True)``) take the same faults: ``rank`` is the
+member's rank when it writes or reads the object (its rank in the previous roster),
+``collective`` the round; ``contrib`` is a member's contribution (in a tree round its
+marker) and its slices, ``result`` an object of the tree reduce above them (a partial
+sum, a range of the average). Control records (rosters, join entries, heartbeats,
+the job record, the published state) are spared, as in fixed-size jobs.
 """
 
 from __future__ import annotations
@@ -51,8 +58,21 @@ ACTIONS = ("kill", "raise", "delay", "corrupt", "truncate", "delete", "replay")
 _REPLAY_WAIT_S = 60.0  # the copied object is another rank's: bounded wait for it
 
 
-def load_faults(rank: int) -> list[dict]:
-    """This rank's faults from ``$FERROSYNC_FAULTS`` (validated), or []."""
+def inject(storage: Storage, rank) -> Storage:
+    """``storage``, wrapped in ``FaultyStorage`` when ``$FERROSYNC_FAULTS`` names faults
+    for this process: every backend opens its storage through here. ``rank`` is this
+    rank (a fixed-size job), or a function returning the member's current rank (an
+    elastic job, whose ranks change)."""
+    if callable(rank):
+        faults = load_faults(None)
+        return FaultyStorage(storage, faults, rank=rank) if faults else storage
+    faults = load_faults(rank)
+    return FaultyStorage(storage, faults) if faults else storage
+
+
+def load_faults(rank: int | None) -> list[dict]:
+    """This rank's faults from ``$FERROSYNC_FAULTS`` (validated), or [] (``rank``
+    None: every rank's, matched later against the rank of the moment)."""
     raw = os.environ.get(ENV_FAULTS)
     if not raw:
         return []
@@ -68,18 +88,39 @@ def load_faults(rank: int) -> list[dict]:
             raise ConfigError(f"{ENV_FAULTS}: every fault needs a 'rank', got {fault!r}")
         validate.choice(f"{ENV_FAULTS}: phase", fault.get("phase", "write"), PHASES)
         validate.choice(f"{ENV_FAULTS}: action", fault.get("action", "kill"), ACTIONS)
-        if fault["rank"] == rank:
+        if rank is None or fault["rank"] == rank:
             out.append({"phase": "write", "action": "kill", "object": "any", "times": 1,
                         **fault})
     return out
 
 
+def _object_kind(key: str) -> tuple[str | None, int | None]:
+    """("contrib" or "result", its collective or round) of the data object at ``key``;
+    (None, None) for anything else (control records are never faulted)."""
+    directory, _, name = key.rpartition("/")
+    if names.is_elastic_namespace(directory):
+        found = names.parse_elastic(name)
+        if found.kind == "elastic_contribution" or (
+                found.kind == "elastic_piece" and found.number == 0):
+            return "contrib", found.collective
+        if found.kind in ("elastic_piece", "elastic_result"):
+            return "result", found.collective
+        return None, None
+    found = names.parse(name)
+    if found.kind not in ("contribution", "result"):
+        return None, None
+    return ("result" if found.kind == "result" else "contrib"), found.collective
+
+
 class FaultyStorage(Storage):
     """Wraps a storage and fires the configured faults; otherwise passes through."""
 
-    def __init__(self, inner: Storage, faults: list[dict]) -> None:
+    def __init__(self, inner: Storage, faults: list[dict], *, rank=None) -> None:
         self._inner = inner
         self._faults = faults
+        #: the writer's rank of the moment (an elastic member's), matched by each fault;
+        #: None: the faults were chosen for this rank already
+        self._rank = rank
         # look like the wrapped store to the backend
         self.url = inner.url
         self.counters = inner.counters
@@ -87,6 +128,7 @@ class FaultyStorage(Storage):
         self.heartbeat_interval = inner.heartbeat_interval
         self.can_recycle = inner.can_recycle
         self.cheap_deletes = inner.cheap_deletes
+        self.round_trips_dominate = inner.round_trips_dominate
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -95,13 +137,13 @@ class FaultyStorage(Storage):
         self._inner.probe_bucket()
 
     def _match(self, phase: str, key: str) -> dict | None:
-        found = names.parse(key.rpartition("/")[2])
-        if found.kind not in ("contribution", "result"):
+        kind, collective = _object_kind(key)
+        if kind is None:
             return None  # control records (heartbeats, layouts, rendezvous) are spared
-        collective = found.collective
-        kind = "result" if found.kind == "result" else "contrib"
         for fault in self._faults:
             if fault["phase"] != phase or fault.get("times", 1) < 0:
+                continue
+            if self._rank is not None and fault["rank"] != self._rank():
                 continue
             if fault.get("collective") not in (None, collective):
                 continue
@@ -150,6 +192,9 @@ class FaultyStorage(Storage):
         None for a slice ``rank`` reduces itself, which it never writes."""
         directory, _, name = key.rpartition("/")
         found = names.parse(name)
+        if _object_kind(key)[0] is not None and found.kind not in ("contribution", "result"):
+            raise ConfigError("replay fault: only a fixed-size job's objects are replayed",
+                              path=self.path_of(key))
         if found.kind == "contribution":
             if found.slice == rank:
                 return None

@@ -235,7 +235,9 @@ def parse(name: str) -> Name:
 #                        (``elastic_piece``; level 0: the slices of a contribution)
 #     r{r}.m.{path}      a range of a tree reduce's average (``elastic_result``)
 #     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
-#     state / state.{r}  the published training state and its pointer (``elastic_state``)
+#     state / state.{r}.{i}  the published training state's parts and their pointer
+#                        (``elastic_state``)
+#     layout.{digest}    what a call of that layout digest passed (``elastic_layout``)
 #     ended              the job is over: joiners stop waiting (``ELASTIC_ENDED``)
 #     job                what every member must agree on (``ELASTIC_JOB_RECORD``)
 #
@@ -258,6 +260,11 @@ _MEMBER_ID = re.compile(r"[0-9a-f]{16}")
 def elastic_namespace(job: str | None) -> str:
     """Where an elastic job's objects live: ``el`` or ``el.{job}``."""
     return ELASTIC if job is None else f"{ELASTIC}.{job}"
+
+
+def is_elastic_namespace(name: str) -> bool:
+    """Whether the path component ``name`` is an elastic job's namespace."""
+    return name == ELASTIC or name.startswith(ELASTIC + ".")
 
 
 def is_member_id(member_id) -> bool:
@@ -306,9 +313,16 @@ def elastic_result(round_: int, path) -> str:
     return f"r{round_}.m.{_path(path)}"
 
 
-def elastic_state(round_: int) -> str:
-    """The training state published after round ``round_``."""
-    return f"state.{round_}"
+def elastic_layout(digest: bytes) -> str:
+    """The description of the call whose layout digest is ``digest`` (content-addressed:
+    every member that calls with that layout writes the same record)."""
+    return f"layout.{digest.hex()}"
+
+
+def elastic_state(round_: int, part: int | None = None) -> str:
+    """The training state published after round ``round_``: part ``part`` of it (an
+    older publisher wrote one object, without a part)."""
+    return f"state.{round_}" if part is None else f"state.{round_}.{part}"
 
 
 _ELASTIC_PATTERNS = (
@@ -317,16 +331,18 @@ _ELASTIC_PATTERNS = (
     ("elastic_join", rf"join\.{_N}", ("number",)),
     ("elastic_roster", rf"r{_N}\.roster", ("collective",)),
     ("elastic_contribution", rf"r{_N}\.([0-9a-f]{{16}})", ("collective", "token")),
-    ("elastic_piece", rf"r{_N}\.t[0-9]+\.[0-9]+(?:\.[0-9]+)+", ("collective",)),
+    ("elastic_piece", rf"r{_N}\.t{_N}\.[0-9]+(?:\.[0-9]+)+", ("collective", "number")),
     ("elastic_result", rf"r{_N}\.m(?:\.[0-9]+)+", ("collective",)),
     ("elastic_latest", re.escape(ELASTIC_LATEST), ()),
     ("elastic_state_pointer", re.escape(ELASTIC_STATE_POINTER), ()),
-    ("elastic_state", rf"state\.{_N}", ("collective",)),
+    ("elastic_state", rf"state\.{_N}(?:\.{_N})?", ("collective", "slice")),
+    ("elastic_layout", r"layout\.([0-9a-f]{16})", ("digest",)),
     ("elastic_ended", re.escape(ELASTIC_ENDED), ()),
     ("elastic_job", re.escape(ELASTIC_JOB_RECORD), ()),
 )
 _ELASTIC_COMPILED = tuple((kind, re.compile(p), f) for kind, p, f in _ELASTIC_PATTERNS)
-#: what ``parse_elastic`` can answer (``collective`` holds the round, ``token`` the id)
+#: what ``parse_elastic`` can answer (``collective`` holds the round, ``token`` the id,
+#: ``number`` a join entry's index or a tree piece's level)
 ELASTIC_KINDS = tuple(kind for kind, _, _ in _ELASTIC_PATTERNS) + ("unknown",)
 
 
@@ -338,6 +354,7 @@ def parse_elastic(name: str) -> Name:
             continue
         values = {}
         for field_name, value in zip(fields, m.groups()):
-            values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
+            if value is not None:
+                values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
         return Name(kind, **values)
     return Name("unknown")

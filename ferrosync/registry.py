@@ -4,9 +4,12 @@ backend, imported lazily.
 A registration names, in one place, everything the rest of the code and the docs
 need to know about a backend (as fsspec's ``register_implementation`` does for a
 filesystem): the ``GradSync`` class, its options dataclass, and how ``connect``
-chooses it (URL schemes, an option, or ``elastic=True``). From the registrations:
+chooses it (URL schemes, or an option that selects it on a storage URL: ``local=``
+for the two-level sync, ``elastic=True`` for an elastic job). From the registrations:
 
-* ``connect`` picks the class (``backend_for``, ``elastic_connector``);
+* ``connect`` picks the class (``registration_for``, ``backend_for``) and constructs
+  every backend alike: its ``check_options`` validates the options (the selecting one
+  included), its ``identity`` says who this process is, then the class is called;
 * ``tools/options_table.py`` writes the README's option table of each one (between
   ``<!-- options:NAME -->`` markers; ``tests/test_docs.py`` checks they match);
 * ``tests/test_registry.py`` checks that the contract matrix (``tests/conftest.py``)
@@ -40,10 +43,10 @@ class Registration:
     options: str
     #: URL schemes it serves; empty: storage URLs (a directory or an fsspec store)
     schemes: tuple[str, ...] = ()
-    #: a storage URL goes to this backend when this option is given (not None)
+    #: a storage URL goes to this backend when this option is given a value other
+    #: than None or False (``local="gloo"``, ``elastic=True``); it is one of the
+    #: backend's options
     option: str | None = None
-    #: ``"module:function"`` that ``connect(url, elastic=True)`` calls instead of the class
-    elastic: str | None = None
 
     def load_backend(self):
         return _load(self.backend)
@@ -57,25 +60,22 @@ REGISTRY: dict[str, Registration] = {}
 
 
 def register(name: str, *, backend: str, options: str, schemes: tuple[str, ...] = (),
-             option: str | None = None, elastic: str | None = None) -> Registration:
-    """Declare a backend (see ``Registration``). A name, a scheme, a selecting option or
-    the elastic connector already taken by another registration is a ``ValueError``:
-    ``connect`` must never have two answers for one URL."""
-    entry = Registration(name, backend, options, tuple(schemes), option, elastic)
+             option: str | None = None) -> Registration:
+    """Declare a backend (see ``Registration``). A name, a scheme or a selecting option
+    already taken by another registration is a ``ValueError``: ``connect`` must never
+    have two answers for one URL."""
+    entry = Registration(name, backend, options, tuple(schemes), option)
     if name in REGISTRY:
         raise ValueError(f"backend {name!r} is already registered")
-    if len([f for f in (schemes, option, elastic) if f]) > 1:
-        raise ValueError(f"backend {name!r}: give schemes, option or elastic, not several")
+    if schemes and option:
+        raise ValueError(f"backend {name!r}: give schemes or option, not both")
     for other in REGISTRY.values():
         taken = set(other.schemes) & set(entry.schemes)
         if taken:
             raise ValueError(f"scheme(s) {sorted(taken)} already serve backend {other.name!r}")
         if option is not None and other.option == option:
             raise ValueError(f"option {option!r} already selects backend {other.name!r}")
-        if elastic is not None and other.elastic is not None:
-            raise ValueError(f"backend {other.name!r} already serves elastic=True")
-        if not (schemes or option or elastic or other.schemes or other.option
-                or other.elastic):
+        if not (schemes or option or other.schemes or other.option):
             raise ValueError(f"backend {other.name!r} already serves storage URLs")
     REGISTRY[name] = entry
     return entry
@@ -90,8 +90,7 @@ register("torch", backend="ferrosync.backends.torchdist:TorchDistSync",
 register("hierarchical", backend="ferrosync.backends.hierarchical:HierarchicalSync",
          options="ferrosync.backends.options:HierarchicalOptions", option="local")
 register("elastic", backend="ferrosync.elastic:ElasticSync",
-         options="ferrosync.backends.options:ElasticOptions",
-         elastic="ferrosync.elastic:connect_elastic")
+         options="ferrosync.backends.options:ElasticOptions", option="elastic")
 
 
 def _load(target: str):
@@ -109,7 +108,7 @@ TORCH_SCHEMES = frozenset(torch_schemes())
 
 
 def _storage_entry() -> Registration:
-    return next(e for e in REGISTRY.values() if not (e.schemes or e.option or e.elastic))
+    return next(e for e in REGISTRY.values() if not (e.schemes or e.option))
 
 
 def storage_backend():
@@ -118,36 +117,41 @@ def storage_backend():
     return _storage_entry().load_backend()
 
 
+def _selects(entry: Registration, options: dict | None) -> bool:
+    return entry.option is not None and (options or {}).get(entry.option) not in (None, False)
+
+
+def selected_options(options: dict) -> dict:
+    """``options`` without selecting options left at their "off" value (``local=None``,
+    ``elastic=False``): they select nothing, and the backend chosen does not take them."""
+    off = {e.option for e in REGISTRY.values() if e.option is not None}
+    return {k: v for k, v in options.items() if not (k in off and v in (None, False))}
+
+
 def registration_for(url: str, options: dict | None = None) -> Registration:
-    """The registration serving ``url`` with ``options`` (not elastic)."""
+    """The registration serving ``url`` with ``options``: the one whose scheme it is,
+    else the one a selecting option names, else the storage backend. A selecting option
+    on another backend's URL, or two of them, is a ``ConfigError`` (one answer per URL)."""
     scheme, _ = split_url(url)
-    for entry in REGISTRY.values():
-        if scheme in entry.schemes:
-            return entry
-    for entry in REGISTRY.values():
-        if entry.option is not None and (options or {}).get(entry.option) is not None:
-            return entry
-    return _storage_entry()
+    chosen = [e for e in REGISTRY.values() if scheme in e.schemes]
+    selecting = [e for e in REGISTRY.values() if _selects(e, options)]
+    if selecting and (chosen or len(selecting) > 1):
+        from .errors import ConfigError
+
+        given = " with ".join(f"{e.option}={options[e.option]!r}" for e in selecting)
+        raise ConfigError(f"{given} needs a storage URL (a directory or an object store, "
+                          f"and no other backend's option), got {url!r}",
+                          hint="give one selecting option, with a storage URL")
+    return (chosen or selecting or [_storage_entry()])[0]
 
 
 def backend_for(url: str, options: dict | None = None):
     """The GradSync subclass serving ``url`` (validation of the URL itself is its job).
 
     A storage URL with ``local=...`` gets the two-level backend (nodes reduce locally,
-    leaders meet through the storage).
+    leaders meet through the storage), one with ``elastic=True`` an elastic job's member.
     """
     return registration_for(url, options).load_backend()
-
-
-def elastic_connector(url: str, options: dict | None = None):
-    """The connector for ``connect(url, elastic=True)``: elastic jobs run on the storage
-    transport only (a directory or an object store, without ``local=``)."""
-    from .errors import ConfigError
-
-    if registration_for(url, options) is not _storage_entry():
-        raise ConfigError(f"elastic=True needs a storage URL (a directory or an "
-                          f"object store, without local=), got {url!r}")
-    return _load(next(e.elastic for e in REGISTRY.values() if e.elastic))
 
 
 def option_tables() -> dict:

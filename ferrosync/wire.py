@@ -99,6 +99,14 @@ DTYPE_CODES = {
 }
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
+
+def head_size(authenticated) -> int:
+    """Bytes before an object's payload: the fixed header, plus the MAC when the object
+    is authenticated (``authenticated``: the job's key, or a truthy flag). The one
+    home of this rule: every bound on an object's size starts from it."""
+    return HEADER_SIZE + (MAC_SIZE if authenticated else 0)
+
+
 if sys.byteorder != "little":  # pragma: no cover - no big-endian torch targets today
     raise ImportError("ferrosync's wire format is little-endian; this host is big-endian")
 
@@ -129,7 +137,7 @@ class Header:
     @property
     def size(self) -> int:
         """Bytes before the payload: the fixed header plus the MAC, if any."""
-        return HEADER_SIZE + (MAC_SIZE if self.flags & FLAG_AUTH else 0)
+        return head_size(self.flags & FLAG_AUTH)
 
     def pack(self) -> bytes:
         fixed = HEADER.pack(

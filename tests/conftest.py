@@ -280,11 +280,6 @@ def case_registration(backend: str, tmp_path) -> str:
         return Transport(name, f"{name.split('-')[0]}://{BUCKET}/x")
 
     transport = case_transport(backend, tmp_path, object_transport)
-    if transport.options.get("elastic"):  # connect's elastic=True path
-        from ferrosync.registry import REGISTRY, elastic_connector
-
-        elastic_connector(transport.url, transport.options)  # serves this URL
-        return next(e.name for e in REGISTRY.values() if e.elastic)
     return registration_for(transport.url, transport.options).name
 
 

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from ddp_workers import init_without_location
 
 import ferrosync  # noqa: F401 - registers the backend and the handlers
-from ferrosync.ddp.init_methods import STORE_FILE, UrlStore, location_of
 from ferrosync.ddp.factory import _options
+from ferrosync.ddp.init_methods import STORE_FILE, UrlStore, location_of
 from ferrosync.errors import ConfigError
 from ranks import run_ranks
 

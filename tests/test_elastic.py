@@ -416,7 +416,7 @@ def test_elastic_configuration_errors(tmp_path, monkeypatch):
         ferrosync.connect(url, elastic=True, world_size=2)
     with pytest.raises(ConfigError, match="rank and world_size"):
         ferrosync.connect(url, elastic=True, rank=0)
-    with pytest.raises(ConfigError, match="elastic jobs only"):
+    with pytest.raises(ConfigError, match="apply to an elastic job only"):
         ferrosync.connect(url, min_ranks=2)
     with pytest.raises(ConfigError, match="max_ranks"):
         ferrosync.connect(url, elastic=True, min_ranks=3, max_ranks=2)

@@ -17,10 +17,12 @@ import pytest
 
 from fakes import MemoryStorage, install_elastic_clock
 from ferrosync import names
+from ferrosync.backends import objects as objects_module
+from ferrosync.backends.objects import Objects
 from ferrosync.elastic import membership as mb
 from ferrosync.errors import FerrosyncError, ShardCorrupt, SyncTimeout
 from ferrosync.storage import RECORD_LIMIT
-from ferrosync.wire import decode_record, encode_record, job_key
+from ferrosync.wire import decode_record, encode_record, job_key, job_tag
 
 NS = names.elastic_namespace("unit")
 SECRET = job_key(b"team secret", NS)
@@ -31,7 +33,12 @@ A, B, C = "a" * 16, "b" * 16, "c" * 16
 
 @pytest.fixture
 def clock(monkeypatch):
-    return install_elastic_clock(monkeypatch)
+    return install_elastic_clock(monkeypatch, objects_module)
+
+
+def layer(storage, secret=SECRET):
+    """The job's object layer over ``storage`` (what a member builds at connect)."""
+    return Objects(storage, NS, key=secret, tag=job_tag(NS), poll=(0.01, 0.1))
 
 
 @pytest.fixture
@@ -40,7 +47,7 @@ def storage(clock):
 
 
 def watch(storage, secret=SECRET):
-    return mb.Watch(storage, NS, secret, TIMEOUT, storage.url, INTERVAL)
+    return mb.Watch(layer(storage, secret), TIMEOUT, INTERVAL)
 
 
 def hb_key(member):
@@ -62,7 +69,7 @@ def run_for(clock, seconds, look, step=INTERVAL):
 # -- the heartbeat writer -------------------------------------------------------------------
 
 def test_heartbeat_writes_the_member_id_an_increasing_beat_and_its_final_state(storage):
-    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     first = record_at(storage, hb_key(A))
     hb.announce(mb.ALIVE)
@@ -78,14 +85,14 @@ def test_heartbeat_writes_the_member_id_an_increasing_beat_and_its_final_state(s
 # -- Watch: the silence rule -----------------------------------------------------------------
 
 def test_a_member_that_keeps_beating_stays_alive(storage, clock):
-    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb = mb.heartbeat(layer(storage), A, INTERVAL)
     w = watch(storage)
     run_for(clock, 4 * TIMEOUT, lambda: (hb.announce(mb.ALIVE), w.state(A)))
     assert w.alive(A) and A not in w.gone
 
 
 def test_a_member_whose_beat_stops_is_silent_after_the_timeout_not_before(storage, clock):
-    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     w = watch(storage)
     start = clock.now
@@ -115,7 +122,7 @@ def test_a_member_never_seen_beating_is_silent_one_timeout_after_the_first_look(
 
 @pytest.mark.parametrize("final", [mb.LEFT, mb.ABORTED])
 def test_a_member_that_says_it_left_or_aborted_is_gone_at_once(storage, clock, final):
-    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     w = watch(storage)
     assert w.alive(A)
@@ -127,7 +134,7 @@ def test_a_member_that_says_it_left_or_aborted_is_gone_at_once(storage, clock, f
 
 
 def test_time_this_process_was_frozen_is_not_the_others_silence(storage, clock):
-    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     w = watch(storage)
     run_for(clock, 2.0, lambda: w.state(A))
@@ -141,7 +148,7 @@ def test_time_this_process_was_frozen_is_not_the_others_silence(storage, clock):
 
 
 def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
-    hb = mb.heartbeat(storage, NS, A, INTERVAL, SECRET)
+    hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     w = watch(storage)
     assert w.alive(A) and not w.fresh(A)  # a first look proves nothing about now
@@ -212,34 +219,34 @@ def test_a_malformed_roster_record_is_shard_corrupt(bad):
 # -- Rosters: written once, read back, the window ---------------------------------------------
 
 def test_the_first_roster_written_wins_and_everyone_reads_it(storage):
-    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    rosters = mb.Rosters(layer(storage, SECRET))
     mine = mb.Roster(0, (), (A, B), 2)
     theirs = mb.Roster(0, (), (B,), 1)
     assert rosters.read(0) is None
     assert rosters.create(mine) == mine
-    assert mb.Rosters(storage, NS, SECRET, storage.url).create(theirs) == mine
+    assert mb.Rosters(layer(storage, SECRET)).create(theirs) == mine
     assert rosters.read(0) == mine
     assert rosters.latest_hint() == 0
     assert rosters.read(-1) == mb.EMPTY
 
 
 def test_a_roster_written_just_before_ours_is_read_back(storage):
-    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    rosters = mb.Rosters(layer(storage, SECRET))
     theirs = mb.Roster(3, (A,), (A,), 0)
     storage.before("put", f"{NS}/r3.roster",
-                   lambda key: mb.Rosters(storage, NS, SECRET, storage.url).create(theirs))
+                   lambda key: mb.Rosters(layer(storage, SECRET)).create(theirs))
     assert rosters.create(mb.Roster(3, (A, B), (A, B), 0)) == theirs
 
 
 def test_a_roster_forged_without_the_job_key_is_refused(storage):
-    mb.Rosters(storage, NS, None, storage.url).create(mb.Roster(0, (), (C,), 1))
+    mb.Rosters(layer(storage, None)).create(mb.Roster(0, (), (C,), 1))
     with pytest.raises(FerrosyncError, match="MAC mismatch") as info:
-        mb.Rosters(storage, NS, SECRET, storage.url).read(0)
+        mb.Rosters(layer(storage, SECRET)).read(0)
     assert info.value.path == storage.path_of(f"{NS}/r0.roster")
 
 
 def test_rosters_older_than_the_window_are_deleted(storage):
-    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    rosters = mb.Rosters(layer(storage, SECRET))
     last = mb.ROSTER_RETENTION + 2
     for r in range(last + 1):
         rosters.create(mb.Roster(r, (A,), (A,), 0))
@@ -249,7 +256,7 @@ def test_rosters_older_than_the_window_are_deleted(storage):
 
 
 def test_newest_probes_upward_from_a_stale_hint(storage):
-    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    rosters = mb.Rosters(layer(storage, SECRET))
     for r in range(3):
         rosters.create(mb.Roster(r, (A,), (A,), 0))
     storage.objects[f"{NS}/latest"] = encode_record({"round": 0}, SECRET)  # a raced hint
@@ -257,7 +264,7 @@ def test_newest_probes_upward_from_a_stale_hint(storage):
 
 
 def test_newest_times_out_when_the_hinted_roster_stays_missing(storage, clock):
-    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
+    rosters = mb.Rosters(layer(storage, SECRET))
     storage.objects[f"{NS}/latest"] = encode_record({"round": 9}, SECRET)
     start = clock.now
     with pytest.raises(SyncTimeout, match="round 9 named by the 'latest' hint"):
@@ -268,41 +275,65 @@ def test_newest_times_out_when_the_hinted_roster_stays_missing(storage, clock):
 @pytest.mark.parametrize("value", ["7", True, None, 1.5])
 def test_a_hint_that_is_not_an_int_counts_as_none(storage, value):
     storage.objects[f"{NS}/latest"] = encode_record({"round": value}, SECRET)
-    assert mb.Rosters(storage, NS, SECRET, storage.url).latest_hint() == -1
+    assert mb.Rosters(layer(storage, SECRET)).latest_hint() == -1
 
 
 # -- join entries ---------------------------------------------------------------------------
 
 def test_joiners_claim_the_smallest_free_entries_in_order(storage):
-    first = mb.Rosters(storage, NS, SECRET, storage.url)
-    second = mb.Rosters(storage, NS, SECRET, storage.url)
-    assert first.claim(A, 0) == 0
-    assert second.claim(B, 0) == 1  # entry 0 taken: exclusive create, next one
-    assert first.claim(C, 0) == 2
-    reader = mb.Rosters(storage, NS, SECRET, storage.url)
+    first = mb.Rosters(layer(storage, SECRET))
+    second = mb.Rosters(layer(storage, SECRET))
+    assert first.claim(A, 0, 1e18) == 0
+    assert second.claim(B, 0, 1e18) == 1  # entry 0 taken: exclusive create, next one
+    assert first.claim(C, 0, 1e18) == 2
+    reader = mb.Rosters(layer(storage, SECRET))
     assert [reader.join_entry(n) for n in range(4)] == [A, B, C, None]
     assert record_at(storage, f"{NS}/join.1") == {"id": B}
 
 
+@pytest.mark.unit
+def test_a_claim_finds_the_first_free_entry_in_logarithmic_requests(storage):
+    """100,000 entries planted ahead of the queue (empty names): the claim gallops and
+    bisects to the first free entry instead of trying every one."""
+    for n in range(100_000):
+        storage.objects[f"{NS}/join.{n}"] = b""
+    assert mb.Rosters(layer(storage)).claim(A, 0, 1e18) == 100_000
+    assert len(storage.log) < 60, len(storage.log)
+
+
+@pytest.mark.unit
+def test_a_claim_that_keeps_losing_its_race_ends_at_the_deadline(storage, clock):
+    def someone_else_first(key):  # every entry is taken just before this member's create
+        storage.objects[key] = encode_record({"id": B}, SECRET)
+        storage.before("put", f"{NS}/join.*", someone_else_first)
+
+    storage.before("put", f"{NS}/join.*", someone_else_first)
+    start = clock.now
+    with pytest.raises(SyncTimeout, match="no free entry of the join queue"):
+        mb.Rosters(layer(storage)).claim(A, 0, start + 2.0)
+    assert clock.now - start < 2.1
+
+
 def test_a_join_entry_is_read_once_then_remembered(storage):
-    rosters = mb.Rosters(storage, NS, SECRET, storage.url)
-    mb.Rosters(storage, NS, SECRET, storage.url).claim(A, 0)
+    rosters = mb.Rosters(layer(storage, SECRET))
+    mb.Rosters(layer(storage, SECRET)).claim(A, 0, 1e18)
+    before = len(storage.requests("open", f"{NS}/join.0"))  # the claim's probe
     assert rosters.join_entry(0) == A
     assert rosters.join_entry(0) == A
-    assert len(storage.requests("open", f"{NS}/join.0")) == 1
+    assert len(storage.requests("open", f"{NS}/join.0")) == before + 1
 
 
 @pytest.mark.parametrize("record", [{"id": "not-an-id"}, {"id": 5}, {}])
 def test_a_malformed_join_entry_is_shard_corrupt(storage, record):
     storage.objects[f"{NS}/join.0"] = encode_record(record, SECRET)
     with pytest.raises(ShardCorrupt, match="join entry 0 is malformed"):
-        mb.Rosters(storage, NS, SECRET, storage.url).join_entry(0)
+        mb.Rosters(layer(storage, SECRET)).join_entry(0)
 
 
 def test_a_join_entry_forged_without_the_job_key_is_refused(storage):
-    mb.Rosters(storage, NS, None, storage.url).claim(A, 0)
+    mb.Rosters(layer(storage, None)).claim(A, 0, 1e18)
     with pytest.raises(ShardCorrupt, match="MAC mismatch"):
-        mb.Rosters(storage, NS, SECRET, storage.url).join_entry(0)
+        mb.Rosters(layer(storage, SECRET)).join_entry(0)
 
 
 # -- liveness settings -------------------------------------------------------------------

@@ -15,10 +15,12 @@ import pytest
 
 from fakes import MemoryStorage, install_elastic_clock
 from ferrosync import names
+from ferrosync.backends import objects as objects_module
+from ferrosync.backends.objects import Objects
 from ferrosync.elastic import membership as mb
 from ferrosync.elastic import rounds
-from ferrosync.errors import MemberDropped, ShardCorrupt, SyncTimeout
-from ferrosync.wire import job_key
+from ferrosync.errors import MemberDropped, SyncTimeout
+from ferrosync.wire import job_key, job_tag
 
 NS = names.elastic_namespace("unit")
 SECRET = job_key(b"team secret", NS)
@@ -31,7 +33,12 @@ A, B, C, D = "a" * 16, "b" * 16, "c" * 16, "d" * 16
 
 @pytest.fixture
 def clock(monkeypatch):
-    return install_elastic_clock(monkeypatch, rounds)
+    return install_elastic_clock(monkeypatch, rounds, objects_module)
+
+
+def layer(storage, secret=SECRET):
+    """The job's object layer over ``storage`` (what a member builds at connect)."""
+    return Objects(storage, NS, key=secret, tag=job_tag(NS), poll=POLL)
 
 
 @pytest.fixture
@@ -44,16 +51,16 @@ class Member:
 
     def __init__(self, storage, *, min_ranks=1, max_ranks=None):
         self.storage = storage
-        self.rosters = mb.Rosters(storage, NS, SECRET, storage.url)
-        self.watch = mb.Watch(storage, NS, SECRET, TIMEOUT, storage.url, INTERVAL)
-        self.agreement = rounds.Agreement(storage, self.rosters, self.watch,
+        self.rosters = mb.Rosters(layer(storage, SECRET))
+        self.watch = mb.Watch(layer(storage, SECRET), TIMEOUT, INTERVAL)
+        self.agreement = rounds.Agreement(layer(storage), self.rosters, self.watch,
                                           min_ranks=min_ranks, max_ranks=max_ranks,
-                                          poll=POLL, check_interval=CHECK, url=storage.url)
+                                          check_interval=CHECK)
 
 
 def beating(storage, clock, member, *, until=float("inf")):
     """``member``'s heartbeat, beating every interval on the fake clock until ``until``."""
-    hb = mb.heartbeat(storage, NS, member, INTERVAL, SECRET)
+    hb = mb.heartbeat(layer(storage), member, INTERVAL)
 
     def beat():
         hb.announce(mb.ALIVE)
@@ -66,50 +73,6 @@ def beating(storage, clock, member, *, until=float("inf")):
 
 def contribute(storage, round_, member, data=b"x" * 8):
     storage.objects[names.within(NS, names.elastic_contribution(round_, member))] = data
-
-
-# -- read_sized ------------------------------------------------------------------------------
-
-def test_read_sized_returns_an_object_of_a_legal_size_and_none_for_a_missing_one():
-    storage = MemoryStorage()
-    storage.objects["k"] = b"12345678"
-    assert rounds.read_sized(storage, "k", (4, 8)) == b"12345678"
-    assert rounds.read_sized(storage, "missing", (4, 8)) is None
-
-
-def test_read_sized_refuses_another_size_before_reading_it():
-    storage = MemoryStorage()
-    storage.objects["k"] = b"123456"
-    seen = []
-
-    def wrong_size(reader):
-        seen.append((reader.size, reader._pos))
-
-    with pytest.raises(ShardCorrupt, match="has 6 bytes; an object of this round has 4 or 8") \
-            as info:
-        rounds.read_sized(storage, "k", (8, 4, 8), rank=3, collective=7, wrong_size=wrong_size)
-    assert seen == [(6, 0)]  # told the size, nothing read
-    assert (info.value.rank, info.value.collective) == (3, 7)
-    assert info.value.path == storage.path_of("k")
-
-
-def test_read_sized_lets_wrong_size_raise_a_more_precise_error():
-    storage = MemoryStorage()
-    storage.objects["k"] = b"1"
-
-    def wrong_size(reader):
-        raise ValueError("precise")
-
-    with pytest.raises(ValueError, match="precise"):
-        rounds.read_sized(storage, "k", (8,), wrong_size=wrong_size)
-
-
-def test_read_sized_never_asks_for_more_than_the_largest_legal_size():
-    storage = MemoryStorage()
-    storage.objects["k"] = b"x" * (1 << 20)  # a forged object claiming a large size
-    with pytest.raises(ShardCorrupt, match="refused unread"):
-        rounds.read_sized(storage, "k", (8, 16))
-    assert storage.counters.snapshot().get("read", 0) == 0
 
 
 # -- waiting for the roster --------------------------------------------------------------------
@@ -207,8 +170,9 @@ def test_the_checker_waits_for_min_ranks_and_admits_joiners_in_queue_order(stora
     joiners = Member(storage)
     for who in (B, C, D):
         beating(storage, clock, who)
-    clock.call_later(1.0, lambda: joiners.rosters.claim(B, 0))
-    clock.call_later(2.0, lambda: (joiners.rosters.claim(C, 0), joiners.rosters.claim(D, 0)))
+    clock.call_later(1.0, lambda: joiners.rosters.claim(B, 0, 1e18))
+    clock.call_later(2.0, lambda: (joiners.rosters.claim(C, 0, 1e18),
+                                   joiners.rosters.claim(D, 0, 1e18)))
     start = clock.now
     roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=start + 30.0)
     assert roster.members == (A, B, C)  # max_ranks=3: D waits for a later round
@@ -216,15 +180,43 @@ def test_the_checker_waits_for_min_ranks_and_admits_joiners_in_queue_order(stora
     assert 2.0 <= clock.now - start < 2.0 + POLL[1] + 0.05
 
 
+@pytest.mark.unit
+def test_a_wait_below_min_ranks_says_how_many_members_are_there(storage, clock, caplog):
+    """The checker of a job being founded says how many members it has and needs, when
+    it starts waiting and every 30 s after (the trainer shows these lines)."""
+    me = Member(storage, min_ranks=2)
+    beating(storage, clock, A)
+    me.rosters.claim(A, 0, 1e18)
+    caplog.set_level("INFO", logger="ferrosync.elastic")
+    start = clock.now
+    with pytest.raises(SyncTimeout, match="fewer than min_ranks=2"):
+        me.agreement.wait(0, mb.EMPTY, [], deadline=start + 65.0, queued=1)
+    lines = [r for r in caplog.records if r.name == "ferrosync.elastic"]
+    assert [r.getMessage() for r in lines] == [
+        "waiting for members: 1 here, 2 needed (min_ranks=2)"] * 3  # at 0, 30 and 60 s
+    assert all(r.levelname == "INFO" for r in lines)
+
+
+@pytest.mark.unit
+def test_a_joiner_of_a_job_being_founded_says_how_many_are_queued(storage, clock, caplog):
+    me = Member(storage, min_ranks=3)
+    beating(storage, clock, A)  # the checker: alive, but waiting for a third member
+    caplog.set_level("INFO", logger="ferrosync.elastic")
+    with pytest.raises(SyncTimeout):
+        me.agreement.wait(0, mb.EMPTY, [A], deadline=clock.now + 10.0, queued=2)
+    assert [r.getMessage() for r in caplog.records if r.name == "ferrosync.elastic"] == [
+        "waiting for members: 2 here, 3 needed (min_ranks=3)"]
+
+
 def test_a_joiner_that_left_before_admission_is_skipped_and_its_entry_consumed(storage, clock):
     me = Member(storage)
     contribute(storage, 1, A)
     joiners = Member(storage)
     hb_b = beating(storage, clock, B, until=clock.now + 0.1)
-    joiners.rosters.claim(B, 0)
+    joiners.rosters.claim(B, 0, 1e18)
     hb_b.stop(mb.LEFT)
     beating(storage, clock, C)
-    joiners.rosters.claim(C, 0)
+    joiners.rosters.claim(C, 0, 1e18)
     roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=clock.now + 30.0)
     assert roster.members == (A, C) and roster.join_next == 2
 

@@ -241,3 +241,79 @@ def test_a_mismatch_names_the_first_differing_tensor_from_the_peers_record(stora
         error)
     unknown = me.mismatch(1, layout_digest("unpublished"), DIGEST, "somewhere")
     assert "its layout record is missing" in str(unknown)
+
+
+# -- the layer's whole-object reads (what an elastic round uses) ----------------------------
+
+def layer(storage, key=None):
+    return objects_module.Objects(storage, "el.unit", key=key, tag=GEN.tag, poll=POLL)
+
+
+@pytest.mark.unit
+def test_a_sized_read_returns_a_legal_object_and_none_for_a_missing_one(storage):
+    storage.objects["el.unit/k"] = b"12345678"
+    assert layer(storage).read_sized("k", (4, 8)) == b"12345678"
+    assert layer(storage).read_sized("missing", (4, 8)) is None
+
+
+@pytest.mark.unit
+def test_a_sized_read_refuses_another_size_reading_no_more_than_the_largest(storage):
+    storage.objects["el.unit/k"] = b"123456"
+    with pytest.raises(ShardCorrupt, match="has 6 bytes; an object of this kind has 4 or 8"):
+        layer(storage).read_sized("k", (8, 4, 8))
+    storage.objects["el.unit/k"] = b"x" * (1 << 20)  # a forged object claiming a large size
+    before = storage.counters.snapshot()["bytes_read"]
+    with pytest.raises(ShardCorrupt, match="refused unread"):
+        layer(storage).read_sized("k", (8, 16))
+    assert storage.counters.snapshot()["bytes_read"] == before
+
+
+def _contribution(objects, n: int, digest: bytes, *, weight=1.0):
+    expected = Expected(KIND_CONTRIB, torch.float32, RawCodec(torch.float32), digest,
+                        Part.whole(n), 2, GEN.tag, 5)
+    payload = torch.full((n,), 1.5).numpy().tobytes()
+    assert objects.create("obj", expected.header(1, weight=weight, nbytes=len(payload)),
+                          [payload])
+    return expected, payload
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("key", [None, b"k" * 32], ids=["checksum", "mac"])
+def test_a_verified_read_names_another_layout_only_once_its_mac_verified(storage, key):
+    objects = layer(storage, key)
+    theirs, _ = _contribution(objects, N + 4, layout_digest("theirs"))
+    mine = Expected(KIND_CONTRIB, torch.float32, RawCodec(torch.float32), DIGEST,
+                    Part.whole(N), 2, GEN.tag, 5)
+    sizes = (objects.head, objects.head + NBYTES)
+    named = []
+
+    def mismatch(src, digest):
+        named.append((src, digest))
+        return LayoutMismatch("another layout")
+
+    with pytest.raises(LayoutMismatch):
+        objects.read_verified("obj", mine, 1, sizes=sizes, mismatch=mismatch,
+                              other_layouts=True)
+    assert named == [(1, theirs.digest)]
+    with pytest.raises(ShardCorrupt, match="can have"):  # no room for another layout
+        objects.read_verified("obj", mine, 1, sizes=sizes, mismatch=mismatch)
+    data = bytearray(storage.objects["el.unit/obj"])  # the same object, one bit flipped
+    data[-1] ^= 1
+    storage.objects["el.unit/obj"] = bytes(data)
+    with pytest.raises(ShardCorrupt, match="mismatch"):
+        objects.read_verified("obj", mine, 1, sizes=sizes, mismatch=mismatch,
+                              other_layouts=True)
+    assert len(named) == 1  # a forgery is never reported as a layout
+
+
+@pytest.mark.unit
+def test_a_second_create_of_one_name_says_so_and_counts_once(storage):
+    objects = layer(storage)
+    _contribution(objects, N, DIGEST)
+    expected = Expected(KIND_CONTRIB, torch.float32, RawCodec(torch.float32), DIGEST,
+                        Part.whole(N), 2, GEN.tag, 5)
+    assert not objects.create("obj", expected.header(1, weight=1.0, nbytes=0), [])
+    assert storage.counters.objects_written == 1
+    header, payload = objects.read_verified("obj", expected, 1, sizes=(objects.head + NBYTES,),
+                                            mismatch=None)
+    assert header.weight == 1.0 and bytes(payload) == torch.full((N,), 1.5).numpy().tobytes()

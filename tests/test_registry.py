@@ -65,25 +65,58 @@ def test_each_registration_names_a_backend_and_its_options_class():
     ("torch://", {}, "torch"),
     ("/shared/run", {"local": "gloo"}, "hierarchical"),
     ("/shared/run", {"local": None}, "storage"),
+    ("/shared/run", {"elastic": True}, "elastic"),
+    ("s3://bucket/run", {"elastic": True, "min_ranks": 2}, "elastic"),
+    ("/shared/run", {"elastic": False}, "storage"),
 ])
 def test_connect_chooses_by_scheme_then_option(url, options, name):
     assert registry.registration_for(url, options).name == name
 
 
 def test_elastic_runs_on_storage_urls_only():
-    assert registry.elastic_connector("/shared/run").__name__ == "connect_elastic"
+    assert registry.backend_for("/shared/run", {"elastic": True}).__name__ == "ElasticSync"
     for url, options in [("gloo://127.0.0.1:1", {}), ("/shared/run", {"local": "gloo"})]:
-        with pytest.raises(ConfigError, match="elastic=True needs a storage URL"):
-            registry.elastic_connector(url, options)
+        with pytest.raises(ConfigError, match="elastic=True .*needs a storage URL"):
+            registry.registration_for(url, {**options, "elastic": True})
+
+
+@pytest.mark.unit
+def test_an_option_left_off_selects_nothing_and_is_dropped():
+    assert registry.selected_options({"local": None, "elastic": False, "job": "x"}) == {
+        "job": "x"}
+    assert registry.selected_options({"elastic": True}) == {"elastic": True}
+
+
+@pytest.mark.unit
+def test_an_option_of_another_backend_says_which_backend_takes_it():
+    from ferrosync.backends.options import StorageOptions
+
+    with pytest.raises(ConfigError, match=r"min_ranks apply to an elastic job only "
+                                          r"\(elastic=\.\.\.\)"):
+        StorageOptions.parse({"min_ranks": 2})
+
+
+@pytest.mark.unit
+def test_shared_settings_come_from_the_options_class():
+    """One home for "what every rank must pass alike": the fields marked shared, for
+    the rendezvous of the storage backend and an elastic job's record alike."""
+    from ferrosync.backends.options import ElasticOptions, StorageOptions
+
+    assert StorageOptions.shared_names() == ("reduce", "wire_dtype", "bucket_bytes",
+                                             "sharded_min_bytes", "gather_max_ranks")
+    assert ElasticOptions.shared_names() == ("wire_dtype", "fan_in")
+    assert ElasticOptions.shared_defaults() == {"wire_dtype": None, "fan_in": 8}
+    assert ElasticOptions.parse({"elastic": True, "fan_in": 3}).shared_settings() == {
+        "wire_dtype": None, "fan_in": 3}
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"name": "storage"}, "already registered"),
     ({"name": "x", "schemes": ("gloo",)}, "already serve backend 'torch'"),
     ({"name": "x", "option": "local"}, "already selects backend 'hierarchical'"),
-    ({"name": "x", "elastic": "m:f"}, "already serves elastic=True"),
+    ({"name": "x", "option": "elastic"}, "already selects backend 'elastic'"),
     ({"name": "x"}, "already serves storage URLs"),
-    ({"name": "x", "schemes": ("a",), "option": "b"}, "not several"),
+    ({"name": "x", "schemes": ("a",), "option": "b"}, "not both"),
 ])
 def test_one_answer_per_url(kwargs, message, monkeypatch):
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))

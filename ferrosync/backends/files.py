@@ -40,7 +40,7 @@ from .. import names
 from ..api import GradSync
 from ..codecs import Codec, RawCodec, accumulator_dtype, as_uint8
 from ..errors import ShardCorrupt
-from ..faults import FaultyStorage, load_faults
+from ..faults import inject
 from ..liveness import Heartbeat, PeerMonitor, publish_abort
 from ..rendezvous import rendezvous
 from ..storage import open_storage, probe_location
@@ -70,10 +70,9 @@ class FileSync(Exchanges, GradSync):
         return StorageOptions.parse(options)
 
     def __init__(self, url: str, identity, timeout: float, options: StorageOptions) -> None:
-        storage = open_storage(url, options.storage_options, timeout=timeout)
-        faults = load_faults(identity.rank)  # $FERROSYNC_FAULTS: tests and drills only
-        if faults:
-            storage = FaultyStorage(storage, faults)
+        # $FERROSYNC_FAULTS (tests and drills only) wraps the storage here
+        storage = inject(open_storage(url, options.storage_options, timeout=timeout),
+                         identity.rank)
         timing = options.timing(storage)
         super().__init__(url, identity, timeout, storage.counters, options.bucket_bytes)
         self._storage = storage
@@ -88,7 +87,8 @@ class FileSync(Exchanges, GradSync):
         self._objects: GenerationObjects | None = None
         try:
             probe_location(storage, self.rank)
-            settings = options.shared_settings()
+            # the rendezvous record keeps every shared setting as a string
+            settings = {k: str(v) for k, v in options.shared_settings().items()}
             settings.update(world_size=self.world_size, format=VERSION,
                             auth=self._key is not None)
             self._generation = rendezvous(

@@ -163,6 +163,20 @@ class Incoming:
         check.finish()
         return bytes(buf)
 
+    def read_into_buffers(self, buffers) -> None:
+        """The whole payload, read straight into ``buffers`` in order (writable byte
+        buffers whose sizes add up to the payload's), and verified: ``ShardCorrupt``
+        after the last one if it is truncated or its checksum or MAC fails, so the
+        caller must not use the buffers before this returns."""
+        check = self._check()
+        for buf in buffers:
+            view = memoryview(buf).cast("B")
+            got = self.reader.readinto(view)
+            check.update(view[:got])
+            if got < len(view):
+                break
+        check.finish()
+
     def chunks(self, codec: Codec, device: torch.device, chunk_bytes: int, pool, stats):
         """Yield ``(values, start, end)`` decoded chunk by chunk onto ``device``.
 

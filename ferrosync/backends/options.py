@@ -26,17 +26,41 @@ from .. import validate
 from ..codecs import check_wire_dtype
 from ..env import ENV_JOB, ENV_SECRET, discover_job
 from ..errors import ConfigError
+from ..storage.fsspec_store import FsspecStorage
+from ..storage.local import LocalStorage
 
 REDUCE_MODES = ("root", "sharded", "gather", "auto")
 LOCAL_MODES = ("gloo", "nccl", "auto")
 
 
-def option(default: Any, doc: str, *, shown: str | None = None, check=None,
-           documented: bool = True):
+def option(default: Any, doc: str, *, shown=None, check=None, documented: bool = True,
+           shared: bool = False):
     """A dataclass field carrying its description (``doc``), how the docs show its
-    default (``shown``) and its validator ``check(name, value) -> value``."""
+    default (``shown``: text, or a function of the options class for a default that
+    lives elsewhere, e.g. in the storage engines), its validator
+    ``check(name, value) -> value``, and whether every rank of a job must pass the
+    same value (``shared``: the one list of such settings, ``shared_settings``)."""
     return field(default=default, metadata={"doc": doc, "shown": shown, "check": check,
-                                            "documented": documented})
+                                            "documented": documented, "shared": shared})
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` as the docs write a duration: 20 µs, 5 ms, 10 s."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.3g} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s"
+
+
+def per_store(local: float, object_store: float) -> str:
+    """A default that depends on the kind of store, as the docs show it."""
+    return f"{duration(local)} local, {duration(object_store)} object stores"
+
+
+#: the engines' own timing defaults (``storage/local.py``, ``storage/fsspec_store.py``),
+#: shown in the option tables from there
+_LOCAL, _REMOTE = LocalStorage, FsspecStorage
 
 
 # -- validators: check(name, value) -> normalised value -------------------------------------
@@ -140,9 +164,28 @@ class BackendOptions:
     #: how error messages name the URLs this backend serves
     scope: ClassVar[str] = "this URL"
 
+    #: how the table words a shared setting (see ``option(shared=...)``)
+    shared_doc: ClassVar[str] = "every rank of a job must pass the same"
+
     @classmethod
     def names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls) if "doc" in f.metadata]
+
+    @classmethod
+    def shared_names(cls) -> tuple[str, ...]:
+        """The settings every rank of a job must share (fields marked ``shared``)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("shared"))
+
+    @classmethod
+    def shared_defaults(cls) -> dict:
+        """The default of each shared setting (what a record that predates it means)."""
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        return {name: fields[name].default for name in cls.shared_names()}
+
+    def shared_settings(self) -> dict:
+        """This rank's values of the settings every rank of the job must share, by name
+        (checked at the rendezvous, or against an elastic job's record)."""
+        return {name: getattr(self, name) for name in self.shared_names()}
 
     @classmethod
     def parse(cls, options: dict, *, tolerated: tuple[str, ...] = ()):
@@ -152,7 +195,7 @@ class BackendOptions:
         unknown = sorted(set(options) - set(known) - set(tolerated))
         if unknown:
             raise ConfigError(
-                f"unknown option(s) {unknown} for {cls.scope}",
+                f"unknown option(s) {unknown} for {cls.scope}{_elsewhere(unknown)}",
                 hint="valid options: " + ", ".join(sorted({*known, *tolerated})),
             )
         values = {}
@@ -178,7 +221,10 @@ class BackendOptions:
             if "doc" not in meta or not meta["documented"]:
                 continue
             shown = meta["shown"] if meta["shown"] is not None else f"`{f.default!r}`"
-            rows.append(f"| `{f.name}` | {shown} | {meta['doc']} |")
+            if callable(shown):
+                shown = shown(cls)
+            doc = meta["doc"] + (f"; {cls.shared_doc}" if meta["shared"] else "")
+            rows.append(f"| `{f.name}` | {shown} | {doc} |")
         return "\n".join(rows)
 
 
@@ -234,16 +280,19 @@ class StorageOptions(_StorageTiming, BackendOptions):
 
     scope: ClassVar[str] = "a storage URL"
 
+    shared_doc: ClassVar[str] = "every rank must pass the same (checked at connect)"
+
     reduce: str = option(
         "auto", "`\"root\"`: rank 0 reduces; `\"sharded\"`: every rank reduces 1/W of the "
         "payload; `\"gather\"`: every rank reads every contribution and reduces all of it "
         "(one round trip instead of two); `\"auto\"`: gather on an object store up to "
         "`gather_max_ranks` ranks, else sharded from `sharded_min_bytes` up, else root "
         "(each where it measured faster)",
-        shown='`"auto"`', check=_reduce)
+        shown='`"auto"`', check=_reduce, shared=True)
     wire_dtype: str | None = option(
         None, "payload encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, or "
-        "`\"int8\"` (block scales + error feedback)", shown="`None`", check=_wire_dtype)
+        "`\"int8\"` (block scales + error feedback)", shown="`None`", check=_wire_dtype,
+        shared=True)
     job: str | None = option(
         None, "job id: jobs with different ids never meet on one URL; "
         "`python -m ferrosync.train` names each launch",
@@ -251,7 +300,7 @@ class StorageOptions(_StorageTiming, BackendOptions):
     claim_window: float | None = option(
         None, "how long each rank waits before its first collective so a second job "
         "started on the same URL at the same moment is caught (`DuplicateRank`) instead "
-        "of averaged with", shown="3 s without a job id, else 0", check=_seconds_or_none)
+        "of averaged with", shown=lambda cls: _claim_window(), check=_seconds_or_none)
     secret: bytes | None = option(
         None, "shared key: every object carries an HMAC-SHA256 (keyed per job); anything "
         "without a valid one is rejected", shown=f"`${ENV_SECRET}`", check=_secret)
@@ -259,20 +308,24 @@ class StorageOptions(_StorageTiming, BackendOptions):
         None, "passed to the fsspec filesystem (credentials, `endpoint_url`, ...)",
         shown="`None`", check=_dict_or_none)
     heartbeat_interval: float | None = option(
-        None, "seconds between heartbeats", shown="1 s local, 2 s object stores",
+        None, "seconds between heartbeats",
+        shown=lambda cls: per_store(_LOCAL.heartbeat_interval, _REMOTE.heartbeat_interval),
         check=_positive_or_none)
     heartbeat_timeout: float = option(
-        20.0, "liveness: a peer silent this long raises `PeerFailed` (must exceed twice "
-        "`heartbeat_interval`)", shown="20 s", check=_positive)
+        _StorageTiming.timeout_local, "liveness: a peer silent this long raises "
+        "`PeerFailed` (must exceed twice `heartbeat_interval`)",
+        shown=lambda cls: duration(cls.timeout_local), check=_positive)
     poll_initial: float | None = option(
         None, "first polling sleep for one exact name, seconds",
-        shown="20 µs local, 5 ms object stores", check=_positive_or_none)
+        shown=lambda cls: per_store(_LOCAL.poll_initial, _REMOTE.poll_initial),
+        check=_positive_or_none)
     poll_max: float | None = option(
-        None, "longest polling sleep, seconds", shown="10 ms local, 200 ms object stores",
+        None, "longest polling sleep, seconds",
+        shown=lambda cls: per_store(_LOCAL.poll_max, _REMOTE.poll_max),
         check=_positive_or_none)
     bucket_bytes: int | None = option(
         None, "split a call's tensors into objects of at most this size",
-        shown="unlimited", check=_positive_int_or_none)
+        shown="unlimited", check=_positive_int_or_none, shared=True)
     chunk_bytes: int = option(
         8 << 20, "streaming read size (bounds the reducer's extra memory)",
         shown="8 MiB", check=_positive_int)
@@ -285,25 +338,15 @@ class StorageOptions(_StorageTiming, BackendOptions):
     # measured (tools/bench.py, 2 and 4 ranks): sharded wins from 1 MiB up, root below
     sharded_min_bytes: int = option(
         1 << 20, "with `reduce=\"auto\"`: shard payloads at least this large",
-        shown="1 MiB", check=_positive_int)
+        shown="1 MiB", check=_positive_int, shared=True)
 
     gather_max_ranks: int = option(
         2, "with `reduce=\"auto\"` on an object store: gather up to this many ranks (each "
         "reads W-1 contributions, so the bytes read grow with W)", shown="2",
-        check=_non_negative_int)
-
-    #: options that change what goes on the wire: every rank must agree (checked at
-    #: rendezvous, see rendezvous.py)
-    SHARED: ClassVar[tuple[str, ...]] = ("reduce", "wire_dtype", "sharded_min_bytes",
-                                         "bucket_bytes", "gather_max_ranks")
+        check=_non_negative_int, shared=True)
 
     def _check_together(self) -> None:
-        if self.poll_initial and self.poll_max and self.poll_initial > self.poll_max:
-            raise ConfigError("poll_initial must not exceed poll_max")
-
-    def shared_settings(self) -> dict[str, str]:
-        """The wire settings every rank must agree on, as strings for the rendezvous."""
-        return {name: str(getattr(self, name)) for name in self.SHARED}
+        _check_polls(self)
 
 
 @dataclass(frozen=True)
@@ -377,6 +420,8 @@ class ElasticOptions(_StorageTiming, BackendOptions):
     buckets), plus the job's ``spec``."""
 
     scope: ClassVar[str] = "an elastic job"
+    shared_doc: ClassVar[str] = ("every member of a job must pass the same (the job's "
+                                 "record says which)")
     # On an object store every beat is a billed PUT, and an elastic job may have
     # hundreds of members: one beat per 10 s is 360 k PUTs an hour at 1,000 members
     # ($1.80 at S3 list prices, docs/elastic.md#cost). A silent death still leaves the
@@ -396,33 +441,44 @@ class ElasticOptions(_StorageTiming, BackendOptions):
         None, "passed to the fsspec filesystem (credentials, `endpoint_url`, ...)",
         shown="`None`", check=_dict_or_none)
     heartbeat_interval: float | None = option(
-        None, "seconds between heartbeats", shown="1 s local, 10 s object stores",
+        None, "seconds between heartbeats",
+        shown=lambda cls: per_store(_LOCAL.heartbeat_interval, cls.interval_object_store),
         check=_positive_or_none)
     heartbeat_timeout: float | None = option(
         None, "a member silent this long is dropped (members silent together leave "
         "together); must exceed twice `heartbeat_interval`",
-        shown="20 s local, 30 s object stores (at least 3 intervals; an unset interval "
-        "is at most a third of it)",
+        shown=lambda cls: per_store(cls.timeout_local, cls.timeout_object_store)
+        + " (at least 3 intervals; an unset interval is at most a third of it)",
         check=_positive_or_none)
     poll_initial: float | None = option(
-        None, "first polling sleep, seconds", shown="20 µs local, 5 ms object stores",
+        None, "first polling sleep, seconds",
+        shown=lambda cls: per_store(_LOCAL.poll_initial, _REMOTE.poll_initial),
         check=_positive_or_none)
     poll_max: float | None = option(
-        None, "longest polling sleep, seconds", shown="10 ms local, 200 ms object stores",
+        None, "longest polling sleep, seconds",
+        shown=lambda cls: per_store(_LOCAL.poll_max, _REMOTE.poll_max),
         check=_positive_or_none)
+    elastic: bool = option(
+        False, "join an elastic job on a storage URL (docs/elastic.md): members come and "
+        "go, and `rank`/`world_size` follow the membership agreed each round (they cannot "
+        "be passed)", shown="`False`", check=_boolean)
+    min_ranks: int = option(
+        1, "the fewest members a round waits for (connect returns once a roster of at "
+        "least this many admits this member)", shown="1", check=_positive_int)
+    max_ranks: int | None = option(
+        None, "the most members a round admits (joiners beyond it wait in the queue)",
+        shown="unlimited", check=_positive_int_or_none)
     wire_dtype: str | None = option(
         None, "contribution encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, "
-        "or `\"int8\"` (block scales + error feedback, kept per member); every member of "
-        "a job must use the same (its record says which)", shown="`None`",
-        check=_wire_dtype)
+        "or `\"int8\"` (block scales + error feedback, kept per member)", shown="`None`",
+        check=_wire_dtype, shared=True)
     error_feedback: bool = option(
         True, "carry int8 quantisation error to this member's next contribution",
         shown="`True`", check=_boolean)
     fan_in: int = option(
         8, "members per group of the tree reduce that averages from 5 members on "
-        "(each member reads under 2.5 × the payload per round, whatever the membership); "
-        "every member of a job must use the same (its record says which)", shown="8",
-        check=_fan_in)
+        "(each member reads under 2.5 × the payload per round, whatever the membership)",
+        shown="8", check=_fan_in, shared=True)
     spec: dict | None = option(
         None, "what every member must agree on (plain JSON; the trainer's: model "
         "fingerprint, optimizer and lr, strategy, steps, batch size, seed): a newcomer "
@@ -430,5 +486,32 @@ class ElasticOptions(_StorageTiming, BackendOptions):
         shown="`None`", check=_dict_or_none)
 
     def _check_together(self) -> None:
-        if self.poll_initial and self.poll_max and self.poll_initial > self.poll_max:
-            raise ConfigError("poll_initial must not exceed poll_max")
+        _check_polls(self)
+        if self.max_ranks is not None and self.max_ranks < self.min_ranks:
+            raise ConfigError(f"max_ranks ({self.max_ranks}) must be >= min_ranks "
+                              f"({self.min_ranks})")
+
+
+def _claim_window() -> str:
+    from ..rendezvous import ANONYMOUS_CLAIM_WINDOW  # the rendezvous's own default
+
+    return f"{duration(ANONYMOUS_CLAIM_WINDOW)} without a job id, else 0"
+
+
+def _check_polls(options) -> None:
+    if options.poll_initial and options.poll_max and options.poll_initial > options.poll_max:
+        raise ConfigError("poll_initial must not exceed poll_max")
+
+
+def _elsewhere(unknown: list[str]) -> str:
+    """Where the ``unknown`` options belong, when another backend takes them: ``connect``
+    picks the backend by the URL and the selecting options (``registry.py``)."""
+    from ..registry import REGISTRY
+
+    notes = []
+    for entry in REGISTRY.values():
+        cls = entry.load_options()
+        theirs = [name for name in unknown if name in cls.names()]
+        if theirs and entry.option is not None:
+            notes.append(f"{', '.join(theirs)} apply to {cls.scope} only ({entry.option}=...)")
+    return f" ({'; '.join(notes)})" if notes else ""

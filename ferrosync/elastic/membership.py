@@ -19,8 +19,9 @@ Pieces:
   wins; everyone else reads the winner's).
 
 Every record is a JSON control record sealed with ``wire.encode_record`` (an HMAC
-with the job's secret when one is set) and checked with ``decode_record``; anything
-else is refused as ``ShardCorrupt``.
+with the job's secret when one is set) and checked with ``decode_record``, through the
+job's object layer (``backends.objects.Objects``); anything else is refused as
+``ShardCorrupt``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ from dataclasses import dataclass
 from .. import names
 from ..errors import ShardCorrupt, SyncTimeout
 from ..liveness import PROCESS_CLOCK, Heartbeat, SilenceClocks
-from ..storage import Storage
-from ..wire import decode_record, encode_record
+from ..rendezvous import first_missing
 
 ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
 _STATES = (ALIVE, LEFT, ABORTED)
@@ -47,11 +47,11 @@ _GONE: dict[str, set[str]] = {}
 ROSTER_RETENTION = 64
 
 
-def heartbeat(storage: Storage, namespace: str, member_id: str, interval: float,
-              secret: bytes | None) -> Heartbeat:
-    """The heartbeat of member ``member_id``: ``liveness.Heartbeat`` writing ``hb.{id}``
-    with the member's id and the elastic states (``alive``, ``left``, ``aborted``)."""
-    return Heartbeat(storage, namespace, 0, interval, secret, 0,
+def heartbeat(objects, member_id: str, interval: float) -> Heartbeat:
+    """The heartbeat of member ``member_id`` in the job of ``objects`` (its namespace and
+    key): ``liveness.Heartbeat`` writing ``hb.{id}`` with the member's id and the
+    elastic states (``alive``, ``left``, ``aborted``)."""
+    return Heartbeat(objects.storage, objects.prefix, 0, interval, objects.key, 0,
                      name=names.elastic_heartbeat(member_id), fields={"id": member_id},
                      running=ALIVE)
 
@@ -68,29 +68,24 @@ class Watch:
     members that died together start their silence clocks together.
     """
 
-    def __init__(self, storage: Storage, namespace: str, secret: bytes | None,
-                 timeout: float, url: str, interval: float) -> None:
-        self._storage = storage
-        self._ns = namespace
-        self._secret = secret
+    def __init__(self, objects, timeout: float, interval: float) -> None:
+        self._objects = objects
         self._timeout = timeout
-        self._url = url
         self._silence = SilenceClocks(timeout, interval)
-        self.gone = _GONE.setdefault(storage.path_of(namespace), set())
+        self.gone = _GONE.setdefault(objects.storage.path_of(objects.prefix), set())
 
     def state(self, member_id: str) -> str:
         """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out);
         a member once judged gone stays gone (and is not read again)."""
         if member_id in self.gone:
             return "gone"
-        key = names.within(self._ns, names.elastic_heartbeat(member_id))
-        raw = self._storage.read(key)
+        name = names.elastic_heartbeat(member_id)
+        record = self._objects.read_record(name)
         beat, state = None, ALIVE
-        if raw is not None:
-            record = decode_record(raw, self._secret, path=self._storage.path_of(key))
+        if record is not None:
             if record.get("id") != member_id or record.get("state") not in _STATES:
                 raise ShardCorrupt(f"heartbeat record of member {member_id} is not one",
-                                   path=self._storage.path_of(key),
+                                   path=self._objects.path_of(name),
                                    hint="let nothing else write under this URL")
             beat, state = record.get("beat"), record["state"]
         if state == ALIVE and self._silence.silent(member_id, beat, PROCESS_CLOCK.tick()):
@@ -195,53 +190,41 @@ EMPTY = Roster(-1, (), (), 0)
 
 
 class Rosters:
-    """Reads and writes rosters, join entries and the ``latest`` hint."""
+    """Reads and writes rosters, join entries and the ``latest`` hint (``objects``: the
+    job's object layer)."""
 
-    def __init__(self, storage: Storage, namespace: str, secret: bytes | None, url: str):
-        self._storage = storage
-        self._ns = namespace
-        self._secret = secret
-        self._url = url
+    def __init__(self, objects) -> None:
+        self._objects = objects
         self._joins: dict[int, str] = {}  # entry -> member id (entries never change)
 
-    def key(self, name: str) -> str:
-        return names.within(self._ns, name)
-
-    def _record(self, name: str) -> dict | None:
-        key = self.key(name)
-        raw = self._storage.read(key)
-        if raw is None:
-            return None
-        return decode_record(raw, self._secret, path=self._storage.path_of(key))
+    def path_of(self, name: str) -> str:
+        return self._objects.path_of(name)
 
     def read(self, round_: int) -> Roster | None:
         if round_ < 0:
             return EMPTY
         name = names.elastic_roster(round_)
-        record = self._record(name)
+        record = self._objects.read_record(name)
         if record is None:
             return None
-        return Roster.from_record(record, round_, self._storage.path_of(self.key(name)))
+        return Roster.from_record(record, round_, self._objects.path_of(name))
 
     def create(self, roster: Roster) -> Roster:
         """Publish ``roster`` unless another member was first; return the winner."""
-        name = names.elastic_roster(roster.round)
-        try:
-            self._storage.put(self.key(name), [encode_record(roster.record(), self._secret)],
-                              exclusive=True)
-        except FileExistsError:
+        objects = self._objects
+        if not objects.put_record(names.elastic_roster(roster.round), roster.record(),
+                                  exclusive=True):
             return self.read(roster.round)
         # a hint only: a joiner probes upward from it, so a stale or raced value costs
         # a few reads, never correctness
-        self._storage.put(self.key(names.ELASTIC_LATEST),
-                          [encode_record({"round": roster.round}, self._secret)])
+        objects.put_record(names.ELASTIC_LATEST, {"round": roster.round})
         old = roster.round - ROSTER_RETENTION
         if old >= 0:
-            self._storage.delete([self.key(names.elastic_roster(old))])
+            objects.storage.delete([objects.key_of(names.elastic_roster(old))])
         return roster
 
     def latest_hint(self) -> int:
-        record = self._record(names.ELASTIC_LATEST)
+        record = self._objects.read_record(names.ELASTIC_LATEST)
         if record is None:
             return -1
         value = record.get("round")
@@ -249,19 +232,22 @@ class Rosters:
 
     def newest(self, deadline: float) -> Roster:
         """The newest roster: from the hint, probing upward (no listing)."""
-        while True:
-            hint = self.latest_hint()
-            roster = self.read(hint)
-            if roster is not None:
-                break
-            # the hinted roster was already deleted (the hint went stale by
-            # ROSTER_RETENTION rounds between two reads): read the hint again
-            if time.monotonic() > deadline:
-                raise SyncTimeout(
-                    f"the roster of round {hint} named by the 'latest' hint stays missing",
-                    path=self._storage.path_of(self.key(names.ELASTIC_LATEST)),
-                    hint="roster writers may have stopped mid-update; retry the connect")
-            time.sleep(0.01)
+        hints = []
+
+        def attempt():
+            hints.append(self.latest_hint())
+            return self.read(hints[-1])
+
+        def expired():
+            # the hinted roster stays deleted (the hint went stale by ROSTER_RETENTION
+            # rounds between two reads, and nobody moves it on)
+            return SyncTimeout(
+                f"the roster of round {hints[-1]} named by the 'latest' hint stays missing",
+                path=self._objects.path_of(names.ELASTIC_LATEST),
+                hint="roster writers may have stopped mid-update; retry the connect")
+
+        roster = self._objects.wait_for(attempt, deadline=deadline, expired=expired,
+                                        poll=(0.01, 0.01))
         while (following := self.read(roster.round + 1)) is not None:
             roster = following
         return roster
@@ -271,26 +257,35 @@ class Rosters:
         if n in self._joins:
             return self._joins[n]
         name = names.elastic_join(n)
-        record = self._record(name)
+        record = self._objects.read_record(name)
         if record is None:
             return None
         member = record.get("id")
         if not names.is_member_id(member):
-            raise ShardCorrupt(f"join entry {n} is malformed",
-                               path=self._storage.path_of(self.key(name)),
+            raise ShardCorrupt(f"join entry {n} is malformed", path=self._objects.path_of(name),
                                hint="let nothing else write under this URL")
         self._joins[n] = member
         return member
 
-    def claim(self, member_id: str, start: int) -> int:
-        """Append ``member_id`` to the join queue: the smallest free entry >= ``start``."""
+    def claim(self, member_id: str, start: int, deadline: float) -> int:
+        """Append ``member_id`` to the join queue: the first free entry from ``start``,
+        found by galloping probes and bisection (entries are never removed, so the
+        taken ones are a prefix: logarithmic in the queue's length, however many
+        entries something planted); an entry taken meanwhile moves on to the next free
+        one. ``SyncTimeout`` once past ``deadline``."""
+        objects = self._objects
         n = start
         while True:
-            try:
-                self._storage.put(self.key(names.elastic_join(n)),
-                                  [encode_record({"id": member_id}, self._secret)],
-                                  exclusive=True)
+            n = first_missing(objects.storage,
+                              lambda i: objects.key_of(names.elastic_join(i)), n)
+            if objects.put_record(names.elastic_join(n), {"id": member_id}, exclusive=True):
                 self._joins[n] = member_id
                 return n
-            except FileExistsError:
-                n += 1
+            n += 1
+            if time.monotonic() > deadline:
+                raise SyncTimeout(
+                    f"no free entry of the join queue found in time (the last tried: {n})",
+                    path=objects.path_of(names.elastic_join(n)),
+                    hint="many members join at once, or something fills the queue: let "
+                    "nothing else write under this URL, or raise timeout")
+

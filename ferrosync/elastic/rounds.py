@@ -17,16 +17,22 @@ a silent death). Once per check interval of waiting the checker makes a full pas
 (every contribution, every missing member's heartbeat in one pass), and a waiting
 member looks past predecessors that are not seen running now, so members that die
 together are judged together (``Agreement.complete``, ``Agreement.is_checker``).
+
+**Progress.** While a round waits for members below ``min_ranks``, the member that
+knows how many there are (the checker; a joiner of a job being founded, from the queue
+ahead of it) says so on the ``ferrosync.elastic`` logger at INFO when it starts waiting
+and every ``PROGRESS_EVERY`` seconds after.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
 from .. import names
 from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
-from ..storage import RECORD_LIMIT, Backoff, Storage, object_exists
+from ..storage import object_exists
 from .membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
 
 #: the most contribution bytes the checker keeps from its existence checks (S3)
@@ -34,52 +40,42 @@ KEEP_BUDGET = 256 << 20
 #: a waiting member checks every this many looks (one per heartbeat interval) whether
 #: its round's roster was already pruned; rare, because each check costs two GETs
 PRUNED_CHECK_EVERY = 4
+#: seconds between two progress lines of one wait below ``min_ranks``
+PROGRESS_EVERY = 30.0
+
+#: where an elastic member says what it waits for (the trainer shows its INFO lines)
+log = logging.getLogger("ferrosync.elastic")
 
 
-def read_sized(storage: Storage, key: str, sizes, *, rank: int | None = None,
-               collective: int | None = None, wrong_size=None) -> bytes | None:
-    """The object at ``key`` if its size is one of ``sizes`` (the legal sizes of that
-    object, known from the round's layout), None if it does not exist; any other size
-    is an error before more than a header is read (a forged object may claim any
-    size): ``wrong_size(reader)`` may raise a more precise one."""
-    sizes = tuple(sizes)
-    # bounded: an object store is asked for no more than this. With ``wrong_size``
-    # the bound leaves room for a member's contribution of another layout (up to
-    # twice this one's, plus a record) so its header can name the mismatch; anything
-    # larger is refused by its size alone
-    limit = max(sizes) if wrong_size is None else 2 * max(sizes) + RECORD_LIMIT
-    reader = storage.open(key, max_bytes=limit, rank=rank)
-    if reader is None:
-        return None
-    with reader:
-        if reader.size not in sizes:
-            if wrong_size is not None:
-                wrong_size(reader)
-            raise ShardCorrupt(
-                f"object has {reader.size} bytes; an object of this round has "
-                f"{' or '.join(map(str, sorted(set(sizes))))}", rank=rank,
-                collective=collective, path=storage.path_of(key),
-                hint="let nothing else write under this URL (set a secret); members of "
-                "one job must call the same collectives with the same layouts")
-        buf = bytearray(reader.size)
-        n = reader.readinto(buf)
-        return bytes(buf[:n])
+class Progress:
+    """Says on ``log`` how many members a wait below ``min_ranks`` has: when it starts,
+    and every ``PROGRESS_EVERY`` seconds after, while it lasts."""
+
+    def __init__(self, min_ranks: int) -> None:
+        self._min = min_ranks
+        self._next: float | None = None
+
+    def below(self, here: int) -> None:
+        now = time.monotonic()
+        if self._next is None or now >= self._next:
+            log.info("waiting for members: %d here, %d needed (min_ranks=%d)", here,
+                     self._min, self._min)
+            self._next = now + PROGRESS_EVERY
 
 
 class Agreement:
     """Waits for the roster of a round and writes it when this member is the checker."""
 
-    def __init__(self, storage: Storage, rosters: Rosters, watch: Watch, *, min_ranks: int,
-                 max_ranks: int | None, poll: tuple[float, float], check_interval: float,
-                 url: str) -> None:
-        self._storage = storage
+    def __init__(self, objects, rosters: Rosters, watch: Watch, *, min_ranks: int,
+                 max_ranks: int | None, check_interval: float) -> None:
+        self._objects = objects
         self._rosters = rosters
         self._watch = watch
         self._min = min_ranks
         self._max = max_ranks
-        self._poll = poll
         self._check_interval = check_interval
-        self._url = url
+        #: the members a round had when it was last found below ``min_ranks`` (None: not)
+        self.short: int | None = None
         self._present: dict[int, set[str]] = {}  # round -> members seen to contribute
         self._kept: dict[tuple[int, str], bytes] = {}  # see contributed()
         self._kept_bytes = 0
@@ -96,16 +92,17 @@ class Agreement:
         seen = self._present.setdefault(round_, set())
         if member in seen:
             return True
-        key = self._rosters.key(names.elastic_contribution(round_, member))
-        if not self._storage.round_trips_dominate or self.sizes is None:
+        name = names.elastic_contribution(round_, member)
+        objects = self._objects
+        if not objects.storage.round_trips_dominate or self.sizes is None:
             # an open on a local disk: cheap (and a joiner does not know the layout)
-            found = object_exists(self._storage, key)
+            found = object_exists(objects.storage, objects.key_of(name))
         else:
             # an object store has no cheaper existence check than the GET that fetches
             # the object: keep the bytes for the reduce (up to a budget) instead of
             # fetching them twice
             try:
-                raw = read_sized(self._storage, key, self.sizes)
+                raw = objects.read_sized(name, self.sizes)
             except ShardCorrupt:  # not kept: the reduce reads it again and says why
                 self._present.setdefault(round_, set()).add(member)
                 return True
@@ -176,7 +173,9 @@ class Agreement:
         if len(members) < max(self._min, 1):
             self.waiting_on = (f"joiners: {len(members)} member(s), "
                                f"fewer than min_ranks={self._min}")
+            self.short = len(members)
             return None
+        self.short = None
         roster = Roster(round_, tuple(survivors), tuple(members), n, prev.changes,
                         tuple(refused), self.layout if refused else None)
         changes = roster.changes_after(prev)
@@ -205,7 +204,7 @@ class Agreement:
             raise MemberDropped(
                 f"round {round_} is over and its roster is gone: this member fell more "
                 f"than {ROSTER_RETENTION} rounds behind the others", collective=round_,
-                path=self._storage.path_of(self._rosters.key(names.elastic_roster(round_))),
+                path=self._rosters.path_of(names.elastic_roster(round_)),
                 hint="connect again with elastic=True to rejoin as a new member")
 
     def is_checker(self, predecessors: list[str]) -> bool:
@@ -225,51 +224,60 @@ class Agreement:
         return gone
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
-             deadline: float, on_look=None, sizes: tuple[int, ...] | None = None) -> Roster:
+             deadline: float, on_look=None, sizes: tuple[int, ...] | None = None,
+             queued: int | None = None) -> Roster:
         """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
         after ``deadline``. ``on_look()`` is called once per check interval while the
-        roster is missing (a joiner's "has the job ended?"); it may raise."""
+        roster is missing (a joiner's "has the job ended?"); it may raise. ``queued``:
+        for a joiner of a job being founded, the members queued up to and including it
+        (what it says while there are fewer than ``min_ranks``)."""
         self.sizes = sizes
-        backoff = Backoff(*self._poll)
-        checker = not predecessors
-        next_look, looks, full = 0.0, 0, False
-        # a round that ends within a check interval (a healthy one) needs no full pass
-        next_full = time.monotonic() + self._check_interval
-        while True:
-            roster = self._rosters.read(round_)
-            if roster is None:
-                now = time.monotonic()
-                if now >= next_look:
-                    looks += 1
-                    if on_look is not None:
-                        on_look()
-                    if looks % PRUNED_CHECK_EVERY == 0:
-                        self._check_not_pruned(round_)
-                    if not checker:
-                        checker = self.is_checker(predecessors)
-                        self.waiting_on = "the checker (the first live member) to write it"
-                    next_look = now + self._check_interval
-                elif not checker and len(predecessors) == 1:
-                    # next in line after the checker: a heartbeat read per poll (one
-                    # member pays it) sees a checker that closed at once, not after up
-                    # to a heartbeat interval (10 s on an object store)
-                    checker = self.is_checker(predecessors)
-                if now >= next_full:
-                    full, next_full = True, now + self._check_interval
-                if checker:
-                    roster = self.complete(prev, round_, full)
-                    full = False
-            if roster is not None:
-                for old in [r for r in self._present if r <= round_]:
-                    del self._present[old]
-                for old in [k for k in self._kept if k[0] < round_]:
-                    self.take(*old)  # a round this member no longer reads
-                return roster
-            if time.monotonic() > deadline:
-                raise SyncTimeout(
-                    f"the roster of round {round_} was not agreed in time; waiting on "
-                    f"{self.waiting_on}",
-                    collective=round_, path=self._storage.path_of(
-                        self._rosters.key(names.elastic_roster(round_))),
-                    hint="start more members (min_ranks), or raise timeout")
-            backoff.sleep(deadline)
+        self.short = None
+        progress = Progress(self._min)
+        state = {"checker": not predecessors, "next_look": 0.0, "looks": 0, "full": False,
+                 # a round that ends within a check interval (a healthy one) needs no
+                 # full pass
+                 "next_full": time.monotonic() + self._check_interval}
+
+        def between() -> Roster | None:
+            now = time.monotonic()
+            if now >= state["next_look"]:
+                state["looks"] += 1
+                if on_look is not None:
+                    on_look()
+                if state["looks"] % PRUNED_CHECK_EVERY == 0:
+                    self._check_not_pruned(round_)
+                if not state["checker"]:
+                    state["checker"] = self.is_checker(predecessors)
+                    self.waiting_on = "the checker (the first live member) to write it"
+                state["next_look"] = now + self._check_interval
+            elif not state["checker"] and len(predecessors) == 1:
+                # next in line after the checker: a heartbeat read per poll (one member
+                # pays it) sees a checker that closed at once, not after up to a
+                # heartbeat interval (10 s on an object store)
+                state["checker"] = self.is_checker(predecessors)
+            if now >= state["next_full"]:
+                state["full"], state["next_full"] = True, now + self._check_interval
+            roster = None
+            if state["checker"]:
+                roster = self.complete(prev, round_, state["full"])
+                state["full"] = False
+            here = self.short if state["checker"] else queued
+            if roster is None and here is not None and here < self._min:
+                progress.below(here)
+            return roster
+
+        def expired() -> SyncTimeout:
+            return SyncTimeout(
+                f"the roster of round {round_} was not agreed in time; waiting on "
+                f"{self.waiting_on}", collective=round_,
+                path=self._rosters.path_of(names.elastic_roster(round_)),
+                hint="start more members (min_ranks), or raise timeout")
+
+        roster = self._objects.wait_for(lambda: self._rosters.read(round_),
+                                        deadline=deadline, expired=expired, between=between)
+        for old in [r for r in self._present if r <= round_]:
+            del self._present[old]
+        for old in [k for k in self._kept if k[0] < round_]:
+            self.take(*old)  # a round this member no longer reads
+        return roster

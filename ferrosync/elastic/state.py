@@ -1,8 +1,9 @@
 """The state bootstrap of an elastic job (docs/elastic.md#state).
 
-A member publishes tensors as ``state.{r}`` (one sealed object: a ``wire`` header,
-whose layout digest covers the tensors' dtypes and shapes, then their raw bytes in
-order) and then points ``state`` at it. The pointer is a sealed control record that
+A member publishes tensors as the parts ``state.{r}.{i}`` of one byte stream (their
+raw bytes in order), each a sealed ``wire`` object whose header says which bytes of
+the stream it carries and whose layout digest covers all the tensors' dtypes and
+shapes, and then points ``state`` at them. The pointer is a sealed control record that
 also carries the *manifest* (each tensor's name, dtype and shape) and a small JSON
 ``meta`` dict, so a joiner that does not know the layout yet (an optimizer whose
 state is created lazily, a step counter) can allocate the tensors itself: nothing
@@ -12,14 +13,18 @@ Writing the object before the pointer means a pointer never names a state that w
 not completely written. The publisher deletes the state it published before, so a
 reader may find the pointer's object gone: it then reads the pointer again (bounded
 by the timeout).
+
+**Memory.** A reader streams each part straight into the tensors it returns (or, for
+``fetch``, into one copy of the caller's, copied over once verified), verifying each
+part's checksum or MAC as its bytes arrive, and hands nothing out before every part
+passed: about the state's size once, plus one part (an object store's reader holds
+its GET's bytes: parts keep that to at most an eighth of the state, and 64 MiB).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -28,21 +33,7 @@ from .. import names
 from ..codecs import CODEC_RAW, as_uint8
 from ..errors import LayoutMismatch, ShardCorrupt, SyncTimeout
 from ..flat import check_tensors, layout_signature
-from ..storage import Backoff, Storage
-from ..wire import (
-    DTYPE_CODES,
-    HEADER_SIZE,
-    KIND_BROADCAST,
-    MAC_SIZE,
-    Header,
-    PayloadCheck,
-    decode_record,
-    encode_record,
-    layout_digest,
-    parse_header,
-    seal,
-)
-from .rounds import read_sized
+from ..wire import DTYPE_CODES, KIND_BROADCAST, Header, layout_digest
 
 _UINT8 = DTYPE_CODES[torch.uint8]
 #: the dtypes a manifest may name, by name (a fixed list: nothing else is constructed)
@@ -51,6 +42,29 @@ _DTYPES = {str(d).replace("torch.", ""): d for d in DTYPE_CODES}
 _POLL = (0.02, 0.5)
 #: the largest state ``read_state`` allocates unless told otherwise (``max_bytes``)
 DEFAULT_MAX_STATE_BYTES = 16 << 30
+#: a state's parts: an eighth of it, within these bounds (bytes)
+PART_BYTES = (1 << 20, 64 << 20)
+
+
+def part_bytes(total: int) -> int:
+    """The size of each part (the last may be shorter) of a state of ``total`` bytes."""
+    return min(max(total // 8, PART_BYTES[0]), PART_BYTES[1])
+
+
+def _spans(total: int, part: int) -> list[tuple[int, int]]:
+    """(first byte, end byte) of each part of a ``total``-byte stream."""
+    return [(lo, min(lo + part, total)) for lo in range(0, total, part)] or [(0, 0)]
+
+
+def _views(buffers: list, lo: int, hi: int) -> list:
+    """Byte views of ``buffers`` (one stream, in order) covering [lo, hi)."""
+    out, start = [], 0
+    for buf in buffers:
+        end = start + len(buf)
+        if end > lo and start < hi:
+            out.append(buf[max(lo, start) - start:min(hi, end) - start])
+        start = end
+    return out
 
 
 @dataclass(frozen=True)
@@ -78,147 +92,188 @@ def _named(tensors) -> tuple[list[str], list[torch.Tensor]]:
 
 
 class StateStore:
-    """Publishes and fetches the job's state objects in one elastic namespace."""
+    """Publishes and reads the job's state objects through the job's object layer."""
 
-    def __init__(self, storage: Storage, namespace: str, secret: bytes | None) -> None:
-        self._storage = storage
-        self._ns = namespace
-        self._secret = secret
-        self._published: str | None = None  # the key this member published last
-
-    def _key(self, name: str) -> str:
-        return names.within(self._ns, name)
+    def __init__(self, objects) -> None:
+        self._objects = objects
+        self._published: list[str] = []  # the keys of what this member published last
 
     def publish(self, tensors, round_: int, rank: int, meta: dict | None = None) -> int:
         labels, tensors = _named(tensors)
-        check_tensors(tensors, op="publish_state", rank=rank, path=self._storage.url,
+        check_tensors(tensors, op="publish_state", rank=rank, path=self._objects.storage.url,
                       in_place=False, dtypes=tuple(DTYPE_CODES))
         meta = dict(meta or {})
         try:
             json.dumps(meta, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"publish_state meta must be plain JSON: {exc}") from None
-        parts = [as_uint8(t.detach().contiguous().cpu()).numpy() for t in tensors
-                 if t.numel()]
-        nbytes = sum(p.nbytes for p in parts)
-        header = Header(kind=KIND_BROADCAST, dtype=_UINT8, codec=CODEC_RAW, rank=rank,
-                        world_size=0, generation=round_, collective=round_, count=nbytes,
-                        offset=0, total=nbytes, weight=0.0, layout=_digest(tensors),
-                        payload_nbytes=nbytes)
-        key = self._key(names.elastic_state(round_))
-        self._storage.put(key, [seal(header, parts, self._secret), *parts])
+        buffers = [as_uint8(t.detach().contiguous().cpu()).numpy() for t in tensors
+                   if t.numel()]
+        nbytes = sum(b.nbytes for b in buffers)
+        spans = _spans(nbytes, part_bytes(nbytes))
+        digest = _digest(tensors)
+        keys = []
+        for i, (lo, hi) in enumerate(spans):
+            # the header names the round in its generation field (not the job's tag, as
+            # a contribution does): the pointer says which round to expect
+            header = Header(kind=KIND_BROADCAST, dtype=_UINT8, codec=CODEC_RAW, rank=rank,
+                            world_size=0, generation=round_, collective=round_,
+                            count=hi - lo, offset=lo, total=nbytes, weight=0.0,
+                            layout=digest, payload_nbytes=hi - lo, slice=i,
+                            nslices=len(spans))
+            name = names.elastic_state(round_, i)
+            self._objects.put(name, header, _views(buffers, lo, hi))
+            keys.append(self._objects.key_of(name))
         manifest = {"names": labels,
                     "dtypes": [str(t.dtype).replace("torch.", "") for t in tensors],
                     "shapes": [list(t.shape) for t in tensors]}
-        self._storage.put(self._key(names.ELASTIC_STATE_POINTER),
-                          [encode_record({"round": round_, "manifest": manifest, "meta": meta},
-                                         self._secret)])
-        if self._published is not None and self._published != key:
-            self._storage.delete([self._published])
-        self._published = key
+        self._objects.put_record(names.ELASTIC_STATE_POINTER,
+                                 {"round": round_, "manifest": manifest, "meta": meta,
+                                  "parts": len(spans)})
+        old = [k for k in self._published if k not in keys]
+        if old:
+            self._objects.storage.delete(old)
+        self._published = keys
         return round_
 
     def _pointer(self, rank: int) -> dict | None:
-        key = self._key(names.ELASTIC_STATE_POINTER)
-        raw = self._storage.read(key)
-        if raw is None:
+        record = self._objects.read_record(names.ELASTIC_STATE_POINTER)
+        if record is None:
             return None
-        record = decode_record(raw, self._secret, path=self._storage.path_of(key), rank=rank)
         value = record.get("round")
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ShardCorrupt("the state pointer is malformed", rank=rank,
-                               path=self._storage.path_of(key),
+                               path=self._objects.path_of(names.ELASTIC_STATE_POINTER),
                                hint="let nothing else write under this URL")
         return record
 
-    def _object(self, deadline: float, rank: int, min_round: int | None, size_of,
-                give_up=None):
-        """(pointer record, verified header, payload) of the newest state, waiting until
-        deadline for one published after ``min_round``; None if none was published.
-        ``size_of(pointer)`` is the payload's size the reader expects (from its own
-        tensors, or the manifest checked against its bound): the object is read only
-        at that size. ``give_up()``, asked while waiting, raises to end the wait early."""
-        head = HEADER_SIZE + (MAC_SIZE if self._secret is not None else 0)
-        backoff = Backoff(*_POLL)
-        while True:
+    def _read(self, deadline: float, rank: int, min_round: int | None, allocate,
+              give_up=None):
+        """(pointer, tensors) of the newest state, waiting until ``deadline`` for one
+        published after ``min_round``; None if none was published (and ``min_round`` is
+        None). ``allocate(pointer)`` checks the pointer's manifest and returns the
+        tensors to read the object into, whose dtypes and shapes the object must have;
+        they are returned only once the object's checksum or MAC verified.
+        ``give_up()``, asked while waiting, raises to end the wait early."""
+        objects = self._objects
+        seen = {"fresh": False}
+
+        def attempt():
             pointer = self._pointer(rank)
-            fresh = pointer is not None and (min_round is None or pointer["round"] >= min_round)
-            if fresh:
-                key = self._key(names.elastic_state(pointer["round"]))
-                raw = read_sized(self._storage, key, (head + size_of(pointer),), rank=rank)
-                if raw is not None:
-                    break
-            elif min_round is None:
-                return None
-            if time.monotonic() > deadline:
-                want = (f"a state published after round {min_round}" if not fresh
-                        else "a state that is not replaced while it is read")
-                raise SyncTimeout(f"waited for {want}", rank=rank,
-                                  path=self._storage.path_of(
-                                      self._key(names.ELASTIC_STATE_POINTER)),
-                                  hint="the members publish state after each round that "
-                                  "admits a joiner; check that one of them is running")
-            if give_up is not None and not fresh:
+            seen["fresh"] = pointer is not None and (min_round is None
+                                                     or pointer["round"] >= min_round)
+            if not seen["fresh"]:
+                return () if min_round is None else None
+            tensors = allocate(pointer)
+            if not self._read_parts(pointer, tensors, rank):
+                return None  # replaced by a newer state meanwhile: read the pointer again
+            return pointer, tensors
+
+        def between():
+            if give_up is not None and not seen["fresh"]:
                 give_up()
-            backoff.sleep(deadline)
-        path = self._storage.path_of(key)
-        header = parse_header(raw, path=path, rank=rank, key=self._secret)
-        check = PayloadCheck(header, raw[:header.size], self._secret, path, rank)
-        payload = memoryview(raw)[header.size:]
-        check.update(payload)
-        check.finish()
-        if header.kind != KIND_BROADCAST or header.generation != pointer["round"]:
-            raise ShardCorrupt(f"state object does not match round {pointer['round']}",
-                               rank=rank, path=path, hint="let nothing else write under this URL")
-        return pointer, header, payload, path
+
+        def expired():
+            want = (f"a state published after round {min_round}" if not seen["fresh"]
+                    else "a state that is not replaced while it is read")
+            return SyncTimeout(f"waited for {want}", rank=rank,
+                               path=objects.path_of(names.ELASTIC_STATE_POINTER),
+                               hint="the members publish state after each round that "
+                               "admits a joiner; check that one of them is running")
+
+        found = objects.wait_for(attempt, deadline=deadline, expired=expired,
+                                 between=between, poll=_POLL)
+        return found or None
+
+    def _read_parts(self, pointer: dict, tensors: list[torch.Tensor], rank: int) -> bool:
+        """Read every part of the state ``pointer`` names into ``tensors`` (False when a
+        part is gone: a newer state replaced it), each at exactly the size its place in
+        the stream gives, its header checked against that place and the tensors'
+        layout, its checksum or MAC verified as its bytes arrive."""
+        objects, round_ = self._objects, pointer["round"]
+        buffers = [as_uint8(t).numpy() for t in tensors if t.numel()]
+        nbytes, digest = sum(b.nbytes for b in buffers), _digest(tensors)
+        parts = pointer.get("parts")
+        if parts is None:  # one object, as an older publisher wrote it
+            spans, names_ = [(0, nbytes)], [names.elastic_state(round_)]
+        else:
+            spans = _spans(nbytes, part_bytes(nbytes))
+            names_ = [names.elastic_state(round_, i) for i in range(len(spans))]
+            if parts != len(spans):
+                raise ShardCorrupt(f"the state pointer of round {round_} names {parts!r} "
+                                   f"parts, its manifest {len(spans)}", rank=rank,
+                                   path=objects.path_of(names.ELASTIC_STATE_POINTER),
+                                   hint="let nothing else write under this URL")
+        for i, ((lo, hi), name) in enumerate(zip(spans, names_)):
+            incoming = objects.open_object(name, max_bytes=objects.head + hi - lo,
+                                           collective=round_, tag=round_)
+            if incoming is None:
+                return False
+            with incoming:
+                h = incoming.header
+                if h.layout != digest:  # binds the manifest to the object
+                    raise ShardCorrupt("the state pointer's manifest does not describe the "
+                                       "state object", rank=rank, path=incoming.path,
+                                       hint="let nothing else write under this URL")
+                place = (h.offset, h.count, h.total, h.slice, h.nslices)
+                if (h.kind != KIND_BROADCAST or h.payload_nbytes != hi - lo
+                        or place != (lo, hi - lo, nbytes, i, len(spans))):
+                    raise ShardCorrupt(
+                        f"state object does not match round {round_}'s manifest "
+                        f"({h.payload_nbytes} bytes at {h.offset}, {hi - lo} expected at "
+                        f"{lo})", rank=rank, path=incoming.path,
+                        hint="let nothing else write under this URL")
+                incoming.read_into_buffers(_views(buffers, lo, hi))
+        return True
 
     def fetch(self, tensors, deadline: float, rank: int) -> int | None:
         _, tensors = _named(tensors)
-        check_tensors(tensors, op="fetch_state", rank=rank, path=self._storage.url,
+        check_tensors(tensors, op="fetch_state", rank=rank, path=self._objects.storage.url,
                       in_place=True, dtypes=tuple(DTYPE_CODES))
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        signature = layout_signature(tensors)
 
-        def size_of(pointer):
-            manifest_bytes(pointer, rank, self._storage.url, None)  # a valid manifest
-            return nbytes  # what these tensors hold: another size is another layout
-
-        try:
-            found = self._object(deadline, rank, None, size_of)
-        except ShardCorrupt as exc:
-            if "bytes; an object of this round has" in exc.what:
+        def allocate(pointer):
+            manifest_bytes(pointer, rank, self._objects.storage.url, None)  # a valid one
+            if _signature(pointer) != signature:
                 raise LayoutMismatch("the published state has other dtypes or shapes than "
-                                     "the tensors given", rank=rank, path=exc.path,
+                                     "the tensors given", rank=rank,
+                                     path=self._objects.path_of(names.ELASTIC_STATE_POINTER),
                                      hint="fetch into tensors shaped like the published "
-                                     "ones") from None
-            raise
+                                     "ones")
+            # one copy to read into: the caller's tensors change only once it verified
+            return [torch.empty(t.shape, dtype=t.dtype) for t in tensors]
+
+        found = self._read(deadline, rank, None, allocate)
         if found is None:
             return None
-        pointer, header, payload, path = found
-        if header.layout != _digest(tensors):
-            raise LayoutMismatch("the published state has other dtypes or shapes than the "
-                                 "tensors given", rank=rank, path=path,
-                                 hint="fetch into tensors shaped like the published ones")
-        _copy_into(tensors, header, payload, rank, path)
+        pointer, fresh = found
+        with torch.no_grad():
+            for t, f in zip(tensors, fresh):
+                t.copy_(f)
         return pointer["round"]
 
     def read(self, deadline: float, rank: int, min_round: int | None,
              give_up=None, max_bytes: int = DEFAULT_MAX_STATE_BYTES) -> PublishedState | None:
-        found = self._object(
-            deadline, rank, min_round,
-            lambda pointer: manifest_bytes(pointer, rank, self._storage.url, max_bytes),
-            give_up)
+        def allocate(pointer):
+            manifest_bytes(pointer, rank, self._objects.storage.url, max_bytes)
+            manifest = pointer["manifest"]
+            return [torch.empty(s, dtype=_DTYPES[d])
+                    for d, s in zip(manifest["dtypes"], manifest["shapes"])]
+
+        found = self._read(deadline, rank, min_round, allocate, give_up)
         if found is None:
             return None
-        pointer, header, payload, path = found
-        labels, tensors = _from_manifest(pointer, rank, path)
-        if header.layout != _digest(tensors):  # binds the manifest to the object
-            raise ShardCorrupt("the state pointer's manifest does not describe the state "
-                               "object", rank=rank, path=path,
-                               hint="let nothing else write under this URL")
-        _copy_into(tensors, header, payload, rank, path)
+        pointer, tensors = found
         meta = pointer.get("meta", {})
-        return PublishedState(pointer["round"], dict(zip(labels, tensors)),
+        return PublishedState(pointer["round"], dict(zip(pointer["manifest"]["names"], tensors)),
                               meta if isinstance(meta, dict) else {})
+
+
+def _signature(pointer: dict) -> list[str]:
+    """The layout signature of the tensors a (checked) manifest describes."""
+    manifest = pointer["manifest"]
+    return layout_signature([torch.empty(s, dtype=_DTYPES[d], device="meta")
+                             for d, s in zip(manifest["dtypes"], manifest["shapes"])])
 
 
 def manifest_bytes(pointer: dict, rank: int, path: str, max_bytes: int | None) -> int:
@@ -255,30 +310,3 @@ def _check_manifest(pointer: dict, rank: int, path: str) -> None:
         raise ShardCorrupt("the state pointer carries no valid manifest (published by an "
                            "older ferrosync, or garbled)", rank=rank, path=path,
                            hint="publish the state again with this version")
-
-
-def _from_manifest(pointer: dict, rank: int, path: str) -> tuple[list[str], list[torch.Tensor]]:
-    """Empty tensors as the pointer's manifest describes them: called only once the
-    manifest was checked (``manifest_bytes``) and the object of that size verified."""
-    _check_manifest(pointer, rank, path)
-    manifest = pointer["manifest"]
-    return manifest["names"], [torch.empty(s, dtype=_DTYPES[d])
-                               for d, s in zip(manifest["dtypes"], manifest["shapes"])]
-
-
-def _copy_into(tensors: list[torch.Tensor], header: Header, payload, rank: int,
-               path: str) -> None:
-    expected = sum(t.numel() * t.element_size() for t in tensors)
-    if header.payload_nbytes != expected:
-        raise ShardCorrupt(f"state object holds {header.payload_nbytes} bytes, its layout "
-                           f"{expected}", rank=rank, path=path,
-                           hint="let nothing else write under this URL")
-    offset = 0
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # read-only buffer: only ever read
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            if n:
-                chunk = torch.frombuffer(payload[offset:offset + n], dtype=torch.uint8)
-                t.copy_(chunk.view(t.dtype).view(t.shape))
-            offset += n

@@ -1,5 +1,7 @@
 """The reduce of an elastic average from ``TREE_FROM`` members on: a hierarchical
 reduce-scatter and all-gather over the previous roster (docs/elastic.md#the-tree-reduce).
+The plan (who sums which range over which group) is ``plan.py``'s; this module runs it
+for one round.
 
 Below ``TREE_FROM`` members every member reads every contribution (``(W-1)·P`` bytes,
 few requests). From ``TREE_FROM`` on, the positions of roster r-1 are grouped
@@ -34,6 +36,11 @@ exclusive create: the first copy wins; both are the same bytes). With one level
 (``W <= fan_in``) the sum is exactly the all-read-all one (every contributor in
 roster order); with more, partial sums are added per group, so the bits differ from
 a flat sum (not between members).
+
+**What a tree round uses of its member** is the ``RoundIO`` interface below, which the
+member's round exchange (``exchange.Exchange``) implements: sealed exclusive writes and
+verified reads of the round's objects, the error for a slice that is missing, the one
+liveness rule, the exact-name wait, and the member's stats.
 """
 
 from __future__ import annotations
@@ -41,206 +48,55 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from typing import Protocol
 
 import torch
 
 from .. import names
 from ..backends.common import accumulate, divide_into, total_weight
 from ..backends.incoming import Expected, Part
-from ..codecs import Codec, RawCodec, accumulator_dtype, as_uint8
-from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
-from ..storage import Backoff
+from ..codecs import RawCodec, accumulator_dtype, as_uint8
+from ..errors import ShardCorrupt, SyncTimeout
 from ..wire import FLAG_EMPTY, FLAG_UNCHANGED, KIND_CONTRIB, KIND_RESULT, layout_digest
+from .plan import TREE_FROM, Plan, Units, itemsize, plan
 
-#: the smallest membership (of the previous roster) whose averages go through the tree
-TREE_FROM = 5
+__all__ = ["TREE_FROM", "Plan", "RoundIO", "TreeRound", "Units", "plan"]
+
 _BYTES = RawCodec(torch.uint8)
 
 
-def _groups(count: int, fan_in: int) -> tuple[tuple[int, int], ...]:
-    """``count`` children in contiguous groups of about ``fan_in`` (sizes differing by
-    at most one, none of one child unless ``count`` is 1): (start, size) each."""
-    n = max(1, min(-(-count // fan_in), count // 2))
-    base, extra = divmod(count, n)
-    out, start = [], 0
-    for i in range(n):
-        size = base + (i < extra)
-        out.append((start, size))
-        start += size
-    return tuple(out)
+class RoundIO(Protocol):
+    """What a ``TreeRound`` uses of its member (``exchange.Exchange`` implements it)."""
 
+    member_id: str
+    rank: int  # the member's rank, for error messages
+    tag: int  # the job's tag, in every object's header
+    look_every: float  # seconds between looks at the owners a wait depends on
 
-@lru_cache(maxsize=64)
-def plan(members: int, fan_in: int) -> Plan:
-    return Plan(members, fan_in)
+    def path_of(self, name: str) -> str: ...
 
+    def phase(self, name: str):
+        """A context timing one phase of the round (``write_s``, ``wait_s``, ...)."""
 
-class Plan:
-    """The tree over ``members`` roster positions: the same on every member.
+    def write(self, name: str, expected: Expected, writer: int, parts: list, weight: float,
+              flags: int, round_: int, *, shared: bool = False, what: str = "") -> None:
+        """Seal and create one object (``shared``: another member may have created the
+        same bytes first; else a name already taken is a planted object)."""
 
-    ``levels[l-1]`` holds level l's groups (each a contiguous (start, size) run of
-    level l-1's nodes; level 0's nodes are the positions) and its ``k``: the smallest
-    group's size, the number of slots per node (a larger group's last child only
-    passes its output up)."""
+    def read(self, name: str, expected: Expected, writer: int, round_: int):
+        """(header, payload) of the verified object, or None while it does not exist."""
 
-    def __init__(self, members: int, fan_in: int) -> None:
-        self.members = members
-        self.levels: list[tuple[tuple[tuple[int, int], ...], int]] = []
-        count = members
-        while count > 1:
-            groups = _groups(count, fan_in)
-            self.levels.append((groups, min(size for _, size in groups)))
-            count = len(groups)
-        self.depth = len(self.levels)
+    def missing_slice(self, round_: int, position: int, path) -> Exception:
+        """The error for a slice of a contribution whose marker was seen, that is not
+        there: naming its writer when it never wrote it, else this member."""
 
-    def k(self, level: int) -> int:
-        return self.levels[level - 1][1]
+    def alive(self, member: str) -> bool: ...
 
-    def children(self, level: int, node: int) -> range:
-        start, size = self.levels[level - 1][0][node]
-        return range(start, start + size)
+    def known_gone(self, member: str) -> bool: ...
 
-    def nodes(self, level: int) -> int:
-        return self.members if level == 0 else len(self.levels[level - 1][0])
-
-    def paths(self, length: int):
-        """Every range path of ``length`` slots (mixed radix, in order)."""
-        paths = [()]
-        for level in range(1, length + 1):
-            paths = [p + (j,) for p in paths for j in range(self.k(level))]
-        return paths
-
-    def index(self, path) -> tuple[int, int]:
-        """(the path's index, the number of paths of its length)."""
-        i, of = 0, 1
-        for level, j in enumerate(path, 1):
-            i, of = i * self.k(level) + j, of * self.k(level)
-        return i, of
-
-    def span(self, path, units: int) -> tuple[int, int]:
-        """The units [lo, hi) of ``units`` that ``path`` covers."""
-        lo, hi = 0, units
-        for level, j in enumerate(path, 1):
-            k = self.k(level)
-            lo, hi = lo + (hi - lo) * j // k, lo + (hi - lo) * (j + 1) // k
-        return lo, hi
-
-    def holder(self, level: int, node: int, path) -> int:
-        """The position that sums range ``path`` (of ``level`` slots) over ``node``."""
-        while level > 0:
-            node = self.children(level, node)[path[-1]]
-            level, path = level - 1, path[:-1]
-        return node
-
-    def roles(self) -> list[tuple]:
-        """Every computation of a round, in an order that only ever waits on earlier
-        ones: ("sum", level, node, path) bottom up, then ("merge", path) top down."""
-        out = []
-        for level in range(1, self.depth + 1):
-            for path in self.paths(level):
-                for node in range(self.nodes(level)):
-                    out.append(("sum", level, node, path))
-        for length in range(self.depth - 1, 0, -1):
-            out.extend(("merge", path) for path in self.paths(length))
-        return out
-
-    @cached_property
-    def assignments(self) -> list[tuple[tuple, int]]:
-        """(role, the position it falls to) for every role, in ``roles`` order."""
-        return [(role, self.designee(role)) for role in self.roles()]
-
-    def traffic(self, units: int = 1 << 20) -> list[dict]:
-        """What each position does in a healthy round (everyone contributes and takes
-        part), as the code does it: PUTs (its slices, its marker and every object it
-        computes; each deleted again two rounds later), GETs of tree objects, and the
-        bytes of both as fractions of the payload (float32: contributions, sums and
-        averages are the same size per element). The roster poll, the heartbeats and the
-        checker's marker reads are not tree traffic (``tools/elastic_costs.py`` adds
-        them)."""
-        out = [{"puts": self.k(1) + 1, "gets": 0, "read": 0.0, "written": 1.0}
-               for _ in range(self.members)]
-
-        def size(path) -> float:
-            lo, hi = self.span(path, units)
-            return (hi - lo) / units
-
-        results: dict[int, set] = {p: set() for p in range(self.members)}
-        for role, p in self.assignments:
-            mine = out[p]
-            if role[0] == "merge":
-                path = role[1]
-                subs = self.k(len(path) + 1)
-                mine["gets"] += subs - 1
-                mine["read"] += size(path) - size(path + (0,))
-                mine["puts"] += 1
-                mine["written"] += size(path)
-                if len(path) == 1:
-                    results[p].add(path)
-                continue
-            _, level, node, path = role
-            children = len(self.children(level, node))
-            mine["gets"] += children - 1
-            mine["read"] += (children - 1) * size(path)
-            if level == self.depth:
-                mine["puts"] += 1
-                if level == 1:
-                    results[p].add(path)
-            else:
-                mine["puts"] += self.k(level + 1)
-            mine["written"] += size(path)
-        for p, mine in enumerate(out):
-            missing = [(j,) for j in range(self.k(1)) if (j,) not in results[p]]
-            mine["gets"] += len(missing)
-            mine["read"] += sum(size(path) for path in missing)
-        return out
-
-    def designee(self, role) -> int:
-        if role[0] == "sum":
-            return self.holder(*role[1:])
-        path = role[1]
-        return self.holder(self.depth, 0, path + (0,) * (self.depth - len(path)))
-
-
-class Units:
-    """The call's flats as one sequence of codec frames ("units"), so a range of units
-    is a contiguous run of every kind of bytes: the contribution's wire bytes, the
-    accumulators' and the average's."""
-
-    def __init__(self, flats: list[torch.Tensor], codecs: list[Codec]) -> None:
-        self.flats, self.codecs = list(flats), list(codecs)
-        self.starts, n = [0], 0
-        for f, c in zip(flats, codecs):
-            n += -(-f.numel() // c.frame_elems)
-            self.starts.append(n)
-        self.total = n
-
-    def pieces(self, lo: int, hi: int):
-        """(flat index, first element, end element, first frame, end frame) of every
-        flat that units [lo, hi) touch."""
-        starts = self.starts
-        for i, (f, c) in enumerate(zip(self.flats, self.codecs)):
-            a, b = max(lo, starts[i]), min(hi, starts[i + 1])
-            if a >= b:
-                continue
-            fa, fb = a - starts[i], b - starts[i]
-            fe = c.frame_elems
-            yield i, fa * fe, min(fb * fe, f.numel()), fa, fb
-
-    def nbytes(self, kind: str, lo: int, hi: int) -> int:
-        total = 0
-        for i, e0, e1, fa, fb in self.pieces(lo, hi):
-            total += (fb - fa) * self.codecs[i].frame_bytes if kind == "wire" else \
-                (e1 - e0) * _itemsize(self._dtype(kind, i))
-        return total
-
-    def _dtype(self, kind: str, i: int) -> torch.dtype:
-        dtype = self.flats[i].dtype
-        return accumulator_dtype(dtype) if kind == "sum" else dtype
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    def wait_for(self, attempt, *, deadline: float, expired, between):
+        """``attempt()`` until it returns an object (``Objects.wait_for``), the sleeps
+        timed as waiting."""
 
 
 @dataclass
@@ -255,11 +111,11 @@ class Piece:
 class TreeRound:
     """The tree reduce of one average round, from the contributions to the average.
 
-    ``io`` is the member's ``ElasticSync`` (its storage, keys, verification, liveness
-    and stats); ``prev`` the roster whose positions the tree groups, ``roster`` the
-    round's agreement (whose contributions count, who takes part in the reduce)."""
+    ``io`` is the member's side of the round (``RoundIO``); ``prev`` the roster whose
+    positions the tree groups, ``roster`` the round's agreement (whose contributions
+    count, who takes part in the reduce)."""
 
-    def __init__(self, io, plan_: Plan, prev, roster, units: Units, digest: bytes,
+    def __init__(self, io: RoundIO, plan_: Plan, prev, roster, units: Units, digest: bytes,
                  own_wire: list, own_weight: float, deadline: float) -> None:
         self.io = io
         self.plan = plan_
@@ -310,7 +166,7 @@ class TreeRound:
             digest = layout_digest(f"{self.digest.hex()} {kind_of_bytes} {name}")
         return Expected(kind, torch.uint8, _BYTES, digest,
                         Part(offset, nbytes, total, index, of), len(self.prev.members),
-                        self.io._tag, self.round), writer
+                        self.io.tag, self.round), writer
 
     # -- writing ----------------------------------------------------------------------------
     def write_slices(self, wire: list, weight: float) -> None:
@@ -327,24 +183,23 @@ class TreeRound:
                     fbytes = self.units.codecs[i].frame_bytes
                     parts.append(wire[i][fa * fbytes:fb * fbytes])
             parts = [p for p in parts if p.nbytes]
-            self.io._put_object(self.io._key(name), expected, self.me, parts, weight,
-                                0 if send else FLAG_EMPTY, self.round,
-                                what=f"contribution (slice {j})")
+            self.io.write(name, expected, self.me, parts, weight, 0 if send else FLAG_EMPTY,
+                          self.round, what=f"contribution (slice {j})")
 
     def _write(self, name: str, expected: Expected, writer: int, parts, weight: float,
                flags: int) -> Piece:
         payload = b"".join(bytes(p) for p in parts) if len(parts) > 1 else \
             (bytes(parts[0]) if parts else b"")
-        self.io._put_object(self.io._key(name), expected, writer, [payload] if payload else [],
-                            weight, flags, self.round, exclusive_ok=True)
+        self.io.write(name, expected, writer, [payload] if payload else [], weight, flags,
+                      self.round, shared=True)
         piece = Piece(weight, flags, memoryview(payload))
         self._done[name] = piece
         return piece
 
     # -- reading ----------------------------------------------------------------------------
-    def _read(self, name: str, expected: Expected, writer: int, who: str) -> Piece | None:
+    def _read(self, name: str, expected: Expected, writer: int) -> Piece | None:
         """The verified object ``name`` (None when it does not exist yet)."""
-        raw = self.io._read_verified(self.io._key(name), expected, writer, who, self.round)
+        raw = self.io.read(name, expected, writer, self.round)
         if raw is None:
             return None
         header, payload = raw
@@ -352,23 +207,15 @@ class TreeRound:
 
     def _slice(self, position: int, path) -> Piece:
         """Slice ``path`` of the contribution of ``position`` (written before its marker,
-        so it exists; gone only when this member fell behind)."""
+        so it exists; if not, ``missing_slice`` says whose fault that is)."""
         if position == self.me:
             weight, wire = self._own
             return Piece(weight, 0 if wire else FLAG_EMPTY, None)  # see _values
         name = names.elastic_piece(self.round, 0, position, path)
         expected, _ = self._expected("wire", name, position, path)
-        member = self.prev.members[position]
-        piece = self._read(name, expected, position, f"member {member} (rank {position})")
+        piece = self._read(name, expected, position)
         if piece is None:
-            self.io._explain_missing(self.round, member, self.prev, self.digest,
-                                    self.units.nbytes("wire", 0, self.units.total))
-            raise MemberDropped(
-                f"slice {path[0]} of member {member}'s contribution to round {self.round} "
-                "is gone: this member fell behind and the others have moved on",
-                rank=self.io.rank, collective=self.round,
-                path=self.io._storage.path_of(self.io._key(name)),
-                hint="connect again with elastic=True to rejoin")
+            raise self.io.missing_slice(self.round, position, path)
         return piece
 
     def _obtain(self, name: str, role, expected: Expected, writer: int) -> Piece:
@@ -380,31 +227,34 @@ class TreeRound:
         if owner == self.io.member_id:
             self._compute(role)
             return self._done[name]
-        backoff = Backoff(*self.io._agreement._poll)
         # an owner already known gone is not waited for; another is looked at once per
         # heartbeat interval of waiting
-        next_look = 0.0 if owner in self.io._watch.gone else \
-            time.monotonic() + self.io.heartbeat_interval
-        while True:
-            with self.io._stats.phase("wait_s"):
-                piece = self._read(name, expected, writer, f"member {owner}")
-            if piece is not None:
-                return piece
+        looks = [0.0 if self.io.known_gone(owner) else
+                 time.monotonic() + self.io.look_every]
+
+        def attempt():
+            with self.io.phase("wait_s"):
+                return self._read(name, expected, writer)
+
+        def between():
             now = time.monotonic()
-            if now >= next_look:
+            if now >= looks[0]:
                 self._look_at_owners()
-                if not self.io._watch.alive(owner):
+                if not self.io.alive(owner):
                     self._compute(role)  # its owner is gone: everyone needs it
                     return self._done[name]
-                next_look = now + self.io.heartbeat_interval
-            if now > self.deadline:
-                raise SyncTimeout(
-                    f"round {self.round}'s tree reduce waited too long for {name} from "
-                    f"member {owner}, alive but not done", rank=self.io.rank,
-                    collective=self.round, path=self.io._storage.path_of(self.io._key(name)),
-                    hint="raise timeout, or find out why that member is stuck")
-            with self.io._stats.phase("wait_s"):
-                backoff.sleep(self.deadline)
+                looks[0] = now + self.io.look_every
+            return None
+
+        def expired():
+            return SyncTimeout(
+                f"round {self.round}'s tree reduce waited too long for {name} from "
+                f"member {owner}, alive but not done", rank=self.io.rank,
+                collective=self.round, path=self.io.path_of(name),
+                hint="raise timeout, or find out why that member is stuck")
+
+        return self.io.wait_for(attempt, deadline=self.deadline, expired=expired,
+                                between=between)
 
     def _look_at_owners(self) -> None:
         """Look at the heartbeat of every member whose object this member will wait for
@@ -420,7 +270,7 @@ class TreeRound:
             owners.discard(me)
             self._owners = sorted(owners)
         for member in self._owners:
-            self.io._watch.alive(member)  # judged once per look; gone ones stay gone
+            self.io.alive(member)  # judged once per look; gone ones stay gone
 
     def _inputs(self, role) -> list[tuple]:
         """The roles whose outputs ``role`` reads (a level-1 sum reads contributions)."""
@@ -482,8 +332,8 @@ class TreeRound:
                         if n else flat.new_empty(0)
                     offset += n
                 else:
-                    dtype = self.units._dtype(kind, i)
-                    n = (e1 - e0) * _itemsize(dtype)
+                    dtype = self.units.dtype(kind, i)
+                    n = (e1 - e0) * itemsize(dtype)
                     data = piece.payload[offset:offset + n]
                     values = torch.frombuffer(data, dtype=dtype) if n else \
                         torch.empty(0, dtype=dtype)
@@ -509,7 +359,7 @@ class TreeRound:
             weights.append(piece.weight)
             if piece.weight <= 0 or piece.flags & FLAG_EMPTY:
                 continue
-            with self.io._stats.phase("reduce_s"):
+            with self.io.phase("reduce_s"):
                 for i, e0, e1, values in self._values(piece, "wire" if level == 1 else "sum",
                                                       path):
                     acc = sums.get(i)
@@ -551,7 +401,7 @@ class TreeRound:
                         else 0)
             return
         parts = []
-        with self.io._stats.phase("reduce_s"):
+        with self.io.phase("reduce_s"):
             span = self.plan.span(path, self.units.total)
             for i, e0, e1, _fa, _fb in self.units.pieces(*span):
                 out = torch.empty(e1 - e0, dtype=self.units.flats[i].dtype)
@@ -575,7 +425,7 @@ class TreeRound:
             raise ShardCorrupt(
                 f"the ranges of round {self.round}'s average disagree on the total weight "
                 f"({sorted(weights)}) at {what}", rank=self.io.rank, collective=self.round,
-                path=self.io._storage.path_of(self.io._key(what)),
+                path=self.io.path_of(what),
                 hint="let nothing else write under this URL; set a secret")
         weight, unchanged = weights.pop()
         return weight, unchanged
@@ -592,7 +442,7 @@ class TreeRound:
         weight, unchanged = self._agree(ranges, names.elastic_result(self.round, (0,)))
         if unchanged or weight <= 0:
             return 0.0
-        with self.io._stats.phase("reduce_s"):
+        with self.io.phase("reduce_s"):
             for j, piece in enumerate(ranges):
                 for i, e0, e1, values in self._values(piece, "flat", (j,)):
                     flats[i][e0:e1].copy_(values)
