@@ -109,9 +109,8 @@ class FileSync(Exchanges, GradSync):
             url=url)
         self._objects.before_put = self._raise_if_failed
         self._mailbox = Mailbox(
-            storage, prefix, self._generation, rank=self.rank, world_size=self.world_size,
-            key=self._key, poll=poll, monitor=monitor, stats=self._stats, timeout=timeout,
-            url=url, pool=self._pool, chunk_bytes=options.chunk_bytes)
+            self._objects, world_size=self.world_size, monitor=monitor, stats=self._stats,
+            timeout=timeout, pool=self._pool, chunk_bytes=options.chunk_bytes)
         if self.world_size > 1:
             self._heartbeat = Heartbeat(storage, prefix, self.rank, interval, self._key,
                                         self._generation.number)

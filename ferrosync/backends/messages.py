@@ -36,9 +36,10 @@ import torch
 from .. import names
 from ..codecs import RawCodec, as_uint8
 from ..errors import LayoutMismatch, PeerFailed, ShardCorrupt, SyncTimeout
-from ..storage import RECORD_LIMIT, Backoff
-from ..wire import DTYPE_CODES, DTYPES, HEADER_SIZE, KIND_BROADCAST, MAC_SIZE, layout_digest, seal
-from .incoming import Expected, Incoming, Part, read_header
+from ..storage import RECORD_LIMIT
+from ..wire import DTYPE_CODES, DTYPES, KIND_BROADCAST, head_size, layout_digest
+from .incoming import Expected, Part
+from .objects import Objects
 
 
 def message_digest(src: int, dst: int, tag: int) -> bytes:
@@ -47,47 +48,40 @@ def message_digest(src: int, dst: int, tag: int) -> bytes:
 
 
 class Mailbox:
-    """Send and receive point-to-point messages in one generation (see the module)."""
+    """Send and receive point-to-point messages in one generation (see the module),
+    through the generation's object layer (``objects``: sealing, bounded verified
+    reads, exact-name waits and counters, as every collective object)."""
 
-    def __init__(self, storage, prefix: str, generation, *, rank: int, world_size: int,
-                 key: bytes | None, poll: tuple[float, float], monitor, stats,
-                 timeout: float, url: str, pool, chunk_bytes: int) -> None:
-        self.storage = storage
-        self.prefix = prefix
-        self.tag = generation.tag
-        self.rank, self.world_size = rank, world_size
-        self.key = key
+    def __init__(self, objects, *, world_size: int, monitor, stats, timeout: float,
+                 pool, chunk_bytes: int) -> None:
+        self.objects = objects
+        self.rank, self.world_size = objects.rank, world_size
         self.timeout = timeout
-        self._poll = poll
         self._monitor = monitor
         self._stats = stats
-        self._url = url
         self._pool = pool
         self._chunk_bytes = chunk_bytes
         self._sent: dict[tuple[int, int], int] = {}  # (dst, tag) -> next number
         self._posted: dict[tuple[int, int], int] = {}  # (src, tag) -> next number
 
-    def _key_of(self, src: int, dst: int, tag: int, number: int) -> str:
-        return names.within(self.prefix, names.message(src, dst, tag, number))
-
     def _expected(self, src: int, dst: int, tag: int, number: int, flat: torch.Tensor):
         return Expected(KIND_BROADCAST, flat.dtype, RawCodec(flat.dtype),
                         message_digest(src, dst, tag), Part.whole(flat.numel()),
-                        self.world_size, self.tag, number)
+                        self.world_size, self.objects.tag, number)
 
     # -- sending -----------------------------------------------------------------------------
-    def send(self, flat: torch.Tensor, dst: int, tag: int, before_put) -> int:
+    def send(self, flat: torch.Tensor, dst: int, tag: int) -> int:
         """Publish ``flat`` (contiguous) as the next message to ``dst`` on ``tag``; returns
         its number. Returns once the object is written: it never waits for ``dst``."""
         number = self._sent.get((dst, tag), 0)
         expected = self._expected(self.rank, dst, tag, number, flat)
         payload = as_uint8(flat).numpy() if flat.numel() else b""
         header = expected.header(self.rank, weight=1.0, nbytes=len(payload))
-        before_put("send")
         with self._stats.phase("write_s"):
-            self.storage.put(self._key_of(self.rank, dst, tag, number),
-                             [seal(header, [payload], self.key), payload])
-        self.storage.counters.add(objects=1)
+            # a message is written once under its own name (no recycled spare: its
+            # reader, not the writer, consumes it)
+            Objects.put(self.objects, names.message(self.rank, dst, tag, number), header,
+                        [payload])
         self._sent[(dst, tag)] = number + 1
         return number
 
@@ -107,64 +101,56 @@ class Mailbox:
         rank, or None when ``block`` is False and nothing is there yet."""
         if src is not None and number is None:
             number = self.post(src, tag)
-        deadline = time.monotonic() + self.timeout
-        backoff = Backoff(*self._poll)
+        candidates = [src] if src is not None else [
+            r for r in range(self.world_size) if r != self.rank]
+        deadline = [time.monotonic() + self.timeout]
+
+        def between():
+            try:
+                self._monitor.maybe_check(candidates, None, None)
+            except PeerFailed:
+                found = self._look(flat, src, tag, number)  # sent, then closed
+                if found is None:
+                    raise
+                return found
+            # time this process spent stopped is nobody's delay (as in a collective)
+            deadline[0] = max(deadline[0], self._monitor.resumed_at + self.timeout)
+            return None
+
         with self._stats.phase("wait_s"):
-            while True:
-                found = self._look(flat, src, tag, number)
-                if found is not None or not block:
-                    break
-                candidates = [src] if src is not None else [
-                    r for r in range(self.world_size) if r != self.rank]
-                try:
-                    self._monitor.maybe_check(candidates, None, None)
-                except PeerFailed:
-                    found = self._look(flat, src, tag, number)  # sent, then closed
-                    if found is None:
-                        raise
-                    break
-                deadline = max(deadline, self._monitor.resumed_at + self.timeout)
-                if time.monotonic() >= deadline:
-                    raise self._timeout(src, tag, number)
-                backoff.sleep(deadline)
+            found = self._look(flat, src, tag, number)
+            if found is None and block:
+                found = self.objects.wait_for(
+                    lambda: self._look(flat, src, tag, number), deadline=lambda: deadline[0],
+                    between=between, expired=lambda: self._timeout(src, tag, number))
         if found is None:
             return None
-        source, reader, number = found
-        self._read(reader, flat, source, tag, number)
+        source, incoming, number = found
+        self._read(incoming, flat, source, tag, number)
         if src is None:
             self._posted[(source, tag)] = number + 1
         return source
 
     def _look(self, flat, src, tag, number):
-        """One poll: (source, reader, number) of the message wanted, or None."""
-        limit = HEADER_SIZE + MAC_SIZE + max(flat.numel() * flat.element_size(), RECORD_LIMIT)
+        """One poll: (source, opened object, number) of the message wanted, or None."""
+        limit = head_size(True) + max(flat.numel() * flat.element_size(), RECORD_LIMIT)
         sources = [src] if src is not None else [
             r for r in range(self.world_size) if r != self.rank]
         for source in sources:
             n = number if src is not None else self._posted.get((source, tag), 0)
-            reader = self.storage.open(self._key_of(source, self.rank, tag, n),
-                                       max_bytes=limit, rank=self.rank)
-            if reader is not None:
-                return source, reader, n
+            # the header is checked there: magic, crc, MAC mode, this generation's tag,
+            # the message number (in the collective field) and the object's size
+            incoming = self.objects.open_object(names.message(source, self.rank, tag, n),
+                                                max_bytes=limit, collective=n)
+            if incoming is not None:
+                return source, incoming, n
         return None
 
-    def _read(self, reader, flat: torch.Tensor, src: int, tag: int, number: int) -> None:
-        key = self._key_of(src, self.rank, tag, number)
-        path = self.storage.path_of(key)
-        with reader:
-            with self._stats.phase("read_s"):
-                header, raw_head = read_header(reader, path, self.rank, self.key)
+    def _read(self, incoming, flat: torch.Tensor, src: int, tag: int, number: int) -> None:
+        name = names.message(src, self.rank, tag, number)
+        path, header = incoming.path, incoming.header
+        with incoming:
             what = f"message {number} from rank {src} (tag {tag})"
-            if header.generation != self.tag or header.collective != number:
-                raise ShardCorrupt(
-                    f"{what} belongs to generation tag {header.generation:016x} message "
-                    f"{header.collective}, expected {self.tag:016x} message {number}",
-                    rank=self.rank, path=path,
-                    hint="something else writes under this URL: give each job its own URL")
-            if reader.size != header.size + header.payload_nbytes:
-                raise ShardCorrupt(f"{what} has {reader.size} bytes, its header says "
-                                   f"{header.size + header.payload_nbytes}", rank=self.rank,
-                                   path=path, hint="it was truncated or appended to")
             if (header.dtype, header.count) != (DTYPE_CODES[flat.dtype], flat.numel()):
                 theirs = DTYPES.get(header.dtype, f"dtype code {header.dtype}")
                 raise LayoutMismatch(
@@ -176,17 +162,16 @@ class Mailbox:
             expected.check(header, src, path, self.rank, lambda other, digest: ShardCorrupt(
                 f"{what} carries another pair's or tag's digest (a moved object)",
                 rank=self.rank, path=path, hint="something else writes under this URL"))
-            incoming = Incoming(reader, header, raw_head, path, self.key, self.rank)
             incoming.read_into(flat, expected.codec, self._chunk_bytes, self._pool,
                                self._stats)
-        self.storage.delete([key])  # read by its one reader: consumed
+        self.objects.storage.delete([self.objects.key_of(name)])  # read by its one reader
 
     def _timeout(self, src, tag, number) -> SyncTimeout:
         which = (f"message {number} from rank {src}" if src is not None
                  else "a message from any rank")
         return SyncTimeout(
             f"timed out after {self.timeout:g} s in recv waiting for {which} (tag {tag})",
-            rank=self.rank, path=self.storage.path_of(self.prefix),
+            rank=self.rank, path=self.objects.storage.path_of(self.objects.prefix),
             hint="does the sending rank call send with this rank and tag, as many times?")
 
 
@@ -222,7 +207,7 @@ class Exchanges:
 
     # point-to-point (docs/design.md#point-to-point; ``messages.py``) ------------------------
     def _send_flat(self, flat, dst, tag):
-        self._mailbox.send(flat, dst, tag, self._raise_if_failed)
+        self._mailbox.send(flat, dst, tag)
 
     def _post_recv(self, src, tag):
         return self._mailbox.post(src, tag)
