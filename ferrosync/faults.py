@@ -252,6 +252,9 @@ class FaultyStorage(Storage):
     def read(self, key, *, max_bytes=RECORD_LIMIT, rank=None):
         return self._inner.read(key, max_bytes=max_bytes, rank=rank)
 
+    def read_head(self, key, nbytes, *, rank=None):
+        return self._inner.read_head(key, nbytes, rank=rank)  # a ranged read where it has one
+
     def delete(self, keys):
         self._inner.delete(keys)
 

@@ -24,9 +24,9 @@ from ..wire import (
     FLAG_UNCHANGED,
     HEADER_SIZE,
     KIND_NAMES,
-    MAC_SIZE,
     Header,
     PayloadCheck,
+    head_size,
     parse_header,
 )
 
@@ -34,7 +34,7 @@ from ..wire import (
 def read_header(reader, path: str, rank: int, key: bytes | None) -> tuple[Header, bytes]:
     """The checked header at the start of an opened object, and its raw bytes (with the
     MAC, if any: the payload check covers them)."""
-    raw = bytearray(HEADER_SIZE + MAC_SIZE)
+    raw = bytearray(head_size(True))
     got = reader.readinto(memoryview(raw)[:HEADER_SIZE])
     header = parse_header(raw[:got], path=path, rank=rank, key=key)
     if header.flags & FLAG_AUTH:

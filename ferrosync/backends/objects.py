@@ -47,7 +47,7 @@ from ..errors import (
     relay_text,
     relayed,
 )
-from ..storage import RECORD_LIMIT, Backoff, Reader, object_exists
+from ..storage import RECORD_LIMIT, Backoff, BytesReader, object_exists
 from ..wire import (
     DTYPE_CODES,
     KIND_ERROR,
@@ -65,22 +65,6 @@ from .incoming import Expected, Incoming, read_header
 from .recycler import Recycler
 
 _log = logging.getLogger(__name__)
-
-
-class BufferReader(Reader):
-    """A ``Reader`` over bytes already fetched (an object kept from an existence check)."""
-
-    def __init__(self, data) -> None:
-        self._data = memoryview(data).cast("B")
-        self.size = len(self._data)
-        self._pos = 0
-
-    def readinto(self, buf) -> int:
-        view = memoryview(buf).cast("B")
-        n = min(len(view), self.size - self._pos)
-        view[:n] = self._data[self._pos:self._pos + n]
-        self._pos += n
-        return n
 
 
 class Objects:
@@ -242,7 +226,7 @@ class Objects:
         sizes = tuple(sizes)
         path = self.path_of(name)
         if data is not None:
-            reader = BufferReader(data)
+            reader = BytesReader(data)
         else:
             limit = 2 * max(sizes) + RECORD_LIMIT if other_layouts else max(sizes)
             try:

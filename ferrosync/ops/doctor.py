@@ -62,7 +62,6 @@ from ..storage import (
 )
 from ..storage.local_tools import LocalTree
 from ..stores import facts, store_of
-from .elastic_history import is_elastic_namespace
 from .keys import JobKeys, job_of
 from .recommend import recommend
 from .recommend import render as render_recommendation
@@ -225,7 +224,7 @@ class Doctor:
         recommendations follow it unless ``--elastic``/``--fixed`` says)."""
         top = top_names(self.storage)
         spaces = [n for n in top if names.parse(n).kind == "namespace"]  # rdzv/: no id
-        elastic = [n for n in top if is_elastic_namespace(n)]
+        elastic = [n for n in top if names.is_elastic_namespace(n)]
         if self.mode is None:
             self.mode = "elastic" if elastic and not spaces else "fixed"
         existing = [k for ns in spaces for k, _ in self.storage.list(ns)

@@ -30,16 +30,12 @@ class ElasticJob:
     ended_key: str | None = None   # the end marker (``end_job``)
 
 
-def is_elastic_namespace(top: str) -> bool:
-    return top == names.ELASTIC or top.startswith(names.ELASTIC + ".")
-
-
 def find_jobs(keys) -> dict[str, ElasticJob]:
     """Group listed keys by elastic namespace: rosters and heartbeats, by name only."""
     jobs: dict[str, ElasticJob] = {}
     for key in keys:
         top, _, rest = key.partition("/")
-        if not rest or "/" in rest or not is_elastic_namespace(top):
+        if not rest or "/" in rest or not names.is_elastic_namespace(top):
             continue
         job = jobs.setdefault(top, ElasticJob(top))
         head, _, tail = rest.partition(".")

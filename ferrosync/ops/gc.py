@@ -64,7 +64,6 @@ from .. import names
 from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
 from ..storage.local_tools import LocalTree
-from .elastic_history import is_elastic_namespace
 from .keys import JobKeys
 from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, printable, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
@@ -362,7 +361,7 @@ def run(storage: Storage, keys: JobKeys, window: float, *, keep: int, dry_run: b
     total = sum(len(d.keys) for d in decisions if d.action == "remove")
     total_bytes = sum(d.bytes for d in decisions if d.action == "remove")
     elastic = " and elastic namespaces" if any(
-        is_elastic_namespace(d.target.rstrip("/")) for d in decisions) else ""
+        names.is_elastic_namespace(d.target.rstrip("/")) for d in decisions) else ""
     print(f"{'would remove' if dry_run else 'removed'} {total} objects, "
           f"{human_bytes(total_bytes)}; rdzv*/ records{elastic} kept")
     return 0

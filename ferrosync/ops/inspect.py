@@ -23,7 +23,7 @@ from ..costs import hourly, is_billed, request_cost
 from ..errors import StorageError
 from ..liveness import describe_abort
 from ..storage import Storage
-from ..wire import HEADER_SIZE, KIND_NAMES, MAC_SIZE, parse_header
+from ..wire import KIND_NAMES, head_size, parse_header
 from .elastic_history import elastic_reports
 from .elastic_history import render as render_elastic
 from .keys import JobKeys, KeyFile
@@ -139,7 +139,7 @@ def object_report(storage: Storage, key: str, size: int, kind: str) -> dict:
         return out
     try:
         # the header and its MAC only, in one ranged read: O(1) whatever the object's size
-        raw = storage.read_head(key, HEADER_SIZE + MAC_SIZE)
+        raw = storage.read_head(key, head_size(True))
     except StorageError as exc:  # something planted at the name since the listing
         out["header"] = f"unreadable: {exc}"
         return out
@@ -160,8 +160,7 @@ def object_report(storage: Storage, key: str, size: int, kind: str) -> dict:
         "collective": head.collective, "slice": head.slice, "nslices": head.nslices,
         "count": head.count, "weight": head.weight, "payload_bytes": head.payload_nbytes,
         "authenticated": authenticated,
-        "size_matches": size == HEADER_SIZE + (MAC_SIZE if authenticated else 0)
-        + head.payload_nbytes,
+        "size_matches": size == head_size(authenticated) + head.payload_nbytes,
     }
     return out
 

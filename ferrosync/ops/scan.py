@@ -43,7 +43,6 @@ from ..errors import ShardCorrupt, StorageError
 from ..storage import FsspecStorage, LocalStorage, Storage
 from ..storage.local_tools import LocalTree
 from ..wire import open_record
-from .elastic_history import is_elastic_namespace
 from .keys import JobKeys, job_of
 
 # re-exported for the tools: the names themselves live in ferrosync.names
@@ -356,7 +355,7 @@ def scan(storage: Storage, keys: JobKeys) -> Scan:
     for obj in objects:
         directory = obj.key.rpartition("/")[0]
         top = obj.key.split("/", 1)[0]
-        if directory and is_elastic_namespace(top):
+        if directory and names.is_elastic_namespace(top):
             elastic.setdefault(top, []).append(obj)  # temp files there included
         elif _is_generation(directory):
             gen = generation_of(directory)

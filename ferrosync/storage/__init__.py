@@ -57,6 +57,7 @@ from .base import (
     RECORD_LIMIT,
     REQUEST_KINDS,
     Backoff,
+    BytesReader,
     Counters,
     ExclusiveCreateUnsupported,
     Reader,
@@ -73,7 +74,7 @@ __all__ = [
     "Storage", "LocalStorage", "FsspecStorage", "open_storage", "Counters", "Backoff",
     "object_exists", "probe_location", "mount_of", "is_local_filesystem", "LOCAL_FILESYSTEMS",
     "ExclusiveCreateUnsupported", "gcs_driver", "RECORD_LIMIT",
-    "REQUEST_KINDS", "Reader", "oversized", "split_url", "opener_of",
+    "REQUEST_KINDS", "Reader", "BytesReader", "oversized", "split_url", "opener_of",
 ]
 
 def opener_of(protocol: str):

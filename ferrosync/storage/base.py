@@ -125,6 +125,34 @@ class Reader:
         self.close()
 
 
+class BytesReader(Reader):
+    """A ``Reader`` over bytes already in memory: an object store's GET, or an object
+    a caller kept from an existence check."""
+
+    def __init__(self, data) -> None:
+        self._whole = data
+        self._data = memoryview(data).cast("B")
+        self._pos = 0
+        self.size = len(self._data)
+
+    def readall(self) -> bytes:
+        if self._pos == 0 and isinstance(self._whole, bytes):
+            self._pos = self.size
+            return self._whole  # the GET's own bytes: no copy
+        return super().readall()
+
+    def readinto(self, buf) -> int:
+        view = memoryview(buf).cast("B")
+        n = min(len(view), self.size - self._pos)
+        view[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._data.release()
+        self._whole = b""  # the bytes go with the reader, not with a stray reference
+
+
 class Storage:
     """Base class: the counters, retries and the interface every store implements."""
 

@@ -20,6 +20,7 @@ from ferrosync_schemes import scheme
 from ..errors import ConfigError, FerrosyncError, StorageError
 from .base import (
     EXCLUSIVE_CREATE_HINT,
+    BytesReader,
     ExclusiveCreateUnsupported,
     Reader,
     Storage,
@@ -27,31 +28,6 @@ from .base import (
     oversized,
 )
 from .classify import causes, http_status, is_transient, s3_code, s3_response, storage_error
-
-
-class _BytesReader(Reader):
-    def __init__(self, data: bytes) -> None:
-        self._whole = data
-        self._data = memoryview(data)
-        self._pos = 0
-        self.size = len(data)
-
-    def readall(self) -> bytes:
-        if self._pos == 0 and isinstance(self._whole, bytes):
-            self._pos = self.size
-            return self._whole  # the GET's own bytes: no copy
-        return super().readall()
-
-    def readinto(self, buf) -> int:
-        view = memoryview(buf).cast("B")
-        n = min(len(view), len(self._data) - self._pos)
-        view[:n] = self._data[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def close(self) -> None:
-        self._data.release()
-        self._whole = b""
 
 
 def generic_create(cls) -> str | None:
@@ -224,7 +200,7 @@ class FsspecStorage(Storage):
         self.counters.add(read=len(data))
         if max_bytes is not None and len(data) > max_bytes:
             raise oversized(self.path_of(key), None, max_bytes, rank)
-        return _BytesReader(data)
+        return BytesReader(data)
 
     def read_head(self, key: str, nbytes: int, *, rank: int | None = None) -> bytes | None:
         """One ranged GET of the first ``nbytes`` bytes, whatever the object's size."""
