@@ -199,8 +199,14 @@ def param_digest(model: torch.nn.Module) -> bytes:
 
     Equal digests mean bit-identical parameters and buffers.
     """
+    return state_digest(model.state_dict())
+
+
+def state_digest(state: dict) -> bytes:
+    """``param_digest`` of a model's ``state_dict()`` given as such (a published
+    elastic state's model part, rebuilt with ``state_tree.unflatten``)."""
     h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
