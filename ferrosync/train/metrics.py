@@ -14,6 +14,9 @@ batch loss. The strategy's telemetry keys (``ferrosync.strategies.TELEMETRY_KEYS
 are on every line, null where the step did not synchronise (or the strategy does
 not measure them). A rank 0 that had nothing to train in a time-based window
 writes a line for the sync it joined idle: the same ``step`` again, ``loss`` null.
+``--metrics-digest`` adds ``param_digest`` (the model after a step that synced, hex;
+null otherwise); an elastic member adds ``members``, ``rank`` and, on its first
+line after joining with ``--metrics-digest``, ``resumed_digest``.
 """
 
 from __future__ import annotations
