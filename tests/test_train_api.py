@@ -164,11 +164,8 @@ def test_pump_prefixes_lines_and_holds_final():
 
 
 def test_plot_metrics(tmp_path, monkeypatch):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
+    from tools import plot_metrics
+
     metrics = tmp_path / "m.jsonl"
     metrics.write_text("".join(
         f'{{"step": {i}, "epoch": 0, "loss": {1 / i}, "lr": 0.1, "compute_s": 0.001, '

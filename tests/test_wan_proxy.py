@@ -1,4 +1,4 @@
-"""tools/wan_proxy.py: the slow-link proxy shapes bandwidth, adds latency, stays local.
+"""ferrosync/testing/wan_proxy.py: the slow-link proxy shapes bandwidth, adds latency, stays local.
 
 Every test runs real TCP servers on 127.0.0.1 (an echo server and a sink that answers
 with the byte count it received) and measures through the proxy with a wall clock.
@@ -15,13 +15,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-try:
-    import wan_proxy
-    from wan_proxy import WanProxy, parse_duration, parse_rate
-finally:
-    sys.path.pop(0)
+from ferrosync.testing import wan_proxy
+from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
 
 IO_TIMEOUT = 10.0  # seconds any socket operation in these tests may block
 
@@ -191,8 +186,8 @@ def test_refuses_targets_off_this_machine():
             WanProxy(80, target_host=host)
     # the CLI says so in one line and exits 2
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "wan_proxy.py"), "--target",
-         "8.8.8.8:80", "--duration", "1"], capture_output=True, text=True, timeout=30)
+        [sys.executable, "-m", "ferrosync.testing.wan_proxy", "--target", "8.8.8.8:80",
+         "--duration", "1"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "not a loopback address" in result.stderr
 
@@ -216,7 +211,7 @@ def test_stops_at_its_duration(echo):
 
 def test_cli_forwards_then_exits_at_its_duration(echo):
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tools", "wan_proxy.py"), "--target",
+        [sys.executable, "-m", "ferrosync.testing.wan_proxy", "--target",
          f"127.0.0.1:{echo.port}", "--rate", "50Mbit", "--rtt", "20ms", "--duration", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -56,6 +56,7 @@ def launch_in_process(argv: list[str], cwd, env: dict, *,
     import contextlib
     import io
     import warnings
+    from unittest import mock
 
     from ferrosync.train.__main__ import main
 
@@ -70,13 +71,16 @@ def launch_in_process(argv: list[str], cwd, env: dict, *,
     # directory may hold a module of the same name)
     added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
              if p and p not in sys.path]
-    saved_path, saved_modules = list(sys.path), set(sys.modules)
-    sys.path[:0] = added
+    saved_modules = set(sys.modules)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+        # The one sys.path change in tests/, tools/ and examples/: what $PYTHONPATH
+        # gives a new interpreter, given to this in-process launcher (a new list, put
+        # back afterwards with whatever the launcher added to it)
+        with mock.patch.object(sys, "path", added + sys.path), \
+                contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
                 warnings.catch_warnings():
             warnings.simplefilter("default")
             try:
@@ -87,7 +91,6 @@ def launch_in_process(argv: list[str], cwd, env: dict, *,
         os.chdir(saved_cwd)
         os.environ.clear()
         os.environ.update(saved_env)
-        sys.path[:] = saved_path
         for name in set(sys.modules) - saved_modules:
             where = getattr(sys.modules[name], "__file__", None) or ""
             if any(where.startswith(os.path.join(p, "")) for p in added):

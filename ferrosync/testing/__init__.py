@@ -1,0 +1,4 @@
+"""Servers and proxies for tests and benchmarks, on loopback only (never imported by
+``import ferrosync``; every module imports only the standard library at module level):
+``seaweed`` (SeaweedFS, a real S3 server), ``emulators`` (fake-gcs-server, Azurite),
+``wan_proxy`` (a slow, distant link: ``python -m ferrosync.testing.wan_proxy``)."""
