@@ -284,3 +284,47 @@ def case(request, tmp_path) -> Case:
     transport = case_transport(
         backend, tmp_path, lambda name: request.getfixturevalue(OBJECT_TRANSPORTS[name]))
     return Case(transport, world)
+
+
+# -- the unit tier (pytest -m unit) ------------------------------------------------------
+# A test marked `unit` runs in this process over fakes or local files: no server, no rank
+# process, no subprocess (docs/design.md#test-layout). Everything under tests/unit/ is
+# marked here; elsewhere a file marks itself (`pytestmark = pytest.mark.unit`) or one test
+# at a time. The rule is enforced, so the tier stays fast as tests are added: a unit test
+# that asks for a server fixture is an error at collection, one that starts a process
+# fails at that call with the reason.
+
+#: the fixtures that start a server (moto runs as a thread, the others as processes)
+SERVER_FIXTURES = frozenset({"s3_endpoint", "seaweed_server", "gcs_server", "azurite_server"})
+UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit", "")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.fspath).startswith(UNIT_DIR):
+            item.add_marker(pytest.mark.unit)
+        servers = SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if servers and item.get_closest_marker("unit"):
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses the server "
+                                    f"fixture(s) {sorted(servers)}: drop the marker")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request):
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} is marked unit but starts a process: "
+                             "fake the part that needs one, or drop the marker")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        patch.setattr(os, "fork", refuse)
+        patch.setattr(os, "posix_spawn", refuse)
+        patch.setattr(os, "posix_spawnp", refuse)
+        yield
