@@ -70,6 +70,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def served(request, fixture: str):
+    """The session server fixture ``fixture``, for a test's Transport; a unit test
+    (pytest -m unit: no servers) fails here, before any server starts."""
+    if request.node.get_closest_marker("unit") is not None:
+        pytest.fail(f"{request.node.nodeid} is marked unit but uses {fixture} (a server): "
+                    "drop the marker")
+    return request.getfixturevalue(fixture)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on loopback for the whole session; the bucket is created once."""
@@ -89,7 +98,8 @@ def s3_endpoint():
 
 
 @pytest.fixture
-def s3_transport(s3_endpoint) -> Transport:
+def s3_transport(request) -> Transport:
+    s3_endpoint = served(request, "s3_endpoint")
     prefix = uuid.uuid4().hex[:12]
     return Transport(
         "s3", f"s3://{BUCKET}/{prefix}",
@@ -127,7 +137,8 @@ def seaweed_endpoint(seaweed_server) -> str:
 
 
 @pytest.fixture
-def seaweed_transport(seaweed_endpoint) -> Transport:
+def seaweed_transport(request) -> Transport:
+    seaweed_endpoint = served(request, "seaweed_endpoint")
     prefix = uuid.uuid4().hex[:12]
     return Transport(
         "s3-seaweed", f"s3://{BUCKET}/{prefix}",
@@ -152,7 +163,8 @@ def gcs_server(tmp_path_factory):
 
 
 @pytest.fixture
-def gcs_transport(gcs_server) -> Transport:
+def gcs_transport(request) -> Transport:
+    gcs_server = served(request, "gcs_server")
     prefix = uuid.uuid4().hex[:12]
     return Transport("gs", f"gs://{BUCKET}/{prefix}",
                      {"storage_options": gcs_server.storage_options()})
@@ -173,7 +185,8 @@ def azurite_server(tmp_path_factory):
 
 
 @pytest.fixture
-def azurite_transport(azurite_server) -> Transport:
+def azurite_transport(request) -> Transport:
+    azurite_server = served(request, "azurite_server")
     prefix = uuid.uuid4().hex[:12]
     return Transport("az", f"az://{BUCKET}/{prefix}",
                      {"storage_options": azurite_server.storage_options()})
@@ -291,8 +304,9 @@ def case(request, tmp_path) -> Case:
 # process, no subprocess (docs/design.md#test-layout). Everything under tests/unit/ is
 # marked here; elsewhere a file marks itself (`pytestmark = pytest.mark.unit`) or one test
 # at a time. The rule is enforced, so the tier stays fast as tests are added: a unit test
-# that asks for a server fixture is an error at collection, one that starts a process
-# fails at that call with the reason.
+# that asks for a server fixture is an error at collection (or, asked for by name at run
+# time, when the fixture is set up), and one that starts a process, itself or through a
+# fixture it sets up, fails at that call with the reason.
 
 #: the fixtures that start a server (moto runs as a thread, the others as processes)
 SERVER_FIXTURES = frozenset({"s3_endpoint", "seaweed_server", "gcs_server", "azurite_server"})
@@ -309,22 +323,24 @@ def pytest_collection_modifyitems(config, items):
                                     f"fixture(s) {sorted(servers)}: drop the marker")
 
 
-@pytest.fixture(autouse=True)
-def _unit_tests_start_no_process(request):
-    if request.node.get_closest_marker("unit") is None:
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("unit") is None:
         yield
         return
     import multiprocessing.process
     import subprocess
 
     def refuse(*args, **kwargs):
-        raise AssertionError(f"{request.node.nodeid} is marked unit but starts a process: "
-                             "fake the part that needs one, or drop the marker")
+        raise AssertionError(f"{item.nodeid} is marked unit but starts a process: fake the "
+                             "part that needs one, or drop the marker")
 
+    # for the whole protocol: fixtures of a wider scope that this test sets up included
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "_execute_child", refuse)
         patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-        patch.setattr(os, "fork", refuse)
-        patch.setattr(os, "posix_spawn", refuse)
-        patch.setattr(os, "posix_spawnp", refuse)
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+            patch.setattr(os, name, refuse)
         yield

@@ -219,6 +219,7 @@ def test_unmodified_script_with_two_processes(tmp_path):
 
 # -- the hook itself, in this process -------------------------------------------------------
 
+@pytest.mark.unit
 def test_schemes_match_init_methods():
     from ferrosync.env import ENV_URL
 
@@ -227,6 +228,7 @@ def test_schemes_match_init_methods():
     assert ferrosync_autoload.ENV_URL == ENV_URL
 
 
+@pytest.mark.unit
 def test_hook_never_raises(monkeypatch):
     def boom():
         raise RuntimeError("a torch API change")
@@ -240,6 +242,7 @@ def test_hook_never_raises(monkeypatch):
     assert ferrosync_autoload.last_error is None
 
 
+@pytest.mark.unit
 def test_register_is_idempotent_in_this_process():
     import importlib
 
@@ -250,6 +253,7 @@ def test_register_is_idempotent_in_this_process():
     assert dict(table) == before
 
 
+@pytest.mark.unit
 def test_nothing_without_torch_distributed(monkeypatch):
     import importlib
 
@@ -260,6 +264,7 @@ def test_nothing_without_torch_distributed(monkeypatch):
     assert dict(table) == before
 
 
+@pytest.mark.unit
 def test_hook_imports_only_torch():
     import ast
 

@@ -19,6 +19,7 @@ from ferrosync.errors import ConfigError
 from ferrosync.storage import open_storage
 
 
+@pytest.mark.unit
 def test_prices_parse_over_the_defaults():
     assert parse_prices(None) == DEFAULT_PRICES
     got = parse_prices("put=0.0065, get=0.00052")
@@ -29,6 +30,7 @@ def test_prices_parse_over_the_defaults():
             parse_prices(bad)
 
 
+@pytest.mark.unit
 def test_cost_is_per_thousand_requests_of_each_kind():
     counts = {"requests": 3000, "puts": 1000, "gets": 2000, "deletes": 7, "lists": 0}
     assert request_cost(counts) == pytest.approx(0.005 + 2 * 0.0004)

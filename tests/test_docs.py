@@ -116,6 +116,7 @@ def _citations() -> list[tuple[str, int, str, str | None]]:
     return out
 
 
+@pytest.mark.unit
 def test_design_document_exists():
     assert os.path.isfile(os.path.join(ROOT, DOC)), f"{DOC} is missing"
     anchors = anchors_of(_read(DOC))
@@ -125,6 +126,7 @@ def test_design_document_exists():
         assert anchor in anchors, f"{DOC} has no heading for #{anchor}"
 
 
+@pytest.mark.unit
 def test_no_citation_of_the_external_design_document():
     offenders = []
     for rel in _repo_files(".py", ".md"):
@@ -137,6 +139,7 @@ def test_no_citation_of_the_external_design_document():
                            + "\n".join(offenders))
 
 
+@pytest.mark.unit
 def test_cited_files_exist():
     missing = sorted({f"{rel}:{line}: {path}" for rel, line, path, _ in _citations()
                       if not os.path.exists(os.path.join(ROOT, path))})
@@ -179,6 +182,7 @@ def test_readme_option_tables_match_the_code():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.unit
 def test_every_option_is_documented_and_validated():
     import dataclasses
 
@@ -735,6 +739,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.unit
 def test_every_code_block_is_collected():
     """Every fenced block of every document is a test: a block in a language no
     evaluator handles (or with none) would otherwise escape."""
@@ -746,6 +751,7 @@ def test_every_code_block_is_collected():
             "a language this file evaluates (python, bash, diff, json, text)")
 
 
+@pytest.mark.unit
 def test_readme_figures_come_from_its_commands():
     """tools/regen_figures.py finds the README's bench commands and every marked place it
     writes (the script itself runs for half an hour: it is not run here)."""

@@ -147,6 +147,7 @@ def test_encoded_contributions_average_alike_on_every_member(tmp_path, wire_dtyp
         assert err < (0.05 if wire_dtype == "int8" else 0.02), (k, err)
 
 
+@pytest.mark.unit
 def test_a_member_with_another_wire_dtype_is_refused_before_it_writes(tmp_path):
     url = str(tmp_path)
     with ferrosync.connect(url, elastic=True, job="wire", timeout=10.0, **FAST) as sync:
@@ -384,6 +385,7 @@ def test_suspending_the_whole_job_drops_nobody(tmp_path):
 
 # -- (e) min_ranks, (f) jobs, (g) configuration ---------------------------------------------
 
+@pytest.mark.unit
 def test_fewer_than_min_ranks_is_a_sync_timeout(tmp_path):
     began = time.monotonic()
     with pytest.raises(SyncTimeout, match="min_ranks=2"):
@@ -410,6 +412,7 @@ def test_two_elastic_jobs_on_one_url_never_mix(tmp_path):
         assert [v for _, v, _ in log] == pytest.approx([expect] * 3)
 
 
+@pytest.mark.unit
 def test_elastic_configuration_errors(tmp_path, monkeypatch):
     url = str(tmp_path)
     with pytest.raises(ConfigError, match="rank and world_size"):

@@ -20,6 +20,7 @@ P = 1 << 20
 
 
 @pytest.mark.parametrize("w", [2, 4, 5, 10, 100, 1000])
+@pytest.mark.unit
 def test_the_model_adds_up(w):
     m = elastic_costs.model(w, P, round_s=0.0, hb_interval=2.0)
     member, checker, busiest = m["member"], m["checker"], m["busiest"]
@@ -42,6 +43,7 @@ def test_the_model_adds_up(w):
         beats * (prices["put"] + prices["get"]) / 1000)
 
 
+@pytest.mark.unit
 def test_the_jobs_requests_grow_about_linearly_with_the_tree():
     """All-read-all makes W^2 requests a round; the tree W x (fan_in x levels): from 100
     to 1,000 members the job's requests grow 10 x (members) x a log factor, not 100 x."""

@@ -20,6 +20,8 @@ from ferrosync.elastic import rounds
 from ferrosync.errors import MemberDropped, ShardCorrupt, SyncTimeout
 from ferrosync.wire import job_key
 
+pytestmark = pytest.mark.unit
+
 NS = names.elastic_namespace("unit")
 SECRET = job_key(b"team secret", NS)
 INTERVAL = 0.5

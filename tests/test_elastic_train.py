@@ -378,6 +378,7 @@ def test_elastic_flag_errors_are_one_line(flags, words, capsys):
 
 # -- the pieces, in process ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_state_tree_round_trip_keeps_key_types_and_odd_floats():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
     opt.param_groups[0]["params"][0].grad = torch.ones(3)
@@ -397,6 +398,7 @@ def test_state_tree_round_trip_keeps_key_types_and_odd_floats():
         unflatten({"zz": 1}, {})
 
 
+@pytest.mark.unit
 def test_global_batches_are_disjoint_and_follow_the_member_count():
     data = list(range(100))
     dataset = [(torch.tensor([i]), i) for i in data]
@@ -413,6 +415,7 @@ def test_global_batches_are_disjoint_and_follow_the_member_count():
         assert len({(s.epoch, s.position) for s in streams}) == 1
 
 
+@pytest.mark.unit
 def test_read_state_refuses_a_manifest_that_does_not_match(tmp_path):
     import ferrosync
     from ferrosync import names

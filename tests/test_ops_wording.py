@@ -24,6 +24,7 @@ def _tool(*args, cwd) -> subprocess.CompletedProcess:
                           env=cli_env(), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.unit
 def test_describe_abort():
     assert describe_abort("SystemExit", "143") == "terminated by SIGTERM"
     assert describe_abort("SystemExit", "137") == "terminated by SIGKILL"

@@ -306,6 +306,7 @@ def test_no_collective_reaches_the_placeholder(tmp_path):
         assert raised is not None and "error_on_collective" in raised
 
 
+@pytest.mark.unit
 def test_placeholder_trick_pinned_to_tested_torch():
     tested = process_group.PLACEHOLDER_TESTED_TORCH
     assert tested == ("2.13",)

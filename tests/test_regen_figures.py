@@ -7,6 +7,8 @@ import pytest
 
 from tools import regen_figures as rf
 
+pytestmark = pytest.mark.unit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -28,6 +28,7 @@ def _error_lines(stderr: str) -> list[str]:
 
 # -- the dataset fingerprint ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_fingerprint_tells_datasets_apart_and_leaves_the_rngs_alone():
     a, b = seeded(), seeded()
     torch.manual_seed(5)

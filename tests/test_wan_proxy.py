@@ -117,6 +117,7 @@ def _round_trip(s: socket.socket, message: bytes = b"ping") -> float:
     return time.perf_counter() - start
 
 
+@pytest.mark.unit
 def test_parse_rate_and_time():
     assert parse_rate("100Mbit") == 100e6
     assert parse_rate("1Gbit/s") == 1e9
@@ -132,6 +133,7 @@ def test_parse_rate_and_time():
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_throughput_matches_the_rate(sink):
     size, rate = 4_000_000, 20e6  # 1.6 s at 20 Mbit/s
     with WanProxy(sink.port, rate_bps=rate, rtt_s=0.0) as proxy:
@@ -142,6 +144,7 @@ def test_throughput_matches_the_rate(sink):
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_connections_share_the_link(sink):
     """Two uploads at once take as long as their sum at the rate: one link, not two."""
     size, rate = 1_000_000, 20e6
@@ -160,6 +163,7 @@ def test_connections_share_the_link(sink):
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_round_trip_time_is_added(echo):
     rtt = 0.1
     with WanProxy(echo.port, rate_bps=100e6, rtt_s=rtt) as proxy, _connect(proxy.port) as s:
@@ -169,6 +173,7 @@ def test_round_trip_time_is_added(echo):
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_latency_does_not_throttle_a_long_transfer(sink):
     """Delay is latency: 4 MB with a 200 ms RTT takes size/rate + a one-way delay,
     not a delay per chunk (which would take minutes)."""
@@ -193,6 +198,7 @@ def test_refuses_targets_off_this_machine():
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_stops_at_its_duration(echo):
     proxy = WanProxy(echo.port, duration=0.5).start()
     with _connect(proxy.port) as s:  # a connection open at the deadline is dropped too
