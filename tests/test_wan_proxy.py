@@ -112,7 +112,9 @@ def _round_trip(s: socket.socket, message: bytes = b"ping") -> float:
     s.sendall(message)
     got = b""
     while len(got) < len(message):
-        got += s.recv(64)
+        chunk = s.recv(64)
+        assert chunk, f"the connection closed after {got!r}"  # not a busy loop on EOF
+        got += chunk
     assert got == message
     return time.perf_counter() - start
 
@@ -218,7 +220,7 @@ def test_stops_at_its_duration(echo):
 def test_cli_forwards_then_exits_at_its_duration(echo):
     proc = subprocess.Popen(
         [sys.executable, "-m", "ferrosync.testing.wan_proxy", "--target",
-         f"127.0.0.1:{echo.port}", "--rate", "50Mbit", "--rtt", "20ms", "--duration", "2"],
+         f"127.0.0.1:{echo.port}", "--rate", "50Mbit", "--rtt", "20ms", "--duration", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()  # printed once it listens
