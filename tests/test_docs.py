@@ -466,10 +466,10 @@ def _run_command(command: str, cap: bool = True) -> str:
     members = 1
     if "--elastic" in words and "--nproc" not in words and "--min-ranks" in words:
         members = int(words[words.index("--min-ranks") + 1])
+    from train_cli import ForkedCli, launch_in_process
+
     if members == 1 and words[1:3] == ["-m", "ferrosync.train"] and "--nproc" in words:
         # a launch: its launcher runs in this process, its ranks as real processes
-        from train_cli import launch_in_process
-
         code, out, _ = launch_in_process(words[3:], _CTX.workdir, env, merged=True)
         _check_outcome(words, code, out)
         return out
@@ -477,8 +477,8 @@ def _run_command(command: str, cap: bool = True) -> str:
     for k in range(members):
         cwd = _CTX.workdir if members == 1 else _CTX.workdir / f"member-{k}"
         cwd.mkdir(exist_ok=True)
-        procs.append(subprocess.Popen(words, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(ForkedCli(words, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True))
     outputs = []
     deadline = time.monotonic() + _COMMAND_TIMEOUT
     try:

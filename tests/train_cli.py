@@ -130,10 +130,15 @@ def as_process(cwd, env: dict):
                 del sys.modules[name]
 
 
+#: the commands ``ForkedCli`` forks (``python -m NAME``): the module whose ``main`` runs
+FORKED = {"ferrosync.train": "ferrosync.train.__main__", "ferrosync": "ferrosync.__main__"}
+
+
 class ForkedCli(subprocess.Popen):
-    """``subprocess.Popen`` of ``python -m ferrosync.train ARGS`` whose process is a fork
-    of the suite's forkserver (see the module's docstring) instead of a new interpreter;
-    any other command starts as ``Popen`` would start it.
+    """``subprocess.Popen`` of ``python -m ferrosync.train ARGS`` (or ``python -m
+    ferrosync ARGS``, the operator tools) whose process is a fork of the suite's
+    forkserver (see the module's docstring) instead of a new interpreter; any other
+    command starts as ``Popen`` would start it.
 
     Everything ``Popen`` offers works (``communicate``, ``poll``, ``wait``, signals,
     ``returncode``, text or bytes pipes, ``start_new_session``); the process is the
@@ -148,7 +153,7 @@ class ForkedCli(subprocess.Popen):
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                        startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                        c2pwrite, errread, errwrite, *rest):
-        if shell or list(args[:3]) != [sys.executable, "-m", "ferrosync.train"]:
+        if shell or list(args[:2]) != [sys.executable, "-m"] or args[2] not in FORKED:
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                 creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
@@ -166,8 +171,8 @@ class ForkedCli(subprocess.Popen):
             ends.append(Connection(os.dup(fd) if fd != -1 else os.open(os.devnull, mode)))
         env = dict(os.environ if env is None else env)
         forked = context().Process(
-            target=_cli_main, args=(list(map(str, args[3:])), env, cwd or os.getcwd(),
-                                    ends, new_session), daemon=True)
+            target=_cli_main, args=(FORKED[args[2]], list(map(str, args[3:])), env,
+                                    cwd or os.getcwd(), ends, new_session), daemon=True)
         try:
             forked.start()
         finally:
@@ -196,9 +201,11 @@ class ForkedCli(subprocess.Popen):
         return self.returncode
 
 
-def _cli_main(argv: list[str], env: dict, cwd: str, ends, new_session: bool) -> None:
-    """In the forked process: become ``python -m ferrosync.train ARGV``, run it, exit."""
+def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
+              new_session: bool) -> None:
+    """In the forked process: become ``python -m MODULE ARGV``, run it, exit."""
     import atexit
+    import importlib
     import io
     import multiprocessing
 
@@ -219,15 +226,13 @@ def _cli_main(argv: list[str], env: dict, cwd: str, ends, new_session: bool) -> 
     multiprocessing.current_process()._config["daemon"] = False
     import torch
 
-    from ferrosync.train.__main__ import __file__ as main_file
-    from ferrosync.train.__main__ import main
-
+    entry = importlib.import_module(module)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     code = 1
     with as_process(cwd, env):
-        sys.argv = [main_file, *argv]
+        sys.argv = [entry.__file__, *argv]
         try:
-            code = main(argv)
+            code = entry.main(argv)
         except SystemExit as exc:
             code = exc.code
         except BaseException:  # noqa: BLE001 - what the interpreter does with it
