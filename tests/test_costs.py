@@ -8,11 +8,10 @@ from the ranks' heartbeats.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from train_cli import ROOT, cli_env, final_of, run_cli
+from train_cli import ROOT, cli_env, final_of, run_cli, run_forked
 
 from ferrosync.costs import DEFAULT_PRICES, hourly, is_billed, parse_prices, request_cost
 from ferrosync.errors import ConfigError
@@ -88,9 +87,9 @@ def test_inspect_shows_request_rates_from_heartbeats(tmp_path):
     result = run_cli("--nproc", "2", "--steps", "3", "--no-progress", "--sync", run,
                      cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(run), "--json",
-                          "--watch", "0"], cwd=ROOT, env=cli_env(), capture_output=True,
-                         text=True, timeout=60)
+    out = run_forked([sys.executable, "-m", "ferrosync", "inspect", str(run), "--json",
+                      "--watch", "0"], cwd=ROOT, env=cli_env(), capture_output=True,
+                     text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     gens = [g for g in report["generations"] if g.get("storage_requests")]

@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from train_cli import run_forked
 
 import ferrosync
 from ferrosync.errors import ConfigError, LayoutMismatch, PeerFailed, SyncTimeout
@@ -232,8 +233,8 @@ def test_a_member_that_goes_is_dropped_and_the_rest_continue(tmp_path, how, posi
     assert kinds.count("left" if how == "close" else "died") == 1, job["events"]
     assert job["membership_changes"] == joins + 1 and not job["problems"], job
     assert not [k for k in report["foreign_objects"] if k.startswith("el.")]
-    text = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(tmp_path),
-                           "--watch", "0"], capture_output=True, text=True, timeout=60).stdout
+    text = run_forked([sys.executable, "-m", "ferrosync", "inspect", str(tmp_path),
+                       "--watch", "0"], capture_output=True, text=True, timeout=60).stdout
     assert f"elastic job go-{how}" in text and "2 member(s) now" in text, text
 
 

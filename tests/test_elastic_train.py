@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from train_cli import final_of, read_metrics_so_far, start_cli
+from train_cli import final_of, read_metrics_so_far, run_forked, start_cli
 from train_models import HOLD, HOLD_AT
 
 from ferrosync import names
@@ -290,8 +290,8 @@ def test_a_finished_job_reports_without_training(tmp_path):
     assert again["param_digest"] == done["param_digest"] and again["steps"] == 30
     assert again["steps_this_run"] == 0 and metrics(tmp_path, "b") == []
     # inspect tells the story: the state's step and phase, and the end marker
-    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
-                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    out = run_forked([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
+                      "--watch", "0"], capture_output=True, text=True, timeout=60)
     (job,) = json.loads(out.stdout)["elastic_jobs"]
     assert job["state"]["step"] == 30 and job["state"]["phase"] == "summarised", job
     assert job["ended_at_round"] is not None and not job["problems"], job
@@ -461,8 +461,8 @@ def test_one_member_started_after_total_loss_trains_from_the_newest_state(tmp_pa
     for proc in first.values():
         finish(proc)
     killed_at = max(last_step(tmp_path, n) for n in first)
-    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
-                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    out = run_forked([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
+                      "--watch", "0"], capture_output=True, text=True, timeout=60)
     (job,) = json.loads(out.stdout)["elastic_jobs"]
     newest = job["state"]["step"]  # the newest published state
     started = time.monotonic()

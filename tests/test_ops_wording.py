@@ -14,14 +14,14 @@ import sys
 import time
 
 import pytest
-from train_cli import cli_env, start_cli
+from train_cli import cli_env, run_forked, start_cli
 
 from ferrosync.liveness import describe_abort
 
 
 def _tool(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ferrosync", *map(str, args)], cwd=cwd,
-                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    return run_forked([sys.executable, "-m", "ferrosync", *map(str, args)], cwd=cwd,
+                      env=cli_env(), capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.unit

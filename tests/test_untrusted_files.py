@@ -18,13 +18,13 @@ import os
 import shutil
 import socket
 import stat
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 import torch
+from train_cli import run_forked
 
 import ferrosync
 from ferrosync.errors import ConfigError, FerrosyncError, StorageError
@@ -602,8 +602,8 @@ def tool(*argv, timeout: float = 30.0) -> tuple[int, str, str, float]:
     """Run ``python -m ferrosync ...`` as a separate process, bounded (a tool blocked
     on a FIFO must fail the test, not hang it)."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ferrosync", *argv], capture_output=True,
-                          text=True, timeout=timeout)
+    proc = run_forked([sys.executable, "-m", "ferrosync", *argv], capture_output=True,
+                      text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
 
 

@@ -56,15 +56,27 @@ def run_cli(*args, cwd, timeout: float = 180, **env) -> subprocess.CompletedProc
     if "--nproc" in argv:
         code, out, err = launch_in_process(argv, cwd, cli_env(**env))
         return subprocess.CompletedProcess(command(*argv), code, out, err)
-    with ForkedCli(command(*argv), cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE,
-                   stderr=subprocess.PIPE, text=True) as proc:
+    return run_forked(command(*argv), cwd=cwd, env=cli_env(**env), capture_output=True,
+                      text=True, timeout=timeout)
+
+
+def run_forked(args: list[str], *, timeout: float | None = None, check: bool = False,
+               capture_output: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` through ``ForkedCli``: ``python -m ferrosync.train`` and
+    ``python -m ferrosync`` (the operator tools) start forked, anything else as usual."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with ForkedCli(args, **kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
             raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 def launch_in_process(argv: list[str], cwd, env: dict, *,
