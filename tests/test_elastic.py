@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from train_cli import run_forked
 
 import ferrosync
 from ferrosync.errors import ConfigError, LayoutMismatch, PeerFailed, SyncTimeout
@@ -147,6 +148,7 @@ def test_encoded_contributions_average_alike_on_every_member(tmp_path, wire_dtyp
         assert err < (0.05 if wire_dtype == "int8" else 0.02), (k, err)
 
 
+@pytest.mark.unit
 def test_a_member_with_another_wire_dtype_is_refused_before_it_writes(tmp_path):
     url = str(tmp_path)
     with ferrosync.connect(url, elastic=True, job="wire", timeout=10.0, **FAST) as sync:
@@ -231,8 +233,8 @@ def test_a_member_that_goes_is_dropped_and_the_rest_continue(tmp_path, how, posi
     assert kinds.count("left" if how == "close" else "died") == 1, job["events"]
     assert job["membership_changes"] == joins + 1 and not job["problems"], job
     assert not [k for k in report["foreign_objects"] if k.startswith("el.")]
-    text = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(tmp_path),
-                           "--watch", "0"], capture_output=True, text=True, timeout=60).stdout
+    text = run_forked([sys.executable, "-m", "ferrosync", "inspect", str(tmp_path),
+                       "--watch", "0"], capture_output=True, text=True, timeout=60).stdout
     assert f"elastic job go-{how}" in text and "2 member(s) now" in text, text
 
 
@@ -384,6 +386,7 @@ def test_suspending_the_whole_job_drops_nobody(tmp_path):
 
 # -- (e) min_ranks, (f) jobs, (g) configuration ---------------------------------------------
 
+@pytest.mark.unit
 def test_fewer_than_min_ranks_is_a_sync_timeout(tmp_path):
     began = time.monotonic()
     with pytest.raises(SyncTimeout, match="min_ranks=2"):
@@ -410,6 +413,7 @@ def test_two_elastic_jobs_on_one_url_never_mix(tmp_path):
         assert [v for _, v, _ in log] == pytest.approx([expect] * 3)
 
 
+@pytest.mark.unit
 def test_elastic_configuration_errors(tmp_path, monkeypatch):
     url = str(tmp_path)
     with pytest.raises(ConfigError, match="rank and world_size"):

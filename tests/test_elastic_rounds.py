@@ -22,6 +22,8 @@ from ferrosync.elastic import rounds
 from ferrosync.errors import MemberDropped, SyncTimeout
 from ferrosync.wire import job_key, job_tag
 
+pytestmark = pytest.mark.unit
+
 NS = names.elastic_namespace("unit")
 SECRET = job_key(b"team secret", NS)
 INTERVAL = 0.5

@@ -349,6 +349,7 @@ def test_gc_keeps_each_jobs_newest_generation(tmp_path, capsys):
     assert jobs["other"]["announced_without_data"] == [0, 1]
 
 
+@pytest.mark.unit
 def test_rendezvous_records_of_every_namespace_are_classified():
     from ferrosync.ops.scan import classify
 
@@ -447,6 +448,7 @@ def test_records_that_cannot_be_verified_are_never_acted_upon(tmp_path, capsys, 
     ["inspect", "/tmp/x", "--storage-options", "{not json"],
     ["doctor", "/tmp/x", "--samples", "0"],
 ])
+@pytest.mark.unit
 def test_bad_usage_exits_2(argv):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -458,6 +460,7 @@ def test_bad_usage_exits_2(argv):
     ["gc", "{tmp}", "--storage-options", '{"anon": true}'],  # options for a local path
     ["inspect", "{tmp}/a-file"],
 ])
+@pytest.mark.unit
 def test_bad_url_exits_2(tmp_path, capsys, argv):
     (tmp_path / "a-file").write_text("not a directory")
     code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
@@ -476,6 +479,7 @@ def test_python_dash_m_entry_point(tmp_path):
     assert bad.returncode == 2 and "URL" in bad.stderr
 
 
+@pytest.mark.unit
 def test_doctor_creates_checks_and_cleans_up(tmp_path, capsys):
     url = str(tmp_path / "new" / "location")
     report = tool_json(capsys, "doctor", url, "--size-mib", "2", "--samples", "5")
@@ -503,6 +507,7 @@ def test_doctor_creates_checks_and_cleans_up(tmp_path, capsys):
     assert code == 1 and "recommended settings" in text
 
 
+@pytest.mark.unit
 def test_nfs_mount_options_are_judged():
     assert nfs_problems(["rw", "hard", "lookupcache=positive"]) == []
     status = {s for s, _ in nfs_problems(["rw", "nocto", "soft"])}
@@ -547,6 +552,7 @@ def test_s3_smoke_inspect_gc_doctor(s3_transport, capsys, tmp_path):
 
 # -- doctor: exclusive create and atomic rename, tried on the location -----------------------
 
+@pytest.mark.unit
 def test_doctor_finds_exclusive_create_and_atomic_rename_on_a_directory(tmp_path, capsys):
     url = str(tmp_path / "loc")
     report = tool_json(capsys, "doctor", url, "--size-mib", "0", "--samples", "3")
@@ -561,6 +567,7 @@ def test_doctor_finds_exclusive_create_and_atomic_rename_on_a_directory(tmp_path
     assert "[ok  ] atomic rename" in text and "[ok  ] exclusive create" in text
 
 
+@pytest.mark.unit
 def test_rename_probe_leaves_nothing_behind(tmp_path):
     from ferrosync.ops.doctor import probe_rename
 
@@ -572,6 +579,7 @@ def test_rename_probe_leaves_nothing_behind(tmp_path):
 
 @pytest.mark.parametrize("exclusive, rename, warned", [
     (False, False, True), (True, False, False), (False, True, False), (True, True, False)])
+@pytest.mark.unit
 def test_doctor_warns_only_when_neither_holds(tmp_path, exclusive, rename, warned):
     from ferrosync.ops.doctor import Doctor
     from ferrosync.storage import open_storage

@@ -4,7 +4,7 @@
                                     [--runs N] [--seaweed] [--members N]
 
 Three scenarios, each with real member processes on this machine (``--seaweed``: over
-a SeaweedFS server started on loopback, tools/seaweed.py):
+a SeaweedFS server started on loopback, ferrosync/testing/seaweed.py):
 
 * **kill together**: 4 members (``--members``) average in a loop; ranks 0 and 1 (the
   roster's checker and the next in line) are SIGKILLed at the same moment. Printed: seconds from the
@@ -199,8 +199,7 @@ def main() -> int:
     server = None
     url = args.url or os.path.join(workdir, "store")
     if args.seaweed:
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
-        from seaweed import SeaweedServer, s3_storage_options, weed_binary
+        from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
         server = SeaweedServer(weed_binary(), os.path.join(workdir, "weed"))
         server.start()

@@ -5,7 +5,7 @@ the fault proxy (``ferrosync/testing/fault_proxy.py``), every average checked ex
         [--rounds 40] [--lose-reply 0.05] [--cut-body 0.05] [--reset 0.01]
         [--slowdown 0.01] [--delay-ms 0] [--seed 1]
 
-A SeaweedFS server starts on loopback (tools/seaweed.py) with the proxy in front of it:
+A SeaweedFS server starts on loopback (ferrosync/testing/seaweed.py) with the proxy in front of it:
 ``--lose-reply`` of PUT and POST replies are lost after the server acted, ``--cut-body``
 of GET bodies are cut mid-transfer, ``--reset`` of requests are reset before they are
 forwarded, ``--slowdown`` answered 503 SlowDown, and every request is held
@@ -27,17 +27,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import shlex
 import sys
 import tempfile
 import time
 import traceback
 import uuid
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 ELEMENTS = 4096
 
@@ -149,9 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     print("$ " + shlex.join(["python", *sys.argv]), flush=True)
 
-    from seaweed import SeaweedServer, s3_storage_options, weed_binary
-
     from ferrosync.testing.fault_proxy import Fault, FaultProxy
+    from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
     binary = weed_binary()
     if binary is None:
