@@ -24,6 +24,7 @@ import torch
 import ferrosync
 from ferrosync.__main__ import main
 from ferrosync.errors import DuplicateRank
+from ferrosync.ops import keys
 from ferrosync.ops.doctor import nfs_problems
 from ranks import RankFailure, collect, run_ranks, start_ranks, wait_until
 
@@ -611,3 +612,24 @@ def test_doctor_on_both_s3_servers(any_s3_transport, capsys):
     from ferrosync.storage import open_storage
 
     assert open_storage(url, opts["storage_options"]).list() == []  # cleaned up
+
+
+def test_a_launch_is_over_when_its_launcher_has_exited():
+    """The launcher's pid and start time, read back on this host: running while it
+    runs, exited after (a reused pid has another start time)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        record = keys.KeyFile("j", "p", None, None, keys.launch_context(child.pid))
+        assert record.launcher_state() == (
+            True, f"its launcher (pid {child.pid} on {record.launcher['host']}) is running")
+        assert record.launcher_gone() is None
+    finally:
+        child.communicate(b"")
+    assert record.launcher_gone() == (f"its launcher (pid {child.pid} on "
+                                      f"{record.launcher['host']}) has exited")
+    elsewhere = keys.KeyFile("j", "p", None, None, {**record.launcher, "host": "other"})
+    assert elsewhere.launcher_state()[0] is None and elsewhere.launcher_gone() is None
+    rebooted = keys.KeyFile("j", "p", None, None, {**record.launcher, "boot_id": "old"})
+    if record.launcher["boot_id"]:
+        assert "has rebooted" in rebooted.launcher_gone()

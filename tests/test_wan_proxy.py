@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ferrosync.testing import wan_proxy
+from ferrosync.testing import fault_proxy, wan_proxy
 from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
 
 IO_TIMEOUT = 10.0  # seconds any socket operation in these tests may block
@@ -234,3 +234,10 @@ def test_cli_forwards_then_exits_at_its_duration(echo):
             proc.kill()
         proc.communicate(timeout=10)
     assert wan_proxy.DEFAULT_DURATION > 0  # the CLI is always bounded in time
+
+
+def test_the_cli_refuses_a_target_off_this_machine():
+    # by its path: the standard library is all it imports (not ferrosync, nor torch)
+    done = subprocess.run([sys.executable, fault_proxy.__file__, "--target", "192.0.2.1:80",
+                           "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "loopback" in done.stderr
