@@ -147,7 +147,7 @@ def test_time_this_process_was_frozen_is_not_the_others_silence(storage, clock):
     assert w.state(A) == "gone"
 
 
-def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
+def test_fresh_means_the_counter_was_seen_moving_less_than_a_beat_gap_ago(storage, clock):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     w = watch(storage)
@@ -155,8 +155,15 @@ def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
     clock.advance(INTERVAL)
     hb.announce(mb.ALIVE)
     assert w.alive(A) and w.fresh(A)
-    clock.advance(INTERVAL)
-    assert w.alive(A) and not w.fresh(A)  # read again, but it did not move
+    clock.advance(INTERVAL)  # read again before its next beat: still running
+    assert w.alive(A) and w.fresh(A) and not w.overdue(A)
+    clock.advance(INTERVAL)  # two intervals without a beat: more than a freeze bound
+    assert w.alive(A) and not w.fresh(A) and w.overdue(A)
+    # a judgement can change when the silence reaches the timeout
+    assert w.next_change() == pytest.approx(clock.now - 2 * INTERVAL + TIMEOUT, abs=0.01)
+    clock.advance(10 * TIMEOUT)  # a read long after the previous one proves nothing
+    hb.announce(mb.ALIVE)
+    assert w.alive(A) and not w.fresh(A) and not w.overdue(A)
 
 
 # -- Watch: hostile heartbeats ---------------------------------------------------------------

@@ -62,10 +62,11 @@ class Watch:
 
     A member whose heartbeat was never seen counts as silent from the first look, so
     a member that died before its first beat is declared gone after ``timeout`` too.
-    ``fresh(member)`` says whether the latest look saw the member's counter move
-    recently (proof that it runs now): a first look, or a look long after the
-    previous one, is not, so a reader keeps looking at the members after it and
-    members that died together start their silence clocks together.
+    What the latest reads say short of a judgement (``fresh``: proven running now;
+    ``overdue``: a beat is missing; ``next_change``: when a judgement can change
+    without a beat) tells a waiting member whose heartbeats to read, and when
+    (``rounds.Agreement``), so that members that die together start their silence
+    clocks together.
     """
 
     def __init__(self, objects, timeout: float, interval: float) -> None:
@@ -92,6 +93,7 @@ class Watch:
             state = "silent"
         if state != ALIVE:
             self.gone.add(member_id)
+            self._silence.forget(member_id)
         return state
 
     def alive(self, member_id: str) -> bool:
@@ -99,6 +101,15 @@ class Watch:
 
     def fresh(self, member_id: str) -> bool:
         return self._silence.fresh(member_id)
+
+    def overdue(self, member_id: str) -> bool:
+        return member_id not in self.gone and \
+            self._silence.overdue(member_id, PROCESS_CLOCK.now())
+
+    def next_change(self, fresh_of=()) -> float | None:
+        """When (``time.monotonic``) a watched member can next be judged gone, or one of
+        ``fresh_of`` stop being fresh (``SilenceClocks.next_change``)."""
+        return self._silence.next_change(PROCESS_CLOCK.now(), fresh_of)
 
 
 @dataclass(frozen=True)
