@@ -193,8 +193,8 @@ class Agreement:
         # the members before the joiners are exactly the previous ones: only admissions
         admitted_only = bool(joiners) and changes > prev.changes and \
             members[:len(members) - len(joiners)] == list(prev.members)
-        return self._rosters.create(replace(roster, changes=changes,
-                                            admitted_only=admitted_only))
+        roster = replace(roster, changes=changes, admitted_only=admitted_only)
+        return self._rosters.create(roster.chained(prev), prev, self._watch.how)
 
     def _refused(self, prev: Roster, round_: int, survivors: list[str]) -> list[str]:
         """The survivors making their first contribution (admitted by ``prev``, which
