@@ -154,7 +154,7 @@ def test_time_this_process_was_frozen_is_not_the_others_silence(storage, clock):
 
 
 @pytest.mark.unit
-def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
+def test_fresh_means_the_counter_was_seen_moving_less_than_a_beat_gap_ago(storage, clock):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     w = watch(storage)
@@ -162,8 +162,15 @@ def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
     clock.advance(INTERVAL)
     hb.announce(mb.ALIVE)
     assert w.alive(A) and w.fresh(A)
-    clock.advance(INTERVAL)
-    assert w.alive(A) and not w.fresh(A)  # read again, but it did not move
+    clock.advance(INTERVAL)  # read again before its next beat: still running
+    assert w.alive(A) and w.fresh(A) and not w.overdue(A)
+    clock.advance(INTERVAL)  # two intervals without a beat: more than a freeze bound
+    assert w.alive(A) and not w.fresh(A) and w.overdue(A)
+    # a judgement can change when the silence reaches the timeout
+    assert w.next_change() == pytest.approx(clock.now - 2 * INTERVAL + TIMEOUT, abs=0.01)
+    clock.advance(10 * TIMEOUT)  # a read long after the previous one proves nothing
+    hb.announce(mb.ALIVE)
+    assert w.alive(A) and not w.fresh(A) and not w.overdue(A)
 
 
 # -- Watch: hostile heartbeats ---------------------------------------------------------------
@@ -335,6 +342,7 @@ def test_a_claim_that_keeps_losing_its_race_ends_at_the_deadline(storage, clock)
     assert clock.now - start < 2.1
 
 
+@pytest.mark.unit
 def test_a_join_entry_is_read_once_then_remembered(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     mb.Rosters(layer(storage, SECRET)).claim(A, 0, 1e18)
