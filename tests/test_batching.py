@@ -38,6 +38,7 @@ def _assert_same(a, b):
             assert torch.equal(u, v)
 
 
+@pytest.mark.unit
 def test_only_plain_tensor_datasets_gather_whole_batches():
     tensors = _data()
     assert gathers_batches(TensorDataset(*tensors))
@@ -63,6 +64,7 @@ def test_loader_batches_equal_the_per_sample_path(num_workers):
         _assert_same(list(batch_loader(fast, sampler, 16)), reference)
 
 
+@pytest.mark.unit
 def test_a_subclass_with_its_own_getitem_keeps_the_per_sample_path():
     slow = PerSample(*_data())
     PerSample.calls = 0
@@ -73,6 +75,7 @@ def test_a_subclass_with_its_own_getitem_keeps_the_per_sample_path():
                                           sampler=sampler)))
 
 
+@pytest.mark.unit
 def test_batch_of_equals_default_collate():
     tensors = _data()
     index = torch.randperm(len(tensors[0]), generator=torch.Generator().manual_seed(0))[:37]
@@ -94,6 +97,7 @@ def _train(dataset, url):
     return summary["param_digest"]
 
 
+@pytest.mark.unit
 def test_the_trainer_trains_the_same_model_either_way(tmp_path):
     x, y, _ = _data()
     fast = _train(TensorDataset(x, y), str(tmp_path / "a"))

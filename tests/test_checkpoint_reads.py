@@ -21,10 +21,13 @@ pytestmark = pytest.mark.unit
 
 def _saved(url: str, *, rank_files: bool = False) -> tuple[CheckpointStore, dict]:
     ckpt = CheckpointStore(url)
+    sizes = {}  # what the trainer gathers from its ranks
     if rank_files:
         for rank in range(2):
-            ckpt.save_rank(7, rank, {"w": torch.full((100,), float(rank))})
-    ckpt.save({"w": torch.arange(1000.0)}, {"step": 7, "rank_files": rank_files}, keep=2)
+            sizes[ckpt.rank_key(7, rank)] = ckpt.save_rank(
+                7, rank, {"w": torch.full((100,), float(rank))})
+    ckpt.save({"w": torch.arange(1000.0)}, {"step": 7, "rank_files": rank_files}, keep=2,
+              rank_sizes=sizes)
     return ckpt, ckpt.latest()
 
 

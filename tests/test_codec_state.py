@@ -70,6 +70,7 @@ def test_parameter_residual_never_lands_on_gradients(dir_transport):
     assert worst < 1e-5, worst  # int8 error of ~1e-4 gradients (3.6e-4 when mixed)
 
 
+@pytest.mark.unit
 def test_error_feedback_memory_is_bounded():
     from ferrosync.codecs import ErrorFeedback
 

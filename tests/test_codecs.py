@@ -16,6 +16,8 @@ from ferrosync.codecs import (
 )
 from ferrosync.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def roundtrip(codec, x):
     out = torch.empty(codec.nbytes(x.numel()), dtype=torch.uint8)

@@ -202,6 +202,7 @@ def test_sequential_use_from_other_threads_and_async_runner(tmp_path):
     assert out[0] == want and out[1] == want, out
 
 
+@pytest.mark.unit
 def test_close_ends_the_async_thread(tmp_path):
     """At exit a daemon thread still inside a torch op aborts the whole process
     (forced unwind through C++, "terminate called without an active exception"), so
@@ -326,6 +327,7 @@ def bad_tensors():
 @pytest.mark.parametrize("op", ["average_", "broadcast_", "all_gather", "average_gradients",
                                 "average_parameters"])
 @pytest.mark.parametrize("kind", ["expanded", "csr", "coo", "meta", "int"])
+@pytest.mark.unit
 def test_bad_tensor_is_refused_before_any_io(tmp_path, op, kind):
     tensor, needle = bad_tensors()[kind]
     with ferrosync.connect(str(tmp_path / "run"), rank=0, world_size=1) as sync:
@@ -411,6 +413,7 @@ def test_bad_tensor_on_one_rank_gives_the_peer_a_typed_error(tmp_path):
     assert isinstance(err, ConfigError) and "rank 1 failed" in str(err), err
 
 
+@pytest.mark.unit
 def test_views_that_are_not_plain_memory_still_work(tmp_path):
     with ferrosync.connect(str(tmp_path / "run"), rank=0, world_size=1) as sync:
         t = torch.arange(6.0).view(2, 3).t()  # non-contiguous, no overlap

@@ -8,17 +8,17 @@ from the ranks' heartbeats.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
-from train_cli import ROOT, cli_env, final_of, run_cli
+from train_cli import ROOT, cli_env, final_of, run_cli, run_forked
 
 from ferrosync.costs import DEFAULT_PRICES, hourly, is_billed, parse_prices, request_cost
 from ferrosync.errors import ConfigError
 from ferrosync.storage import open_storage
 
 
+@pytest.mark.unit
 def test_prices_parse_over_the_defaults():
     assert parse_prices(None) == DEFAULT_PRICES
     got = parse_prices("put=0.0065, get=0.00052")
@@ -29,6 +29,7 @@ def test_prices_parse_over_the_defaults():
             parse_prices(bad)
 
 
+@pytest.mark.unit
 def test_cost_is_per_thousand_requests_of_each_kind():
     counts = {"requests": 3000, "puts": 1000, "gets": 2000, "deletes": 7, "lists": 0}
     assert request_cost(counts) == pytest.approx(0.005 + 2 * 0.0004)
@@ -86,9 +87,9 @@ def test_inspect_shows_request_rates_from_heartbeats(tmp_path):
     result = run_cli("--nproc", "2", "--steps", "3", "--no-progress", "--sync", run,
                      cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
-    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(run), "--json",
-                          "--watch", "0"], cwd=ROOT, env=cli_env(), capture_output=True,
-                         text=True, timeout=60)
+    out = run_forked([sys.executable, "-m", "ferrosync", "inspect", str(run), "--json",
+                      "--watch", "0"], cwd=ROOT, env=cli_env(), capture_output=True,
+                     text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     gens = [g for g in report["generations"] if g.get("storage_requests")]

@@ -61,6 +61,7 @@ def test_rank_failing_under_wrap_makes_the_others_raise(tmp_path):
     assert isinstance(results[1].error, PeerFailed), results[1].traceback
 
 
+@pytest.mark.unit
 def test_wrap_and_hook_reject_what_is_not_a_gradsync():
     with pytest.raises(ConfigError, match="GradSync"):
         ferrosync.ddp.wrap(torch.nn.Linear(2, 2), "s3://bucket/run")

@@ -31,6 +31,7 @@ def meet(url: str, rank: int = 0, world_size: int = 1):
 
 
 @pytest.mark.parametrize("spelling", ["bare", "file"])
+@pytest.mark.unit
 def test_directory_that_does_not_exist_yet(tmp_path, spelling):
     path = tmp_path / "a" / "run"
     url = str(path) if spelling == "bare" else f"file://{path}/"
@@ -41,6 +42,7 @@ def test_directory_that_does_not_exist_yet(tmp_path, spelling):
 
 
 @pytest.mark.parametrize("spelling", ["bare", "file"])
+@pytest.mark.unit
 def test_existing_directory(tmp_path, spelling):
     url = str(tmp_path) if spelling == "bare" else f"file://{tmp_path}"
     store, _, _ = meet(url)
@@ -49,24 +51,28 @@ def test_existing_directory(tmp_path, spelling):
     assert store.get("k") == b"v"
 
 
+@pytest.mark.unit
 def test_file_url_naming_a_file_keeps_torchs_meaning(tmp_path):
     store, _, _ = meet(f"file://{tmp_path / 'store'}")
     assert (tmp_path / "store").is_file()
     assert location_of(store) == str(tmp_path / "store") + ".ferrosync"
 
 
+@pytest.mark.unit
 def test_relative_bare_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store, _, _ = meet("runs/exp1")
     assert location_of(store) == str(tmp_path / "runs" / "exp1")
 
 
+@pytest.mark.unit
 def test_object_store_url():
     store, rank, world = meet("s3://bucket/runs/exp7", 1, 3)
     assert (rank, world) == (1, 3)
     assert location_of(store) == "s3://bucket/runs/exp7"
 
 
+@pytest.mark.unit
 def test_rank_and_world_size_from_the_environment(monkeypatch):
     monkeypatch.setenv("RANK", "2")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -74,6 +80,7 @@ def test_rank_and_world_size_from_the_environment(monkeypatch):
     assert (rank, world) == (2, 4)
 
 
+@pytest.mark.unit
 def test_unknown_query_parameters_are_refused():
     with pytest.raises(ConfigError, match="FERROSYNC_PG_OPTIONS"):
         meet("s3://bucket/run?endpoint_url=http://x")
@@ -81,6 +88,7 @@ def test_unknown_query_parameters_are_refused():
         meet("s3:///run")
 
 
+@pytest.mark.unit
 def test_url_store_refuses_keys_other_ranks_would_have_set():
     store = UrlStore("s3://bucket/run", 0)
     store.set("mine", "1")
@@ -89,6 +97,7 @@ def test_url_store_refuses_keys_other_ranks_would_have_set():
         dist.PrefixStore("p", store).get("peer-key")
 
 
+@pytest.mark.unit
 def test_pg_options_and_environment(monkeypatch):
     monkeypatch.setenv("FERROSYNC_PG_OPTIONS", '{"secret": "a", "reduce": "root"}')
     assert _options({"secret": "b"}) == {"secret": "b", "reduce": "root"}

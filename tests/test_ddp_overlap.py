@@ -345,6 +345,7 @@ def slow_storage_steps(rank, world, location, overlap):
     return min(times)
 
 
+@pytest.mark.unit
 def test_overlap_private_api_pinned_to_tested_torch():
     from ferrosync.ddp.process_group import OVERLAP_TESTED_TORCH, _overlap_supported
 

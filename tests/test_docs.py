@@ -116,6 +116,7 @@ def _citations() -> list[tuple[str, int, str, str | None]]:
     return out
 
 
+@pytest.mark.unit
 def test_design_document_exists():
     assert os.path.isfile(os.path.join(ROOT, DOC)), f"{DOC} is missing"
     anchors = anchors_of(_read(DOC))
@@ -125,6 +126,7 @@ def test_design_document_exists():
         assert anchor in anchors, f"{DOC} has no heading for #{anchor}"
 
 
+@pytest.mark.unit
 def test_no_citation_of_the_external_design_document():
     offenders = []
     for rel in _repo_files(".py", ".md"):
@@ -137,6 +139,7 @@ def test_no_citation_of_the_external_design_document():
                            + "\n".join(offenders))
 
 
+@pytest.mark.unit
 def test_cited_files_exist():
     missing = sorted({f"{rel}:{line}: {path}" for rel, line, path, _ in _citations()
                       if not os.path.exists(os.path.join(ROOT, path))})
@@ -174,11 +177,12 @@ def test_github_anchor_rule(heading, anchor):
 def test_readme_option_tables_match_the_code():
     """The README's option tables are generated from the options dataclasses: an option
     added, renamed or re-described in code without regenerating them fails here."""
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "options_table.py"),
-                             "--check"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "tools.options_table", "--check"],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.unit
 def test_every_option_is_documented_and_validated():
     import dataclasses
 
@@ -463,10 +467,10 @@ def _run_command(command: str, cap: bool = True) -> str:
     members = 1
     if "--elastic" in words and "--nproc" not in words and "--min-ranks" in words:
         members = int(words[words.index("--min-ranks") + 1])
+    from train_cli import ForkedCli, launch_in_process
+
     if members == 1 and words[1:3] == ["-m", "ferrosync.train"] and "--nproc" in words:
         # a launch: its launcher runs in this process, its ranks as real processes
-        from train_cli import launch_in_process
-
         code, out, _ = launch_in_process(words[3:], _CTX.workdir, env, merged=True)
         _check_outcome(words, code, out)
         return out
@@ -478,8 +482,8 @@ def _run_command(command: str, cap: bool = True) -> str:
     for k in range(members):
         cwd = _CTX.workdir if members == 1 else _CTX.workdir / f"member-{k}"
         cwd.mkdir(exist_ok=True)
-        procs.append(subprocess.Popen(words, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        procs.append(ForkedCli(words, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True))
     outputs = []
     deadline = time.monotonic() + _COMMAND_TIMEOUT
     try:
@@ -755,7 +759,6 @@ def test_doc_example(doc, examples, _doc_servers, _doc_workdirs, s3_endpoint, mo
     # Python blocks: rank 0 of a world of one, in the working directory, under a job id
     # (as under a scheduler: no claim window), the S3 server found as docs/train.md says
     monkeypatch.chdir(workdir)
-    monkeypatch.syspath_prepend(str(workdir))
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(_free_port()), "AWS_ENDPOINT_URL": s3_endpoint,
@@ -774,6 +777,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.unit
 def test_every_code_block_is_collected():
     """Every fenced block of every document is a test: a block in a language no
     evaluator handles (or with none) would otherwise escape."""
@@ -785,14 +789,12 @@ def test_every_code_block_is_collected():
             "a language this file evaluates (python, bash, diff, json, text)")
 
 
+@pytest.mark.unit
 def test_readme_figures_come_from_its_commands():
     """tools/regen_figures.py finds the README's bench commands and every marked place it
     writes (the script itself runs for half an hour: it is not run here)."""
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import regen_figures
-    finally:
-        sys.path.remove(os.path.join(ROOT, "tools"))
+    from tools import regen_figures
+
     readme = _read("README.md")
     commands = regen_figures.bench_commands(readme)
     assert len(commands) == 4 and all(c[:2] == ["python", "tools/bench.py"] for c in commands)

@@ -10,17 +10,17 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import elastic_costs  # noqa: E402
+from ferrosync.costs import request_cost
+from ferrosync.stores import store_of
+from tools import elastic_costs
 
-from ferrosync.costs import request_cost  # noqa: E402
-from ferrosync.stores import store_of  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 P = 1 << 20
 
 
 @pytest.mark.parametrize("w", [2, 4, 5, 10, 100, 1000])
+@pytest.mark.unit
 def test_the_model_adds_up(w):
     m = elastic_costs.model(w, P, round_s=0.0, hb_interval=2.0)
     member, checker, busiest = m["member"], m["checker"], m["busiest"]
@@ -43,6 +43,7 @@ def test_the_model_adds_up(w):
         beats * (prices["put"] + prices["get"]) / 1000)
 
 
+@pytest.mark.unit
 def test_the_jobs_requests_grow_about_linearly_with_the_tree():
     """All-read-all makes W^2 requests a round; the tree W x (fan_in x levels): from 100
     to 1,000 members the job's requests grow 10 x (members) x a log factor, not 100 x."""
@@ -88,9 +89,8 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
     """Bytes read are exact ((W-1) P, the checker W P); every request kind is at least the
     model's floor, and above it by no more than the polls of a round's wait (up to two
     requests per poll) plus the heartbeats: the tolerance the docs state."""
-    from seaweed import s3_storage_options
-
     from conftest import BUCKET
+    from ferrosync.testing.seaweed import s3_storage_options
 
     out = tmp_path / "r.json"
     subprocess.run(

@@ -68,6 +68,7 @@ def run_for(clock, seconds, look, step=INTERVAL):
 
 # -- the heartbeat writer -------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_heartbeat_writes_the_member_id_an_increasing_beat_and_its_final_state(storage):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
@@ -84,6 +85,7 @@ def test_heartbeat_writes_the_member_id_an_increasing_beat_and_its_final_state(s
 
 # -- Watch: the silence rule -----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_a_member_that_keeps_beating_stays_alive(storage, clock):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     w = watch(storage)
@@ -91,6 +93,7 @@ def test_a_member_that_keeps_beating_stays_alive(storage, clock):
     assert w.alive(A) and A not in w.gone
 
 
+@pytest.mark.unit
 def test_a_member_whose_beat_stops_is_silent_after_the_timeout_not_before(storage, clock):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
@@ -110,6 +113,7 @@ def test_a_member_whose_beat_stops_is_silent_after_the_timeout_not_before(storag
     assert len(storage.requests("open", hb_key(A))) == reads
 
 
+@pytest.mark.unit
 def test_a_member_never_seen_beating_is_silent_one_timeout_after_the_first_look(storage, clock):
     w = watch(storage)
     start = clock.now
@@ -121,6 +125,7 @@ def test_a_member_never_seen_beating_is_silent_one_timeout_after_the_first_look(
 
 
 @pytest.mark.parametrize("final", [mb.LEFT, mb.ABORTED])
+@pytest.mark.unit
 def test_a_member_that_says_it_left_or_aborted_is_gone_at_once(storage, clock, final):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
@@ -133,6 +138,7 @@ def test_a_member_that_says_it_left_or_aborted_is_gone_at_once(storage, clock, f
     assert watch(storage).state(A) == "gone"
 
 
+@pytest.mark.unit
 def test_time_this_process_was_frozen_is_not_the_others_silence(storage, clock):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
@@ -147,7 +153,8 @@ def test_time_this_process_was_frozen_is_not_the_others_silence(storage, clock):
     assert w.state(A) == "gone"
 
 
-def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
+@pytest.mark.unit
+def test_fresh_means_the_counter_was_seen_moving_less_than_a_beat_gap_ago(storage, clock):
     hb = mb.heartbeat(layer(storage), A, INTERVAL)
     hb.announce(mb.ALIVE)
     w = watch(storage)
@@ -155,12 +162,20 @@ def test_fresh_means_the_counter_moved_since_a_recent_look(storage, clock):
     clock.advance(INTERVAL)
     hb.announce(mb.ALIVE)
     assert w.alive(A) and w.fresh(A)
-    clock.advance(INTERVAL)
-    assert w.alive(A) and not w.fresh(A)  # read again, but it did not move
+    clock.advance(INTERVAL)  # read again before its next beat: still running
+    assert w.alive(A) and w.fresh(A) and not w.overdue(A)
+    clock.advance(INTERVAL)  # two intervals without a beat: more than a freeze bound
+    assert w.alive(A) and not w.fresh(A) and w.overdue(A)
+    # a judgement can change when the silence reaches the timeout
+    assert w.next_change() == pytest.approx(clock.now - 2 * INTERVAL + TIMEOUT, abs=0.01)
+    clock.advance(10 * TIMEOUT)  # a read long after the previous one proves nothing
+    hb.announce(mb.ALIVE)
+    assert w.alive(A) and not w.fresh(A) and not w.overdue(A)
 
 
 # -- Watch: hostile heartbeats ---------------------------------------------------------------
 
+@pytest.mark.unit
 def test_a_heartbeat_forged_without_the_job_key_is_refused(storage, clock):
     storage.objects[hb_key(A)] = encode_record({"id": A, "beat": 1, "state": "alive"}, None)
     with pytest.raises(ShardCorrupt, match="MAC mismatch") as info:
@@ -168,6 +183,7 @@ def test_a_heartbeat_forged_without_the_job_key_is_refused(storage, clock):
     assert info.value.path == storage.path_of(hb_key(A))
 
 
+@pytest.mark.unit
 def test_a_heartbeat_under_another_members_name_is_refused(storage, clock):
     storage.objects[hb_key(A)] = encode_record({"id": B, "beat": 1, "state": "alive"}, SECRET)
     with pytest.raises(ShardCorrupt, match=f"heartbeat record of member {A} is not one"):
@@ -177,12 +193,14 @@ def test_a_heartbeat_under_another_members_name_is_refused(storage, clock):
         watch(storage).state(A)
 
 
+@pytest.mark.unit
 def test_an_oversized_heartbeat_is_refused_unread(storage, clock):
     storage.objects[hb_key(A)] = b" " * (RECORD_LIMIT + 1)
     with pytest.raises(ShardCorrupt, match="refused unread"):
         watch(storage).state(A)
 
 
+@pytest.mark.unit
 def test_a_deeply_nested_heartbeat_gives_a_ferrosync_error_not_a_recursion_error(storage, clock):
     storage.objects[hb_key(A)] = encode_record({"id": A, "x": json.loads("[" * 100 + "]" * 100)},
                                                None)
@@ -192,6 +210,7 @@ def test_a_deeply_nested_heartbeat_gives_a_ferrosync_error_not_a_recursion_error
 
 # -- Roster records --------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_a_roster_round_trips_through_its_record():
     roster = mb.Roster(7, (A, B), (B, C), 3, 2)
     assert mb.Roster.from_record(roster.record(), 7, "p") == roster
@@ -208,6 +227,7 @@ def test_a_roster_round_trips_through_its_record():
     {"contributors": 5},
     {"round": None},
 ])
+@pytest.mark.unit
 def test_a_malformed_roster_record_is_shard_corrupt(bad):
     record = {**mb.Roster(7, (A,), (A, B), 3).record(), **bad}
     with pytest.raises(ShardCorrupt, match="roster of round 7 is malformed"):
@@ -218,6 +238,7 @@ def test_a_malformed_roster_record_is_shard_corrupt(bad):
 
 # -- Rosters: written once, read back, the window ---------------------------------------------
 
+@pytest.mark.unit
 def test_the_first_roster_written_wins_and_everyone_reads_it(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     mine = mb.Roster(0, (), (A, B), 2)
@@ -230,6 +251,7 @@ def test_the_first_roster_written_wins_and_everyone_reads_it(storage):
     assert rosters.read(-1) == mb.EMPTY
 
 
+@pytest.mark.unit
 def test_a_roster_written_just_before_ours_is_read_back(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     theirs = mb.Roster(3, (A,), (A,), 0)
@@ -238,6 +260,7 @@ def test_a_roster_written_just_before_ours_is_read_back(storage):
     assert rosters.create(mb.Roster(3, (A, B), (A, B), 0)) == theirs
 
 
+@pytest.mark.unit
 def test_a_roster_forged_without_the_job_key_is_refused(storage):
     mb.Rosters(layer(storage, None)).create(mb.Roster(0, (), (C,), 1))
     with pytest.raises(FerrosyncError, match="MAC mismatch") as info:
@@ -245,6 +268,7 @@ def test_a_roster_forged_without_the_job_key_is_refused(storage):
     assert info.value.path == storage.path_of(f"{NS}/r0.roster")
 
 
+@pytest.mark.unit
 def test_rosters_older_than_the_window_are_deleted(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     last = mb.ROSTER_RETENTION + 2
@@ -255,6 +279,7 @@ def test_rosters_older_than_the_window_are_deleted(storage):
     assert rosters.latest_hint() == last
 
 
+@pytest.mark.unit
 def test_newest_probes_upward_from_a_stale_hint(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     for r in range(3):
@@ -263,6 +288,7 @@ def test_newest_probes_upward_from_a_stale_hint(storage):
     assert rosters.newest(deadline=1e18).round == 2
 
 
+@pytest.mark.unit
 def test_newest_times_out_when_the_hinted_roster_stays_missing(storage, clock):
     rosters = mb.Rosters(layer(storage, SECRET))
     storage.objects[f"{NS}/latest"] = encode_record({"round": 9}, SECRET)
@@ -273,6 +299,7 @@ def test_newest_times_out_when_the_hinted_roster_stays_missing(storage, clock):
 
 
 @pytest.mark.parametrize("value", ["7", True, None, 1.5])
+@pytest.mark.unit
 def test_a_hint_that_is_not_an_int_counts_as_none(storage, value):
     storage.objects[f"{NS}/latest"] = encode_record({"round": value}, SECRET)
     assert mb.Rosters(layer(storage, SECRET)).latest_hint() == -1
@@ -280,6 +307,7 @@ def test_a_hint_that_is_not_an_int_counts_as_none(storage, value):
 
 # -- join entries ---------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_joiners_claim_the_smallest_free_entries_in_order(storage):
     first = mb.Rosters(layer(storage, SECRET))
     second = mb.Rosters(layer(storage, SECRET))
@@ -314,6 +342,7 @@ def test_a_claim_that_keeps_losing_its_race_ends_at_the_deadline(storage, clock)
     assert clock.now - start < 2.1
 
 
+@pytest.mark.unit
 def test_a_join_entry_is_read_once_then_remembered(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     mb.Rosters(layer(storage, SECRET)).claim(A, 0, 1e18)
@@ -324,12 +353,14 @@ def test_a_join_entry_is_read_once_then_remembered(storage):
 
 
 @pytest.mark.parametrize("record", [{"id": "not-an-id"}, {"id": 5}, {}])
+@pytest.mark.unit
 def test_a_malformed_join_entry_is_shard_corrupt(storage, record):
     storage.objects[f"{NS}/join.0"] = encode_record(record, SECRET)
     with pytest.raises(ShardCorrupt, match="join entry 0 is malformed"):
         mb.Rosters(layer(storage, SECRET)).join_entry(0)
 
 
+@pytest.mark.unit
 def test_a_join_entry_forged_without_the_job_key_is_refused(storage):
     mb.Rosters(layer(storage, None)).claim(A, 0, 1e18)
     with pytest.raises(ShardCorrupt, match="MAC mismatch"):

@@ -22,6 +22,8 @@ from ferrosync.elastic import rounds
 from ferrosync.errors import MemberDropped, SyncTimeout
 from ferrosync.wire import job_key, job_tag
 
+pytestmark = pytest.mark.unit
+
 NS = names.elastic_namespace("unit")
 SECRET = job_key(b"team secret", NS)
 INTERVAL = 0.5
@@ -264,15 +266,24 @@ def test_a_contribution_of_the_wrong_size_is_not_kept_but_counts_as_present(stor
 
 def test_is_checker_stops_at_the_first_predecessor_seen_running_now(storage, clock):
     me = Member(storage)
-    beating(storage, clock, A)
-    beating(storage, clock, B)
-    # a first look proves nothing about now: the look goes on to B (its clock starts)
-    assert not me.agreement.is_checker([A, B])
-    assert len(storage.requests("open", f"{NS}/hb.{B}")) == 1
+    for who in (A, B, C, D):
+        beating(storage, clock, who)
+
+    def reads(who):
+        return len(storage.requests("open", f"{NS}/hb.{who}"))
+
+    # a first look proves nothing about now: the look goes on to every predecessor (their
+    # clocks start), and to the members after this one (it may be the checker soon)
+    assert not me.agreement.is_checker([A, B, C], after=[D])
+    assert [reads(w) for w in (A, B, C, D)] == [1, 1, 1, 1]
     clock.advance(INTERVAL)
-    # A's counter moved since a recent look: A runs now, B is not read
-    assert not me.agreement.is_checker([A, B])
-    assert len(storage.requests("open", f"{NS}/hb.{B}")) == 1
+    # A's counter moved since a recent look: A runs now; the look still reads the next
+    # in line (B: when both die, this member has both clocks running), not C nor D
+    assert not me.agreement.is_checker([A, B, C], after=[D])
+    assert [reads(w) for w in (A, B, C, D)] == [2, 2, 1, 1]
+    # a roster small enough to be read whole is read whole, every time
+    assert not me.agreement.is_checker([A, B, C], after=[D], everyone=True)
+    assert [reads(w) for w in (A, B, C, D)] == [3, 3, 2, 2]
 
 
 def test_is_checker_when_every_predecessor_is_gone(storage, clock):
@@ -300,3 +311,39 @@ def test_a_refusal_takes_back_the_admission_it_refuses_and_nothing_else():
     # round trip through the record, fields included
     again = mb.Roster.from_record(refused.record(), 6, "x")
     assert again == refused and mb.Roster.from_record(admitted.record(), 5, "x") == admitted
+
+
+# -- members that die together ----------------------------------------------------------------
+
+E, F = "e" * 16, "f" * 16
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("members, victims, contributed", [
+    ((A, B, C, D), (A, D), False),  # the checker and the last
+    ((A, B, C, D), (A, C), False),  # the checker and one behind the next in line
+    ((A, B, C, D), (A, B), False),  # the checker and the next in line
+    ((A, B, C, D), (B, D), False),  # two behind a checker that lives
+    ((A, B, C, D, E, F), (A, F), True),  # a tree-sized roster; they contributed first
+], ids=["checker+last", "checker+third", "checker+next", "second+last", "tree-contributed"])
+def test_members_that_die_together_leave_within_one_and_a_half_timeouts(
+        storage, clock, members, victims, contributed):
+    """Victims stop beating at the same instant, after a healthy second of the round's
+    wait; the first survivor (the one that writes the roster) must drop all of them
+    within 1.5 heartbeat timeouts of the kill, whichever they are: every victim's
+    silence clock starts near the kill, not once the one before it was judged."""
+    me = next(m for m in members if m not in victims)
+    mine = Member(storage)
+    start = clock.now
+    kill = start + 1.0
+    for who in members:
+        if who != me:
+            beating(storage, clock, who, until=kill if who in victims else float("inf"))
+    for who in members:
+        if who not in victims or contributed:
+            contribute(storage, 1, who)
+    prev = mb.Roster(0, (), members, 0)
+    roster = mine.agreement.wait(1, prev, list(members[:members.index(me)]),
+                                 deadline=start + 60.0)
+    assert not set(victims) & set(roster.members)
+    assert clock.now - kill <= 1.5 * TIMEOUT, clock.now - kill

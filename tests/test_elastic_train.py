@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from train_cli import final_of, read_metrics_so_far, start_cli
+from train_cli import final_of, read_metrics_so_far, run_forked, start_cli
 from train_models import HOLD, HOLD_AT
 
 import ferrosync
@@ -295,8 +295,8 @@ def test_a_finished_job_reports_without_training(tmp_path):
     assert final.startswith("FINAL ") and "samples/s" not in out, out
     assert again["steps_this_run"] == 0 and metrics(tmp_path, "b") == []
     # inspect tells the story: the state's step and phase, and the end marker
-    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
-                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    out = run_forked([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
+                      "--watch", "0"], capture_output=True, text=True, timeout=60)
     (job,) = json.loads(out.stdout)["elastic_jobs"]
     assert job["state"]["step"] == 30 and job["state"]["phase"] == "summarised", job
     assert job["ended_at_round"] is not None and not job["problems"], job
@@ -383,6 +383,7 @@ def test_elastic_flag_errors_are_one_line(flags, words, capsys):
 
 # -- the pieces, in process ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_state_tree_round_trip_keeps_key_types_and_odd_floats():
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=1e-3)
     opt.param_groups[0]["params"][0].grad = torch.ones(3)
@@ -402,6 +403,7 @@ def test_state_tree_round_trip_keeps_key_types_and_odd_floats():
         unflatten({"zz": 1}, {})
 
 
+@pytest.mark.unit
 def test_global_batches_are_disjoint_and_follow_the_member_count():
     data = list(range(100))
     dataset = [(torch.tensor([i]), i) for i in data]
@@ -418,6 +420,7 @@ def test_global_batches_are_disjoint_and_follow_the_member_count():
         assert len({(s.epoch, s.position) for s in streams}) == 1
 
 
+@pytest.mark.unit
 def test_read_state_refuses_a_manifest_that_does_not_match(tmp_path):
     import ferrosync
     from ferrosync import names
@@ -463,8 +466,8 @@ def test_one_member_started_after_total_loss_trains_from_the_newest_state(tmp_pa
     for proc in first.values():
         finish(proc)
     killed_at = max(last_step(tmp_path, n) for n in first)
-    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
-                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    out = run_forked([sys.executable, "-m", "ferrosync", "inspect", url, "--json",
+                      "--watch", "0"], capture_output=True, text=True, timeout=60)
     (job,) = json.loads(out.stdout)["elastic_jobs"]
     newest = job["state"]["step"]  # the newest published state
     started = time.monotonic()

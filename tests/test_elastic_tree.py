@@ -23,6 +23,7 @@ MIB = 1 << 20
 
 @pytest.mark.parametrize("fan_in", [2, 3, 8])
 @pytest.mark.parametrize("members", [5, 6, 7, 8, 9, 16, 17, 31, 64, 65, 100, 257])
+@pytest.mark.unit
 def test_the_plan_splits_every_range_and_gives_each_member_one_part_per_level(members, fan_in):
     plan = Plan(members, fan_in)
     units = 10_007
@@ -43,6 +44,7 @@ def test_the_plan_splits_every_range_and_gives_each_member_one_part_per_level(me
     assert plan.nodes(plan.depth) == 1
 
 
+@pytest.mark.unit
 def test_no_member_reads_more_than_two_and_a_half_payloads_at_any_size():
     """The bound the tree is for, with the default fan-in: the busiest member's bytes
     per round stay under 2.5 P and its requests grow with log W, not W."""

@@ -78,6 +78,7 @@ def test_an_object_planted_under_a_members_name_never_enters_an_average(tmp_path
     assert "MAC" in texts, texts
 
 
+@pytest.mark.unit
 def test_jobs_sharing_a_secret_seal_with_different_keys():
     from ferrosync.wire import job_key
 
@@ -93,6 +94,7 @@ def _one_member(url, job):
     return ferrosync.connect(url, elastic=True, job=job, timeout=TIMEOUT, **FAST)
 
 
+@pytest.mark.unit
 def test_a_manifest_declaring_a_huge_state_is_refused_before_allocating(tmp_path):
     """A state pointer whose manifest declares 2**39 float32 elements (2 TiB) is
     ``ShardCorrupt`` before anything is read or allocated by it."""
@@ -117,6 +119,7 @@ def test_a_manifest_declaring_a_huge_state_is_refused_before_allocating(tmp_path
 # through them and has no size or JSON checks of its own.
 
 
+@pytest.mark.unit
 def test_a_sparse_huge_join_entry_is_a_ferrosync_error(tmp_path):
     url = str(tmp_path)
     with _one_member(url, "sparse") as sync:
@@ -127,6 +130,7 @@ def test_a_sparse_huge_join_entry_is_a_ferrosync_error(tmp_path):
             sync.barrier()
 
 
+@pytest.mark.unit
 def test_a_deeply_nested_join_entry_is_a_ferrosync_error(tmp_path):
     import json
 

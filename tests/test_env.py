@@ -8,11 +8,13 @@ from ferrosync.env import discover
 from ferrosync.errors import ConfigError
 
 
+@pytest.mark.unit
 def test_default_is_a_single_process():
     ident = discover(env={})
     assert (ident.rank, ident.world_size, ident.local_rank, ident.source) == (0, 1, 0, "default")
 
 
+@pytest.mark.unit
 def test_torchrun_variables():
     env = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"}
     ident = discover(env=env)
@@ -20,6 +22,7 @@ def test_torchrun_variables():
     assert ident.source == "torchrun"
 
 
+@pytest.mark.unit
 def test_slurm_variables():
     env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1",
            "SLURM_NTASKS_PER_NODE": "2(x3)"}
@@ -28,6 +31,7 @@ def test_slurm_variables():
     assert ident.source == "slurm"
 
 
+@pytest.mark.unit
 def test_torchrun_wins_over_slurm_and_arguments_win_over_both():
     env = {"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "7", "SLURM_NTASKS": "9"}
     assert discover(env=env).rank == 1

@@ -74,6 +74,7 @@ def test_connect_rejects_bad_arguments_before_io(tmp_path, kwargs, needle):
     assert not os.path.exists(url)  # validated before any I/O
 
 
+@pytest.mark.unit
 def test_environment_rank_without_world_size(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -81,12 +82,14 @@ def test_environment_rank_without_world_size(tmp_path, monkeypatch):
         ferrosync.connect(str(tmp_path))
 
 
+@pytest.mark.unit
 def test_no_url(monkeypatch):
     monkeypatch.delenv("FERROSYNC_URL", raising=False)
     with pytest.raises(ConfigError, match="FERROSYNC_URL"):
         ferrosync.connect()
 
 
+@pytest.mark.unit
 def test_unknown_scheme():
     with pytest.raises(ConfigError, match="unknown URL scheme 'nosuch'"):
         ferrosync.connect("nosuch://x/y", rank=0, world_size=1)
@@ -120,6 +123,7 @@ def test_missing_s3fs_gives_install_hint(tmp_path):
     assert "pip install 'ferrosync[s3]'" in out.stdout
 
 
+@pytest.mark.unit
 def test_unusable_directory(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -152,6 +152,7 @@ def test_trainer_simulates_nodes_with_local_gloo(tmp_path):
     assert heartbeats == {"hb.r0", "hb.r1"}, heartbeats
 
 
+@pytest.mark.unit
 def test_bad_node_shapes_are_config_errors(tmp_path):
     from ferrosync.errors import ConfigError
 

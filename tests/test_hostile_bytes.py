@@ -63,6 +63,7 @@ def plant(path: str, what: str) -> None:
 # -- the storage layer -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("what", ["sparse-1TiB", "sparse-1GiB"])
+@pytest.mark.unit
 def test_a_local_read_checks_the_size_before_reading(tmp_path, what):
     storage = LocalStorage(str(tmp_path / "run"))
     storage.makedirs("g1")
@@ -82,6 +83,7 @@ def test_a_local_read_checks_the_size_before_reading(tmp_path, what):
         assert reader.size == (1 << 40 if what == "sparse-1TiB" else 1 << 30)
 
 
+@pytest.mark.unit
 def test_an_object_store_read_asks_for_one_byte_more_than_the_bound():
     storage = open_storage("memory://hostile-bytes")
     big = b"x" * (RECORD_LIMIT + 4096)
@@ -121,6 +123,7 @@ def test_an_oversized_object_on_s3_costs_one_bounded_get(s3_transport):
     json.dumps({"v": 1, "body": "[" * 500_000, "mac": "0" * 64}).encode(),
     json.dumps({"v": 1, "body": '{"a":' * 100_000 + "1" + "}" * 100_000}).encode(),
 ], ids=["bare", "deep-envelope", "deep-body", "deep-body-mac", "deep-objects"])
+@pytest.mark.unit
 def test_deep_records_are_refused_without_recursion(raw, key):
     assert len(raw) <= RECORD_LIMIT
     opened = open_record(raw, key)
@@ -129,6 +132,7 @@ def test_deep_records_are_refused_without_recursion(raw, key):
         decode_record(raw, key, path="p", rank=1)
 
 
+@pytest.mark.unit
 def test_the_body_of_a_record_is_parsed_only_after_its_mac():
     record = {"beat": 3, "nested": [[[1]]]}
     signed = encode_record(record, b"k")
@@ -145,6 +149,7 @@ def test_the_body_of_a_record_is_parsed_only_after_its_mac():
     assert loads_bounded("[" * JSON_MAX_DEPTH + "]" * JSON_MAX_DEPTH)
 
 
+@pytest.mark.unit
 def test_a_relayed_error_is_never_empty():
     assert relay_text(MemoryError()) == "MemoryError (raised without a message)"
     assert relay_text(ValueError("bad")) == "bad"
@@ -233,6 +238,7 @@ def test_a_peer_failing_without_a_message_is_reported_with_its_type(tmp_path):
 
 
 @pytest.mark.parametrize("what", ["sparse-1TiB", "nested"])
+@pytest.mark.unit
 def test_hostile_bytes_at_a_rendezvous_record(tmp_path, what):
     """An announcement planted before the job starts: rank 0 refuses it, typed and at
     once, naming itself and the path."""

@@ -32,6 +32,8 @@ from ferrosync.wire import (
     seal,
 )
 
+pytestmark = pytest.mark.unit
+
 DIGEST = layout_digest("float32[1000]")
 TAG = 0x0123456789ABCDEF
 SEQ = 7

@@ -133,6 +133,7 @@ def test_wire_settings_that_disagree_fail_every_rank(tmp_path):
         assert res[0] == "ConfigError" and "wire_dtype" in res[2], (rank, res)
 
 
+@pytest.mark.unit
 def test_job_id_is_checked_before_any_io(tmp_path):
     url = tmp_path / "never-created"
     for bad in ("../up", "", "a/b", "x" * 65, 7):
@@ -143,6 +144,7 @@ def test_job_id_is_checked_before_any_io(tmp_path):
     assert not url.exists()
 
 
+@pytest.mark.unit
 def test_job_id_precedence():
     assert discover_job("mine", env={"FERROSYNC_JOB": "env"}) == "mine"
     assert discover_job(env={"FERROSYNC_JOB": "env", "SLURM_JOB_ID": "77"}) == "env"
@@ -155,6 +157,7 @@ def test_job_id_precedence():
         discover_job(env={"FERROSYNC_JOB": "a b"})
 
 
+@pytest.mark.unit
 def test_launcher_gives_every_rank_one_new_job_id(monkeypatch):
     from ferrosync.train.launcher import _rank_env, launch_job_id
 

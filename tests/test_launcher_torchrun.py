@@ -89,6 +89,7 @@ def _close(a, b, tol=1e-6) -> bool:
                for x, y in zip(a, b, strict=True))
 
 
+@pytest.mark.unit
 def test_rank_env_is_torchruns():
     envs = [_rank_env(r, 4, "/x", 2, "launch-abc", 29555) for r in range(4)]
     for rank, env in enumerate(envs):
@@ -105,6 +106,7 @@ def test_rank_env_is_torchruns():
         assert env["FERROSYNC_URL"] == "/x" and "OMP_NUM_THREADS" in env
 
 
+@pytest.mark.unit
 def test_torchrun_env_covers_torchs_agent():
     """Every variable torch's own agent sets for a worker (read from its source)."""
     from torch.distributed.elastic.agent.server import local_elastic_agent
@@ -118,6 +120,7 @@ def test_torchrun_env_covers_torchs_agent():
     assert theirs and theirs <= set(torchrun_env(0, 1, 1, "j", 1))
 
 
+@pytest.mark.unit
 def test_free_port_is_free():
     import socket
 
@@ -126,6 +129,7 @@ def test_free_port_is_free():
         sock.bind((LOOPBACK, port))  # nothing holds it
 
 
+@pytest.mark.unit
 def test_env_handler_takes_over_only_without_master_addr(monkeypatch, tmp_path):
     """``env://`` in this process: torch's handler unless MASTER_ADDR is unset and
     FERROSYNC_URL is set; then a store naming no location, shared with no one."""

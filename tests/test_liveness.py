@@ -90,6 +90,7 @@ def run_for(now, clock, monitor, seconds, step=0.1):
         monitor.check([0, 1], 1, "average")
 
 
+@pytest.mark.unit
 def test_silent_peer_is_dead_after_timeout_while_this_process_runs():
     now, clock, storage, monitor = setup()
     peer_beats(storage, 7)
@@ -101,6 +102,7 @@ def test_silent_peer_is_dead_after_timeout_while_this_process_runs():
     assert "hb.r1" in info.value.path
 
 
+@pytest.mark.unit
 def test_beating_peer_is_never_blamed():
     now, clock, storage, monitor = setup()
     for beat in range(100):
@@ -108,6 +110,7 @@ def test_beating_peer_is_never_blamed():
         run_for(now, clock, monitor, 0.5)
 
 
+@pytest.mark.unit
 def test_freeze_of_this_process_is_not_the_peers_silence():
     now, clock, storage, monitor = setup()
     peer_beats(storage, 7)
@@ -122,6 +125,7 @@ def test_freeze_of_this_process_is_not_the_peers_silence():
         run_for(now, clock, monitor, 0.3)
 
 
+@pytest.mark.unit
 def test_freeze_seen_first_by_another_thread_still_counts():
     now, clock, storage, monitor = setup()
     peer_beats(storage, 7)
@@ -132,6 +136,7 @@ def test_freeze_seen_first_by_another_thread_still_counts():
     monitor.check([0, 1], 1, "average")  # the waiting thread's first check: no blame
 
 
+@pytest.mark.unit
 def test_gap_shorter_than_the_freeze_bound_counts_as_silence():
     now, clock, storage, monitor = setup(interval=0.5, timeout=3.0)
     assert freeze_bound(0.5) == 0.75 and freeze_bound(0.01) == MIN_FREEZE_S
@@ -142,6 +147,7 @@ def test_gap_shorter_than_the_freeze_bound_counts_as_silence():
         monitor.check([0, 1], 1, "average")
 
 
+@pytest.mark.unit
 def test_failing_own_heartbeat_is_reported_typed():
     now, clock, storage, monitor = setup(interval=0.5, timeout=3.0)
     hb = Heartbeat(storage, PREFIX, 0, 0.5, None, 0, clock=clock)

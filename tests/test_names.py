@@ -9,6 +9,8 @@ import pytest
 
 from ferrosync import names
 
+pytestmark = pytest.mark.unit
+
 TOKEN16 = "0123456789abcdef"
 
 # (formatted name, the fields parse must give back); one or more of every kind

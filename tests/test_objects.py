@@ -24,6 +24,8 @@ from ferrosync.rendezvous import Generation
 from ferrosync.stats import StatsBook
 from ferrosync.wire import DTYPE_CODES, KIND_CONTRIB, KIND_ERROR, Header, layout_digest
 
+pytestmark = pytest.mark.unit
+
 GEN = Generation(3, "0123456789abcdef", "g3.0123456789abcdef", {})
 POLL = (0.001, 0.05)
 INTERVAL = 0.5

@@ -24,6 +24,7 @@ import torch
 import ferrosync
 from ferrosync.__main__ import main
 from ferrosync.errors import DuplicateRank
+from ferrosync.ops import keys
 from ferrosync.ops.doctor import nfs_problems
 from ranks import RankFailure, collect, run_ranks, start_ranks, wait_until
 
@@ -349,6 +350,7 @@ def test_gc_keeps_each_jobs_newest_generation(tmp_path, capsys):
     assert jobs["other"]["announced_without_data"] == [0, 1]
 
 
+@pytest.mark.unit
 def test_rendezvous_records_of_every_namespace_are_classified():
     from ferrosync.ops.scan import classify
 
@@ -447,6 +449,7 @@ def test_records_that_cannot_be_verified_are_never_acted_upon(tmp_path, capsys, 
     ["inspect", "/tmp/x", "--storage-options", "{not json"],
     ["doctor", "/tmp/x", "--samples", "0"],
 ])
+@pytest.mark.unit
 def test_bad_usage_exits_2(argv):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -458,6 +461,7 @@ def test_bad_usage_exits_2(argv):
     ["gc", "{tmp}", "--storage-options", '{"anon": true}'],  # options for a local path
     ["inspect", "{tmp}/a-file"],
 ])
+@pytest.mark.unit
 def test_bad_url_exits_2(tmp_path, capsys, argv):
     (tmp_path / "a-file").write_text("not a directory")
     code = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
@@ -476,6 +480,7 @@ def test_python_dash_m_entry_point(tmp_path):
     assert bad.returncode == 2 and "URL" in bad.stderr
 
 
+@pytest.mark.unit
 def test_doctor_creates_checks_and_cleans_up(tmp_path, capsys):
     url = str(tmp_path / "new" / "location")
     report = tool_json(capsys, "doctor", url, "--size-mib", "2", "--samples", "5")
@@ -503,6 +508,7 @@ def test_doctor_creates_checks_and_cleans_up(tmp_path, capsys):
     assert code == 1 and "recommended settings" in text
 
 
+@pytest.mark.unit
 def test_nfs_mount_options_are_judged():
     assert nfs_problems(["rw", "hard", "lookupcache=positive"]) == []
     status = {s for s, _ in nfs_problems(["rw", "nocto", "soft"])}
@@ -547,6 +553,7 @@ def test_s3_smoke_inspect_gc_doctor(s3_transport, capsys, tmp_path):
 
 # -- doctor: exclusive create and atomic rename, tried on the location -----------------------
 
+@pytest.mark.unit
 def test_doctor_finds_exclusive_create_and_atomic_rename_on_a_directory(tmp_path, capsys):
     url = str(tmp_path / "loc")
     report = tool_json(capsys, "doctor", url, "--size-mib", "0", "--samples", "3")
@@ -561,6 +568,7 @@ def test_doctor_finds_exclusive_create_and_atomic_rename_on_a_directory(tmp_path
     assert "[ok  ] atomic rename" in text and "[ok  ] exclusive create" in text
 
 
+@pytest.mark.unit
 def test_rename_probe_leaves_nothing_behind(tmp_path):
     from ferrosync.ops.doctor import probe_rename
 
@@ -572,6 +580,7 @@ def test_rename_probe_leaves_nothing_behind(tmp_path):
 
 @pytest.mark.parametrize("exclusive, rename, warned", [
     (False, False, True), (True, False, False), (False, True, False), (True, True, False)])
+@pytest.mark.unit
 def test_doctor_warns_only_when_neither_holds(tmp_path, exclusive, rename, warned):
     from ferrosync.ops.doctor import Doctor
     from ferrosync.storage import open_storage
@@ -603,3 +612,102 @@ def test_doctor_on_both_s3_servers(any_s3_transport, capsys):
     from ferrosync.storage import open_storage
 
     assert open_storage(url, opts["storage_options"]).list() == []  # cleaned up
+
+
+def test_a_launch_is_over_when_its_launcher_has_exited():
+    """The launcher's pid and start time, read back on this host: running while it
+    runs, exited after (a reused pid has another start time)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        record = keys.KeyFile("j", "p", None, None, keys.launch_context(child.pid))
+        assert record.launcher_state() == (
+            True, f"its launcher (pid {child.pid} on {record.launcher['host']}) is running")
+        assert record.launcher_gone() is None
+    finally:
+        child.communicate(b"")
+    assert record.launcher_gone() == (f"its launcher (pid {child.pid} on "
+                                      f"{record.launcher['host']}) has exited")
+    elsewhere = keys.KeyFile("j", "p", None, None, {**record.launcher, "host": "other"})
+    assert elsewhere.launcher_state()[0] is None and elsewhere.launcher_gone() is None
+    rebooted = keys.KeyFile("j", "p", None, None, {**record.launcher, "boot_id": "old"})
+    if record.launcher["boot_id"]:
+        assert "has rebooted" in rebooted.launcher_gone()
+
+
+# -- elastic jobs: the membership history -------------------------------------------------------
+
+@pytest.mark.unit
+def test_inspect_tells_an_elastic_jobs_whole_history_whoever_wrote_it(tmp_path, capsys):
+    """Roster writers (a new one every round, as when checkers change; some dying
+    between their roster and their history record) run 260 rounds with 82 membership
+    changes over a directory, through the elastic layer's own ``Rosters``. ``inspect``
+    counts the changes as the rosters do and covers the whole job: the last changes in
+    full (two lost records rebuilt from their rosters by the next writer), the older
+    ones counted, and the one change whose writer died before a quiet spell pruned its
+    rosters said to be unrecorded; two history records on storage."""
+    from ferrosync import names
+    from ferrosync.backends.objects import Objects
+    from ferrosync.elastic import history as hist
+    from ferrosync.elastic import membership as mb
+    from ferrosync.storage import open_storage
+    from ferrosync.wire import job_key, job_tag
+
+    ns = names.elastic_namespace("hist")
+    storage = open_storage(str(tmp_path))
+    objects = Objects(storage, ns, key=job_key(b"s3cret", ns), tag=job_tag(ns),
+                      poll=(0.01, 0.01))
+    storage.makedirs(ns)
+    ids = (f"{n:016x}" for n in range(1, 1000))
+
+    def how(member):  # what the writer's watch says of a departed member
+        return "left" if int(member, 16) % 2 else "silent"
+
+    lost = {101, 103, 159}  # these writers die between their roster and their record
+    changed_at = [r for r in range(1, 160, 2)] + [240, 259]
+    prev, entries = mb.EMPTY, []  # entries: (round, [(member, event)]) as recorded
+    for round_ in range(260):
+        members = prev.members or (next(ids), next(ids))
+        if round_ == 0:
+            entries.append((0, [(m, "joined") for m in members]))
+        elif round_ in changed_at:  # one joins, or the longest-standing member goes
+            if len(entries) % 2:
+                members += (next(ids),)
+                entries.append((round_, [(members[-1], "joined")]))
+            else:
+                members = members[1:]
+                event = "left" if how(prev.members[0]) == "left" else "died"
+                entries.append((round_, [(prev.members[0], event)]))
+        roster = mb.Roster(round_, prev.members, members, 0)
+        roster = mb.replace(roster, changes=roster.changes_after(prev)).chained(prev)
+        if round_ in lost:
+            mb.Rosters(objects).create(roster)  # the roster only: its writer died
+        else:
+            mb.Rosters(objects).create(roster, prev, how)
+        prev = roster
+    assert prev.changes == len(changed_at) == 82
+
+    assert main(["inspect", str(tmp_path), "--json", "--watch", "0", "--secret",
+                 "s3cret"]) == 0
+    (job,) = json.loads(capsys.readouterr().out)["elastic_jobs"]
+    assert job["membership_changes"] == 82 and not job["problems"], job
+    assert job["unrecorded"] == 1  # round 159: its rosters were pruned before round 240
+    recorded = [e for e in entries if e[0] != 159]
+    full, older = recorded[-hist.KEEP:], recorded[:-hist.KEEP]
+    assert [(e["round"], e["member"], e["event"]) for e in job["events"]] == [
+        (r, m, ev) for r, changes in full for m, ev in changes]
+    assert job["earlier"] == {
+        "entries": len(older), "since": 0, "changes": len(older) - 1,  # the founding: 0
+        **{ev: n for ev in ("joined", "left", "died")
+           if (n := sum(e == ev for _, c in older for _, e in c))}}
+    records = sorted(k for k in os.listdir(tmp_path / ns) if k.startswith("history."))
+    assert records == ["history.240", "history.259"]
+    assert max(os.path.getsize(tmp_path / ns / k) for k in records) < 16 << 10
+
+    assert main(["inspect", str(tmp_path), "--watch", "0", "--secret", "s3cret"]) == 0
+    text = capsys.readouterr().out
+    assert (f"elastic job hist  el.hist/  rounds 196-259 on storage  {len(prev.members)} "
+            "member(s) now, 82 change(s)") in text, text
+    assert f"from round 0: {len(older)} earlier change(s) compacted (" in text, text
+    assert f"  round 259    {full[-1][1][0][0]}  {full[-1][1][0][1]}" in text, text
+    assert "1 change(s) not recorded" in text, text

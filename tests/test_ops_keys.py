@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -99,22 +97,3 @@ def test_the_directory_follows_xdg_and_the_override():
     assert keys.directory({"XDG_CONFIG_HOME": "/cfg", keys.ENV_KEYS: "/k"}) == "/k"
 
 
-def test_a_launch_is_over_when_its_launcher_has_exited(where):
-    """The launcher's pid and start time, read back on this host: running while it
-    runs, exited after (a reused pid has another start time)."""
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
-    try:
-        record = keys.KeyFile("j", "p", None, None, keys.launch_context(child.pid))
-        assert record.launcher_state() == (
-            True, f"its launcher (pid {child.pid} on {record.launcher['host']}) is running")
-        assert record.launcher_gone() is None
-    finally:
-        child.communicate(b"")
-    assert record.launcher_gone() == (f"its launcher (pid {child.pid} on "
-                                      f"{record.launcher['host']}) has exited")
-    elsewhere = keys.KeyFile("j", "p", None, None, {**record.launcher, "host": "other"})
-    assert elsewhere.launcher_state()[0] is None and elsewhere.launcher_gone() is None
-    rebooted = keys.KeyFile("j", "p", None, None, {**record.launcher, "boot_id": "old"})
-    if record.launcher["boot_id"]:
-        assert "has rebooted" in rebooted.launcher_gone()

@@ -14,16 +14,17 @@ import sys
 import time
 
 import pytest
-from train_cli import cli_env, start_cli
+from train_cli import cli_env, run_forked, start_cli
 
 from ferrosync.liveness import describe_abort
 
 
 def _tool(*args, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ferrosync", *map(str, args)], cwd=cwd,
-                          env=cli_env(), capture_output=True, text=True, timeout=120)
+    return run_forked([sys.executable, "-m", "ferrosync", *map(str, args)], cwd=cwd,
+                      env=cli_env(), capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.unit
 def test_describe_abort():
     assert describe_abort("SystemExit", "143") == "terminated by SIGTERM"
     assert describe_abort("SystemExit", "137") == "terminated by SIGKILL"

@@ -11,6 +11,8 @@ from torch.utils.data.distributed import DistributedSampler
 from ferrosync import ShardSampler, shard_indices
 from ferrosync.errors import ConfigError
 
+pytestmark = pytest.mark.unit
+
 cases = st.tuples(
     st.integers(min_value=0, max_value=300),  # n
     st.integers(min_value=1, max_value=9),  # world size

@@ -305,6 +305,7 @@ def test_no_collective_reaches_the_placeholder(tmp_path):
         assert raised is not None and "error_on_collective" in raised
 
 
+@pytest.mark.unit
 def test_placeholder_trick_pinned_to_tested_torch():
     tested = factory.PLACEHOLDER_TESTED_TORCH
     assert tested == ("2.13",)

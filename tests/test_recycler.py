@@ -13,6 +13,8 @@ import pytest
 from fakes import MemoryStorage
 from ferrosync.backends.recycler import RECYCLE_MIN_BYTES, Recycler
 
+pytestmark = pytest.mark.unit
+
 BIG = RECYCLE_MIN_BYTES
 SMALL = RECYCLE_MIN_BYTES - 1
 

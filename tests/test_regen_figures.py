@@ -2,16 +2,14 @@
 itself runs benchmarks for half an hour, so none is run here."""
 
 import os
-import sys
 
 import pytest
 
+from tools import regen_figures as rf
+
+pytestmark = pytest.mark.unit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-try:
-    import regen_figures as rf
-finally:
-    sys.path.remove(os.path.join(ROOT, "tools"))
 
 
 def read(doc):
@@ -116,7 +114,7 @@ def test_strategy_places_joins_bash_continuations_and_refuses_a_figure_without_c
 def test_tiny_strategies_commands_keep_the_first_value_of_each_list():
     tiny = rf.shrink_strategies(["python", "tools/bench_strategies.py", "--ranks", "3",
                                  "--sync-every", "30", "50", "--seeds", "0", "1", "2"])
-    import bench_strategies
+    from tools import bench_strategies
 
     args = bench_strategies.parse_args(tiny[2:])
     assert (args.ranks, args.sync_every, args.seeds, args.overlap_steps) == ([3], [30], [0], [1])

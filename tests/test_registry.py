@@ -30,6 +30,7 @@ def uncovered(tmp_path) -> set[str]:
     return set(registry.REGISTRY) - covered - set(OUTSIDE_THE_MATRIX)
 
 
+@pytest.mark.unit
 def test_every_registered_backend_is_in_the_contract_matrix(tmp_path):
     """A new registration without a contract case (tests/conftest.py CASES) fails here."""
     assert uncovered(tmp_path) == set()
@@ -38,6 +39,7 @@ def test_every_registered_backend_is_in_the_contract_matrix(tmp_path):
         assert os.path.exists(os.path.join(ROOT, home)), home
 
 
+@pytest.mark.unit
 def test_a_registration_without_a_contract_case_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
     registry.register("carrier-pigeon", backend="ferrosync.backends.files:FileSync",
@@ -47,6 +49,7 @@ def test_a_registration_without_a_contract_case_is_caught(tmp_path, monkeypatch)
     assert registry.backend_for("pigeon://loft").__name__ == "FileSync"
 
 
+@pytest.mark.unit
 def test_each_registration_names_a_backend_and_its_options_class():
     for entry in registry.REGISTRY.values():
         backend, options = entry.load_backend(), entry.load_options()
@@ -69,10 +72,12 @@ def test_each_registration_names_a_backend_and_its_options_class():
     ("s3://bucket/run", {"elastic": True, "min_ranks": 2}, "elastic"),
     ("/shared/run", {"elastic": False}, "storage"),
 ])
+@pytest.mark.unit
 def test_connect_chooses_by_scheme_then_option(url, options, name):
     assert registry.registration_for(url, options).name == name
 
 
+@pytest.mark.unit
 def test_elastic_runs_on_storage_urls_only():
     assert registry.backend_for("/shared/run", {"elastic": True}).__name__ == "ElasticSync"
     for url, options in [("gloo://127.0.0.1:1", {}), ("/shared/run", {"local": "gloo"})]:
@@ -124,6 +129,7 @@ def test_one_answer_per_url(kwargs, message, monkeypatch):
         registry.register(backend="m:C", options="m:O", **kwargs)
 
 
+@pytest.mark.unit
 def test_readme_tables_are_the_registrations():
     assert list(registry.option_tables()) == list(registry.REGISTRY)
     with open(os.path.join(ROOT, "README.md")) as f:

@@ -20,6 +20,8 @@ from ferrosync import rendezvous as rdzv
 from ferrosync.errors import ConfigError, DuplicateRank, StorageError, SyncTimeout
 from ferrosync.wire import decode_record
 
+pytestmark = pytest.mark.unit
+
 JOB = "unit"
 NS = rdzv.namespace(JOB)
 POLL = (0.001, 0.05)

@@ -142,6 +142,7 @@ def test_missing_credentials_name_the_endpoint_and_variables(s3_endpoint, tmp_pa
         assert "no usable credentials" in lines[0] and "AWS_ACCESS_KEY_ID" in lines[0]
 
 
+@pytest.mark.unit
 def test_a_closed_port_fails_within_the_connect_timeout(tmp_path, capsys):
     port = free_port()  # bound once, then closed: nothing listens there
     options = {"endpoint_url": f"http://127.0.0.1:{port}"}
@@ -176,6 +177,7 @@ def test_a_url_naming_an_existing_object_is_refused(s3_transport):
                       storage_options=options, timeout=20).close()
 
 
+@pytest.mark.unit
 def test_file_urls_follow_rfc_8089(tmp_path):
     for url in (f"file://{tmp_path}/run", f"file://localhost{tmp_path}/run",
                 f"file://LOCALHOST{tmp_path}/run"):

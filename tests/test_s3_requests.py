@@ -255,6 +255,7 @@ def test_over_plain_http_bodies_stay_signed(recorded_s3):
     ({"client_kwargs": {"endpoint_url": "HTTPS://s3.example"}}, True),
     ({"client_kwargs": {"endpoint_url": "http://s3.example"}}, False),
 ])
+@pytest.mark.unit
 def test_which_endpoints_count_as_tls(options, tls, monkeypatch):
     from ferrosync.storage.s3 import _s3_endpoint_uses_tls
 

@@ -15,6 +15,7 @@ from ranks import RankFailure, collect, start_ranks, wait_until
 
 
 @pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.unit
 def test_a_rank_without_any_world_size_is_refused(tmp_path, monkeypatch, rank):
     for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(name, raising=False)
@@ -55,6 +56,7 @@ def test_an_interrupted_ranks_peers_read_that_it_was_interrupted(tmp_path):
     assert "fewer steps" not in str(err)
 
 
+@pytest.mark.unit
 def test_inspect_and_gc_escape_hostile_names(tmp_path, capsys):
     """Names and record fields come from storage: a newline cannot forge a report line,
     a right-to-left override cannot reverse one."""

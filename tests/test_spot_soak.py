@@ -7,8 +7,9 @@ on reports that must fail them.
 from __future__ import annotations
 
 import pytest
-import spot_soak
+
 from conftest import BUCKET
+from tools import spot_soak
 
 #: the short version: 48 s of churn from 3 members, seed 3's schedule (below)
 SHORT = ["--minutes", "0.8", "--seed", "3", "--first-members", "3", "--max-members", "3",

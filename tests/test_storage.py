@@ -15,6 +15,7 @@ from ferrosync.storage import LocalStorage, open_storage
 from ranks import start_ranks
 
 
+@pytest.mark.unit
 def test_put_open_delete_roundtrip(tmp_path):
     st = LocalStorage(str(tmp_path))
     st.makedirs("d")
@@ -30,6 +31,7 @@ def test_put_open_delete_roundtrip(tmp_path):
     assert st.counters.snapshot()["requests"] >= 4
 
 
+@pytest.mark.unit
 def test_files_are_not_world_accessible(tmp_path):
     st = LocalStorage(str(tmp_path / "run"))
     st.makedirs("g")
@@ -39,6 +41,7 @@ def test_files_are_not_world_accessible(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "run" / "g").st_mode) & 0o007 == 0
 
 
+@pytest.mark.unit
 def test_exclusive_put_refuses_an_existing_name(tmp_path):
     st = LocalStorage(str(tmp_path))
     st.put("once", [b"a"], exclusive=True)
@@ -48,6 +51,7 @@ def test_exclusive_put_refuses_an_existing_name(tmp_path):
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
+@pytest.mark.unit
 @pytest.mark.unit
 @pytest.mark.parametrize("url", ["dir", "memory://"])
 def test_a_create_finding_its_own_bytes_is_ours(tmp_path, url):
@@ -74,6 +78,7 @@ def test_errors_other_than_not_found_propagate(tmp_path):
     assert str(tmp_path / "adir") in str(info.value)
 
 
+@pytest.mark.unit
 def test_writing_into_a_missing_directory_names_the_path(tmp_path):
     st = LocalStorage(str(tmp_path))
     with pytest.raises(StorageError) as info:
@@ -83,6 +88,7 @@ def test_writing_into_a_missing_directory_names_the_path(tmp_path):
     assert "was the run directory deleted? restart the job" in str(info.value)
 
 
+@pytest.mark.unit
 def test_a_deleted_run_directory_is_named_when_publishing(tmp_path):
     root = tmp_path / "run"
     st = LocalStorage(str(root))
@@ -134,6 +140,7 @@ def test_killed_writer_never_exposes_a_partial_object(tmp_path):
     assert os.path.getsize(os.path.join(root, temps[0])) == 1 << 20  # orphan left for `gc`
 
 
+@pytest.mark.unit
 def test_memory_and_bad_urls():
     st = open_storage("memory://ferrosync-test-storage")
     st.put("a/b", [b"xyz"])
@@ -161,6 +168,7 @@ def test_s3_roundtrip_and_single_request_reads(s3_transport):
 
 # -- error classification and the mount table ------------------------------------------------
 
+@pytest.mark.unit
 def test_transient_errors_are_told_by_type_code_and_status_not_by_text():
     import errno
 
@@ -197,6 +205,7 @@ def test_transient_errors_are_told_by_type_code_and_status_not_by_text():
         storage_error("reading", "s3://b/k", ValueError("AccessDenied"), False))
 
 
+@pytest.mark.unit
 @pytest.mark.unit
 def test_a_body_cut_short_is_transient_for_every_client():
     import errno
@@ -235,6 +244,7 @@ def test_mountinfo_lines_are_parsed_with_superblock_options_and_escapes():
     assert _mountinfo_entry("garbage") is None
 
 
+@pytest.mark.unit
 def test_mount_of_finds_the_longest_mount_point_of_a_path_not_made_yet(tmp_path):
     from ferrosync.storage import is_local_filesystem, mount_of
 
@@ -248,6 +258,7 @@ def test_mount_of_finds_the_longest_mount_point_of_a_path_not_made_yet(tmp_path)
         "jfs", "reiserfs", "bcachefs"))
 
 
+@pytest.mark.unit
 def test_probe_location_names_rank_and_url(tmp_path):
     from ferrosync.storage import probe_location
 
@@ -270,6 +281,7 @@ def test_probe_location_names_rank_and_url(tmp_path):
         probe_location(Forgetful(str(tmp_path / "forgetful")), 0)
 
 
+@pytest.mark.unit
 def test_open_storage_picks_the_engine_by_scheme(tmp_path):
     """``open_storage``'s scheme table: a directory, S3 (its own engine, one retry layer
     for whole requests: botocore's), any other fsspec driver; a bad URL is a

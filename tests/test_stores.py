@@ -231,6 +231,7 @@ def _assert_refused(exc: ConfigError, url: str) -> None:
     assert "ferrosync doctor" in text
 
 
+@pytest.mark.unit
 def test_connect_refuses_a_store_without_exclusive_create(no_create_url):
     # a named job, a single rank: nothing else would ever notice
     with pytest.raises(ConfigError) as info:
@@ -239,12 +240,14 @@ def test_connect_refuses_a_store_without_exclusive_create(no_create_url):
     assert info.value.rank == 0
 
 
+@pytest.mark.unit
 def test_elastic_connect_refuses_a_store_without_exclusive_create(no_create_url):
     with pytest.raises(ConfigError) as info:
         ferrosync.connect(no_create_url, elastic=True, timeout=300)
     _assert_refused(info.value, no_create_url)
 
 
+@pytest.mark.unit
 def test_exclusive_put_never_degrades_to_an_overwrite(no_create_url):
     storage = open_storage(no_create_url)
     storage.makedirs("")
@@ -260,6 +263,7 @@ def test_exclusive_put_never_degrades_to_an_overwrite(no_create_url):
         assert storage.read("k") == b"first"
 
 
+@pytest.mark.unit
 def test_doctor_fails_exclusive_create_on_a_store_without_it(capsys):
     from ferrosync.__main__ import main
 
@@ -275,6 +279,7 @@ def test_doctor_fails_exclusive_create_on_a_store_without_it(capsys):
     assert report["store"]["driver_class"] == "OverwritingMemory"
 
 
+@pytest.mark.unit
 def test_memory_store_creates_exclusively():
     url = f"memory://ferrosync-{uuid.uuid4().hex[:8]}/run"
     with ferrosync.connect(url, rank=0, world_size=1, timeout=60, job="solo") as sync:
@@ -283,6 +288,7 @@ def test_memory_store_creates_exclusively():
 
 # -- GCS driver settings -----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_gcs_emulator_endpoint_gets_the_json_api_driver(monkeypatch):
     pytest.importorskip("gcsfs")
     from gcsfs.core import GCSFileSystem
@@ -307,6 +313,7 @@ def test_gcs_emulator_storage_uses_the_json_api_driver(gcs_server):
 
 # -- prices and the documented table ---------------------------------------------------------
 
+@pytest.mark.unit
 def test_default_prices_follow_the_store():
     for store in STORES:
         for scheme in store.schemes:
@@ -331,6 +338,7 @@ def _store_table() -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.unit
 def test_docs_store_table_says_what_the_code_knows():
     rows = _store_table()
     for store in STORES:

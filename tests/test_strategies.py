@@ -270,6 +270,7 @@ def test_time_based_windows_share_a_budget_by_speed(tmp_path):
         (1, False, [1, 2]), (1, True, [0, 1])]
 
 
+@pytest.mark.unit
 def test_apportion_is_exact_and_deterministic():
     assert apportion(1, [2, 1]) == [1, 0]
     assert apportion(1, [1, 2]) == [0, 1]
@@ -312,6 +313,7 @@ def test_strategies_run_unchanged_over_the_two_level_sync(tmp_path):
 
 # -- settings ----------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_strategy_registry_and_settings():
     assert isinstance(make_strategy("grad"), GradAveraging)
     assert isinstance(make_strategy("grad", sync_every=1), GradAveraging)
@@ -341,6 +343,7 @@ def test_strategy_registry_and_settings():
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
+@pytest.mark.unit
 def test_every_registered_strategy_builds_with_defaults(name):
     strategy = make_strategy(name)
     assert type(strategy) is STRATEGIES[name] and strategy.name == name
@@ -350,6 +353,7 @@ def test_every_registered_strategy_builds_with_defaults(name):
         assert isinstance(make_strategy(name, **{key: None}), STRATEGIES[name])
 
 
+@pytest.mark.unit
 def test_a_new_strategy_is_one_registry_entry(monkeypatch):
     """make_strategy needs nothing but the entry: the class declares its settings."""
     class Every(LocalSGD):

@@ -65,6 +65,7 @@ def test_time_based_cadence_end_to_end(tmp_path):
     assert final["syncs"] >= 1 and "every 0.3 s" in proc.stdout
 
 
+@pytest.mark.unit
 def test_every_strategy_setting_has_its_flag():
     """The registry declares the settings; each needs a flag of the same dest."""
     dests = {action.dest for action in build_parser()._actions}

@@ -229,6 +229,7 @@ def test_resume_mid_run_matches_an_uninterrupted_run(tmp_path, stop_at):
         assert all(_same(a["params"], b["params"]) for a, b in zip(tail, resumed[rank][0]))
 
 
+@pytest.mark.unit
 def test_a_checkpoint_for_other_fragments_is_refused():
     saved = StreamingDiLoCo(sync_every=8, fragments=4)
     state = {"streaming": {"fragments": 2, "overlap_steps": 1, "alpha": 0.0}}
@@ -255,6 +256,7 @@ def test_bad_settings_name_their_flag(settings, needle):
         make_strategy("streaming-diloco", **settings)
 
 
+@pytest.mark.unit
 def test_the_other_strategies_refuse_the_fragment_flags():
     with pytest.raises(ConfigError, match=r"\-\-fragments does not apply to --strategy diloco"):
         make_strategy("diloco", fragments=2)
@@ -278,6 +280,7 @@ def test_more_fragments_than_parameter_tensors_is_refused_on_attach(tmp_path):
             failure.error)
 
 
+@pytest.mark.unit
 def test_partition_is_contiguous_balanced_and_deterministic():
     assert partition([10] * 8, 4) == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
     assert partition([100, 1, 1, 1, 100, 1], 2) == [slice(0, 3), slice(3, 6)]  # 102 each
@@ -308,6 +311,7 @@ def test_cli_end_to_end(tmp_path):
     assert synced == [7, 15, 22, 30, 37, 45, 52, 60]
 
 
+@pytest.mark.unit
 def test_cli_refuses_time_based_cadence(tmp_path):
     proc = run_cli("--nproc", 2, "--strategy", "streaming-diloco", "--sync-every-seconds", 2,
                    "--steps", 10, "--no-progress", cwd=tmp_path, timeout=60)

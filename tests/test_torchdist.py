@@ -42,6 +42,7 @@ def test_torch_url_under_torchrun_environment(preinit):
         assert still is preinit
 
 
+@pytest.mark.unit
 def test_nccl_without_gpus_is_a_config_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -56,6 +57,7 @@ def test_cuda_tensor_on_gloo_is_a_config_error():
             sync.average_(torch.ones(3, device="cuda"))
 
 
+@pytest.mark.unit
 def test_unsupported_device_is_a_config_error():
     with ferrosync.connect(f"gloo://127.0.0.1:{free_port()}", rank=0, world_size=1) as sync:
         with pytest.raises(ConfigError, match="not supported"):
@@ -63,6 +65,7 @@ def test_unsupported_device_is_a_config_error():
 
 
 @pytest.mark.parametrize("url", ["gloo://127.0.0.1", "gloo://:29500", "nccl://"])
+@pytest.mark.unit
 def test_url_needs_host_and_port(url):
     if url.startswith("nccl") and not torch.cuda.is_available():
         pytest.skip("nccl:// is refused earlier without CUDA")
@@ -70,6 +73,7 @@ def test_url_needs_host_and_port(url):
         ferrosync.connect(url, rank=0, world_size=1)
 
 
+@pytest.mark.unit
 def test_storage_only_options_warn_once_and_unknown_ones_fail():
     url = f"gloo://127.0.0.1:{free_port()}"
     with pytest.warns(UserWarning, match=r"\['heartbeat_timeout', 'reduce'\]"):

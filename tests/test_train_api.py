@@ -96,6 +96,7 @@ def test_diverged_ranks_are_reported(tmp_path):
         assert len(set(s["rank_digests"])) == 2
 
 
+@pytest.mark.unit
 def test_strategy_registry():
     assert isinstance(make_strategy("grad"), GradAveraging)
     assert isinstance(make_strategy("grad", sync_every=1), GradAveraging)
@@ -105,6 +106,7 @@ def test_strategy_registry():
         make_strategy("grad", sync_every=4)
 
 
+@pytest.mark.unit
 def test_trainer_rejects_bad_arguments_before_io(tmp_path):
     import train_models
 
@@ -133,6 +135,7 @@ def test_import_ferrosync_stays_cheap():
     assert out.stdout.strip() == "ferrosync.train.trainer"
 
 
+@pytest.mark.unit
 def test_pump_prefixes_lines_and_holds_final():
     import threading
 
@@ -163,12 +166,10 @@ def test_pump_prefixes_lines_and_holds_final():
     assert pump.error_line() == "no newline"
 
 
+@pytest.mark.unit
 def test_plot_metrics(tmp_path, monkeypatch):
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
-    try:
-        import plot_metrics
-    finally:
-        sys.path.pop(0)
+    from tools import plot_metrics
+
     metrics = tmp_path / "m.jsonl"
     metrics.write_text("".join(
         f'{{"step": {i}, "epoch": 0, "loss": {1 / i}, "lr": 0.1, "compute_s": 0.001, '
@@ -184,6 +185,7 @@ def test_plot_metrics(tmp_path, monkeypatch):
     assert not (tmp_path / "x.png").exists()
 
 
+@pytest.mark.unit
 def test_rng_states_round_trip_through_a_checkpoint_file(tmp_path):
     import io
     import random

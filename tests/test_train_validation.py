@@ -28,6 +28,7 @@ def _error_lines(stderr: str) -> list[str]:
 
 # -- the dataset fingerprint ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_fingerprint_tells_datasets_apart_and_leaves_the_rngs_alone():
     a, b = seeded(), seeded()
     torch.manual_seed(5)
@@ -149,25 +150,25 @@ def test_duplicate_rank_is_one_line(tmp_path):
     import subprocess
     import time
 
-    from train_cli import cli_env, command
+    from train_cli import ForkedCli, cli_env, command, run_forked
 
     sync, metrics = tmp_path / "sync", tmp_path / "m.jsonl"
     # a paced model (50 ms a step): the first job runs for as long as the test needs
     # without taking the cores the second launch starts on
     env = cli_env(FERROSYNC_JOB="same", FERROSYNC_TEST_STEP_S=0.05)
     paced = ("--model", "train_models:paced_mlp")
-    first = subprocess.Popen(command("--nproc", 2, "--steps", 1_000_000, "--sync", sync,
-                                     "--metrics", metrics, "--no-progress", *paced),
-                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+    first = ForkedCli(command("--nproc", 2, "--steps", 1_000_000, "--sync", sync,
+                              "--metrics", metrics, "--no-progress", *paced),
+                      cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert time.monotonic() < deadline and first.poll() is None, "never trained"
             time.sleep(0.05)
-        second = subprocess.run(command("--nproc", 2, "--steps", 5, "--sync", sync,
-                                        "--no-progress", *paced), cwd=tmp_path, env=env,
-                                capture_output=True, text=True, timeout=120)
+        second = run_forked(command("--nproc", 2, "--steps", 5, "--sync", sync,
+                                    "--no-progress", *paced), cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=120)
     finally:
         first.terminate()  # SIGTERM: the launcher stops its ranks
         first.wait(timeout=60)

@@ -18,13 +18,13 @@ import os
 import shutil
 import socket
 import stat
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 import torch
+from train_cli import run_forked
 
 import ferrosync
 from ferrosync.errors import ConfigError, FerrosyncError, StorageError
@@ -135,6 +135,7 @@ KINDS = [("fifo", "a FIFO"), ("socket", "a socket"), ("directory", "a directory"
 
 
 @pytest.mark.parametrize("kind, what", KINDS, ids=[k for k, _ in KINDS])
+@pytest.mark.unit
 def test_reading_a_planted_name_is_refused_at_once(tmp_path, store, kind, what):
     path = os.path.join(store.root, GEN, "abort.r1")
     victim = outside_file(tmp_path)
@@ -154,6 +155,7 @@ def test_reading_a_planted_name_is_refused_at_once(tmp_path, store, kind, what):
 
 
 @pytest.mark.parametrize("kind, what", KINDS, ids=[k for k, _ in KINDS])
+@pytest.mark.unit
 def test_an_exclusive_create_on_a_planted_name_is_refused(tmp_path, store, kind, what):
     """Not FileExistsError ("someone announced first"): the name holds no object."""
     path = os.path.join(store.root, GEN, "abort.r0")
@@ -171,6 +173,7 @@ def test_an_exclusive_create_on_a_planted_name_is_refused(tmp_path, store, kind,
 
 
 @pytest.mark.parametrize("kind", ["fifo", "socket", "symlink"])
+@pytest.mark.unit
 def test_publishing_replaces_a_planted_name_never_its_target(tmp_path, store, kind):
     """rename() replaces the link (or FIFO, or socket) itself: the object is published
     and whatever the link pointed to is untouched."""
@@ -187,6 +190,7 @@ def test_publishing_replaces_a_planted_name_never_its_target(tmp_path, store, ki
     assert content(victim) == SECRET_BYTES
 
 
+@pytest.mark.unit
 def test_publishing_onto_a_planted_directory_is_refused(store):
     path = os.path.join(store.root, GEN, "c1.out")
     os.mkdir(path)
@@ -196,6 +200,7 @@ def test_publishing_onto_a_planted_directory_is_refused(store):
     assert not [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")]
 
 
+@pytest.mark.unit
 def test_a_link_at_a_data_object_name_is_never_read_or_deleted_through(tmp_path, store):
     path = os.path.join(store.root, GEN, "c1.r1")
     victim = outside_file(tmp_path)
@@ -221,6 +226,7 @@ def _park_one(store, size: int = 1 << 20) -> tuple[str, str]:
     return spare, os.path.join(store.root, spare)
 
 
+@pytest.mark.unit
 def test_a_genuine_spare_is_still_recycled(store):
     """The checks must not switch recycling off: a spare of ours is rewritten in place."""
     spare, path = _park_one(store)
@@ -235,6 +241,7 @@ def test_a_genuine_spare_is_still_recycled(store):
 
 
 @pytest.mark.parametrize("kind", ["symlink", "hardlink", "fifo", "foreign-owner"])
+@pytest.mark.unit
 def test_a_planted_spare_is_never_written_through(tmp_path, store, kind):
     spare, path = _park_one(store)
     victim = outside_file(tmp_path)
@@ -271,6 +278,7 @@ def test_a_planted_spare_is_never_written_through(tmp_path, store, kind):
 
 # -- directories -------------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_a_symlinked_directory_inside_the_run_directory_is_refused(tmp_path):
     root = tmp_path / "run"
     st = LocalStorage(str(root), recycle=True)
@@ -303,6 +311,7 @@ def test_a_symlinked_directory_inside_the_run_directory_is_refused(tmp_path):
     assert LocalTree(st).irregular("") == [(GEN, "a symbolic link"), ("rdzv", "a symbolic link")]
 
 
+@pytest.mark.unit
 def test_links_on_the_way_to_the_run_directory_are_the_users_business(tmp_path):
     """/scratch -> /lustre/...: a link to (or above) the root is followed."""
     (tmp_path / "real" / "runs").mkdir(parents=True)
@@ -318,6 +327,7 @@ def test_links_on_the_way_to_the_run_directory_are_the_users_business(tmp_path):
         assert st.open(f"{GEN}/c1.r1") is None
 
 
+@pytest.mark.unit
 def test_a_run_directory_replaced_by_a_file_is_named(tmp_path):
     path = tmp_path / "run"
     path.write_bytes(b"not a directory")
@@ -329,6 +339,7 @@ def test_a_run_directory_replaced_by_a_file_is_named(tmp_path):
 
 # -- other places that open files in the run or checkpoint directory ---------------------------
 
+@pytest.mark.unit
 def test_checkpoints_never_follow_links(tmp_path):
     from ferrosync.train.checkpoint import CheckpointStore
 
@@ -353,6 +364,7 @@ def test_checkpoints_never_follow_links(tmp_path):
     assert content(victim) == SECRET_BYTES
 
 
+@pytest.mark.unit
 def test_the_gc_lock_is_never_opened_through_a_link(tmp_path, capsys):
     """filelock would open it O_TRUNC, emptying the link's target."""
     from ferrosync.__main__ import main
@@ -367,6 +379,7 @@ def test_the_gc_lock_is_never_opened_through_a_link(tmp_path, capsys):
     assert content(victim) == SECRET_BYTES
 
 
+@pytest.mark.unit
 def test_the_ddp_init_method_directory_is_owner_and_group_only(tmp_path):
     from ferrosync.ddp.init_methods import STORE_FILE, _directory_store
     from ferrosync.storage.local import DIR_MODE
@@ -589,8 +602,8 @@ def tool(*argv, timeout: float = 30.0) -> tuple[int, str, str, float]:
     """Run ``python -m ferrosync ...`` as a separate process, bounded (a tool blocked
     on a FIFO must fail the test, not hang it)."""
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "ferrosync", *argv], capture_output=True,
-                          text=True, timeout=timeout)
+    proc = run_forked([sys.executable, "-m", "ferrosync", *argv], capture_output=True,
+                      text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start
 
 

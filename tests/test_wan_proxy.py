@@ -1,4 +1,4 @@
-"""tools/wan_proxy.py: the slow-link proxy shapes bandwidth, adds latency, stays local.
+"""ferrosync/testing/wan_proxy.py: the slow-link proxy shapes bandwidth, adds latency, stays local.
 
 Every test runs real TCP servers on 127.0.0.1 (an echo server and a sink that answers
 with the byte count it received) and measures through the proxy with a wall clock.
@@ -15,13 +15,8 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-try:
-    import wan_proxy
-    from wan_proxy import WanProxy, parse_duration, parse_rate
-finally:
-    sys.path.pop(0)
+from ferrosync.testing import fault_proxy, wan_proxy
+from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
 
 IO_TIMEOUT = 10.0  # seconds any socket operation in these tests may block
 
@@ -117,11 +112,14 @@ def _round_trip(s: socket.socket, message: bytes = b"ping") -> float:
     s.sendall(message)
     got = b""
     while len(got) < len(message):
-        got += s.recv(64)
+        chunk = s.recv(64)
+        assert chunk, f"the connection closed after {got!r}"  # not a busy loop on EOF
+        got += chunk
     assert got == message
     return time.perf_counter() - start
 
 
+@pytest.mark.unit
 def test_parse_rate_and_time():
     assert parse_rate("100Mbit") == 100e6
     assert parse_rate("1Gbit/s") == 1e9
@@ -137,6 +135,7 @@ def test_parse_rate_and_time():
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_throughput_matches_the_rate(sink):
     size, rate = 4_000_000, 20e6  # 1.6 s at 20 Mbit/s
     with WanProxy(sink.port, rate_bps=rate, rtt_s=0.0) as proxy:
@@ -147,6 +146,7 @@ def test_throughput_matches_the_rate(sink):
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_connections_share_the_link(sink):
     """Two uploads at once take as long as their sum at the rate: one link, not two."""
     size, rate = 1_000_000, 20e6
@@ -165,6 +165,7 @@ def test_connections_share_the_link(sink):
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_round_trip_time_is_added(echo):
     rtt = 0.1
     with WanProxy(echo.port, rate_bps=100e6, rtt_s=rtt) as proxy, _connect(proxy.port) as s:
@@ -174,6 +175,7 @@ def test_round_trip_time_is_added(echo):
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_latency_does_not_throttle_a_long_transfer(sink):
     """Delay is latency: 4 MB with a 200 ms RTT takes size/rate + a one-way delay,
     not a delay per chunk (which would take minutes)."""
@@ -191,13 +193,14 @@ def test_refuses_targets_off_this_machine():
             WanProxy(80, target_host=host)
     # the CLI says so in one line and exits 2
     result = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "wan_proxy.py"), "--target",
-         "8.8.8.8:80", "--duration", "1"], capture_output=True, text=True, timeout=30)
+        [sys.executable, "-m", "ferrosync.testing.wan_proxy", "--target", "8.8.8.8:80",
+         "--duration", "1"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "not a loopback address" in result.stderr
 
 
 @pytest.mark.timing
+@pytest.mark.unit
 def test_stops_at_its_duration(echo):
     proxy = WanProxy(echo.port, duration=0.5).start()
     with _connect(proxy.port) as s:  # a connection open at the deadline is dropped too
@@ -216,8 +219,8 @@ def test_stops_at_its_duration(echo):
 
 def test_cli_forwards_then_exits_at_its_duration(echo):
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "tools", "wan_proxy.py"), "--target",
-         f"127.0.0.1:{echo.port}", "--rate", "50Mbit", "--rtt", "20ms", "--duration", "2"],
+        [sys.executable, "-m", "ferrosync.testing.wan_proxy", "--target",
+         f"127.0.0.1:{echo.port}", "--rate", "50Mbit", "--rtt", "20ms", "--duration", "4"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         first = proc.stdout.readline()  # printed once it listens
@@ -231,3 +234,10 @@ def test_cli_forwards_then_exits_at_its_duration(echo):
             proc.kill()
         proc.communicate(timeout=10)
     assert wan_proxy.DEFAULT_DURATION > 0  # the CLI is always bounded in time
+
+
+def test_the_cli_refuses_a_target_off_this_machine():
+    # by its path: the standard library is all it imports (not ferrosync, nor torch)
+    done = subprocess.run([sys.executable, fault_proxy.__file__, "--target", "192.0.2.1:80",
+                           "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "loopback" in done.stderr

@@ -22,6 +22,8 @@ from ferrosync.wire import (
     seal,
 )
 
+pytestmark = pytest.mark.unit
+
 # A contribution of rank 1 (of 2), generation tag 0x0123456789abcdef, collective 7:
 # three float32 values [1, -2, 0.5] with weight 2.5 and layout digest 00..07.
 GOLDEN = bytes.fromhex(

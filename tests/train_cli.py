@@ -1,13 +1,30 @@
 """Run ``python -m ferrosync.train`` as a real process, as a user would, and read what
-it reports (the FINAL line, the metrics file)."""
+it reports (the FINAL line, the metrics file).
+
+A new interpreter pays torch's import, about 2.5 CPU-seconds, and the suite starts
+hundreds of training processes. So a process started here is a fork of the suite's
+forkserver (``tests/ranks.py``: torch and ferrosync already imported), made into
+``python -m ferrosync.train ARGS``: its own pid, environment, working directory, module
+search path, signal dispositions, stdin, stdout and stderr, the same ``main``, the same
+exit code, atexit handlers and threads joined at exit (``ForkedCli``). The launcher of a
+``--nproc`` run is run in the test's process (``launch_in_process``) and starts its
+ranks the same way. What the user's interpreter start itself does (``-m`` finding the
+module, ``$PYTHON*`` flags) is the one thing not exercised; the launcher tests that
+need real interpreters (a launcher started as a command, its ranks as new processes:
+``start_cli`` with ``--nproc``) get them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import types
+from unittest import mock
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -39,24 +56,43 @@ def run_cli(*args, cwd, timeout: float = 180, **env) -> subprocess.CompletedProc
     if "--nproc" in argv:
         code, out, err = launch_in_process(argv, cwd, cli_env(**env))
         return subprocess.CompletedProcess(command(*argv), code, out, err)
-    return subprocess.run(command(*args), cwd=cwd, env=cli_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+    return run_forked(command(*argv), cwd=cwd, env=cli_env(**env), capture_output=True,
+                      text=True, timeout=timeout)
+
+
+def run_forked(args: list[str], *, timeout: float | None = None, check: bool = False,
+               capture_output: bool = False, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run`` through ``ForkedCli``: ``python -m ferrosync.train`` and
+    ``python -m ferrosync`` (the operator tools) start forked, anything else as usual."""
+    if capture_output:
+        kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with ForkedCli(args, **kwargs) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
 
 
 def launch_in_process(argv: list[str], cwd, env: dict, *,
                       merged: bool = False) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of ``python -m ferrosync.train ARGV`` (a launch:
-    ``--nproc``), its launcher run as a call to ``main`` in this process with ``env``
-    as the environment and ``cwd`` as the directory, both restored afterwards. The
-    ranks are the real processes the launcher starts, as for a user; what is saved
-    is the launcher's own interpreter and torch import (about 3 CPU-seconds a launch,
-    over a hundred launches in the suite). Warnings print, as in a process of its
-    own, instead of failing (the suite's filterwarnings=error). ``merged``: stderr
-    into stdout, interleaved as written (the third value is then empty)."""
-    import contextlib
+    ``--nproc``), its launcher run as a call to ``main`` in this process, as if it were
+    a process started in ``cwd`` with ``env`` (``as_process``). The ranks are real
+    processes, forked (``ForkedCli``) where the launcher would start new interpreters:
+    about 3 CPU-seconds saved per launch and 2.5 per rank, over a hundred launches in the
+    suite. Warnings print, as in a process of its own, instead of failing (the suite's
+    filterwarnings=error). ``merged``: stderr into stdout, interleaved as written (the
+    third value is then empty)."""
     import io
     import warnings
 
+    from ferrosync.train import launcher
     from ferrosync.train.__main__ import main
 
     assert "--nproc" in argv, "only a launch runs in this process (a rank would run here)"
@@ -64,38 +100,167 @@ def launch_in_process(argv: list[str], cwd, env: dict, *,
     out = io.TextIOWrapper(out_bytes, encoding="utf-8", errors="replace", write_through=True)
     err = out if merged else io.TextIOWrapper(err_bytes, encoding="utf-8", errors="replace",
                                               write_through=True)
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    # the launcher imports the model and data factories the ranks will (its checks):
-    # from $PYTHONPATH, as a process would, and forgotten afterwards (another test's
-    # directory may hold a module of the same name)
-    added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if p and p not in sys.path]
-    saved_path, saved_modules = list(sys.path), set(sys.modules)
-    sys.path[:0] = added
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-                warnings.catch_warnings():
-            warnings.simplefilter("default")
-            try:
-                code = main(list(argv))
-            except SystemExit as exc:  # what argparse does on its own errors
-                code = exc.code
-    finally:
-        os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-        sys.path[:] = saved_path
-        for name in set(sys.modules) - saved_modules:
-            where = getattr(sys.modules[name], "__file__", None) or ""
-            if any(where.startswith(os.path.join(p, "")) for p in added):
-                del sys.modules[name]
+    forking = types.SimpleNamespace(**{**vars(subprocess), "Popen": ForkedCli})
+    with as_process(cwd, env), mock.patch.object(launcher, "subprocess", forking), \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings():
+        warnings.simplefilter("default")
+        try:
+            code = main(list(argv))
+        except SystemExit as exc:  # what argparse does on its own errors
+            code = exc.code
     out.flush()
     err.flush()
     return (code, out_bytes.getvalue().decode("utf-8", "replace"),
             err_bytes.getvalue().decode("utf-8", "replace"))
+
+
+@contextlib.contextmanager
+def as_process(cwd, env: dict):
+    """This process as a new ``python -m`` process would start: ``env`` as the
+    environment, ``cwd`` as the directory, and what ``$PYTHONPATH`` puts first on the
+    module search path; all put back afterwards, and modules imported from those paths
+    forgotten (another test's directory may hold a module of the same name)."""
+    added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    saved_env, saved_cwd, saved_modules = dict(os.environ), os.getcwd(), set(sys.modules)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        # The one sys.path change in tests/, tools/ and examples/: what $PYTHONPATH gives
+        # a new interpreter (a new list, put back afterwards with whatever the code under
+        # test added to it)
+        with mock.patch.object(sys, "path", added + sys.path):
+            yield
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        for name in set(sys.modules) - saved_modules:
+            where = getattr(sys.modules[name], "__file__", None) or ""
+            if any(where.startswith(os.path.join(p, "")) for p in added):
+                del sys.modules[name]
+
+
+#: the commands ``ForkedCli`` forks (``python -m NAME``): the module whose ``main`` runs
+FORKED = {"ferrosync.train": "ferrosync.train.__main__", "ferrosync": "ferrosync.__main__"}
+
+
+class ForkedCli(subprocess.Popen):
+    """``subprocess.Popen`` of ``python -m ferrosync.train ARGS`` (or ``python -m
+    ferrosync ARGS``, the operator tools) whose process is a fork of the suite's
+    forkserver (see the module's docstring) instead of a new interpreter; any other
+    command starts as ``Popen`` would start it.
+
+    Everything ``Popen`` offers works (``communicate``, ``poll``, ``wait``, signals,
+    ``returncode``, text or bytes pipes, ``start_new_session``); the process is the
+    forkserver's child, so its exit status comes from there. ``pass_fds`` is not
+    supported and ``preexec_fn`` is not run: the only one given is the launcher's
+    parent-death hook, and the parent here is the forkserver, which outlives no test
+    worker.
+    """
+
+    _forked = None
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
+                       startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
+                       c2pwrite, errread, errwrite, *rest):
+        if shell or list(args[:2]) != [sys.executable, "-m"] or args[2] not in FORKED:
+            return super()._execute_child(
+                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
+                errwrite, *rest)
+        from multiprocessing.connection import Connection
+
+        from ranks import context
+
+        assert not pass_fds, "ForkedCli passes no file descriptors but its stdio"
+        new_session = rest[5]  # restore_signals, gid, gids, uid, umask, start_new_session
+        ends = []
+        for fd, mode in ((p2cread, os.O_RDONLY), (c2pwrite, os.O_WRONLY),
+                         (errwrite, os.O_WRONLY)):
+            # -1: inherit; a forkserver child's inherited stdio is /dev/null or its own
+            ends.append(Connection(os.dup(fd) if fd != -1 else os.open(os.devnull, mode)))
+        env = dict(os.environ if env is None else env)
+        forked = context().Process(
+            target=_cli_main, args=(FORKED[args[2]], list(map(str, args[3:])), env,
+                                    cwd or os.getcwd(), ends, new_session), daemon=True)
+        try:
+            forked.start()
+        finally:
+            for end in ends:
+                end.close()
+            # the child holds its copies; closed as Popen closes them after a fork
+            self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        self._forked = forked
+        self.pid = forked.pid
+        self._child_created = True
+
+    def _internal_poll(self, _deadstate=None, **_kwargs):
+        if self._forked is None:
+            return super()._internal_poll(_deadstate, **_kwargs)
+        if self.returncode is None and self._forked.exitcode is not None:
+            self.returncode = self._forked.exitcode
+        return self.returncode
+
+    def _wait(self, timeout):
+        if self._forked is None:
+            return super()._wait(timeout)
+        self._forked.join(timeout)
+        if self._forked.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        self.returncode = self._forked.exitcode
+        return self.returncode
+
+
+def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
+              new_session: bool) -> None:
+    """In the forked process: become ``python -m MODULE ARGV``, run it, exit."""
+    import atexit
+    import importlib
+    import io
+    import multiprocessing
+
+    if new_session:
+        os.setsid()
+    for fd, end in enumerate(ends):
+        os.dup2(end.fileno(), fd)
+        end.close()
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
+                                               line_buffering=True, write_through=True)
+                              for fd in (1, 2))
+    # a new interpreter's signal dispositions, whatever the forkserver inherited
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # the test worker ends a forked CLI left running (a daemon there); here it may start
+    # processes of its own, as any process may
+    multiprocessing.current_process()._config["daemon"] = False
+    import torch
+
+    entry = importlib.import_module(module)
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    code = 1
+    with as_process(cwd, env):
+        sys.argv = [entry.__file__, *argv]
+        try:
+            code = entry.main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:  # noqa: BLE001 - what the interpreter does with it
+            sys.excepthook(*sys.exc_info())
+        # interpreter shutdown: non-daemon threads joined, then the atexit handlers
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join()
+        atexit._run_exitfuncs()
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_main(args, cwd, monkeypatch, capsys) -> tuple[int, str, str]:
@@ -117,17 +282,12 @@ def run_main(args, cwd, monkeypatch, capsys) -> tuple[int, str, str]:
 
 
 def start_cli(*args, cwd, **env) -> subprocess.Popen:
-    """Start without waiting; the tests send it SIGINT (Ctrl-C) and SIGTERM."""
-    return subprocess.Popen(command(*args), cwd=cwd, env=cli_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint)
-
-
-def _default_sigint() -> None:
-    # a suite started in the background by a non-interactive shell (`cmd &`) inherits
-    # SIGINT ignored, and Python then never turns Ctrl-C into KeyboardInterrupt: the
-    # launcher under test must see the signal the way a terminal user's would
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    """Start without waiting (``ForkedCli``); the tests send it SIGINT (Ctrl-C), SIGTERM,
+    SIGKILL, SIGSTOP. A suite started in the background by a non-interactive shell
+    (`cmd &`) inherits SIGINT ignored; the forked process restores Python's handler, so
+    the launcher under test sees Ctrl-C the way a terminal user's would."""
+    return ForkedCli(command(*args), cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, text=True)
 
 
 def final_of(stdout: str) -> dict:

@@ -30,9 +30,10 @@ Backends:
                               server's) spread over the machine's cores: a bound no
                               client can beat where the server shares those cores
     gcs-emulator              the gs:// backend (gcsfs) against fake-gcs-server, started on
-                              127.0.0.1 with objects in memory (tools/emulators.py); each
-                              row gives the same raw PUT+GET floor and CPU bound as
-                              s3-seaweed, measured against this server
+                              127.0.0.1 with objects in memory
+                              (ferrosync/testing/emulators.py); each row gives the same
+                              raw PUT+GET floor and CPU bound as s3-seaweed, measured
+                              against this server
     azurite                   the az:// backend (adlfs) against Azurite's blob service, on
                               127.0.0.1, in memory, telemetry off; floor and bound as above
     gloo                      torch.distributed all_reduce + divide: the baseline
@@ -285,9 +286,8 @@ SEAWEED_BUCKET = "ferrosync-bench"
 
 
 def start_seaweed(tmp):
-    """SeaweedFS on loopback (tools/seaweed.py); (server, storage_options)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from seaweed import SeaweedServer, s3_storage_options, weed_binary
+    """SeaweedFS on loopback (ferrosync/testing/seaweed.py); (server, storage_options)."""
+    from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
     binary = weed_binary()
     if binary is None:
@@ -300,10 +300,14 @@ def start_seaweed(tmp):
 
 
 def start_emulator(kind: str, tmp):
-    """fake-gcs-server ("gcs") or Azurite ("azurite") on loopback (tools/emulators.py);
-    (server, storage_options)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from emulators import AzuriteServer, FakeGcsServer, azurite_binary, fake_gcs_binary
+    """fake-gcs-server ("gcs") or Azurite ("azurite") on loopback
+    (ferrosync/testing/emulators.py); (server, storage_options)."""
+    from ferrosync.testing.emulators import (
+        AzuriteServer,
+        FakeGcsServer,
+        azurite_binary,
+        fake_gcs_binary,
+    )
 
     if kind == "gcs":
         binary, cls = fake_gcs_binary(), FakeGcsServer

@@ -7,8 +7,8 @@
 
 The question a user of NFS or S3 across sites asks: at this bandwidth and latency,
 how much of the time do my ranks spend computing? Every run is real: a SeaweedFS S3
-server on 127.0.0.1 (``tools/seaweed.py``) behind a bandwidth- and latency-limiting
-proxy (``tools/wan_proxy.py``; one shared link per direction for all ranks, as
+server on 127.0.0.1 (``ferrosync/testing/seaweed.py``) behind a bandwidth- and latency-limiting
+proxy (``ferrosync/testing/wan_proxy.py``; one shared link per direction for all ranks, as
 between two sites), and ``python -m ferrosync.train --nproc N --sync
 s3://BUCKET/PREFIX`` with ``storage_options`` pointing at the proxy.
 
@@ -61,12 +61,10 @@ import textwrap
 import time
 import uuid
 
-TOOLS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TOOLS)
-sys.path.insert(0, TOOLS)
+from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
+from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
 
-from seaweed import SeaweedServer, s3_storage_options, weed_binary  # noqa: E402
-from wan_proxy import WanProxy, parse_duration, parse_rate  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BUCKET = "ferrosync-bench"
 BASE_STRATEGIES = ["grad", "local-sgd", "diloco"]
@@ -100,11 +98,7 @@ DEFAULT_SYNC_EVERY = 100
 
 def registered_strategies() -> dict[str, tuple[str, ...]]:
     """``--strategy`` name -> the settings it takes, from ferrosync's registry."""
-    sys.path.insert(0, ROOT)
-    try:
-        from ferrosync.strategies import STRATEGIES
-    finally:
-        sys.path.pop(0)
+    from ferrosync.strategies import STRATEGIES
     return {name: tuple(cls.settings) for name, cls in STRATEGIES.items()}
 
 

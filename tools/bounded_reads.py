@@ -10,7 +10,7 @@ that imports torch and ferrosync, resets its peak resident set (``/proc/self/cle
 Linux), runs the read and reports its peak (``VmHWM``) beside its resident set before
 the read, so the difference is what the read cost:
 
-* inspect: a SeaweedFS server on loopback (tools/seaweed.py) gets a one-rank job's
+* inspect: a SeaweedFS server on loopback (ferrosync/testing/seaweed.py) gets a one-rank job's
   generation and, in it, a contribution object of ``--object-mib`` MiB (a valid
   header, zeros after it); then ``python -m ferrosync inspect URL --objects --json``;
 * checkpoint: ``CheckpointStore.save`` of a ``--state-mib`` MiB state in a temporary
@@ -35,7 +35,6 @@ import tempfile
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 MIB = 1 << 20
 
 #: the child that measures: runs ``code`` after importing what every case imports
@@ -79,12 +78,11 @@ def report(what: str, size: int, got: dict) -> None:
 
 
 def inspect_case(code_dir: str, object_mib: int) -> None:
-    sys.path.insert(0, os.path.join(ROOT, "tools"))
     import torch
-    from seaweed import SeaweedServer, s3_storage_options, weed_binary
 
     import ferrosync
     from ferrosync.storage import open_storage
+    from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
     from ferrosync.wire import DTYPE_CODES, KIND_CONTRIB, Header, seal
 
     binary = weed_binary()

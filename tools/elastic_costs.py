@@ -12,7 +12,7 @@ bytes read and written; every request of the process, heartbeats included: the s
 counters as ``sync.stats``) around each round. Printed per W: the mean per member per
 round of each kind (the checker, member 0, apart), bytes read/written, the busiest
 member's bytes read as a multiple of P, and the mean round time. ``--seaweed`` runs over
-a SeaweedFS server started on loopback (tools/seaweed.py) with its Prometheus metrics on
+a SeaweedFS server started on loopback (ferrosync/testing/seaweed.py) with its Prometheus metrics on
 (``-metricsPort``, loopback): the server's own request count over the whole run is
 printed beside the clients' sum. ``--large`` adds W = 8 and 16 (kept out of CI).
 Over a directory (the default) the requests are file-system calls with no kind: only
@@ -329,7 +329,6 @@ def main() -> int:
         return 0
     args.payload_bytes = int(args.payload * MIB) // 4 * 4
     print("command: python tools/elastic_costs.py " + shlex.join(sys.argv[1:]), flush=True)
-    sys.path.insert(0, ROOT)
     print_model(args.payload_bytes, args.round_rate, args.rtt, args.bandwidth)
     if args.model:
         return 0
@@ -345,8 +344,12 @@ def main() -> int:
     # the elastic defaults (ElasticOptions.timing): a directory, an object store
     hb = 1.0 if "://" not in url else ElasticOptions.interval_object_store
     if args.seaweed:
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
-        from seaweed import SeaweedServer, free_ports, s3_storage_options, weed_binary
+        from ferrosync.testing.seaweed import (
+            SeaweedServer,
+            free_ports,
+            s3_storage_options,
+            weed_binary,
+        )
 
         metrics_port = free_ports(1)[0]
 

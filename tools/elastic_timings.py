@@ -1,23 +1,31 @@
 """Churn timings of an elastic job, as a spot user sees them (docs/elastic.md#churn).
 
     python tools/elastic_timings.py [--url DIR_OR_S3_URL] [--heartbeat-timeout S]
-                                    [--runs N] [--seaweed] [--members N]
+                                    [--runs N] [--seaweed] [--members 4,6]
+                                    [--victims first,checker+last,last]
+                                    [--scenarios kill,close,loss]
 
 Three scenarios, each with real member processes on this machine (``--seaweed``: over
-a SeaweedFS server started on loopback, tools/seaweed.py):
+a SeaweedFS server started on loopback, ferrosync/testing/seaweed.py):
 
-* **kill together**: 4 members (``--members``) average in a loop; ranks 0 and 1 (the
-  roster's checker and the next in line) are SIGKILLed at the same moment. Printed: seconds from the
-  kill to the end of the first round a survivor completes without them.
+* **kill** (members that die together): for each size of ``--members`` (4: every
+  round reads every contribution; 6: every average is a tree round) and each kind of
+  victims of ``--victims``, the members average in a loop and two of them are
+  SIGKILLed at the same moment: ``first`` (roster positions 0 and 1: the roster's
+  checker and the next in line), ``checker+last`` (0 and the last), ``last`` (the
+  last two). Printed: seconds from the kill to the end of the first average a
+  survivor completes without them, and that as a multiple of ``heartbeat_timeout``
+  (the bound set is 1.5), with the range over ``--runs``.
 * **close**: 3 members; one catches SIGTERM and calls ``close()`` from its handler.
   Printed: seconds from the SIGTERM to the end of the first round without it.
-* **total loss**: 2 members publish their state every round and are SIGKILLed; one new
-  member is started. Printed: seconds from the start of the new member's ``connect``
-  to the end of its first round (its Python start-up is printed apart), and the round
-  of the state it resumed from against the newest published one.
+* **loss** (total loss): 2 members publish their state every round and are SIGKILLed;
+  one new member is started. Printed: seconds from the start of the new member's
+  ``connect`` to the end of its first round (its Python start-up is printed apart),
+  and the round of the state it resumed from against the newest published one.
 
 Times are wall-clock times of one host (``time.time()`` in every process), so they are
-comparable here. The numbers and the command that produced them are printed.
+comparable here. The numbers, the command that produced them and this machine's load
+average are printed.
 """
 
 from __future__ import annotations
@@ -119,7 +127,17 @@ def _first_round_without(job: Job, survivors, world: int, after: float) -> float
                if r["world"] == world and r["at"] > after) - after
 
 
-def kill_together(url, options, workdir, members: int = 4) -> float:
+#: the victim sets of the kill scenario, as roster positions of ``members`` members
+VICTIMS = {
+    "first": lambda n: (0, 1),  # the checker and the next in line
+    "checker+last": lambda n: (0, n - 1),
+    "last": lambda n: (n - 2, n - 1),
+}
+
+
+def kill_together(url, options, workdir, members: int, positions) -> float:
+    """Seconds from SIGKILLing the members at roster ``positions`` together to the end
+    of the first average a survivor completes without them."""
     job = Job(url, options, workdir)
     try:
         for k in range(members):
@@ -127,12 +145,12 @@ def kill_together(url, options, workdir, members: int = 4) -> float:
         job.wait(lambda: all(len(job.rows(k)) >= 5 and job.rows(k)[-1]["world"] == members
                              for k in range(members)), f"{members} members")
         ranks = {job.rows(k)[-1]["rank"]: k for k in range(members)}
-        victims = [ranks[0], ranks[1]]
+        victims = [ranks[p] for p in positions]
         killed = time.time()
         for k in victims:
             job.procs[k].send_signal(signal.SIGKILL)
         survivors = [k for k in range(members) if k not in victims]
-        return _first_round_without(job, survivors, members - 2, killed)
+        return _first_round_without(job, survivors, members - len(victims), killed)
     finally:
         job.stop()
 
@@ -172,6 +190,27 @@ def total_loss(url, options, workdir) -> tuple[float, float, int, int]:
         job.stop()
 
 
+def kill_table(url, options, workdir, args, t: float) -> None:
+    """The kill scenario for every size and kind of victims, ``args.runs`` times each:
+    one line per run, then a markdown table of the ranges (docs/elastic.md#churn)."""
+    rows = []
+    for members in [int(m) for m in args.members.split(",")]:
+        for kind in args.victims.split(","):
+            positions = VICTIMS[kind](members)
+            took = []
+            for run in range(args.runs):
+                took.append(kill_together(url, options, workdir, members, positions))
+                print(f"run {run}: {members} members, positions {positions} killed "
+                      f"together ({kind}): dropped after {took[-1]:.2f} s "
+                      f"({took[-1] / t:.2f} x heartbeat_timeout {t:g} s)", flush=True)
+            rows.append((members, kind, positions, took))
+    print(f"\n| members | killed together (roster positions) | dropped after "
+          f"(range over {args.runs}) | x heartbeat_timeout ({t:g} s) |\n|---|---|---|---|")
+    for members, kind, positions, took in rows:
+        print(f"| {members} | {kind} {positions} | {min(took):.2f}-{max(took):.2f} s | "
+              f"{min(took) / t:.2f}-{max(took) / t:.2f} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
@@ -186,8 +225,11 @@ def main() -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=6.0)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--members", type=int, default=4, help="members of the kill-together "
-                   "job (from 5 the round in flight is a tree round the survivors finish)")
+    p.add_argument("--members", default="4,6", help="sizes of the kill scenario's job, "
+                   "comma-separated (from 5 every average is a tree round)")
+    p.add_argument("--victims", default=",".join(VICTIMS),
+                   help="kinds of victims of the kill scenario: " + ", ".join(VICTIMS))
+    p.add_argument("--scenarios", default="kill,close,loss")
     args = p.parse_args()
     if args.member:
         member(args)
@@ -199,8 +241,7 @@ def main() -> int:
     server = None
     url = args.url or os.path.join(workdir, "store")
     if args.seaweed:
-        sys.path.insert(0, os.path.join(ROOT, "tools"))
-        from seaweed import SeaweedServer, s3_storage_options, weed_binary
+        from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
         server = SeaweedServer(weed_binary(), os.path.join(workdir, "weed"))
         server.start()
@@ -209,18 +250,22 @@ def main() -> int:
     try:
         print("command: python tools/elastic_timings.py "
               + shlex.join(sys.argv[1:]), flush=True)
+        print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
+        scenarios = args.scenarios.split(",")
         t = args.heartbeat_timeout
+        if "kill" in scenarios:
+            kill_table(url, options, workdir, args, t)
         for run in range(args.runs):
-            drop = kill_together(url, options, workdir, args.members)
-            print(f"run {run}: kill together (2 of {args.members}): dropped after {drop:.2f} s "
-                  f"({drop / t:.2f} x heartbeat_timeout {t:g} s)", flush=True)
-            leave = close_leave(url, options, workdir)
-            print(f"run {run}: close() from a SIGTERM handler: dropped after {leave:.2f} s",
-                  flush=True)
-            took, startup, resumed, newest = total_loss(url, options, workdir)
-            print(f"run {run}: total loss: the new member trained {took:.2f} s after its "
-                  f"connect (+ {startup:.2f} s Python start-up), from the state of round "
-                  f"{resumed} (newest published: {newest})", flush=True)
+            if "close" in scenarios:
+                leave = close_leave(url, options, workdir)
+                print(f"run {run}: close() from a SIGTERM handler: dropped after "
+                      f"{leave:.2f} s", flush=True)
+            if "loss" in scenarios:
+                took, startup, resumed, newest = total_loss(url, options, workdir)
+                print(f"run {run}: total loss: the new member trained {took:.2f} s after "
+                      f"its connect (+ {startup:.2f} s Python start-up), from the state of "
+                      f"round {resumed} (newest published: {newest})", flush=True)
+        print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
     finally:
         if server is not None:
             server.stop()

@@ -5,7 +5,7 @@ the fault proxy (``ferrosync/testing/fault_proxy.py``), every average checked ex
         [--rounds 40] [--lose-reply 0.05] [--cut-body 0.05] [--reset 0.01]
         [--slowdown 0.01] [--delay-ms 0] [--seed 1]
 
-A SeaweedFS server starts on loopback (tools/seaweed.py) with the proxy in front of it:
+A SeaweedFS server starts on loopback (ferrosync/testing/seaweed.py) with the proxy in front of it:
 ``--lose-reply`` of PUT and POST replies are lost after the server acted, ``--cut-body``
 of GET bodies are cut mid-transfer, ``--reset`` of requests are reset before they are
 forwarded, ``--slowdown`` answered 503 SlowDown, and every request is held
@@ -27,17 +27,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import shlex
 import sys
 import tempfile
 import time
 import traceback
 import uuid
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 ELEMENTS = 4096
 
@@ -130,44 +125,21 @@ def run_job(name: str, target, n: int, url: str, options: dict, count: int, prox
     return not failed and wrong == 0
 
 
-def add_fault_flags(p: argparse.ArgumentParser, delay_ms: float = 0.0) -> None:
-    """The network's faults, as flags (this drill's and tools/spot_soak.py's)."""
-    p.add_argument("--lose-reply", type=float, default=0.05,
-                   help="share of PUT/POST replies lost after the server acted")
-    p.add_argument("--cut-body", type=float, default=0.05,
-                   help="share of GET bodies cut mid-transfer")
-    p.add_argument("--reset", type=float, default=0.01,
-                   help="share of requests reset before they are forwarded")
-    p.add_argument("--slowdown", type=float, default=0.01,
-                   help="share of requests answered 503 SlowDown")
-    p.add_argument("--delay-ms", type=float, default=delay_ms,
-                   help="latency added to every request, in milliseconds")
-
-
-def network_faults(args) -> list:
-    """The proxy's ``Fault``s for the flags ``add_fault_flags`` added."""
-    from ferrosync.testing.fault_proxy import Fault
-
-    faults = [Fault("delay", seconds=args.delay_ms / 1e3)] if args.delay_ms else []
-    return faults + [Fault("lose_reply", args.lose_reply, methods=("PUT", "POST")),
-                     Fault("cut_body", args.cut_body, methods=("GET",)),
-                     Fault("reset", args.reset), Fault("slowdown", args.slowdown)]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=3, help="fixed-size job's ranks (0: skip it)")
     p.add_argument("--collectives", type=int, default=100, help="its averages")
     p.add_argument("--members", type=int, default=5, help="elastic job's members (0: skip)")
     p.add_argument("--rounds", type=int, default=40, help="its rounds")
+    from ferrosync.testing.fault_proxy import add_fault_flags
+
     add_fault_flags(p)
     p.add_argument("--seed", type=int, default=1, help="seed of the proxy's rolls")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     print("$ " + shlex.join(["python", *sys.argv]), flush=True)
 
-    from seaweed import SeaweedServer, s3_storage_options, weed_binary
-
-    from ferrosync.testing.fault_proxy import FaultProxy
+    from ferrosync.testing.fault_proxy import FaultProxy, add_fault_flags, network_faults
+    from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
     binary = weed_binary()
     if binary is None:

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import pathlib
 import re
-import sys
+
+from ferrosync.registry import option_tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from ferrosync.registry import option_tables  # noqa: E402
 
 
 def render(text: str) -> str:

@@ -79,10 +79,14 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+if __package__:  # python -m tools.regen_figures, or `from tools import regen_figures`
+    from tools import bench_strategies
+    from tools.bench import human, parse_size
+else:  # python tools/regen_figures.py: this directory is sys.path[0], as for any script
+    import bench_strategies
+    from bench import human, parse_size
 
-from bench import human, parse_size  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: the table's rows: (ranks, payload, backend, label)
 TABLE_ROWS = [
@@ -93,7 +97,7 @@ TABLE_ROWS = [
     (4, "64MiB", "disk-root", '64 MiB, `reduce="root"`'),
 ]
 S3_PAYLOADS = ["1MiB", "16MiB", "64MiB"]
-#: the GCS and Azure emulators' rows (tools/emulators.py), each against its own floor
+#: the GCS and Azure emulators' rows (ferrosync/testing/emulators.py), each against its own floor
 EMULATORS = ["gcs-emulator", "azurite"]
 EMULATOR_PAYLOADS = ["1MiB", "16MiB"]
 THREADS = [("default", "default threading"), ("pinned", "one thread per rank")]
@@ -385,8 +389,6 @@ def strategy_places(text: str) -> list[tuple[str, list[str]]]:
 def shrink_strategies(command: list[str]) -> list[str]:
     """--tiny: 60 steps and the first value of each list option (the command's own, or
     bench_strategies' default), so each command trains a handful of short runs."""
-    import bench_strategies
-
     given = bench_strategies.parse_args(command[2:])
     out = list(command)
     for flag in ("ranks", "sync_every", "seeds", "overlap_steps"):

@@ -64,9 +64,6 @@ import time
 import uuid
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _path in (ROOT, os.path.join(ROOT, "tools")):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
 
 #: the job id every member runs under ($FERROSYNC_JOB)
 JOB = "soak"
@@ -78,16 +75,6 @@ LEAVE_BOUND_S = 40.0
 LEFT = {("term", 143, False), ("term", -signal.SIGTERM, False), ("kill", -signal.SIGKILL, False)}
 #: how often the soak looks at its members
 POLL_S = 0.2
-
-
-def seaweed_module():
-    """SeaweedFS's test server helper: ferrosync/testing/seaweed.py where the package
-    ships it, else tools/seaweed.py (the one import to change when it moves)."""
-    try:
-        from ferrosync.testing import seaweed
-    except ImportError:
-        import seaweed
-    return seaweed
 
 
 # -- the schedule ------------------------------------------------------------------------
@@ -588,7 +575,7 @@ def _text(value) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from network_drill import add_fault_flags
+    from ferrosync.testing.fault_proxy import add_fault_flags
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=15.0, help="how long the churn runs")
@@ -634,11 +621,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def soak(args) -> Summary:
     """Run the soak the flags describe; prints the schedule, the events and the report."""
-    from network_drill import network_faults
+    from ferrosync.testing import seaweed as weed
+    from ferrosync.testing.fault_proxy import FaultProxy, network_faults
 
-    from ferrosync.testing.fault_proxy import FaultProxy
-
-    weed = seaweed_module()
     schedule = make_schedule(args.seed, args.minutes * 60, first=args.first_members,
                              max_members=args.max_members, gap=tuple(args.gap),
                              loss_every=args.loss_every)

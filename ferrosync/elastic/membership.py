@@ -27,12 +27,13 @@ job's object layer (``backends.objects.Objects``); anything else is refused as
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import names
 from ..errors import ShardCorrupt, SyncTimeout
 from ..liveness import PROCESS_CLOCK, Heartbeat, SilenceClocks
 from ..rendezvous import first_missing
+from .history import History
 
 ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
 _STATES = (ALIVE, LEFT, ABORTED)
@@ -62,10 +63,11 @@ class Watch:
 
     A member whose heartbeat was never seen counts as silent from the first look, so
     a member that died before its first beat is declared gone after ``timeout`` too.
-    ``fresh(member)`` says whether the latest look saw the member's counter move
-    recently (proof that it runs now): a first look, or a look long after the
-    previous one, is not, so a reader keeps looking at the members after it and
-    members that died together start their silence clocks together.
+    What the latest reads say short of a judgement (``fresh``: proven running now;
+    ``overdue``: a beat is missing; ``next_change``: when a judgement can change
+    without a beat) tells a waiting member whose heartbeats to read, and when
+    (``rounds.Agreement``), so that members that die together start their silence
+    clocks together.
     """
 
     def __init__(self, objects, timeout: float, interval: float) -> None:
@@ -73,6 +75,7 @@ class Watch:
         self._timeout = timeout
         self._silence = SilenceClocks(timeout, interval)
         self.gone = _GONE.setdefault(objects.storage.path_of(objects.prefix), set())
+        self._how: dict[str, str] = {}  # member -> the state this Watch judged it gone in
 
     def state(self, member_id: str) -> str:
         """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out);
@@ -92,13 +95,37 @@ class Watch:
             state = "silent"
         if state != ALIVE:
             self.gone.add(member_id)
+            self._silence.forget(member_id)
+            self._how[member_id] = state
         return state
+
+    def how(self, member_id: str) -> str | None:
+        """How a member that left the roster went: the state it was judged gone in here
+        (``left``, ``aborted``, ``silent``), else its heartbeat's last state (read)."""
+        if member_id not in self._how:
+            try:
+                record = self._objects.read_record(names.elastic_heartbeat(member_id))
+            except ShardCorrupt:
+                record = None
+            state = record.get("state") if isinstance(record, dict) and \
+                record.get("id") == member_id else None
+            self._how[member_id] = state if state in _STATES else "silent"
+        return self._how[member_id]
 
     def alive(self, member_id: str) -> bool:
         return self.state(member_id) == ALIVE
 
     def fresh(self, member_id: str) -> bool:
         return self._silence.fresh(member_id)
+
+    def overdue(self, member_id: str) -> bool:
+        return member_id not in self.gone and \
+            self._silence.overdue(member_id, PROCESS_CLOCK.now())
+
+    def next_change(self, fresh_of=()) -> float | None:
+        """When (``time.monotonic``) a watched member can next be judged gone, or one of
+        ``fresh_of`` stop being fresh (``SilenceClocks.next_change``)."""
+        return self._silence.next_change(PROCESS_CLOCK.now(), fresh_of)
 
 
 @dataclass(frozen=True)
@@ -115,7 +142,9 @@ class Roster:
     change only because it admitted joiners. ``refused``: newcomers whose first
     contribution did not fit the round's layout (left out of ``contributors`` and
     ``members``), and ``layout`` the checker's layout record of that round, so each
-    can be told what differs.
+    can be told what differs. ``last_change``: the latest round (this one included)
+    whose roster changed the membership, and ``change_before`` the one before it (None:
+    none yet): where the job's history records are (``history.py``).
     """
 
     round: int
@@ -126,6 +155,8 @@ class Roster:
     refused: tuple[str, ...] = ()
     layout: dict | None = None
     admitted_only: bool = False
+    last_change: int | None = None
+    change_before: int | None = None
 
     @property
     def newcomers(self) -> frozenset:
@@ -148,6 +179,12 @@ class Roster:
             count -= 1
         return count
 
+    def chained(self, prev: Roster) -> Roster:
+        """This roster with ``last_change``/``change_before`` following ``prev``'s."""
+        if self.members != prev.members or self.refused:
+            return replace(self, last_change=self.round, change_before=prev.last_change)
+        return replace(self, last_change=prev.last_change, change_before=prev.change_before)
+
     @property
     def founding(self) -> bool:
         """No member of the next round contributed to this one: they start (or restart,
@@ -162,6 +199,9 @@ class Roster:
             record.update(refused=list(self.refused), layout=self.layout)
         if self.admitted_only:
             record["admitted_only"] = True
+        for name in ("last_change", "change_before"):
+            if getattr(self, name) is not None:
+                record[name] = getattr(self, name)
         return record
 
     @classmethod
@@ -172,7 +212,9 @@ class Roster:
                          tuple(record["members"]), int(record["join_next"]),
                          int(record.get("changes", 0)), tuple(record.get("refused", ())),
                          layout if isinstance(layout, dict) else None,
-                         record.get("admitted_only") is True)
+                         record.get("admitted_only") is True,
+                         *(_round_or_none(record.get(k), round_)
+                           for k in ("last_change", "change_before")))
             ok = (roster.round == round_ and roster.join_next >= 0 and roster.changes >= 0
                   and all(names.is_member_id(m) for m in
                           roster.members + roster.contributors + roster.refused)
@@ -183,6 +225,16 @@ class Roster:
             raise ShardCorrupt(f"roster of round {round_} is malformed", path=path,
                                hint="let nothing else write under this URL")
         return roster
+
+
+def _round_or_none(value, round_: int) -> int | None:
+    """``value`` if it is a round at or before ``round_``, None if absent; else
+    ``ValueError`` (a malformed roster)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= round_:
+        raise ValueError(value)
+    return value
 
 
 #: the roster before the first: nobody, and the join queue starts at entry 0
@@ -196,6 +248,7 @@ class Rosters:
     def __init__(self, objects) -> None:
         self._objects = objects
         self._joins: dict[int, str] = {}  # entry -> member id (entries never change)
+        self.history = History(objects, self)
 
     def path_of(self, name: str) -> str:
         return self._objects.path_of(name)
@@ -209,12 +262,17 @@ class Rosters:
             return None
         return Roster.from_record(record, round_, self._objects.path_of(name))
 
-    def create(self, roster: Roster) -> Roster:
-        """Publish ``roster`` unless another member was first; return the winner."""
+    def create(self, roster: Roster, prev: Roster | None = None, how=None) -> Roster:
+        """Publish ``roster`` unless another member was first; return the winner. Given
+        the roster before it (``prev``, which ``roster`` is ``chained`` to), the winner
+        records a membership change in the job's history (``how(member)``: a departed
+        member's final heartbeat state)."""
         objects = self._objects
         if not objects.put_record(names.elastic_roster(roster.round), roster.record(),
                                   exclusive=True):
             return self.read(roster.round)
+        if prev is not None:
+            self.history.append(prev, roster, how)
         # a hint only: a joiner probes upward from it, so a stale or raced value costs
         # a few reads, never correctness
         objects.put_record(names.ELASTIC_LATEST, {"round": roster.round})

@@ -34,6 +34,7 @@ from .. import names
 from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
 from ..storage import object_exists
 from .membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
+from .plan import TREE_FROM
 
 #: the most contribution bytes the checker keeps from its existence checks (S3)
 KEEP_BUDGET = 256 << 20
@@ -80,6 +81,7 @@ class Agreement:
         self._kept: dict[tuple[int, str], bytes] = {}  # see contributed()
         self._kept_bytes = 0
         self.waiting_on = "the roster's writer"  # for the timeout message
+        self._next_look = 0.0  # see wait: looks are paced across rounds
         #: ``fits(round, member)``: whether a newcomer's first contribution has this
         #: round's layout (set by the member for each round, with ``layout``)
         self.fits = None
@@ -148,6 +150,15 @@ class Agreement:
             self.waiting_on = (f"member {member} (rank {i}), alive but not contributed"
                                + (f", and {len(alive) - 1} more" if len(alive) > 1 else ""))
             return None
+        # a contributor whose beat this member recently found missing (read while it
+        # took over from a checker that died with it) is judged before the roster
+        # lists it for the next round: it leaves with the others, instead of making
+        # the next round (a tree's reduce) wait one more timeout for it
+        late = [m for m in survivors if self._watch.overdue(m) and self._watch.alive(m)]
+        if late:
+            self.waiting_on = (f"member {late[0]} (rank {prev.members.index(late[0])}): "
+                               "its heartbeat stopped, not yet past heartbeat_timeout")
+            return None
         joiners: list[str] = []
         n = prev.join_next
         room = (1 << 62) if self._max is None else self._max - len(survivors)
@@ -182,8 +193,8 @@ class Agreement:
         # the members before the joiners are exactly the previous ones: only admissions
         admitted_only = bool(joiners) and changes > prev.changes and \
             members[:len(members) - len(joiners)] == list(prev.members)
-        return self._rosters.create(replace(roster, changes=changes,
-                                            admitted_only=admitted_only))
+        roster = replace(roster, changes=changes, admitted_only=admitted_only)
+        return self._rosters.create(roster.chained(prev), prev, self._watch.how)
 
     def _refused(self, prev: Roster, round_: int, survivors: list[str]) -> list[str]:
         """The survivors making their first contribution (admitted by ``prev``, which
@@ -207,61 +218,86 @@ class Agreement:
                 path=self._rosters.path_of(names.elastic_roster(round_)),
                 hint="connect again with elastic=True to rejoin as a new member")
 
-    def is_checker(self, predecessors: list[str]) -> bool:
+    def is_checker(self, predecessors: list[str], after=(), everyone: bool = False) -> bool:
         """True when every member before this one is gone (see the module docstring).
 
-        Looks at the predecessors in order and stops at the first one seen running
-        now (its counter moved since a recent look): in a healthy job that is one
-        read, member 0's. One that is merely not yet timed out (stale, or looked at
-        for the first time) does not stop the look, so the members behind it start
-        their silence clocks now, not one timeout later."""
-        gone = True
-        for member in predecessors:
+        On the way it reads the heartbeats of the members whose death this member
+        would have to act on, so that members that die together start their silence
+        clocks together: the predecessors in order up to the first one seen running
+        now (``Watch.fresh``), and at least the first two (the checker and the next in
+        line: when both die, the member after them has both clocks running); then, if
+        none was seen running now (this member may be the checker within a timeout),
+        the members ``after`` it too, whose contributions it will then judge. With
+        ``everyone`` (a roster small enough that every member reads every contribution)
+        it reads them all, every time."""
+        gone, proven = True, False
+        for k, member in enumerate(predecessors):
             if self._watch.alive(member):
                 gone = False
-                if self._watch.fresh(member):
-                    break
+                proven = proven or self._watch.fresh(member)
+            if proven and k >= 1 and not everyone:
+                break
+        if not gone and (everyone or not proven):
+            for member in after:
+                self._watch.alive(member)
         return gone
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
              deadline: float, on_look=None, sizes: tuple[int, ...] | None = None,
              queued: int | None = None) -> Roster:
         """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
-        after ``deadline``. ``on_look()`` is called once per check interval while the
-        roster is missing (a joiner's "has the job ended?"); it may raise. ``queued``:
-        for a joiner of a job being founded, the members queued up to and including it
-        (what it says while there are fewer than ``min_ranks``)."""
+        after ``deadline``. ``predecessors``: the members of ``prev`` before this one (a
+        joiner: all of them and the join entries ahead of its own), so the members after
+        it are the rest of ``prev`` past its own place. ``on_look()`` is called at each look while
+        the roster is missing (a joiner's "has the job ended?"); it may raise.
+        ``queued``: for a joiner of a job being founded, the members queued up to and
+        including it (what it says while there are fewer than ``min_ranks``).
+
+        Looks (``is_checker``) come once per check interval of waiting, counted across
+        rounds (a healthy job's short waits cost no more than one long one), and
+        sooner when a judgement can change (``Watch.next_change``): the moment a
+        watched member reaches the timeout, or the member this one would take over
+        from stops being seen running."""
         self.sizes = sizes
         self.short = None
         progress = Progress(self._min)
-        state = {"checker": not predecessors, "next_look": 0.0, "looks": 0, "full": False,
+        everyone = len(prev.members) < TREE_FROM
+        after = prev.members[len(predecessors) + 1:]
+        proof = () if everyone else predecessors[:2]
+        gone = self._watch.gone
+        state = {"checker": all(m in gone for m in predecessors), "looks": 0,
                  # a round that ends within a check interval (a healthy one) needs no
                  # full pass
                  "next_full": time.monotonic() + self._check_interval}
 
+        def next_look(now: float) -> float:
+            change = self._watch.next_change(proof)
+            return min(now + self._check_interval, change if change is not None else now
+                       + self._check_interval)
+
         def between() -> Roster | None:
             now = time.monotonic()
-            if now >= state["next_look"]:
+            if now >= self._next_look:
                 state["looks"] += 1
                 if on_look is not None:
                     on_look()
                 if state["looks"] % PRUNED_CHECK_EVERY == 0:
                     self._check_not_pruned(round_)
                 if not state["checker"]:
-                    state["checker"] = self.is_checker(predecessors)
+                    state["checker"] = self.is_checker(predecessors, after, everyone)
                     self.waiting_on = "the checker (the first live member) to write it"
-                state["next_look"] = now + self._check_interval
+                self._next_look = next_look(now)
             elif not state["checker"] and len(predecessors) == 1:
                 # next in line after the checker: a heartbeat read per poll (one member
                 # pays it) sees a checker that closed at once, not after up to a
-                # heartbeat interval (10 s on an object store)
-                state["checker"] = self.is_checker(predecessors)
-            if now >= state["next_full"]:
-                state["full"], state["next_full"] = True, now + self._check_interval
-            roster = None
+                # heartbeat interval (10 s on an object store), and one that stopped
+                # beating one beat gap after its last beat (the next look comes then)
+                state["checker"] = not self._watch.alive(predecessors[0])
+            roster, full = None, now >= state["next_full"]
             if state["checker"]:
-                roster = self.complete(prev, round_, state["full"])
-                state["full"] = False
+                roster = self.complete(prev, round_, full)
+                if full:
+                    state["next_full"] = next_look(now)
             here = self.short if state["checker"] else queued
             if roster is None and here is not None and here < self._min:
                 progress.below(here)

@@ -1,9 +1,14 @@
 """Membership history of the elastic jobs at a location, for ``ferrosync inspect``.
 
-An elastic job (``ferrosync/elastic``) keeps one roster per round under ``el`` or
-``el.{job}``, each naming the members that contributed to the round and the members
-of the next one; roster writers keep the last ``ROSTER_RETENTION`` rounds. Comparing
-consecutive rosters says who joined and who was dropped at which round; a dropped
+An elastic job (``ferrosync/elastic``) keeps its membership history in a compacted
+record ``history.{round}`` (``elastic/history.py``: the last changes in full, the
+older ones counted, the job's count of changes), rewritten by the roster writer at
+each change, and one roster per round for its last ``ROSTER_RETENTION`` rounds, each
+naming the members that contributed to the round and the members of the next one,
+and the job's count of changes (the members' ``membership_changes``). The history
+shown is the record's, then whatever the rosters on storage add after it (a change
+whose writer stopped before its record, or a job written before records existed):
+consecutive rosters say who joined and who was dropped at which round, and a dropped
 member's last heartbeat says whether it left (a graceful close), aborted, or went
 silent (died, or was paused past ``heartbeat_timeout``). Read-only: the tool never
 writes under an elastic job.
@@ -14,10 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import names
+from ..elastic.history import EVENTS, checked, count, departure, unrecorded
 from ..errors import ShardCorrupt
 from ..storage import Storage
 from ..wire import decode_record, job_key
 from .keys import JobKeys
+
+#: history records read at most per job (the newest first): two are kept, more only
+#: after a writer died between two requests
+HISTORY_READS = 3
 
 
 @dataclass
@@ -25,27 +35,31 @@ class ElasticJob:
     namespace: str
     rosters: dict[int, dict] = field(default_factory=dict)  # round -> roster record
     heartbeats: dict[str, str] = field(default_factory=dict)  # member id -> hb key
+    histories: dict[int, str] = field(default_factory=dict)  # round -> history key
     problems: list[str] = field(default_factory=list)
     state_key: str | None = None   # the published state's pointer
     ended_key: str | None = None   # the end marker (``end_job``)
 
 
 def find_jobs(keys) -> dict[str, ElasticJob]:
-    """Group listed keys by elastic namespace: rosters and heartbeats, by name only."""
+    """Group listed keys by elastic namespace: rosters, history records and heartbeats,
+    by name only."""
     jobs: dict[str, ElasticJob] = {}
     for key in keys:
         top, _, rest = key.partition("/")
         if not rest or "/" in rest or not names.is_elastic_namespace(top):
             continue
         job = jobs.setdefault(top, ElasticJob(top))
-        head, _, tail = rest.partition(".")
-        if tail == "roster" and head.startswith("r") and head[1:].isdigit():
-            job.rosters[int(head[1:])] = {"key": key}
-        elif head == "hb" and names.is_member_id(tail):
-            job.heartbeats[tail] = key
-        elif rest == names.ELASTIC_STATE_POINTER:
+        found = names.parse_elastic(rest)
+        if found.kind == "elastic_roster":
+            job.rosters[found.collective] = {"key": key}
+        elif found.kind == "elastic_history":
+            job.histories[found.collective] = key
+        elif found.kind == "elastic_heartbeat":
+            job.heartbeats[found.token] = key
+        elif found.kind == "elastic_state_pointer":
             job.state_key = key
-        elif rest == names.ELASTIC_ENDED:
+        elif found.kind == "elastic_ended":
             job.ended_key = key
     return jobs
 
@@ -61,8 +75,44 @@ def _read(storage: Storage, key: str, secret: bytes | None, problems: list[str])
         return None
 
 
+def _number(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _history(storage, job: ElasticJob, secret, latest: dict | None) -> dict | None:
+    """The newest readable history record: the one the newest roster names first."""
+    named = _number(latest.get("last_change")) if latest else None
+    order = sorted(job.histories, reverse=True)
+    if named in job.histories:
+        order.remove(named)
+        order.insert(0, named)
+    for round_ in order[:HISTORY_READS]:
+        record = checked(_read(storage, job.histories[round_], secret, job.problems), round_)
+        if record is not None:
+            return record
+        job.problems.append(f"{job.histories[round_]}: not a history record")
+    return None
+
+
+def _recorded(record: dict) -> list[dict]:
+    """The events of a history record's full entries, oldest first."""
+    events = []
+    for entry in record["recent"]:
+        for event in EVENTS:
+            listed = entry.get(event)
+            for member in listed if isinstance(listed, list) else []:
+                if isinstance(member, str):
+                    events.append({"round": entry["round"], "member": member, "event": event})
+            more = count(entry, event) - (len(listed) if isinstance(listed, list) else 0)
+            if more > 0:  # beyond the ids a record lists per change
+                events.append({"round": entry["round"], "member": None, "event": event,
+                               "count": more})
+    return events
+
+
 def job_history(storage: Storage, job: ElasticJob, keys: JobKeys) -> dict:
-    """The job's rounds still on storage, and who joined or was dropped at each."""
+    """The job's history (its record, then the rosters still on storage after it), its
+    count of changes (the newest roster's) and who is a member now."""
     # each job's records are sealed with a key derived from its secret
     secret = job_key(keys.secret(job.namespace), job.namespace)
     rosters = {}
@@ -70,27 +120,29 @@ def job_history(storage: Storage, job: ElasticJob, keys: JobKeys) -> dict:
         record = _read(storage, entry["key"], secret, job.problems)
         if isinstance(record, dict) and isinstance(record.get("members"), list):
             rosters[round_] = record
-    states = {}
-    for member, key in job.heartbeats.items():
-        record = _read(storage, key, secret, job.problems)
-        if isinstance(record, dict):
-            states[member] = record.get("state")
-    events = []
-    # the job's first roster on storage: everyone in it joined then (round 0), or the
-    # history before it was pruned (the roster writers keep a window of rounds)
-    previous = set() if rosters and min(rosters) == 0 else None
-    for round_, record in rosters.items():
-        members = [m for m in record["members"] if isinstance(m, str)]
-        if previous is not None:
-            before, now = previous, set(members)
-            for m in members:
-                if m not in before:
-                    events.append({"round": round_, "member": m, "event": "joined"})
-            for m in sorted(before - now):
-                how = {"left": "left", "aborted": "aborted"}.get(states.get(m), "died")
-                events.append({"round": round_, "member": m, "event": how})
-        previous = set(members)
     last = rosters[max(rosters)] if rosters else None
+    record = _history(storage, job, secret, last)
+    events = _recorded(record) if record else []
+    held = record["changes"] - unrecorded(record) if record else 0
+    after = record["round"] if record else -1
+    # then the rosters after the record (all of them without one): round 0 on storage
+    # means everyone in it joined then; else the history before the first was pruned
+    previous = set() if rosters and min(rosters) == 0 and after < 0 else None
+    for round_, roster in rosters.items():
+        members = [m for m in roster["members"] if isinstance(m, str)]
+        if previous is not None and round_ > after and set(members) != previous:
+            held += round_ > 0  # the first roster counts no change
+            for m in members:
+                if m not in previous:
+                    events.append({"round": round_, "member": m, "event": "joined"})
+            for m in sorted(previous - set(members)):
+                events.append({"round": round_, "member": m,
+                               "event": departure(_last_state(storage, job, m, secret))})
+        previous = set(members)
+    # the job's count, as its members have it (FINAL's membership_changes); rosters
+    # written before they counted: the changes found
+    changes = _number(last.get("changes")) if last else None
+    changes = held if changes is None else changes
     pointer = _read(storage, job.state_key, secret, job.problems) if job.state_key else None
     ended = _read(storage, job.ended_key, secret, job.problems) if job.ended_key else None
     meta = pointer.get("meta") if isinstance(pointer, dict) else None
@@ -100,8 +152,13 @@ def job_history(storage: Storage, job: ElasticJob, keys: JobKeys) -> dict:
         "job": job.namespace.partition(".")[2] or None,
         "rounds_on_storage": [min(rosters), max(rosters)] if rosters else None,
         "members": list(last["members"]) if last else [],
-        "membership_changes": len(events),
+        "membership_changes": changes,
         "events": events,
+        # the changes before ``events``, compacted in the record (counts per event;
+        # ``since``: the round of the oldest), and the changes of the count that
+        # neither the record nor the rosters on storage describe
+        "earlier": dict(record["older"]) if record else {},
+        "unrecorded": max(0, changes - held),
         # the newest published state: its round, and the trainer's step and phase
         "state": None if not isinstance(pointer, dict) else {
             "round": pointer.get("round"), "step": meta.get("step"),
@@ -109,6 +166,14 @@ def job_history(storage: Storage, job: ElasticJob, keys: JobKeys) -> dict:
         "ended_at_round": ended.get("round") if isinstance(ended, dict) else None,
         "problems": job.problems,
     }
+
+
+def _last_state(storage, job: ElasticJob, member: str, secret) -> str | None:
+    """The state in ``member``'s last heartbeat, read only for a departure the rosters
+    show (the history record says how the others went)."""
+    key = job.heartbeats.get(member)
+    record = _read(storage, key, secret, job.problems) if key else None
+    return record.get("state") if isinstance(record, dict) else None
 
 
 def elastic_reports(storage: Storage, listed, keys: JobKeys) -> list[dict]:
@@ -133,10 +198,19 @@ def render(jobs: list[dict]) -> list[str]:
         if job.get("ended_at_round") is not None:
             lines.append(f"  ENDED at round {job['ended_at_round']}: later members report, "
                          "nobody joins")
+        earlier = job.get("earlier") or {}
+        if earlier.get("entries"):
+            counted = ", ".join(f"{earlier[e]} {e}" for e in EVENTS if earlier.get(e))
+            lines.append(f"  from round {earlier.get('since')}: {earlier['entries']} "
+                         f"earlier change(s) compacted ({counted})")
         for e in job["events"][-20:]:
-            lines.append(f"  round {e['round']:<6} {e['member']}  {e['event']}")
+            who = e["member"] if e["member"] is not None else f"{e.get('count')} more"
+            lines.append(f"  round {e['round']:<6} {who}  {e['event']}")
         if len(job["events"]) > 20:
             lines.append(f"  ... {len(job['events']) - 20} earlier changes (see --json)")
+        if job.get("unrecorded"):
+            lines.append(f"  {job['unrecorded']} change(s) not recorded (a roster writer "
+                         "stopped before its history record, and its rosters are pruned)")
         for problem in job["problems"]:
             lines.append(f"  problem: {problem}")
     return lines

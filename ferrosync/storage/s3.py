@@ -200,7 +200,7 @@ def _s3_session_without_expect_continue():
     botocore adds the header to every PUT with a file-like body, and the client then
     waits for the server's ``100 Continue`` before sending the body: one more round
     trip per PUT. Through a 50 ms-RTT link a small PUT took 105 ms with it, 54 ms
-    without (tools/wan_proxy.py, docs/goodput.md). What it would save, a rejected
+    without (ferrosync/testing/wan_proxy.py, docs/goodput.md). What it would save, a rejected
     upload's bytes, does not apply to objects this small or this often written. A
     session given in ``storage_options`` is used as it is.
     """

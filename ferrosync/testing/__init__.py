@@ -1,2 +1,6 @@
-"""Servers and proxies the test suite and the tools start (stdlib imports only at module
-level; never imported by ``import ferrosync``)."""
+"""Servers and proxies for tests and benchmarks, on loopback only (never imported by
+``import ferrosync``; every module imports only the standard library at module level):
+``seaweed`` (SeaweedFS, a real S3 server), ``emulators`` (fake-gcs-server, Azurite),
+``wan_proxy`` (a slow, distant link: ``python -m ferrosync.testing.wan_proxy``),
+``fault_proxy`` (lost replies, cut bodies, resets, 503s: ``python -m
+ferrosync.testing.fault_proxy``)."""

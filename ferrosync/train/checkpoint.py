@@ -195,20 +195,24 @@ class CheckpointStore:
     def rank_key(step: int, rank: int) -> str:
         return f"step-{step:08d}.r{rank}.pt"
 
-    def save_rank(self, step: int, rank: int, state: dict) -> None:
-        """Every rank (before rank 0's ``save`` of the same step): this rank's own state."""
+    def save_rank(self, step: int, rank: int, state: dict) -> int:
+        """Every rank (before rank 0's ``save`` of the same step): this rank's own state.
+        Returns its size in bytes, for ``save``'s ``rank_sizes``."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
         self.storage.makedirs("")
-        self.storage.put(self.rank_key(step, rank), [buffer.getbuffer()])
+        return self.storage.put(self.rank_key(step, rank), [buffer.getbuffer()])
 
     def load_rank(self, meta: dict, rank: int) -> dict:
         """This rank's file of the checkpoint ``meta`` describes (see ``save_rank``)."""
         return self._load_key(self.rank_key(int(meta["step"]), rank), meta)
 
-    def save(self, state: dict, meta: dict, *, keep: int = 2) -> str:
+    def save(self, state: dict, meta: dict, *, keep: int = 2,
+             rank_sizes: dict[str, int] | None = None) -> str:
         """Rank 0: publish ``state`` as ``step-<step>.pt``, then point ``latest.json`` at
         it, then delete all but the newest ``keep`` checkpoints. Returns the file's path.
+        ``rank_sizes``: the size of every rank file of this step, as its writer wrote it
+        (``save_rank``'s answers, gathered); ``latest.json`` declares them.
         """
         step = int(meta["step"])
         key = f"step-{step:08d}.pt"
@@ -218,9 +222,8 @@ class CheckpointStore:
         nbytes = self.storage.put(key, [buffer.getbuffer()])
         files = [(int(m.group(1)), name, size) for name, size in self.storage.list("")
                  if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
-        # the sizes readers are held to: this file's as written, the ranks' own files'
-        # (written before the barrier that precedes this) as storage lists them
-        sizes = {name: size for s, name, size in files if s == step} | {key: nbytes}
+        # the sizes readers are held to: every file of this step as its writer wrote it
+        sizes = {**(rank_sizes or {}), key: nbytes}
         meta = {**meta, "format": FORMAT, "file": key, "bytes": sizes}
         # latest.json only after the checkpoint itself is complete: a crash between
         # the two leaves the previous (whole) checkpoint as the latest
@@ -240,8 +243,8 @@ class CheckpointStore:
 
 def _declared(meta: dict, key: str) -> int | None:
     """The size ``meta`` (``latest.json``) declares for ``key``; None where it declares
-    none (an index written before sizes were; a rank file the listing at save time did
-    not show). A malformed declaration is a ``ConfigError``."""
+    none (an index written before sizes were). A malformed declaration is a
+    ``ConfigError``."""
     sizes = meta.get("bytes")
     size = None if sizes is None else sizes.get(key) if isinstance(sizes, dict) else sizes
     if size is None:

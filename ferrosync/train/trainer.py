@@ -287,17 +287,24 @@ class Trainer:
         }
         step = self.strategy.progress(self.step)  # the same on every rank
         per_rank = not (self.strategy.replicated and self.strategy.lockstep)
+        rank_sizes = {}
         if per_rank:
             # parameters, inner optimizer state and data position differ per rank
-            self.checkpoints.save_rank(step, self.rank, own)
-            sync.barrier()  # every rank file exists before latest.json can name the step
+            nbytes = self.checkpoints.save_rank(step, self.rank, own)
+            # a barrier that carries each rank file's size: every rank file exists
+            # before latest.json can name the step, and latest.json declares what each
+            # holds (a reader is held to it), whatever a listing would show
+            sizes = sync.all_gather(torch.tensor([nbytes], dtype=torch.int64))
+            rank_sizes = {self.checkpoints.rank_key(step, k): int(t.item())
+                          for k, t in enumerate(sizes)}
         if self.rank == 0:
             state = {**own, "strategy": self.strategy.state_dict(), "rng": rng}
             meta = {"step": step, "epoch": epoch, "world_size": self.world_size,
                     "strategy": self.strategy.name, "batch_size": self.batch_size,
                     "seed": self.seed, "model": model_signature(self.model),
                     "rank_files": per_rank}
-            self.checkpoints.save(state, meta, keep=self.keep_checkpoints)
+            self.checkpoints.save(state, meta, keep=self.keep_checkpoints,
+                                  rank_sizes=rank_sizes)
         return time.perf_counter() - start
 
     # -- the loop ----------------------------------------------------------------------

@@ -39,7 +39,7 @@ import time
 import urllib.error
 import urllib.request
 
-from seaweed import free_ports
+from ferrosync.testing.seaweed import free_ports
 
 __all__ = ["AZURITE_ACCOUNT", "AZURITE_KEY", "AzuriteServer", "FakeGcsServer",
            "azurite_binary", "fake_gcs_binary"]

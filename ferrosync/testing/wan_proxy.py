@@ -1,12 +1,12 @@
 """A TCP proxy on loopback that behaves like a slow, distant link (no ``netem`` needed).
 
-Put it between ferrosync and a local S3 server (``tools/seaweed.py``) to see what a
+Put it between ferrosync and a local S3 server (``ferrosync/testing/seaweed.py``) to see what a
 given bandwidth and round-trip time do to training, without leaving the machine::
 
     with WanProxy(target_port=8333, rate_bps=100e6, rtt_s=0.050) as proxy:
         endpoint = f"http://127.0.0.1:{proxy.port}"   # clients connect here
 
-    python tools/wan_proxy.py --target 127.0.0.1:8333 --rate 100Mbit --rtt 50ms \\
+    python -m ferrosync.testing.wan_proxy --target 127.0.0.1:8333 --rate 100Mbit --rtt 50ms \\
         --duration 600
 
 The model is one shared link per direction (all connections through the proxy share
