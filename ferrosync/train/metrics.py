@@ -14,6 +14,9 @@ batch loss. The strategy's telemetry keys (``ferrosync.strategies.TELEMETRY_KEYS
 are on every line, null where the step did not synchronise (or the strategy does
 not measure them). A rank 0 that had nothing to train in a time-based window
 writes a line for the sync it joined idle: the same ``step`` again, ``loss`` null.
+``--metrics-digest`` adds ``param_digest`` (the model after a step that synced, hex;
+null otherwise); an elastic member adds ``members``, ``rank`` and, on its first
+line after joining with ``--metrics-digest``, ``resumed_digest``.
 """
 
 from __future__ import annotations
@@ -199,8 +202,14 @@ def param_digest(model: torch.nn.Module) -> bytes:
 
     Equal digests mean bit-identical parameters and buffers.
     """
+    return state_digest(model.state_dict())
+
+
+def state_digest(state: dict) -> bytes:
+    """``param_digest`` of a model's ``state_dict()`` given as such (a published
+    elastic state's model part, rebuilt with ``state_tree.unflatten``)."""
     h = hashlib.sha256()
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
         h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -147,7 +147,8 @@ def build_trainer(args) -> Trainer:
     epochs = args.epochs if args.epochs or args.steps else DEFAULT_EPOCHS
     common = dict(batch_size=args.batch_size or DEFAULT_BATCH_SIZE, epochs=epochs,
                   steps=args.steps, strategy=strategy, seed=args.seed or 0,
-                  progress=not args.no_progress, storage_prices=args.storage_prices)
+                  progress=not args.no_progress, storage_prices=args.storage_prices,
+                  metrics_digest=args.metrics_digest)
     if args.elastic:
         trainer = ElasticTrainer(
             _model_fn(args), _optimizer_fn(args), loss_fn, train, **common,

@@ -57,7 +57,13 @@ from .checkpoint import (
     restore_rng,
 )
 from .fingerprint import check_same_data, fingerprint
-from .metrics import PathClaim, final_line, format_summary, require_tensorboard
+from .metrics import (
+    PathClaim,
+    final_line,
+    format_summary,
+    param_digest,
+    require_tensorboard,
+)
 from .run_log import LOSS_WINDOW, RunLog
 from .summary import float_or_none, summarise
 
@@ -89,6 +95,9 @@ class Trainer:
         seed: model initialisation, data order and per-rank RNG seeds derive from it.
         metrics_path: rank 0 writes one JSON line per step there (a local path;
             another live process writing it on this host is a ConfigError, here).
+        metrics_digest: every line of a step that synced also carries
+            ``param_digest`` (``metrics.param_digest``, hex): what ranks, or members
+            of an elastic job, that finished the same round must agree on.
         tensorboard_dir: rank 0 writes TensorBoard scalars there (``TensorBoardWriter``;
             needs the ``tensorboard`` package: ``pip install 'ferrosync[tensorboard]'``).
         checkpoint_dir: directory or fsspec URL, visible to every rank.
@@ -130,6 +139,7 @@ class Trainer:
         strategy: Strategy | None = None,
         seed: int = 0,
         metrics_path: str | None = None,
+        metrics_digest: bool = False,
         tensorboard_dir: str | None = None,
         checkpoint_dir: str | None = None,
         checkpoint_every: int | None = None,
@@ -170,6 +180,7 @@ class Trainer:
         self.rank, self.world_size = identity.rank, identity.world_size
         self.sync, self.loss_fn, self.eval_fn = sync, loss_fn, eval_fn
         self.metrics_path, self.tensorboard_dir = metrics_path, tensorboard_dir
+        self.metrics_digest = bool(metrics_digest)
         if metrics_path and (self.per_member or self.rank == 0):
             self._metrics_claim = PathClaim(metrics_path)  # another writer: refused now
         self._batch_accuracy: float | None = None
@@ -433,6 +444,10 @@ class Trainer:
         after = sync.stats["total"]
         step_s = time.perf_counter() - start
         sync_s = float(telemetry.get("sync_s", 0.0))
+        synced = bool(telemetry.get("synced", False))
+        digest = {}
+        if self.metrics_digest:  # between syncs the ranks' models may differ: no digest
+            digest["param_digest"] = param_digest(self.model).hex() if synced else None
         return {
             "step": self.step,
             "epoch": self.epoch,
@@ -443,8 +458,9 @@ class Trainer:
             "bytes": (after["bytes_written"] - before["bytes_written"]
                       + after["bytes_read"] - before["bytes_read"]),
             "requests": after["requests"] - before["requests"],
-            "synced": bool(telemetry.get("synced", False)),
+            "synced": synced,
             **{key: telemetry.get(key) for key in TELEMETRY_KEYS},
+            **digest,
             "samples": batch,
         }
 
