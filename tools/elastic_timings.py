@@ -1,19 +1,19 @@
 """Churn timings of an elastic job, as a spot user sees them (docs/elastic.md#churn).
 
     python tools/elastic_timings.py [--url DIR_OR_S3_URL] [--heartbeat-timeout S]
-                                    [--runs N] [--seaweed] [--members 4,6]
+                                    [--runs N] [--seaweed] [--members 2,3,4,6]
                                     [--victims first,checker+last,last]
                                     [--scenarios kill,close,loss]
 
 Three scenarios, each with real member processes on this machine (``--seaweed``: over
 a SeaweedFS server started on loopback, ferrosync/testing/seaweed.py):
 
-* **kill** (members that die together): for each size of ``--members`` (4: every
-  round reads every contribution; 6: every average is a tree round) and each kind of
-  victims of ``--victims``, the members average in a loop and two of them are
+* **kill** (members that die together): for each size of ``--members`` (2 to 4: every
+  round reads every contribution; from 5 every average is a tree round) and each kind
+  of victims of ``--victims``, the members average in a loop and two of them are
   SIGKILLed at the same moment: ``first`` (roster positions 0 and 1: the roster's
   checker and the next in line), ``checker+last`` (0 and the last), ``last`` (the
-  last two). Printed: seconds from the kill to the end of the first average a
+  last two); at 2 members one of them (0, 0 and 1), so that one survives. Printed: seconds from the kill to the end of the first average a
   survivor completes without them, and that as a multiple of ``heartbeat_timeout``
   (the bound set is 1.5), with the range over ``--runs``.
 * **close**: 3 members; one catches SIGTERM and calls ``close()`` from its handler.
@@ -128,10 +128,11 @@ def _first_round_without(job: Job, survivors, world: int, after: float) -> float
 
 
 #: the victim sets of the kill scenario, as roster positions of ``members`` members
+#: (two of them; at 2 members one, so that a member survives to average without it)
 VICTIMS = {
-    "first": lambda n: (0, 1),  # the checker and the next in line
-    "checker+last": lambda n: (0, n - 1),
-    "last": lambda n: (n - 2, n - 1),
+    "first": lambda n: (0, 1) if n > 2 else (0,),  # the checker and the next in line
+    "checker+last": lambda n: (0, n - 1) if n > 2 else (0,),
+    "last": lambda n: (n - 2, n - 1) if n > 2 else (1,),
 }
 
 
@@ -140,8 +141,8 @@ def kill_together(url, options, workdir, members: int, positions) -> float:
     of the first average a survivor completes without them."""
     job = Job(url, options, workdir)
     try:
-        for k in range(members):
-            job.start(k, 2)
+        for k in range(members):  # min_ranks the survivors meet: they go on without the victims
+            job.start(k, min(2, members - len(positions)))
         job.wait(lambda: all(len(job.rows(k)) >= 5 and job.rows(k)[-1]["world"] == members
                              for k in range(members)), f"{members} members")
         ranks = {job.rows(k)[-1]["rank"]: k for k in range(members)}
@@ -225,7 +226,7 @@ def main() -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=6.0)
     p.add_argument("--heartbeat-interval", type=float, default=None)
     p.add_argument("--runs", type=int, default=1)
-    p.add_argument("--members", default="4,6", help="sizes of the kill scenario's job, "
+    p.add_argument("--members", default="2,3,4,6", help="sizes of the kill scenario's job, "
                    "comma-separated (from 5 every average is a tree round)")
     p.add_argument("--victims", default=",".join(VICTIMS),
                    help="kinds of victims of the kill scenario: " + ", ".join(VICTIMS))
