@@ -13,9 +13,10 @@ a SeaweedFS server started on loopback, ferrosync/testing/seaweed.py):
   of victims of ``--victims``, the members average in a loop and two of them are
   SIGKILLed at the same moment: ``first`` (roster positions 0 and 1: the roster's
   checker and the next in line), ``checker+last`` (0 and the last), ``last`` (the
-  last two); at 2 members one of them (0, 0 and 1), so that one survives. Printed: seconds from the kill to the end of the first average a
-  survivor completes without them, and that as a multiple of ``heartbeat_timeout``
-  (the bound set is 1.5), with the range over ``--runs``.
+  last two); at 2 members one of them (0, 0 and 1), so that one survives. Printed:
+  seconds from the kill to the end of the first average a survivor completes without
+  them, and that as a multiple of ``heartbeat_timeout`` (the bound set is 1.5), with
+  the range over ``--runs``.
 * **close**: 3 members; one catches SIGTERM and calls ``close()`` from its handler.
   Printed: seconds from the SIGTERM to the end of the first round without it.
 * **loss** (total loss): 2 members publish their state every round and are SIGKILLed;

@@ -607,7 +607,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the soak fails if no step comes for this many seconds")
     add_fault_flags(p, delay_ms=2.0)
     p.add_argument("--endpoint", help="a running S3 endpoint (signed with the local test "
-                   "key pair, tools/seaweed.py) instead of starting SeaweedFS")
+                   "key pair, ferrosync/testing/seaweed.py) instead of starting SeaweedFS")
     p.add_argument("--bucket", default="soak", help="the bucket (created with a new server)")
     p.add_argument("--workdir", help="where the members' metrics and logs go (default: a "
                    "new temporary directory, kept)")
