@@ -152,17 +152,9 @@ def gloo_reference(world: int, *, steps: int = 20, unused: bool = False) -> list
 Op = dist.ReduceOp
 
 
-def collectives(rank, world, location, options=None):
-    """Every collective the backend offers, with inputs the test can predict.
-
-    Returns {name: result} (tensors and objects) for the test to check and compare
-    across ranks; raises if a bad call does not raise ``ConfigError`` or leaves
-    the group unusable.
-    """
-    dist.init_process_group("ferrosync", init_method=location, rank=rank, world_size=world,
-                            timeout=TIMEOUT, pg_options=options)
+def _all_reduces(rank: int, base: torch.Tensor, ints: torch.Tensor) -> dict:
+    """all_reduce with every op on every dtype, non-contiguous, complex and async."""
     out = {}
-    base = torch.arange(1, 7, dtype=torch.float32) * (rank + 1)
     for op in ("SUM", "AVG", "MAX", "MIN", "PRODUCT"):
         t = base.clone()
         dist.all_reduce(t, op=getattr(Op, op))
@@ -172,7 +164,6 @@ def collectives(rank, world, location, options=None):
             t = base.to(dtype)
             dist.all_reduce(t, op=getattr(Op, op))
             out[f"{str(dtype)[6:]}.{op}"] = t
-    ints = torch.tensor([rank + 1, 3 * rank, -rank, 7, 1 << rank], dtype=torch.int64)
     for op in ("SUM", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR"):
         t = ints.clone()
         dist.all_reduce(t, op=getattr(Op, op))
@@ -191,7 +182,12 @@ def collectives(rank, world, location, options=None):
     work = dist.all_reduce(t, op=Op.AVG, async_op=True)
     assert work.wait() and work.is_completed()
     out["async.AVG"] = work.get_future().wait()[0]
+    return out
 
+
+def _tensor_collectives(rank: int, world: int, ints: torch.Tensor) -> dict:
+    """all_gather, reduce_scatter, broadcast, reduce, gather and scatter of tensors."""
+    out = {}
     gathered = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(gathered, torch.tensor([rank, 10 * rank]))
     out["all_gather"] = torch.stack(gathered)
@@ -222,16 +218,21 @@ def collectives(rank, world, location, options=None):
     scatter_list = [torch.full((3,), 100.0 + j) for j in range(world)] if rank == 0 else None
     dist.scatter(t, scatter_list, src=0)
     out["scatter"] = t
+    return out
 
+
+def _object_collectives(rank: int, world: int) -> dict:
+    """all_gather_object (uneven sizes) and broadcast_object_list, then a barrier."""
     objects = [None] * world
     dist.all_gather_object(objects, {"rank": rank, "pad": "x" * (100 * rank)})  # uneven sizes
-    out["all_gather_object"] = objects
     shared = [rank, f"from rank {rank}", {"nested": [rank] * 3}]
     dist.broadcast_object_list(shared, src=world - 1)
-    out["broadcast_object_list"] = shared
     dist.barrier()
+    return {"all_gather_object": objects, "broadcast_object_list": shared}
 
-    # bad calls raise ConfigError before any I/O and leave the group usable
+
+def _bad_calls(rank: int, world: int, base: torch.Tensor, ints: torch.Tensor) -> dict:
+    """Bad calls raise ConfigError before any I/O and leave the group usable."""
     errors = []
     for bad in (lambda: dist.all_reduce(ints.bool(), op=Op.AVG),  # integer AVG works
                 lambda: dist.all_reduce(base.clone(), op=Op.BAND),
@@ -240,10 +241,26 @@ def collectives(rank, world, location, options=None):
             bad()
         except ValueError as exc:  # ConfigError
             errors.append(type(exc).__name__)
-    out["errors"] = errors
     t = base.clone()
     dist.all_reduce(t, op=Op.MAX)
-    out["after_errors.MAX"] = t
+    return {"errors": errors, "after_errors.MAX": t}
+
+
+def collectives(rank, world, location, options=None):
+    """Every collective the backend offers, with inputs the test can predict.
+
+    Returns {name: result} (tensors and objects) for the test to check and compare
+    across ranks; raises if a bad call does not raise ``ConfigError`` or leaves
+    the group unusable.
+    """
+    dist.init_process_group("ferrosync", init_method=location, rank=rank, world_size=world,
+                            timeout=TIMEOUT, pg_options=options)
+    base = torch.arange(1, 7, dtype=torch.float32) * (rank + 1)
+    ints = torch.tensor([rank + 1, 3 * rank, -rank, 7, 1 << rank], dtype=torch.int64)
+    out = _all_reduces(rank, base, ints)
+    out.update(_tensor_collectives(rank, world, ints))
+    out.update(_object_collectives(rank, world))
+    out.update(_bad_calls(rank, world, base, ints))
 
     sub = dist.new_group([0, 1])
     if rank in (0, 1):

@@ -127,6 +127,57 @@ def start_live(tmp_path, url, options=FAST, env=None, name="live"):
     return procs, q, stop
 
 
+def plant_strays(url: str, live_dir: str) -> tuple[str, str]:
+    """Half-written temp files of dead writers (one in the live generation ``live_dir``,
+    one in the rendezvous) and a file that is not ferrosync's; returns the two temps."""
+    orphan = os.path.join(url, live_dir, f".c99.r1.{DEAD_PID}.deadbeef.tmp")
+    rdzv_orphan = os.path.join(url, NS, f".join.r1.9.{DEAD_PID}.0badf00d.tmp")
+    for path in (orphan, rdzv_orphan):
+        with open(path, "wb") as f:
+            f.write(b"half a write")
+    with open(os.path.join(url, "notes.txt"), "w") as f:
+        f.write("not ferrosync's: left alone")
+    return orphan, rdzv_orphan
+
+
+def check_three_runs_report(report: dict, live_dir: str, procs) -> None:
+    """``inspect --json`` on a finished run (g0), an aborted one (g1) and the live one
+    (g2, ``live_dir``, ranks ``procs``) with the strays of ``plant_strays``."""
+    gens = by_number(report)
+    assert sorted(gens) == [0, 1, 2]
+    assert gens[0]["status"] == "finished"
+    assert [r["state"] for r in gens[0]["ranks"]] == ["closed", "closed"]
+    assert gens[1]["status"] == "finished"
+    messages = [a["message"] for a in gens[1]["aborts"]]
+    assert any("boom from the test" in m for m in messages), gens[1]["aborts"]
+    assert gens[2]["status"] == "live"
+    for r in gens[2]["ranks"]:
+        assert r["state"] == "live" and r["beat_changed"], r
+        assert r["collective"] >= 1 and r["op"] == "average"
+    # the planted orphan, and at most the live ranks' own writes in progress
+    temps = gens[2]["temp_files"]
+    assert f"{live_dir}/.c99.r1.{DEAD_PID}.deadbeef.tmp" in temps, temps
+    live_pids = {str(p.pid) for p in procs.values()}
+    in_progress = [t for t in temps if ".deadbeef." not in t]
+    assert all(t.rsplit(".", 3)[1] in live_pids for t in in_progress), (temps, live_pids)
+    assert report["orphan_temp_files"] == [f"{NS}/.join.r1.9.{DEAD_PID}.0badf00d.tmp"]
+    # claims of every rank, and end markers: the rendezvous's, never "foreign"
+    assert report["foreign_objects"] == ["notes.txt"]
+    (job,) = report["jobs"]
+    assert job["namespace"] == NS and job["job"] == "tests"
+    assert job["announcements"] == [0, 1, 2] and job["newest"] == 2
+    assert job["newest_prefix"] == live_dir and job["unconsumed_joins"] == {}
+    assert job["end_records"] == 4  # both finished runs' ranks closed their claims
+    assert job["open_claims"] == {"0": 2, "1": 2}  # the live run's
+    assert {(g["job"], g["namespace"]) for g in gens.values()} == {("tests", NS)}
+    assert [g["newest_of_job"] for _, g in sorted(gens.items())] == [False, False, True]
+    assert all(g["bytes"] > 0 for g in gens.values())
+    # one listing: the total is every generation, rdzv/ and the loose files
+    loose = len(b"half a write") + len("not ferrosync's: left alone")
+    assert report["total_bytes"] == sum(g["bytes"] for g in report["generations"]) + \
+        report["rdzv"]["bytes"] + loose
+
+
 # -- tests -----------------------------------------------------------------------------------
 
 def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
@@ -138,49 +189,11 @@ def test_inspect_and_gc_on_finished_aborted_and_live_runs(tmp_path, capsys):
     procs, q, stop = start_live(tmp_path, url)  # generation 2: live
     try:
         live_dir = next(d for d in generation_dirs(url) if d.startswith("g2."))
-        orphan = os.path.join(url, live_dir, f".c99.r1.{DEAD_PID}.deadbeef.tmp")
-        rdzv_orphan = os.path.join(url, NS, f".join.r1.9.{DEAD_PID}.0badf00d.tmp")
-        for path in (orphan, rdzv_orphan):
-            with open(path, "wb") as f:
-                f.write(b"half a write")
-        with open(os.path.join(url, "notes.txt"), "w") as f:
-            f.write("not ferrosync's: left alone")
+        orphan, rdzv_orphan = plant_strays(url, live_dir)
 
         # the watch ends as soon as both live ranks have beaten: 10 s is only a bound
         report = tool_json(capsys, "inspect", url, "--watch", "10")
-        gens = by_number(report)
-        assert sorted(gens) == [0, 1, 2]
-        assert gens[0]["status"] == "finished"
-        assert [r["state"] for r in gens[0]["ranks"]] == ["closed", "closed"]
-        assert gens[1]["status"] == "finished"
-        messages = [a["message"] for a in gens[1]["aborts"]]
-        assert any("boom from the test" in m for m in messages), gens[1]["aborts"]
-        assert gens[2]["status"] == "live"
-        for r in gens[2]["ranks"]:
-            assert r["state"] == "live" and r["beat_changed"], r
-            assert r["collective"] >= 1 and r["op"] == "average"
-        # the planted orphan, and at most the live ranks' own writes in progress
-        temps = gens[2]["temp_files"]
-        assert f"{live_dir}/.c99.r1.{DEAD_PID}.deadbeef.tmp" in temps, temps
-        live_pids = {str(p.pid) for p in procs.values()}
-        in_progress = [t for t in temps if ".deadbeef." not in t]
-        assert all(t.rsplit(".", 3)[1] in live_pids for t in in_progress), (temps, live_pids)
-        assert report["orphan_temp_files"] == [f"{NS}/.join.r1.9.{DEAD_PID}.0badf00d.tmp"]
-        # claims of every rank, and end markers: the rendezvous's, never "foreign"
-        assert report["foreign_objects"] == ["notes.txt"]
-        (job,) = report["jobs"]
-        assert job["namespace"] == NS and job["job"] == "tests"
-        assert job["announcements"] == [0, 1, 2] and job["newest"] == 2
-        assert job["newest_prefix"] == live_dir and job["unconsumed_joins"] == {}
-        assert job["end_records"] == 4  # both finished runs' ranks closed their claims
-        assert job["open_claims"] == {"0": 2, "1": 2}  # the live run's
-        assert {(g["job"], g["namespace"]) for g in gens.values()} == {("tests", NS)}
-        assert [g["newest_of_job"] for _, g in sorted(gens.items())] == [False, False, True]
-        assert all(g["bytes"] > 0 for g in gens.values())
-        # one listing: the total is every generation, rdzv/ and the loose files
-        loose = len(b"half a write") + len("not ferrosync's: left alone")
-        assert report["total_bytes"] == sum(g["bytes"] for g in report["generations"]) + \
-            report["rdzv"]["bytes"] + loose
+        check_three_runs_report(report, live_dir, procs)
         code, text = tool(capsys, "inspect", url, "--watch", "0")
         assert code == 0 and "boom from the test" in text and "FINISHED" in text
         detail = by_number(tool_json(capsys, "inspect", url, "--watch", "0", "--objects"))
@@ -633,81 +646,3 @@ def test_a_launch_is_over_when_its_launcher_has_exited():
     rebooted = keys.KeyFile("j", "p", None, None, {**record.launcher, "boot_id": "old"})
     if record.launcher["boot_id"]:
         assert "has rebooted" in rebooted.launcher_gone()
-
-
-# -- elastic jobs: the membership history -------------------------------------------------------
-
-@pytest.mark.unit
-def test_inspect_tells_an_elastic_jobs_whole_history_whoever_wrote_it(tmp_path, capsys):
-    """Roster writers (a new one every round, as when checkers change; some dying
-    between their roster and their history record) run 260 rounds with 82 membership
-    changes over a directory, through the elastic layer's own ``Rosters``. ``inspect``
-    counts the changes as the rosters do and covers the whole job: the last changes in
-    full (two lost records rebuilt from their rosters by the next writer), the older
-    ones counted, and the one change whose writer died before a quiet spell pruned its
-    rosters said to be unrecorded; two history records on storage."""
-    from ferrosync import names
-    from ferrosync.backends.objects import Objects
-    from ferrosync.elastic import history as hist
-    from ferrosync.elastic import membership as mb
-    from ferrosync.storage import open_storage
-    from ferrosync.wire import job_key, job_tag
-
-    ns = names.elastic_namespace("hist")
-    storage = open_storage(str(tmp_path))
-    objects = Objects(storage, ns, key=job_key(b"s3cret", ns), tag=job_tag(ns),
-                      poll=(0.01, 0.01))
-    storage.makedirs(ns)
-    ids = (f"{n:016x}" for n in range(1, 1000))
-
-    def how(member):  # what the writer's watch says of a departed member
-        return "left" if int(member, 16) % 2 else "silent"
-
-    lost = {101, 103, 159}  # these writers die between their roster and their record
-    changed_at = [r for r in range(1, 160, 2)] + [240, 259]
-    prev, entries = mb.EMPTY, []  # entries: (round, [(member, event)]) as recorded
-    for round_ in range(260):
-        members = prev.members or (next(ids), next(ids))
-        if round_ == 0:
-            entries.append((0, [(m, "joined") for m in members]))
-        elif round_ in changed_at:  # one joins, or the longest-standing member goes
-            if len(entries) % 2:
-                members += (next(ids),)
-                entries.append((round_, [(members[-1], "joined")]))
-            else:
-                members = members[1:]
-                event = "left" if how(prev.members[0]) == "left" else "died"
-                entries.append((round_, [(prev.members[0], event)]))
-        roster = mb.Roster(round_, prev.members, members, 0)
-        roster = mb.replace(roster, changes=roster.changes_after(prev)).chained(prev)
-        if round_ in lost:
-            mb.Rosters(objects).create(roster)  # the roster only: its writer died
-        else:
-            mb.Rosters(objects).create(roster, prev, how)
-        prev = roster
-    assert prev.changes == len(changed_at) == 82
-
-    assert main(["inspect", str(tmp_path), "--json", "--watch", "0", "--secret",
-                 "s3cret"]) == 0
-    (job,) = json.loads(capsys.readouterr().out)["elastic_jobs"]
-    assert job["membership_changes"] == 82 and not job["problems"], job
-    assert job["unrecorded"] == 1  # round 159: its rosters were pruned before round 240
-    recorded = [e for e in entries if e[0] != 159]
-    full, older = recorded[-hist.KEEP:], recorded[:-hist.KEEP]
-    assert [(e["round"], e["member"], e["event"]) for e in job["events"]] == [
-        (r, m, ev) for r, changes in full for m, ev in changes]
-    assert job["earlier"] == {
-        "entries": len(older), "since": 0, "changes": len(older) - 1,  # the founding: 0
-        **{ev: n for ev in ("joined", "left", "died")
-           if (n := sum(e == ev for _, c in older for _, e in c))}}
-    records = sorted(k for k in os.listdir(tmp_path / ns) if k.startswith("history."))
-    assert records == ["history.240", "history.259"]
-    assert max(os.path.getsize(tmp_path / ns / k) for k in records) < 16 << 10
-
-    assert main(["inspect", str(tmp_path), "--watch", "0", "--secret", "s3cret"]) == 0
-    text = capsys.readouterr().out
-    assert (f"elastic job hist  el.hist/  rounds 196-259 on storage  {len(prev.members)} "
-            "member(s) now, 82 change(s)") in text, text
-    assert f"from round 0: {len(older)} earlier change(s) compacted (" in text, text
-    assert f"  round 259    {full[-1][1][0][0]}  {full[-1][1][0][1]}" in text, text
-    assert "1 change(s) not recorded" in text, text

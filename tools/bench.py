@@ -428,7 +428,8 @@ def plot(rows, path):
     print(f"wrote {path}")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line; ``threads`` and ``backends`` as lists, the setups checked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--payloads", default="4KiB,1MiB,16MiB,64MiB,256MiB",
                         help="comma-separated float32 payload sizes")
@@ -454,9 +455,53 @@ def main() -> None:
     for t in args.threads:
         if t not in ("default", "pinned"):
             raise SystemExit(f"--threads: unknown setup {t!r}; use default and/or pinned")
+    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    return args
+
+
+def measure_rows(args, worlds: list[int], payloads: list[int], tmp: list[str]) -> list[dict]:
+    """One row per threading setup, world size, backend and payload (the servers already
+    started), each with its ratio to gloo's median in the same setup."""
+    rows = []
+    for threads in args.threads:
+        for world in worlds:
+            for backend, spec in specs(args, world, tmp).items():
+                spec["threads"] = threads
+                sizes = payloads
+                if backend == "s3" or backend in SERVED:
+                    sizes = [p for p in payloads if p <= parse_size(args.s3_max_bytes)]
+                print(f"running {backend} with {world} ranks, {threads} threads ...",
+                      file=sys.stderr)
+                for row in run_group(spec, world, sizes, args.warmup, args.iters):
+                    row["backend"] = backend
+                    row["threads"] = threads
+                    if backend in SERVED:
+                        scheme, name = SERVED[backend]
+                        row["floor_ms"] = raw_floor_ms(scheme, args.options[name],
+                                                       row["payload"], args.iters)
+                        row["vs_floor"] = row["p50_ms"] / row["floor_ms"]
+                        cpu_bound(row)
+                    rows.append(row)
+    gloo = {(r["threads"], r["world"], r["payload"]): r["p50_ms"] for r in rows
+            if r["backend"] == "gloo"}
+    for r in rows:
+        ref = gloo.get((r["threads"], r["world"], r["payload"]))
+        r["vs_gloo"] = r["p50_ms"] / ref if ref else None
+    return rows
+
+
+def print_wires(wires: list[dict], payload: str) -> None:
+    print(f"\nbytes written + read per rank per collective, {payload} float32, "
+          "2 ranks, root reduce (the reducer's own contribution never travels):")
+    for w in wires:
+        print(f"  {w['wire']:<9} {w['bytes_per_rank']:>12,} B  "
+              f"{w['fraction_of_float32']:.1%} of float32")
+
+
+def main() -> None:
+    args = parse_args()
     payloads = sorted(parse_size(p) for p in args.payloads.split(","))
     worlds = [int(w) for w in args.world_sizes.split(",")]
-    args.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     command = "python tools/bench.py " + " ".join(sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     tmp: list[str] = []
@@ -472,38 +517,11 @@ def main() -> None:
             if backend in args.backends and not args.wire_only:
                 args.servers[name], args.options[name] = starters[name](tmp)
         if not args.wire_only:
-            for threads in args.threads:
-                for world in worlds:
-                    for backend, spec in specs(args, world, tmp).items():
-                        spec["threads"] = threads
-                        sizes = payloads
-                        if backend == "s3" or backend in SERVED:
-                            sizes = [p for p in payloads if p <= parse_size(args.s3_max_bytes)]
-                        print(f"running {backend} with {world} ranks, {threads} threads ...",
-                              file=sys.stderr)
-                        for row in run_group(spec, world, sizes, args.warmup, args.iters):
-                            row["backend"] = backend
-                            row["threads"] = threads
-                            if backend in SERVED:
-                                scheme, name = SERVED[backend]
-                                row["floor_ms"] = raw_floor_ms(scheme, args.options[name],
-                                                               row["payload"], args.iters)
-                                row["vs_floor"] = row["p50_ms"] / row["floor_ms"]
-                                cpu_bound(row)
-                            rows.append(row)
-            gloo = {(r["threads"], r["world"], r["payload"]): r["p50_ms"] for r in rows
-                    if r["backend"] == "gloo"}
-            for r in rows:
-                ref = gloo.get((r["threads"], r["world"], r["payload"]))
-                r["vs_gloo"] = r["p50_ms"] / ref if ref else None
+            rows = measure_rows(args, worlds, payloads, tmp)
             print_table(rows, command)
             plot(rows, os.path.join(args.out, "bench.png"))
         wires = wire_rows(args, tmp)
-        print(f"\nbytes written + read per rank per collective, {args.wire_payload} float32, "
-              "2 ranks, root reduce (the reducer's own contribution never travels):")
-        for w in wires:
-            print(f"  {w['wire']:<9} {w['bytes_per_rank']:>12,} B  "
-                  f"{w['fraction_of_float32']:.1%} of float32")
+        print_wires(wires, args.wire_payload)
     finally:
         if server is not None:
             server.stop()

@@ -59,7 +59,7 @@ def _wait(predicate, what: str, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def main(argv=None) -> int:
+def _parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--members", type=int, default=3, help="members started at once")
     p.add_argument("--min-ranks", type=int, default=2)
@@ -75,10 +75,11 @@ def main(argv=None) -> int:
     p.add_argument("--train-arg", action="append", default=[], metavar="FLAG",
                    help="passed to every member (e.g. --train-arg=--model=pkg:build)")
     p.add_argument("--timeout", type=float, default=600.0, help="bound on the whole run")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    work = tempfile.mkdtemp(prefix="ferrosync-churn-")
-    url = args.sync or os.path.join(work, "job")
+
+def _member_command(args: argparse.Namespace, url: str) -> list[str]:
+    """Every member's command line, but for its ``--metrics`` file."""
     common = [sys.executable, "-m", "ferrosync.train", "--elastic", "--sync", url,
               "--no-progress", "--min-ranks", str(args.min_ranks), "--strategy", args.strategy,
               "--steps", str(args.steps), "--batch-size", str(args.batch_size),
@@ -86,6 +87,47 @@ def main(argv=None) -> int:
               "--sync-option", f"heartbeat_timeout={args.heartbeat_timeout:g}"]
     for option in args.sync_option:
         common += ["--sync-option", option]
+    return common
+
+
+def _collect(procs: dict, metrics: dict, deadline: float) -> list[tuple]:
+    """Wait for every member (until ``deadline``, time.monotonic()); per member: (name,
+    exit code, FINAL record or None, longest sync in s, last stderr line if it failed)."""
+    rows = []
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        final = next((json.loads(line[6:]) for line in reversed(out.splitlines())
+                      if line.startswith("FINAL ")), None)
+        syncs = []
+        try:
+            with open(metrics[name], encoding="utf-8") as f:
+                syncs = [json.loads(line)["sync_s"] for line in f if line.endswith("\n")]
+        except FileNotFoundError:
+            pass
+        rows.append((name, proc.returncode, final, max(syncs, default=0.0),
+                     err.strip().splitlines()[-1] if proc.returncode not in (0, -9) else ""))
+    return rows
+
+
+def _print_table(rows: list[tuple]) -> None:
+    print(f"{'member':<8}{'exit':>6}{'joined at':>11}{'steps':>7}{'members':>9}"
+          f"{'changes':>9}{'accuracy':>10}{'longest sync':>14}  digest")
+    for name, code, final, longest, error in rows:
+        if final is None:
+            print(f"{name:<8}{code:>6}{'-':>11}{'-':>7}{'-':>9}{'-':>9}{'-':>10}"
+                  f"{longest:>13.2f}s  {error}")
+            continue
+        print(f"{name:<8}{code:>6}{final['joined_at_step']:>11}{final['steps']:>7}"
+              f"{final['members']:>9}{final['membership_changes']:>9}"
+              f"{100 * (final['accuracy'] or 0):>9.2f}%{longest:>13.2f}s  "
+              f"{final['param_digest'][:16]}")
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    work = tempfile.mkdtemp(prefix="ferrosync-churn-")
+    url = args.sync or os.path.join(work, "job")
+    common = _member_command(args, url)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     procs, metrics = {}, {}
 
@@ -108,32 +150,9 @@ def main(argv=None) -> int:
           args.timeout)
     newcomer = chr(ord("a") + args.members)
     start(newcomer)
-    rows, digests = [], set()
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=max(1.0, args.timeout - (time.monotonic() - began)))
-        final = next((json.loads(line[6:]) for line in reversed(out.splitlines())
-                      if line.startswith("FINAL ")), None)
-        syncs = []
-        try:
-            with open(metrics[name], encoding="utf-8") as f:
-                syncs = [json.loads(line)["sync_s"] for line in f if line.endswith("\n")]
-        except FileNotFoundError:
-            pass
-        if final is not None:
-            digests.add(final["param_digest"])
-        rows.append((name, proc.returncode, final, max(syncs, default=0.0),
-                     err.strip().splitlines()[-1] if proc.returncode not in (0, -9) else ""))
-    print(f"{'member':<8}{'exit':>6}{'joined at':>11}{'steps':>7}{'members':>9}"
-          f"{'changes':>9}{'accuracy':>10}{'longest sync':>14}  digest")
-    for name, code, final, longest, error in rows:
-        if final is None:
-            print(f"{name:<8}{code:>6}{'-':>11}{'-':>7}{'-':>9}{'-':>9}{'-':>10}"
-                  f"{longest:>13.2f}s  {error}")
-            continue
-        print(f"{name:<8}{code:>6}{final['joined_at_step']:>11}{final['steps']:>7}"
-              f"{final['members']:>9}{final['membership_changes']:>9}"
-              f"{100 * (final['accuracy'] or 0):>9.2f}%{longest:>13.2f}s  "
-              f"{final['param_digest'][:16]}")
+    rows = _collect(procs, metrics, began + args.timeout)
+    digests = {final["param_digest"] for _, _, final, _, _ in rows if final is not None}
+    _print_table(rows)
     ok = all(code == 0 for name, code, *_ in rows if name != victim) and len(digests) == 1
     print(f"killed {victim} at step {killed_at}, started {newcomer} after the drop; "
           f"{'one model' if len(digests) == 1 else f'{len(digests)} DIFFERENT models'}; "

@@ -298,7 +298,7 @@ def print_measured(res: dict, payload: int, hb: float) -> None:
     print(line, flush=True)
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--job", help=argparse.SUPPRESS)
@@ -322,7 +322,34 @@ def main() -> int:
     p.add_argument("--bandwidth", type=float, default=100e6, help="bytes/s one member "
                    "reads at")
     p.add_argument("--json", help="also write the results here")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def _metered_seaweed(workdir: str):
+    """A SeaweedFS server started under ``workdir`` with its Prometheus metrics on
+    loopback too: (the server, its metrics URL, storage_options to reach it)."""
+    from ferrosync.testing.seaweed import (
+        SeaweedServer,
+        free_ports,
+        s3_storage_options,
+        weed_binary,
+    )
+
+    metrics_port = free_ports(1)[0]
+
+    class Metered(SeaweedServer):
+        def command(self):  # its Prometheus endpoint, on loopback too
+            return super().command() + [f"-metricsPort={metrics_port}",
+                                        "-metricsIp=127.0.0.1"]
+
+    server = Metered(weed_binary(), os.path.join(workdir, "weed"))
+    server.start()
+    return (server, f"http://127.0.0.1:{metrics_port}/metrics",
+            s3_storage_options(server.endpoint))
+
+
+def main() -> int:
+    args = _parse_args()
     if args.member:
         args.payload = args.payload_bytes
         member(args)
@@ -344,24 +371,7 @@ def main() -> int:
     # the elastic defaults (ElasticOptions.timing): a directory, an object store
     hb = 1.0 if "://" not in url else ElasticOptions.interval_object_store
     if args.seaweed:
-        from ferrosync.testing.seaweed import (
-            SeaweedServer,
-            free_ports,
-            s3_storage_options,
-            weed_binary,
-        )
-
-        metrics_port = free_ports(1)[0]
-
-        class Metered(SeaweedServer):
-            def command(self):  # its Prometheus endpoint, on loopback too
-                return super().command() + [f"-metricsPort={metrics_port}",
-                                            "-metricsIp=127.0.0.1"]
-
-        server = Metered(weed_binary(), os.path.join(workdir, "weed"))
-        server.start()
-        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
-        options["storage_options"] = s3_storage_options(server.endpoint)
+        server, metrics_url, options["storage_options"] = _metered_seaweed(workdir)
         url = f"s3://{server.bucket}/costs"
         hb = ElasticOptions.interval_object_store
     results = []
