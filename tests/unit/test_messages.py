@@ -57,7 +57,7 @@ def key_of(src, dst, tag, number, generation=GEN):
     return names.within(generation.prefix, names.message(src, dst, tag, number))
 
 
-# -- the contract: numbering, order, consumption ----------------------------------------------
+# -- the contract: numbering, order, consumption -----------------------------------------------
 
 def test_messages_are_numbered_per_destination_and_tag_and_read_once(storage, clock):
     zero, one = mailbox(storage, clock, 0), mailbox(storage, clock, 1)
@@ -180,7 +180,7 @@ def test_a_message_sent_just_before_its_sender_closed_is_still_read(storage, clo
     assert one.receive(out, 0, 0) == 0 and out.item() == 8.0
 
 
-# -- what a message must be: hostile and mistaken objects ---------------------------------------
+# -- what a message must be: hostile and mistaken objects --------------------------------------
 
 def test_a_message_of_another_size_or_dtype_is_a_layout_mismatch_and_kept(storage, clock):
     zero, one = mailbox(storage, clock, 0), mailbox(storage, clock, 1)
