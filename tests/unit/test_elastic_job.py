@@ -134,4 +134,4 @@ def test_the_first_end_mark_wins_and_later_joiners_are_told_at_once(storage):
     assert "start another job" in info.value.hint
     forged = layer(storage, secret=job_key(b"other", NS))
     with pytest.raises(ShardCorrupt):
-        check_ended(forged)  # an end mark nobody of this job sealed proves nothing
+        check_ended(forged)  # read with another key: refused, never trusted
