@@ -46,13 +46,11 @@ def _engine(cls, root, **kwargs) -> FsspecStorage:
 
 # -- creating ----------------------------------------------------------------------------------
 
-def test_memory_is_an_in_process_store_with_a_real_create(store):
+def test_memory_is_one_processs_dictionary_polled_at_no_cost(store):
+    # its create-if-absent: tests/test_storage.py and tests/test_stores.py
     assert (store.cheap_deletes, store.round_trips_dominate,
             store.shared_between_processes) == (True, False, False)
-    assert store.put("claim", [b"mine"], exclusive=True) == 4
-    with pytest.raises(FileExistsError):
-        store.put("claim", [b"theirs"], exclusive=True)
-    assert store.read("claim") == b"mine"
+    assert store.poll_max < FsspecStorage.poll_max
 
 
 class NoModeMemory(MemoryFileSystem):
