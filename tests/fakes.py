@@ -307,12 +307,17 @@ class FakeSync:
 
 
 class PlainSGD:
-    """``p -= lr * p.grad`` at each ``step()``, logged into ``log`` as ``("optimizer.step",
-    None)`` when given: the inner optimizer of policy tests (constructing the first
-    ``torch.optim`` optimizer of a process imports ``torch._dynamo``, seconds)."""
+    """SGD by ``torch.optim.SGD``'s rule (momentum buffer = the first gradient, then
+    ``m·buf + g``; Nesterov steps by ``g + m·buf``), logged into ``log`` as
+    ``("optimizer.step", None)`` when given: the optimizer of policy tests. Constructing a
+    process's first ``torch.optim`` optimizer imports ``torch._dynamo`` (seconds); the
+    strategies' use of the real one is tested on real ranks (tests/test_strategies.py)."""
 
-    def __init__(self, params, lr: float = 1.0, log: list | None = None) -> None:
+    def __init__(self, params, lr: float = 1.0, log: list | None = None, *,
+                 momentum: float = 0.0, nesterov: bool = False) -> None:
         self.params, self.lr, self.log = list(params), lr, log
+        self.momentum, self.nesterov = momentum, nesterov
+        self.buffers: dict[int, torch.Tensor] = {}
         self.steps = 0
 
     def step(self) -> None:
@@ -320,6 +325,20 @@ class PlainSGD:
         if self.log is not None:
             self.log.append(("optimizer.step", None))
         with torch.no_grad():
-            for p in self.params:
-                if p.grad is not None:
-                    p.sub_(self.lr * p.grad)
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                step = p.grad
+                if self.momentum:
+                    buf = self.buffers.get(i)
+                    buf = step.clone() if buf is None else buf.mul_(self.momentum).add_(step)
+                    self.buffers[i] = buf
+                    step = step + self.momentum * buf if self.nesterov else buf
+                p.sub_(self.lr * step)
+
+    def state_dict(self) -> dict:
+        return {"state": {i: {"momentum_buffer": b.clone()} for i, b in self.buffers.items()},
+                "lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {i: s["momentum_buffer"].clone() for i, s in state["state"].items()}

@@ -4,7 +4,10 @@ averaged pseudo-gradient, decided in this process.
 The other rank's pseudo-gradient is scripted relative to this rank's, so the averaged
 ``Δ`` is known exactly and the outer step can be checked against the formula of SGD with
 Nesterov momentum written out by hand; an outer SGD with lr 1 makes DiLoCo Local SGD; a
-resumed run continues bit for bit from the checkpointed global copy and momentum.
+resumed run continues bit for bit from the checkpointed global copy and momentum. The
+outer ``torch.optim.SGD`` is ``PlainSGD`` here, which follows its rule (constructing the
+first real one imports ``torch._dynamo``, seconds); DiLoCo with the real one on real
+ranks: tests/test_strategies.py.
 """
 
 from __future__ import annotations
@@ -18,6 +21,19 @@ from ferrosync.strategies.diloco import OUTER_LR, OUTER_MOMENTUM, DiLoCo
 from ferrosync.strategies.local_sgd import LocalSGD
 
 LR = 0.5  # the inner optimizer's
+
+
+@pytest.fixture(autouse=True)
+def outer_sgd(monkeypatch):
+    """DiLoCo's default outer optimizer, ``torch.optim.SGD``, as ``PlainSGD``; its settings."""
+    made = []
+
+    def sgd(params, **settings):
+        made.append(settings)
+        return PlainSGD(params, **settings)
+
+    monkeypatch.setattr(torch.optim, "SGD", sgd)
+    return made
 
 
 def _model(seed: int = 0) -> torch.nn.Module:
@@ -52,13 +68,13 @@ def test_bad_settings_are_refused_before_any_sync(settings, words):
         DiLoCo(**settings)
 
 
-def test_the_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient():
+def test_the_outer_step_is_nesterov_sgd_on_the_averaged_pseudo_gradient(outer_sgd):
     # every window: this rank's Δ is LR·2 = 1 (two inner steps), the peer's 3, so Δ = 2
     model = _model()
     start = [p.detach().clone().double() for p in model.parameters()]
     strategy, optimizer = DiLoCo(sync_every=2), PlainSGD(model.parameters(), lr=LR)
     strategy.attach(model, optimizer, FakeSync(peer_parts=_peer_delta_plus(2.0, 2)))
-    assert (strategy.outer_lr, strategy.outer_momentum) == (OUTER_LR, OUTER_MOMENTUM)
+    assert outer_sgd == [{"lr": OUTER_LR, "momentum": OUTER_MOMENTUM, "nesterov": True}]
     delta, buf, theta = 2.0, 0.0, 0.0  # theta: how far θ_g moved from the start
     for _ in range(3):
         telemetry = _window(strategy, model, optimizer, 2)
@@ -97,7 +113,7 @@ def test_a_resumed_run_continues_bit_for_bit_from_the_checkpointed_outer_state()
     first.attach(first_model, first_opt, FakeSync(peer_parts=_peer_delta_plus(0.5, 2)))
     _window(first, first_model, first_opt, 2)
     state = first.state_dict()
-    assert state["outer"]["state"]  # the momentum buffers travel with the checkpoint
+    assert len(state["outer"]["state"]) == 2  # the momentum buffers travel with it
 
     resumed_model = _model(seed=1)  # other initial weights: the checkpoint's replace them
     resumed_model.load_state_dict(first_model.state_dict())
