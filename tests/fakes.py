@@ -1,4 +1,4 @@
-"""Fakes for fast, deterministic in-process unit tests: a clock and a storage.
+"""Fakes for fast, deterministic in-process unit tests: a clock, a storage and a sync.
 
 ``FakeClock`` is time that moves only when the code under test sleeps (or a test
 advances it), so a wait that would last 30 s takes microseconds, and a timeout is
@@ -13,6 +13,9 @@ trouble: a latency per request on the fake clock, failures injected into the nex
 matching requests, hooks run before a request (another process acting "just
 before"), and a log of every request.
 
+``FakeSync`` is a ``GradSync`` as one rank sees it, the other ranks' records and
+contributions scripted: for the policy layers (strategies) above the transport.
+
 Modules that take their clock from ``time`` and their polling from ``Backoff`` are
 switched to the fake clock with ``clock.install(monkeypatch, module)``.
 """
@@ -23,6 +26,8 @@ import fnmatch
 import heapq
 import itertools
 import types
+
+import torch
 
 from ferrosync import liveness
 from ferrosync.elastic import membership
@@ -226,3 +231,114 @@ class MemoryStorage(Storage):
         self._request("list", prefix)
         self.counters.add(lists=1)
         return sorted((k, len(v)) for k, v in self.objects.items() if k.startswith(prefix))
+
+
+class FakeSync:
+    """A ``GradSync`` of ``world_size`` ranks as rank ``rank`` sees it, in this process: what
+    the other ranks send is scripted, every call is logged in ``calls`` as ``(op, detail)``.
+
+    For the policy layers (strategies) that decide *when* to synchronise and *how much* each
+    rank counts: the arithmetic of a collective is the real one (``Σ w·T / Σ w``, tensors
+    unchanged when every weight is 0), the bytes are not moved.
+
+    Args:
+        peer_records: the other ranks' ``all_gather`` records, one ``{rank: values}`` per
+            gather, in order; a rank missing from it (or every rank, once the list is
+            used up) sent this rank's own record.
+        peer_parts: ``(n, tensors) -> [(weight, tensors), ...]``, the other ranks'
+            contributions to this rank's ``n``-th ``average_`` (0-based; default none).
+        moved: bytes written and read per collective, in ``stats["total"]``.
+    """
+
+    def __init__(self, rank: int = 0, world_size: int = 2, *, timeout: float = 60.0,
+                 elastic: bool = False, peer_records=(), peer_parts=None,
+                 moved: int = 100) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.timeout, self.elastic = timeout, elastic
+        self.url = "fake://sync"
+        self.contributors = list(range(world_size))
+        self.peer_records = list(peer_records)
+        self.peer_parts = peer_parts or (lambda n, tensors: [])
+        self.moved = moved
+        self.calls: list[tuple[str, object]] = []
+        self.averages = 0
+
+    @property
+    def stats(self) -> dict:
+        moved = len(self.calls) * self.moved
+        return {"total": {"bytes_written": moved, "bytes_read": moved}}
+
+    def ops(self) -> list[str]:
+        return [op for op, _ in self.calls]
+
+    def weights(self) -> list[float]:
+        """The weight this rank gave each of its averages, in order."""
+        return [detail[0] for op, detail in self.calls if op.startswith("average")]
+
+    def all_gather(self, tensor):
+        scripted = self.peer_records.pop(0) if self.peer_records else {}
+        self.calls.append(("all_gather", tensor.tolist()))
+        return [tensor.clone() if r == self.rank or r not in scripted
+                else torch.tensor(scripted[r], dtype=tensor.dtype)
+                for r in range(self.world_size)]
+
+    def average_(self, tensors, *, weight: float = 1.0) -> float:
+        tensors = list(tensors)
+        parts = [(weight, tensors), *self.peer_parts(self.averages, tensors)]
+        self.averages += 1
+        self.calls.append(("average_", (weight, tensors)))
+        total = sum(w for w, _ in parts)
+        if total:
+            sums = [sum(w * p[i].double() for w, p in parts) for i in range(len(tensors))]
+            for t, s in zip(tensors, sums):
+                t.copy_(s / total)
+        return total
+
+    def average_gradients(self, module_or_params, *, weight: float = 1.0) -> float:
+        params = (list(module_or_params.parameters()) if hasattr(module_or_params, "parameters")
+                  else list(module_or_params))
+        grads = [p.grad for p in params if p.grad is not None]
+        total = self.average_(grads, weight=weight)
+        self.calls[-1] = ("average_gradients", self.calls[-1][1])
+        return total
+
+    def broadcast_(self, tensors, *, src: int = 0) -> None:
+        self.calls.append(("broadcast_", (src, list(tensors))))
+
+
+class PlainSGD:
+    """SGD by ``torch.optim.SGD``'s rule (momentum buffer = the first gradient, then
+    ``m·buf + g``; Nesterov steps by ``g + m·buf``), logged into ``log`` as
+    ``("optimizer.step", None)`` when given: the optimizer of policy tests. Constructing a
+    process's first ``torch.optim`` optimizer imports ``torch._dynamo`` (seconds); the
+    strategies' use of the real one is tested on real ranks (tests/test_strategies.py)."""
+
+    def __init__(self, params, lr: float = 1.0, log: list | None = None, *,
+                 momentum: float = 0.0, nesterov: bool = False) -> None:
+        self.params, self.lr, self.log = list(params), lr, log
+        self.momentum, self.nesterov = momentum, nesterov
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.steps = 0
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.log is not None:
+            self.log.append(("optimizer.step", None))
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    continue
+                step = p.grad
+                if self.momentum:
+                    buf = self.buffers.get(i)
+                    buf = step.clone() if buf is None else buf.mul_(self.momentum).add_(step)
+                    self.buffers[i] = buf
+                    step = step + self.momentum * buf if self.nesterov else buf
+                p.sub_(self.lr * step)
+
+    def state_dict(self) -> dict:
+        return {"state": {i: {"momentum_buffer": b.clone()} for i, b in self.buffers.items()},
+                "lr": self.lr, "momentum": self.momentum, "nesterov": self.nesterov}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.buffers = {i: s["momentum_buffer"].clone() for i, s in state["state"].items()}
