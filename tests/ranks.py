@@ -74,6 +74,10 @@ def _resolve(target):
 
 
 def _entry(target, rank, world_size, args, kwargs, results, env):
+    # the environment a new process started now would have: the forkserver's own is
+    # whatever the test process had when it started (perhaps a test's monkeypatched
+    # RANK, WORLD_SIZE or FERROSYNC_JOB), so a rank takes the starter's, whole
+    os.environ.clear()
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -122,7 +126,7 @@ def start_ranks(fn, world_size: int, *args, env: dict | None = None, ranks=None,
     """Start ranks without waiting: returns (processes by rank, results queue)."""
     ctx = context()
     results = ctx.Queue()
-    env = {k: str(v) for k, v in (env or {}).items()}
+    env = {**os.environ, **{k: str(v) for k, v in (env or {}).items()}}
     which = list(range(world_size)) if ranks is None else list(ranks)
     target = (fn.__module__, inspect.getfile(fn), fn.__qualname__)
     procs = {
