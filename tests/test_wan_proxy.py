@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ferrosync.testing import fault_proxy, wan_proxy
+from ferrosync.testing import fault_proxy, loopback
 from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
 
 IO_TIMEOUT = 10.0  # seconds any socket operation in these tests may block
@@ -233,7 +233,7 @@ def test_cli_forwards_then_exits_at_its_duration(echo):
         if proc.poll() is None:
             proc.kill()
         proc.communicate(timeout=10)
-    assert wan_proxy.DEFAULT_DURATION > 0  # the CLI is always bounded in time
+    assert loopback.DEFAULT_DURATION > 0  # the CLI is always bounded in time
 
 
 def test_the_cli_refuses_a_target_off_this_machine():

@@ -39,7 +39,6 @@ only, so any test or tool can import it without the package's dependencies.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import random
 import re
@@ -51,6 +50,11 @@ import sys
 import threading
 from dataclasses import dataclass
 
+if __package__:  # imported from the package, or run by path (standard library only)
+    from .loopback import add_proxy_flags, check_loopback, split_target
+else:
+    from loopback import add_proxy_flags, check_loopback, split_target
+
 __all__ = ["FAULT_KINDS", "Fault", "FaultProxy", "parse_fault", "check_loopback"]
 
 #: what a fault can do to one request (see the module docstring)
@@ -61,8 +65,6 @@ IO_TIMEOUT = 120.0
 POLL_S = 0.2
 #: seconds ``close`` waits for each thread
 JOIN_S = 5.0
-#: the CLI's default lifetime: the proxy is a test instrument, never left running
-DEFAULT_DURATION = 600.0
 #: the longest request or response head (status line and headers) accepted
 MAX_HEAD = 64 * 1024
 #: the body of the 503 a ``slowdown`` answers with: S3's own error document
@@ -130,20 +132,6 @@ def parse_fault(text: str) -> Fault:
     if len(rest) > 3:
         raise ValueError(f"fault {text!r}: expected KIND[:P[:METHODS[:SECONDS]]]")
     return Fault(kind, probability, methods, seconds=seconds)
-
-
-def check_loopback(host: str) -> str:
-    """``host`` as a loopback IPv4 address; ValueError for anything else (the proxy must
-    never send a byte off this machine)."""
-    try:
-        found = {i[4][0] for i in socket.getaddrinfo(host, None, socket.AF_INET,
-                                                     socket.SOCK_STREAM)}
-    except socket.gaierror as exc:
-        raise ValueError(f"target {host!r} does not resolve ({exc})") from None
-    if not found or not all(ipaddress.ip_address(a).is_loopback for a in found):
-        raise ValueError(f"target {host!r} ({', '.join(sorted(found))}) is not a loopback "
-                         "address: the proxy only forwards to this machine (use 127.0.0.1)")
-    return sorted(found)[0]
 
 
 class _Closed(Exception):
@@ -523,28 +511,20 @@ def network_faults(args) -> list:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, metavar="127.0.0.1:PORT",
-                   help="the local HTTP server to forward to (loopback only)")
-    p.add_argument("--listen-port", type=int, default=0, metavar="PORT",
-                   help="port on 127.0.0.1 to listen on (default: a free one, printed)")
+    add_proxy_flags(p, "HTTP server")
     p.add_argument("--fault", type=parse_fault, action="append", default=[],
                    metavar="KIND[:P[:METHODS[:SECONDS]]]",
                    help=f"a fault to inject, repeatable; KIND is one of {', '.join(FAULT_KINDS)}"
                    " (e.g. lose_reply:0.05:PUT, cut_body:0.05:GET, delay:1:any:20ms)")
     p.add_argument("--seed", type=int, default=0, help="seed of the probability rolls")
-    p.add_argument("--duration", type=float, default=DEFAULT_DURATION, metavar="S",
-                   help=f"exit after this many seconds (default {DEFAULT_DURATION:g})")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    host, sep, port = args.target.rpartition(":")
-    if not sep or not port.isdigit():
-        print(f"fault_proxy: --target {args.target!r} is not HOST:PORT", file=sys.stderr)
-        return 2
     try:
-        proxy = FaultProxy(int(port), args.fault, seed=args.seed, target_host=host,
+        host, port = split_target(args.target)
+        proxy = FaultProxy(port, args.fault, seed=args.seed, target_host=host,
                            port=args.listen_port, duration=args.duration)
     except ValueError as exc:
         print(f"fault_proxy: {exc}", file=sys.stderr)

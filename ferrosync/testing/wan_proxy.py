@@ -31,13 +31,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ipaddress
 import re
 import signal
 import socket
 import sys
 import threading
 import time
+
+if __package__:  # imported from the package, or run by path (standard library only)
+    from .loopback import add_proxy_flags, check_loopback, split_target
+else:
+    from loopback import add_proxy_flags, check_loopback, split_target
 
 __all__ = ["WanProxy", "parse_rate", "parse_duration", "check_loopback"]
 
@@ -47,8 +51,6 @@ CHUNK = 16 * 1024
 DEFAULT_BURST = 16 * 1024
 #: a queue never holds less than this (a tiny bandwidth-delay product would stall)
 MIN_QUEUE = 256 * 1024
-#: the CLI's default lifetime; the proxy is a test instrument, never left running
-DEFAULT_DURATION = 600.0
 #: how often blocked threads look at the closing flag (accept, a full queue)
 POLL_S = 0.2
 #: seconds ``close`` waits for each thread
@@ -83,21 +85,6 @@ def parse_duration(text: str) -> float:
     if not match:
         raise ValueError(f"time {text!r}: expected a number with a unit, e.g. 50ms or 0.2s")
     return float(match.group(1)) * _TIME_SCALE[match.group(2).lower()]
-
-
-def check_loopback(host: str) -> str:
-    """``host`` as a loopback IP address; ValueError for anything that is not loopback
-    (the proxy must never send a byte off this machine)."""
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(
-            host, None, socket.AF_INET, socket.SOCK_STREAM)}
-    except socket.gaierror as exc:
-        raise ValueError(f"target {host!r} does not resolve ({exc})") from None
-    if not addresses or not all(ipaddress.ip_address(a).is_loopback for a in addresses):
-        raise ValueError(f"target {host!r} ({', '.join(sorted(addresses))}) is not a "
-                         "loopback address: the proxy only forwards to this machine "
-                         "(use 127.0.0.1)")
-    return "127.0.0.1" if host == "localhost" else sorted(addresses)[0]
 
 
 def _shutdown(sock: socket.socket) -> None:
@@ -367,29 +354,21 @@ class WanProxy:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, metavar="127.0.0.1:PORT",
-                   help="the local server to forward to (loopback only)")
-    p.add_argument("--listen-port", type=int, default=0, metavar="PORT",
-                   help="port on 127.0.0.1 to listen on (default: a free one, printed)")
+    add_proxy_flags(p, "server")
     p.add_argument("--rate", type=parse_rate, default=None, metavar="RATE",
                    help="bandwidth per direction, e.g. 100Mbit, 1Gbit (default: unlimited)")
     p.add_argument("--rtt", type=parse_duration, default=0.0, metavar="TIME",
                    help="round-trip time to add, e.g. 50ms (half each way; default 0)")
     p.add_argument("--burst", type=int, default=DEFAULT_BURST, metavar="BYTES",
                    help=f"token bucket depth in bytes (default {DEFAULT_BURST})")
-    p.add_argument("--duration", type=float, default=DEFAULT_DURATION, metavar="S",
-                   help=f"exit after this many seconds (default {DEFAULT_DURATION:g})")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    host, sep, port = args.target.rpartition(":")
-    if not sep or not port.isdigit():
-        print(f"wan_proxy: --target {args.target!r} is not HOST:PORT", file=sys.stderr)
-        return 2
     try:
-        proxy = WanProxy(int(port), rate_bps=args.rate, rtt_s=args.rtt, target_host=host,
+        host, port = split_target(args.target)
+        proxy = WanProxy(port, rate_bps=args.rate, rtt_s=args.rtt, target_host=host,
                          port=args.listen_port, burst_bytes=args.burst,
                          duration=args.duration)
     except ValueError as exc:
