@@ -31,7 +31,8 @@ import torch
 
 from ferrosync import liveness
 from ferrosync.elastic import membership
-from ferrosync.storage import Reader, Storage
+from ferrosync.storage import Storage
+from ferrosync.storage.base import BytesReader
 
 
 class FakeClock:
@@ -117,24 +118,6 @@ class FakeBackoff:
         self.delay = min(self.delay * 2, self._cap)
 
 
-class MemoryReader(Reader):
-    def __init__(self, data: bytes) -> None:
-        self._data = memoryview(data)
-        self.size = len(data)
-        self._pos = 0
-        self.closed = False
-
-    def readinto(self, buf) -> int:
-        view = memoryview(buf).cast("B")
-        n = min(len(view), self.size - self._pos)
-        view[:n] = self._data[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def close(self) -> None:
-        self.closed = True
-
-
 class MemoryStorage(Storage):
     """A ``Storage`` in a dict. Puts are atomic (whole objects), as on every real store.
 
@@ -208,7 +191,7 @@ class MemoryStorage(Storage):
             return None
         self._check_size(key, len(data), max_bytes, rank)  # Storage's one size rule
         self.counters.add(read=len(data))
-        return MemoryReader(data)
+        return BytesReader(data)  # what an object store's GET gives
 
     def delete(self, keys) -> None:
         for key in list(keys):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -238,8 +237,8 @@ def test_a_member_that_goes_is_dropped_and_the_rest_continue(tmp_path, how, posi
 
 
 def inspect_json(url) -> dict:
-    out = subprocess.run([sys.executable, "-m", "ferrosync", "inspect", str(url), "--json",
-                          "--watch", "0"], capture_output=True, text=True, timeout=60)
+    out = run_forked([sys.executable, "-m", "ferrosync", "inspect", str(url), "--json",
+                      "--watch", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ferrosync.testing import fault_proxy, loopback
+from ferrosync.testing import fault_proxy, loopback, wan_proxy
 from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
 
 IO_TIMEOUT = 10.0  # seconds any socket operation in these tests may block
@@ -191,9 +191,9 @@ def test_refuses_targets_off_this_machine():
     for host in ("8.8.8.8", "192.168.1.1", "10.0.0.1"):
         with pytest.raises(ValueError, match="not a loopback"):
             WanProxy(80, target_host=host)
-    # the CLI says so in one line and exits 2
+    # the CLI says so in one line and exits 2 (run by its path: no torch to import)
     result = subprocess.run(
-        [sys.executable, "-m", "ferrosync.testing.wan_proxy", "--target", "8.8.8.8:80",
+        [sys.executable, wan_proxy.__file__, "--target", "8.8.8.8:80",
          "--duration", "1"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 2
     assert "not a loopback address" in result.stderr
