@@ -3,7 +3,7 @@ reading a payload that is verified as it streams.
 
 ``Expected`` builds the writer's header and checks the reader's, so each field is
 tampered with here one at a time and must be refused with the error that names it.
-``Incoming`` objects are sealed with ``wire.seal`` and read from a ``MemoryReader``
+``Incoming`` objects are sealed with ``wire.seal`` and read from a ``BytesReader``
 (tests/fakes.py); a damaged payload must raise ``ShardCorrupt`` and never pass as data.
 """
 
@@ -15,13 +15,13 @@ import math
 import pytest
 import torch
 
-from fakes import MemoryReader
 from ferrosync.backends.incoming import Expected, Incoming, Part
 from ferrosync.codecs import Int8Codec, RawCodec
 from ferrosync.errors import LayoutMismatch, ShardCorrupt
 from ferrosync.flat import BufferPool
 from ferrosync.stats import StatsBook
 from ferrosync.storage import Counters
+from ferrosync.storage.base import BytesReader
 from ferrosync.wire import (
     FLAG_EMPTY,
     FLAG_UNCHANGED,
@@ -124,7 +124,7 @@ def sealed(values: torch.Tensor, codec, *, key=None, damage=None) -> Incoming:
     data = bytearray(head + body)
     if damage is not None:
         data[len(head) + damage] ^= 0x01
-    reader = MemoryReader(bytes(data))
+    reader = BytesReader(bytes(data))
     raw = bytearray(len(head))
     reader.readinto(raw)
     parsed = parse_header(raw, path="mem://x", rank=0, key=key)
