@@ -51,9 +51,9 @@ import threading
 from dataclasses import dataclass
 
 if __package__:  # imported from the package, or run by path (standard library only)
-    from .loopback import add_proxy_flags, check_loopback, split_target
+    from .loopback import Lifetime, add_proxy_flags, check_loopback, split_target
 else:
-    from loopback import add_proxy_flags, check_loopback, split_target
+    from loopback import Lifetime, add_proxy_flags, check_loopback, split_target
 
 __all__ = ["FAULT_KINDS", "Fault", "FaultProxy", "parse_fault", "check_loopback"]
 
@@ -281,7 +281,7 @@ class _Upstream:
         self.sock = self.stream = None
 
 
-class FaultProxy:
+class FaultProxy(Lifetime):
     """Forward 127.0.0.1:``port`` to 127.0.0.1:``target_port``, injecting ``faults``.
 
     Args:
@@ -329,19 +329,8 @@ class FaultProxy:
         with self._lock:
             self.faults.clear()
 
-    def start(self) -> FaultProxy:
+    def _start_accepting(self) -> None:
         self._spawn(self._accept, "fault-proxy-accept")
-        if self.duration is not None:
-            self._timer = threading.Timer(self.duration, self.close)
-            self._timer.daemon = True
-            self._timer.start()
-        return self
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def stats(self) -> dict:
         with self._lock:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import socket
+import threading
 
-__all__ = ["DEFAULT_DURATION", "add_proxy_flags", "check_loopback", "split_target"]
+__all__ = ["DEFAULT_DURATION", "Lifetime", "add_proxy_flags", "check_loopback", "split_target"]
 
 #: the CLI's default lifetime: a proxy is a test instrument, never left running
 DEFAULT_DURATION = 600.0
@@ -47,3 +48,32 @@ def split_target(target: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"--target {target!r} is not HOST:PORT")
     return host, int(port)
+
+
+class Lifetime:
+    """A proxy's start, bounded life and context manager: ``start`` begins accepting
+    (``_start_accepting``) and, with a ``duration``, arms a timer that calls ``close``;
+    ``with proxy:`` starts it and closes it."""
+
+    duration: float | None = None
+    _timer: threading.Timer | None = None
+
+    def _start_accepting(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def start(self):
+        self._start_accepting()
+        if self.duration is not None:
+            self._timer = threading.Timer(self.duration, self.close)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

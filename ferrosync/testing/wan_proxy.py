@@ -39,9 +39,9 @@ import threading
 import time
 
 if __package__:  # imported from the package, or run by path (standard library only)
-    from .loopback import add_proxy_flags, check_loopback, split_target
+    from .loopback import Lifetime, add_proxy_flags, check_loopback, split_target
 else:
-    from loopback import add_proxy_flags, check_loopback, split_target
+    from loopback import Lifetime, add_proxy_flags, check_loopback, split_target
 
 __all__ = ["WanProxy", "parse_rate", "parse_duration", "check_loopback"]
 
@@ -199,7 +199,7 @@ class _Pipe:
         _shutdown(self.dst)
 
 
-class WanProxy:
+class WanProxy(Lifetime):
     """Forward 127.0.0.1:``port`` to 127.0.0.1:``target_port`` through a slow link.
 
     Args:
@@ -250,19 +250,8 @@ class WanProxy:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> WanProxy:
+    def _start_accepting(self) -> None:
         self._acceptor.start()
-        if self.duration is not None:
-            self._timer = threading.Timer(self.duration, self.close)
-            self._timer.daemon = True
-            self._timer.start()
-        return self
-
-    def __enter__(self) -> WanProxy:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def wait_closed(self, timeout: float) -> bool:
         """True once the proxy has closed (``close`` or ``duration``), within ``timeout``."""
