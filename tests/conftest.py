@@ -54,8 +54,13 @@ for _scheduler_id in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
 # The launcher keeps each launch's key in a private directory the operator tools read
 # (ferrosync/ops/keys.py): the suite's launches keep theirs in one of its own, not in
 # the home directory of whoever runs it.
-os.environ["FERROSYNC_KEYS"] = tempfile.mkdtemp(prefix="ferrosync-keys-")
-atexit.register(shutil.rmtree, os.environ["FERROSYNC_KEYS"], True)
+# A rank process that imports this module to find its target (spawn, forkserver) takes
+# its starter's directory: one made here would never be removed, as such a process leaves
+# by os._exit, past atexit.
+if os.environ.get("FERROSYNC_SUITE_KEYS") != os.environ.get("FERROSYNC_KEYS", ""):
+    os.environ["FERROSYNC_KEYS"] = tempfile.mkdtemp(prefix="ferrosync-keys-")
+    os.environ["FERROSYNC_SUITE_KEYS"] = os.environ["FERROSYNC_KEYS"]
+    atexit.register(shutil.rmtree, os.environ["FERROSYNC_KEYS"], True)
 
 BUCKET = "ferrosync-tests"
 
