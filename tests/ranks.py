@@ -38,11 +38,21 @@ def context():
         # fsspec creates on first use, in the rank. A driver that is not installed is
         # skipped by the forkserver (its tests skip themselves).
         # ferrosync.elastic too: pure Python, no thread (about 0.2 CPU-s per member).
+        # pytest and conftest: every test module a rank's target lives in imports them
+        # (about 0.1 CPU-s per rank, over a thousand ranks in the suite).
         _CTX.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes",
                                      "ferrosync", "ferrosync.backends.files",
-                                     "ferrosync.elastic", "ranks", "train_cli", "s3fs",
-                                     "gcsfs", "adlfs"])
+                                     "ferrosync.elastic", "ranks", "train_cli", "pytest",
+                                     "conftest", "s3fs", "gcsfs", "adlfs"])
     return _CTX
+
+
+def use_fork() -> None:
+    """Start ranks by forking this process from now on: for a process that is itself a
+    fork of the forkserver (a forked launcher), where a forkserver of its own would
+    cost a new interpreter, and whose preloads it already has."""
+    global _CTX
+    _CTX = mp.get_context("fork")
 
 
 @dataclass

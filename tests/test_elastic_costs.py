@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from train_cli import run_forked
 
 from ferrosync.costs import request_cost
 from ferrosync.stores import store_of
@@ -62,7 +62,7 @@ def test_five_members_read_what_the_tree_model_says(tmp_path):
     counters): bytes read per member per round as the tree's plan says, the busiest
     under 2.5 P."""
     out = tmp_path / "r.json"
-    subprocess.run(
+    run_forked(
         [sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"), "--members", "5",
          "--rounds", "3", "--url", str(tmp_path / "store"), "--json", str(out)],
         check=True, timeout=110, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True)
@@ -75,7 +75,7 @@ def test_five_members_read_what_the_tree_model_says(tmp_path):
 
 
 def test_model_mode_prints_its_command_and_every_size():
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"),
+    out = run_forked([sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"),
                           "--model"], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT)).stdout
     assert out.splitlines()[0] == "command: python tools/elastic_costs.py --model"
@@ -93,7 +93,7 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
     from ferrosync.testing.seaweed import s3_storage_options
 
     out = tmp_path / "r.json"
-    subprocess.run(
+    run_forked(
         [sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"), "--members", "2",
          "--rounds", "4", "--url", f"s3://{BUCKET}/costs-{os.getpid()}",
          "--storage-options", json.dumps(s3_storage_options(seaweed_endpoint)),

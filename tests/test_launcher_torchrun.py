@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 import torch
-from train_cli import cli_env, run_cli
+from train_cli import ForkedCli, cli_env, run_cli, run_forked
 
 from ferrosync.train.launcher import LOOPBACK, _rank_env, free_port, torchrun_env
 from ranks import communicate_all
@@ -201,7 +201,7 @@ def test_launcher_results_match_gloo(results):
 def _run_ranks(script, args, world, cwd, **env):
     base = {k: v for k, v in cli_env(**env).items()
             if k not in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    procs = [subprocess.Popen([sys.executable, str(script), *args], cwd=cwd,
+    procs = [ForkedCli([sys.executable, str(script), *args], cwd=cwd,
                               env={**base, "RANK": str(r), "WORLD_SIZE": str(world)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
@@ -244,7 +244,7 @@ def test_real_torchrun_with_ferrosync_url(tmp_path, results):
     run = tmp_path / "run"
     env = cli_env(FERROSYNC_URL=run)
     env.pop("FERROSYNC_JOB", None)  # torchrun's run id names the job
-    proc = subprocess.run(
+    proc = run_forked(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          str(script), "ferrosync"], cwd=tmp_path, env=env, capture_output=True, text=True,
         timeout=180)
@@ -258,7 +258,7 @@ def test_real_torchrun_with_ferrosync_url(tmp_path, results):
 def test_mp_spawn_with_a_directory(tmp_path, results):
     script = tmp_path / "script.py"
     script.write_text("import ferrosync\n" + SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), "ferrosync", "--spawn",
+    proc = run_forked([sys.executable, str(script), "ferrosync", "--spawn",
                            str(tmp_path / "run")], cwd=tmp_path, timeout=180,
                           env=cli_env(FERROSYNC_JOB=f"t-{uuid.uuid4().hex[:8]}"),
                           capture_output=True, text=True)
@@ -277,7 +277,7 @@ def test_slurm_environment_without_master_addr(tmp_path, results):
     base = {k: v for k, v in cli_env(FERROSYNC_URL=tmp_path / "run").items()
             if k not in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
     job = f"{uuid.uuid4().int % 10**8}"
-    procs = [subprocess.Popen([sys.executable, str(script), "ferrosync"], cwd=tmp_path,
+    procs = [ForkedCli([sys.executable, str(script), "ferrosync"], cwd=tmp_path,
                               env={**base, "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
                                    "SLURM_LOCALID": str(r), "SLURM_NTASKS_PER_NODE": "2",
                                    "SLURM_JOB_ID": job},

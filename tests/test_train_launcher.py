@@ -82,8 +82,9 @@ def _gone(pid: int) -> bool:
 def test_killing_one_rank_stops_the_others(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     # paced (50 ms a step): it runs until killed without taking the cores meanwhile
+    # ranks as new interpreters, started by the launcher's own Popen: the real thing
     proc = start_cli("--nproc", 3, "--steps", 1_000_000, "--metrics", metrics,
-                     "--model", "train_models:paced_mlp", cwd=tmp_path,
+                     "--model", "train_models:paced_mlp", cwd=tmp_path, fork_ranks=False,
                      FERROSYNC_TEST_STEP_S=0.05)
     err: list[str] = []
     readers = [_collect(proc.stderr, err), _collect(proc.stdout, [])]

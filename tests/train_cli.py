@@ -6,12 +6,15 @@ hundreds of training processes. So a process started here is a fork of the suite
 forkserver (``tests/ranks.py``: torch and ferrosync already imported), made into
 ``python -m ferrosync.train ARGS``: its own pid, environment, working directory, module
 search path, signal dispositions, stdin, stdout and stderr, the same ``main``, the same
-exit code, atexit handlers and threads joined at exit (``ForkedCli``). The launcher of a
-``--nproc`` run is run in the test's process (``launch_in_process``) and starts its
-ranks the same way. What the user's interpreter start itself does (``-m`` finding the
-module, ``$PYTHON*`` flags) is the one thing not exercised; the launcher tests that
-need real interpreters (a launcher started as a command, its ranks as new processes:
-``start_cli`` with ``--nproc``) get them.
+exit code, atexit handlers and threads joined at exit (``ForkedCli``); ``python
+SCRIPT.py ARGS`` (an example, a tool, a user's script) and torchrun (``python -m
+torch.distributed.run``) likewise. The launcher of a ``--nproc`` run is run in the
+test's process (``launch_in_process``), or forked when the test signals it
+(``start_cli``), and starts its ranks the same way. What the user's interpreter start
+itself does (``-m`` finding the module, ``$PYTHON*`` flags, the interpreter's own
+shutdown) is the one thing not exercised; the tests that need real interpreters get
+them (``start_cli(fork_ranks=False)``: the launcher's own ``Popen`` of its ranks; a
+script's exit without ``destroy_process_group``; torch's hook autoloading).
 """
 
 from __future__ import annotations
@@ -92,7 +95,6 @@ def launch_in_process(argv: list[str], cwd, env: dict, *,
     import io
     import warnings
 
-    from ferrosync.train import launcher
     from ferrosync.train.__main__ import main
 
     assert "--nproc" in argv, "only a launch runs in this process (a rank would run here)"
@@ -100,10 +102,8 @@ def launch_in_process(argv: list[str], cwd, env: dict, *,
     out = io.TextIOWrapper(out_bytes, encoding="utf-8", errors="replace", write_through=True)
     err = out if merged else io.TextIOWrapper(err_bytes, encoding="utf-8", errors="replace",
                                               write_through=True)
-    forking = types.SimpleNamespace(**{**vars(subprocess), "Popen": ForkedCli})
-    with as_process(cwd, env), mock.patch.object(launcher, "subprocess", forking), \
-            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
-            warnings.catch_warnings():
+    with as_process(cwd, env), ranks_forked(), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err), warnings.catch_warnings():
         warnings.simplefilter("default")
         try:
             code = main(list(argv))
@@ -116,12 +116,26 @@ def launch_in_process(argv: list[str], cwd, env: dict, *,
 
 
 @contextlib.contextmanager
-def as_process(cwd, env: dict):
-    """This process as a new ``python -m`` process would start: ``env`` as the
-    environment, ``cwd`` as the directory, and what ``$PYTHONPATH`` puts first on the
-    module search path; all put back afterwards, and modules imported from those paths
-    forgotten (another test's directory may hold a module of the same name)."""
-    added = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+def ranks_forked():
+    """Within: the launcher starts its ranks as ``ForkedCli`` processes, not as new
+    interpreters."""
+    from ferrosync.train import launcher
+
+    forking = types.SimpleNamespace(**{**vars(subprocess), "Popen": ForkedCli})
+    with mock.patch.object(launcher, "subprocess", forking):
+        yield
+
+
+@contextlib.contextmanager
+def as_process(cwd, env: dict, script_dir: str | None = None):
+    """This process as a new ``python -m`` process would start (``python SCRIPT`` where
+    ``script_dir`` is the script's directory, which goes first on the module search
+    path): ``env`` as the environment, ``cwd`` as the directory, and what
+    ``$PYTHONPATH`` puts first on the module search path; all put back afterwards, and
+    modules imported from those paths forgotten (another test's directory may hold a
+    module of the same name)."""
+    added = [p for p in [script_dir, *env.get("PYTHONPATH", "").split(os.pathsep)]
+             if p and p not in sys.path]
     saved_env, saved_cwd, saved_modules = dict(os.environ), os.getcwd(), set(sys.modules)
     os.environ.clear()
     os.environ.update(env)
@@ -142,8 +156,21 @@ def as_process(cwd, env: dict):
                 del sys.modules[name]
 
 
-#: the commands ``ForkedCli`` forks (``python -m NAME``): the module whose ``main`` runs
-FORKED = {"ferrosync.train": "ferrosync.train.__main__", "ferrosync": "ferrosync.__main__"}
+#: the modules ``ForkedCli`` forks (``python -m NAME``): the module whose ``main`` runs
+FORKED = {"ferrosync.train": "ferrosync.train.__main__", "ferrosync": "ferrosync.__main__",
+          "torch.distributed.run": "torch.distributed.run"}
+
+
+def _forked_entry(args: list[str]) -> tuple[str, list[str]] | None:
+    """(what runs, its arguments) where ``args`` is a command ``ForkedCli`` forks:
+    ``python -m NAME ...`` for a NAME in ``FORKED`` (the module), or ``python FILE.py
+    ...`` (the script's path); None for anything else."""
+    if len(args) >= 3 and args[:2] == [sys.executable, "-m"] and args[2] in FORKED:
+        return FORKED[args[2]], args[3:]
+    if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py") \
+            and os.path.isfile(args[1]):
+        return os.path.abspath(args[1]), args[2:]
+    return None
 
 
 class ForkedCli(subprocess.Popen):
@@ -162,10 +189,17 @@ class ForkedCli(subprocess.Popen):
 
     _forked = None
 
+    def __init__(self, args, *, fork_ranks: bool = True, **kwargs) -> None:
+        # fork_ranks: a launch's ranks forked from its launcher (a fork itself), not
+        # new interpreters; False where the launcher's own process start is under test
+        self._fork_ranks = fork_ranks
+        super().__init__(args, **kwargs)
+
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                        startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                        c2pwrite, errread, errwrite, *rest):
-        if shell or list(args[:2]) != [sys.executable, "-m"] or args[2] not in FORKED:
+        entry = None if shell else _forked_entry(list(map(str, args)))
+        if entry is None:
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                 creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
@@ -183,8 +217,8 @@ class ForkedCli(subprocess.Popen):
             ends.append(Connection(os.dup(fd) if fd != -1 else os.open(os.devnull, mode)))
         env = dict(os.environ if env is None else env)
         forked = context().Process(
-            target=_cli_main, args=(FORKED[args[2]], list(map(str, args[3:])), env,
-                                    cwd or os.getcwd(), ends, new_session), daemon=True)
+            target=_cli_main, args=(*entry, env, cwd or os.getcwd(), ends, new_session,
+                                    self._fork_ranks), daemon=True)
         try:
             forked.start()
         finally:
@@ -214,12 +248,17 @@ class ForkedCli(subprocess.Popen):
 
 
 def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
-              new_session: bool) -> None:
-    """In the forked process: become ``python -m MODULE ARGV``, run it, exit."""
+              new_session: bool, fork_ranks: bool) -> None:
+    """In the forked process: become ``python -m MODULE ARGV`` (or ``python MODULE
+    ARGV`` where MODULE is a script's path), run it, exit. A launch (``--nproc``) with
+    ``fork_ranks`` forks its ranks from here: the launcher starts every rank before
+    any thread of its own."""
     import atexit
     import importlib
     import io
     import multiprocessing
+    import runpy
+    import warnings
 
     if new_session:
         os.setsid()
@@ -230,7 +269,10 @@ def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
     sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False),
                                                line_buffering=True, write_through=True)
                               for fd in (1, 2))
-    # a new interpreter's signal dispositions, whatever the forkserver inherited
+    # a new interpreter's warning filters (the forkserver's, a new interpreter's own,
+    # with $PYTHONWARNINGS first) and signal dispositions, whatever it inherited
+    for option in filter(None, env.get("PYTHONWARNINGS", "").split(",")):
+        warnings._setoption(option)  # the interpreter's own parser of -W and the variable
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # the test worker ends a forked CLI left running (a daemon there); here it may start
@@ -238,13 +280,27 @@ def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
     multiprocessing.current_process()._config["daemon"] = False
     import torch
 
-    entry = importlib.import_module(module)
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     code = 1
-    with as_process(cwd, env):
-        sys.argv = [entry.__file__, *argv]
+    script = module.endswith(".py")
+    launch = fork_ranks and module == FORKED["ferrosync.train"] and "--nproc" in argv
+    if launch:
+        import ranks
+
+        ranks.use_fork()  # this process is no forkserver's client: its ranks fork from it
+    with as_process(cwd, env, script_dir=os.path.dirname(module) if script else None), \
+            (ranks_forked() if launch else contextlib.nullcontext()):
         try:
-            code = entry.main(argv)
+            if script:
+                # as the interpreter runs it: __main__ with its file (multiprocessing's
+                # spawn finds the script there for its children), argv[0] the path
+                sys.argv = [module, *argv]
+                runpy.run_path(module, run_name="__main__")
+                code = 0
+            else:
+                entry = importlib.import_module(module)
+                sys.argv = [entry.__file__, *argv]
+                code = entry.main(argv)
         except SystemExit as exc:
             code = exc.code
         except BaseException:  # noqa: BLE001 - what the interpreter does with it
@@ -281,13 +337,15 @@ def run_main(args, cwd, monkeypatch, capsys) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-def start_cli(*args, cwd, **env) -> subprocess.Popen:
+def start_cli(*args, cwd, fork_ranks: bool = True, **env) -> subprocess.Popen:
     """Start without waiting (``ForkedCli``); the tests send it SIGINT (Ctrl-C), SIGTERM,
     SIGKILL, SIGSTOP. A suite started in the background by a non-interactive shell
     (`cmd &`) inherits SIGINT ignored; the forked process restores Python's handler, so
-    the launcher under test sees Ctrl-C the way a terminal user's would."""
+    the launcher under test sees Ctrl-C the way a terminal user's would. A launch's
+    ranks are forked too, unless ``fork_ranks=False``: new interpreters, started by the
+    launcher's own ``Popen`` (with its parent-death hook)."""
     return ForkedCli(command(*args), cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, text=True)
+                     stderr=subprocess.PIPE, text=True, fork_ranks=fork_ranks)
 
 
 def final_of(stdout: str) -> dict:

@@ -75,11 +75,15 @@ def job_env(**extra: str) -> dict:
 
 def run_job(args: list[str], cwd, **env: str) -> str:
     """Run ``python ARGS`` (a whole 2-process job) with a timeout; its output, or a
-    failure showing the end of it."""
+    failure showing the end of it. ``python -m ferrosync.train`` and a script start
+    forked from the suite's forkserver (tests/train_cli.py), the launcher's ranks
+    forked from it; the processes the libraries start themselves are new interpreters."""
+    from train_cli import run_forked
+
     try:
-        proc = subprocess.run([sys.executable, *args], cwd=cwd, env=job_env(**env),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=JOB_TIMEOUT)
+        proc = run_forked([sys.executable, *args], cwd=cwd, env=job_env(**env),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=JOB_TIMEOUT)
     except subprocess.TimeoutExpired as e:
         out = e.stdout if isinstance(e.stdout, str) else (e.stdout or b"").decode(errors="replace")
         pytest.fail(f"{args} ran past {JOB_TIMEOUT} s; output:\n{out[-4000:]}")
