@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import sys
 
@@ -163,11 +164,13 @@ def test_launcher_members_outlive_a_failed_sibling(tmp_path):
     proc = start_cli("--nproc", 3, "--elastic", "--min-ranks", "2", "--sync", url,
                      "--steps", 400, "--no-progress", *FAST, "--metrics",
                      tmp_path / "m.jsonl", cwd=tmp_path)
+    started = _started_line(proc)
     # each local member writes its own metrics file, PATH.K
     wait_until(lambda: _lines(tmp_path / "m.jsonl.1") > 40, "member 1 past step 40",
                timeout=120)
-    os.kill(_member_pid(url), signal.SIGKILL)
+    os.kill(int(re.search(r"rank 1 pid (\d+)", started).group(1)), signal.SIGKILL)
     code, out, err = finish(proc)
+    err = started + err
     assert code == 1, err[-2000:]
     assert "member 1 was killed by SIGKILL" in err and "went on without it" in err, err
     assert "stopped" not in err
@@ -183,20 +186,15 @@ def _lines(path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _member_pid(url) -> int:
-    """The pid of the launcher's member 1 (LOCAL_RANK=1), from /proc."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except OSError:
-            continue
-        if env.get(b"FERROSYNC_URL") == url.encode() and env.get(b"LOCAL_RANK") == b"1" \
-                and env.get(b"FERROSYNC_TRAIN_CHILD") == b"1":
-            return int(entry)
-    raise AssertionError("member 1 not found")
+def _started_line(proc) -> str:
+    """The launcher's stderr up to its "started N ranks (rank 0 pid P, ...)" line, which
+    it writes before anything else a rank says."""
+    seen, line = "", ""
+    while not line.startswith("ferrosync.train: started "):
+        line = proc.stderr.readline()
+        assert line, f"the launcher exited before starting its ranks: {seen}"
+        seen += line
+    return seen
 
 
 def test_a_diloco_job_over_s3_takes_a_newcomer_and_a_leave(seaweed_transport, tmp_path):

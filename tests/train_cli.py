@@ -161,15 +161,16 @@ FORKED = {"ferrosync.train": "ferrosync.train.__main__", "ferrosync": "ferrosync
           "torch.distributed.run": "torch.distributed.run"}
 
 
-def _forked_entry(args: list[str]) -> tuple[str, list[str]] | None:
-    """(what runs, its arguments) where ``args`` is a command ``ForkedCli`` forks:
-    ``python -m NAME ...`` for a NAME in ``FORKED`` (the module), or ``python FILE.py
-    ...`` (the script's path); None for anything else."""
+def _forked_entry(args: list[str], cwd) -> tuple[str, list[str]] | None:
+    """(what runs, its arguments) where ``args``, run in ``cwd``, is a command
+    ``ForkedCli`` forks: ``python -m NAME ...`` for a NAME in ``FORKED`` (the module),
+    or ``python FILE.py ...`` (the script's absolute path); None for anything else."""
     if len(args) >= 3 and args[:2] == [sys.executable, "-m"] and args[2] in FORKED:
         return FORKED[args[2]], args[3:]
-    if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py") \
-            and os.path.isfile(args[1]):
-        return os.path.abspath(args[1]), args[2:]
+    if len(args) >= 2 and args[0] == sys.executable and args[1].endswith(".py"):
+        script = os.path.join(os.fspath(cwd or os.getcwd()), args[1])
+        if os.path.isfile(script):
+            return os.path.abspath(script), args[2:]
     return None
 
 
@@ -198,7 +199,7 @@ class ForkedCli(subprocess.Popen):
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
                        startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread,
                        c2pwrite, errread, errwrite, *rest):
-        entry = None if shell else _forked_entry(list(map(str, args)))
+        entry = None if shell else _forked_entry(list(map(str, args)), cwd)
         if entry is None:
             return super()._execute_child(
                 args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
