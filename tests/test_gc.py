@@ -30,7 +30,7 @@ from test_ops import (
     tool_json,
     w_steps,
 )
-from train_cli import cli_env, command
+from train_cli import cli_env, command, run_forked
 
 import ferrosync
 from ferrosync import names
@@ -169,9 +169,9 @@ def test_gc_frees_a_full_filesystem_a_job_died_on(tmp_path, capsys, small_tmpfs)
     removes it and gives the space back."""
     _fill(small_tmpfs, leave=40 * 1024)
     sync = small_tmpfs / "run"
-    launch = subprocess.run(command("--nproc", 2, "--steps", 20, "--sync", sync,
-                                    "--no-progress"), cwd=tmp_path, env=cli_env(),
-                            capture_output=True, text=True, timeout=180)
+    launch = run_forked(command("--nproc", 2, "--steps", 20, "--sync", sync, "--no-progress"),
+                        cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                        timeout=180)
     assert launch.returncode == 1 and "No space left on device" in launch.stderr, \
         launch.stderr
     inodes = 0

@@ -60,16 +60,14 @@ def test_missing_tensorboard_is_one_line_with_the_install_hint(tmp_path):
     (hide / "tensorboard").mkdir(parents=True)
     (hide / "tensorboard" / "__init__.py").write_text(
         "raise ImportError('tensorboard is not installed here')\n")
-    import subprocess
+    from train_cli import ROOT, TESTS, cli_env, command, run_forked
 
-    from train_cli import ROOT, TESTS, cli_env, command
-
-    # a process of its own: whether tensorboard imports is a process's state, and this
-    # test process may have imported it already
-    proc = subprocess.run(command("--nproc", 2, "--steps", 2, "--tensorboard", tmp_path / "tb",
-                                  "--no-progress"), cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60,
-                          env=cli_env(PYTHONPATH=f"{hide}:{ROOT}:{TESTS}"))
+    # a process of its own (forked from the suite's forkserver, which never imports
+    # tensorboard): whether tensorboard imports is a process's state, and this test
+    # process may have imported it already
+    proc = run_forked(command("--nproc", 2, "--steps", 2, "--tensorboard", tmp_path / "tb",
+                              "--no-progress"), cwd=tmp_path, capture_output=True,
+                      text=True, timeout=60, env=cli_env(PYTHONPATH=f"{hide}:{ROOT}:{TESTS}"))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'ferrosync[tensorboard]'" in lines[0], lines
