@@ -251,9 +251,9 @@ class ForkedCli(subprocess.Popen):
 def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
               new_session: bool, fork_ranks: bool) -> None:
     """In the forked process: become ``python -m MODULE ARGV`` (or ``python MODULE
-    ARGV`` where MODULE is a script's path), run it, exit. A launch (``--nproc``) with
-    ``fork_ranks`` forks its ranks from here: the launcher starts every rank before
-    any thread of its own."""
+    ARGV`` where MODULE is a script's path), run it, exit. With ``fork_ranks``, a launch
+    (``--nproc``) or one of the repository's tools forks the processes it starts from
+    here (each starts them all before any thread of its own)."""
     import atexit
     import importlib
     import io
@@ -284,13 +284,17 @@ def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     code = 1
     script = module.endswith(".py")
-    launch = fork_ranks and module == FORKED["ferrosync.train"] and "--nproc" in argv
-    if launch:
+    # a launch, or a tool of the repository's (tools/elastic_costs.py starts members),
+    # forks the processes it starts, from here: this process is no forkserver's client
+    forks = fork_ranks and ((module == FORKED["ferrosync.train"] and "--nproc" in argv)
+                            or module.startswith(os.path.join(ROOT, "tools", "")))
+    if forks:
         import ranks
 
-        ranks.use_fork()  # this process is no forkserver's client: its ranks fork from it
+        ranks.use_fork()
     with as_process(cwd, env, script_dir=os.path.dirname(module) if script else None), \
-            (ranks_forked() if launch else contextlib.nullcontext()):
+            (mock.patch.object(subprocess, "Popen", ForkedCli) if forks
+             else contextlib.nullcontext()):
         try:
             if script:
                 # as the interpreter runs it: __main__ with its file (multiprocessing's
