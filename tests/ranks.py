@@ -9,6 +9,7 @@ storage).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import multiprocessing as mp
@@ -24,27 +25,50 @@ from dataclasses import dataclass
 _CTX = None
 
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
 def context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        # not torch._dynamo, which the first optimizer a rank builds imports (about 1.6
-        # CPU-seconds): DDP ranks forked from a server that had imported it hung in
-        # gloo now and then (4 of 42 DDP tests on 3 xdist workers; none without). Its
-        # pure-Python share that touches no process-group state, sympy and fx's
-        # symbolic shapes (about 0.5 s of it), is preloaded.
+        # torch._dynamo: the first optimizer step of a process imports it (about 0.85
+        # CPU-s per training rank); forkserver_ready keeps gloo groups from deadlocking
+        # at teardown because of it (see its docstring).
         # The object stores' fsspec drivers too (about 0.4 CPU-seconds each per rank
         # that touches one): importing them starts no thread and no event loop, which
         # fsspec creates on first use, in the rank. A driver that is not installed is
         # skipped by the forkserver (its tests skip themselves).
         # ferrosync.elastic too: pure Python, no thread (about 0.2 CPU-s per member).
-        # pytest and conftest: every test module a rank's target lives in imports them
-        # (about 0.1 CPU-s per rank, over a thousand ranks in the suite).
-        _CTX.set_forkserver_preload(["torch", "torch.fx.experimental.symbolic_shapes",
-                                     "ferrosync", "ferrosync.backends.files",
-                                     "ferrosync.elastic", "ranks", "train_cli", "pytest",
-                                     "conftest", "s3fs", "gcsfs", "adlfs"])
+        # pytest: every test module a rank's target lives in imports it.
+        # forkserver_ready last: it readies what the others built (see its docstring).
+        _CTX.set_forkserver_preload(["torch", "torch._dynamo", "ferrosync",
+                                     "ferrosync.backends.files", "ferrosync.elastic",
+                                     "pytest", "s3fs", "gcsfs", "adlfs", "ranks",
+                                     "train_cli", "forkserver_ready"])
+        # Python 3.11's forkserver imports its preloads before it takes the parent's
+        # sys.path (and skips one it cannot import without a word), so the modules of
+        # tests/ are found through its environment; it starts here, with it
+        path = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
+        with _environ(PYTHONPATH=path):
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
     return _CTX
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def use_fork() -> None:

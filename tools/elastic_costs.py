@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -387,6 +388,9 @@ def main() -> int:
     finally:
         if server is not None:
             server.stop()
+        # the members' logs and the store (or the server's data): nothing a reader needs
+        # once the table above is printed
+        shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
