@@ -39,6 +39,18 @@ def init_method(kind: str, tmp_path) -> str:
     raise AssertionError(kind)
 
 
+def _forkserver_preloads(rank, world):
+    return "torch._dynamo" in sys.modules, "forkserver_ready" in sys.modules
+
+
+def test_ranks_fork_from_a_server_that_keeps_gloo_groups():
+    # the forkserver passes over a preload it cannot import without a word; without
+    # tests/forkserver_ready.py beside the preloaded torch._dynamo, the DDP-on-gloo
+    # ranks below can deadlock when their group is destroyed (its docstring)
+    [(dynamo, ready)] = run_ranks(_forkserver_preloads, 1)
+    assert dynamo and ready
+
+
 @pytest.mark.parametrize("kind", ["dir-new", "dir-existing", "file-dir", "file-store"])
 def test_stock_ddp_matches_gloo_two_ranks(tmp_path, kind):
     results = run_ranks(train, 2, "ferrosync", init_method(kind, tmp_path))
