@@ -9,7 +9,6 @@ storage).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import multiprocessing as mp
@@ -21,11 +20,12 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from unittest import mock
+
+#: this folder: the forkserver's preloads of tests/ are found here
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 _CTX = None
-
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def context():
@@ -50,25 +50,11 @@ def context():
         # sys.path (and skips one it cannot import without a word), so the modules of
         # tests/ are found through its environment; it starts here, with it
         path = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
-        with _environ(PYTHONPATH=path):
+        with mock.patch.dict(os.environ, PYTHONPATH=path):
             from multiprocessing import forkserver
 
             forkserver.ensure_running()
     return _CTX
-
-
-@contextlib.contextmanager
-def _environ(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def use_fork() -> None:

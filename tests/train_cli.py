@@ -29,7 +29,8 @@ import threading
 import types
 from unittest import mock
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+from ranks import TESTS
+
 ROOT = os.path.dirname(TESTS)
 #: required keys of every metrics line (docs/design.md#metrics-lines)
 METRIC_KEYS = {"step", "epoch", "loss", "lr", "compute_s", "sync_s", "bytes", "requests"}
