@@ -170,3 +170,35 @@ def test_user_script_failure_stops_the_job(tmp_path, flag, code, needle):
     proc = run_cli("--nproc", 2, _script(tmp_path), flag, cwd=tmp_path)
     assert proc.returncode == code, proc.stderr
     assert needle in proc.stderr
+
+
+def test_a_second_sigterm_while_stopping_exits_like_the_first(tmp_path):
+    """Two SIGTERMs (a supervisor repeating itself): 143 and one line, as for one. The
+    second arrives while the launcher waits for a rank that outlives its SIGTERM (it
+    announces the signal), i.e. in the middle of the stop."""
+    marker = tmp_path / "paused.r1"
+    proc = start_cli("--nproc", 2, "--model", "train_models:dropout_mlp", "--steps", 50,
+                     "--no-progress", cwd=tmp_path, FERROSYNC_TEST_PAUSE_AT=3,
+                     FERROSYNC_TEST_PAUSE_RANK=1, FERROSYNC_TEST_PAUSE_DIR=tmp_path,
+                     FERROSYNC_TEST_PAUSE_HOLD_TERM=1)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "rank 1 never reached step 3"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        held = tmp_path / "paused.r1.term"
+        while not held.exists():  # the launcher has begun stopping the ranks
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the launcher never stopped rank 1"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, err
+    assert "terminated: stopped every rank" in err
+    assert "_Stop" not in err and "Traceback" not in err and "error:" not in err, err

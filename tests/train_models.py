@@ -4,12 +4,15 @@
 uninterrupted one only if every rank's RNG state survives the checkpoint. With
 ``FERROSYNC_TEST_PAUSE_AT=K`` and ``FERROSYNC_TEST_PAUSE_RANK=R`` in the environment,
 rank R announces itself in ``FERROSYNC_TEST_PAUSE_DIR`` at its K-th training forward
-and waits there to be killed: the test then interrupts the run at a known step.
+and waits there to be killed: the test then interrupts the run at a known step. With
+``FERROSYNC_TEST_PAUSE_HOLD_TERM=1`` the paused rank outlives SIGTERM and announces it
+(``paused.rR.term``): the launcher is then inside its stop, waiting for that rank.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import torch
@@ -18,6 +21,7 @@ from torch.utils.data import TensorDataset
 PAUSE_AT = "FERROSYNC_TEST_PAUSE_AT"
 PAUSE_RANK = "FERROSYNC_TEST_PAUSE_RANK"
 PAUSE_DIR = "FERROSYNC_TEST_PAUSE_DIR"
+HOLD_TERM = "FERROSYNC_TEST_PAUSE_HOLD_TERM"
 
 
 class DropoutMLP(torch.nn.Module):
@@ -41,13 +45,19 @@ class DropoutMLP(torch.nn.Module):
 
     def _pause(self) -> None:
         marker = os.path.join(os.environ[PAUSE_DIR], f"paused.r{os.environ.get('RANK', '0')}")
-        with open(marker + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(marker + ".tmp", marker)
+        if os.environ.get(HOLD_TERM) == "1":
+            signal.signal(signal.SIGTERM, lambda signum, frame: _announce(marker + ".term"))
+        _announce(marker)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the test kills this process
             time.sleep(0.05)
         raise RuntimeError("test pause: nobody stopped this rank within 120 s")
+
+
+def _announce(path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
 
 
 def dropout_mlp() -> torch.nn.Module:

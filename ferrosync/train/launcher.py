@@ -388,7 +388,9 @@ class Supervisor:
         _write(sys.stderr, self.err_lock, f"ferrosync.train: {text}\n".encode())
 
     def run(self) -> int:
-        previous = signal.signal(signal.SIGTERM, _raise_stop)
+        # a signal the launcher was started with ignored (nohup, `cmd &`) stays ignored
+        previous = {sig: signal.signal(sig, _stop_once) for sig in _STOP_SIGNALS
+                    if signal.getsignal(sig) is not signal.SIG_IGN}
         try:
             self._start()
             failed = self._wait()
@@ -401,7 +403,8 @@ class Supervisor:
             self._say("terminated: stopped every rank")
             return 143
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             self._stop_all()
             self._drain()
         return self._report(failed)
@@ -539,5 +542,18 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _raise_stop(signum, frame):
+#: what asks the launcher to stop every rank: Ctrl-C (130) and SIGTERM (143)
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_once(signum, frame):
+    # The first stop signal decides the exit code. A second one (a supervisor's SIGTERM
+    # repeated, Ctrl-C pressed again) asks for the stop already under way: ignored from
+    # here, in the handler itself, so it cannot land in the middle of the stop (it would
+    # leave the launcher with a raw exception and its ranks running). The stop is still
+    # bounded: SIGKILL after GRACE_S, and SIGKILL to the launcher still works.
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise _Stop()
