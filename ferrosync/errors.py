@@ -11,6 +11,8 @@ the structured fields are rebuilt from ``__reduce__`` rather than re-parsed.
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "FerrosyncError",
     "ConfigError",
@@ -26,7 +28,23 @@ __all__ = [
     "MemberDropped",
     "RejoinNeeded",
     "ObjectCollectiveWarning",
+    "redact",
 ]
+
+#: a URL's ``user:password@`` (``s3://KEY:SECRET@bucket/x``): everything from the scheme's
+#: ``//`` to the last ``@`` of the word, when a ``:`` comes before it (a secret may hold
+#: ``/`` or ``+``, so the URL's own parse of where the host starts cannot be trusted)
+_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s'\"@]*:[^\s'\"]*@")
+
+
+def redact(text):
+    """``text`` with every credential written into a URL replaced by ``***``
+    (``s3://***@bucket/x``): the one rule that keeps them out of every message, log
+    line and record ferrosync writes. ``redact(url) != url`` is how ``split_url`` finds
+    a URL with credentials (and refuses it). None stays None."""
+    if text is None:
+        return None
+    return _URL_CREDENTIALS.sub(r"\1***@", str(text))
 
 
 class FerrosyncError(Exception):
@@ -45,11 +63,12 @@ class FerrosyncError(Exception):
         path: str | None = None,
         hint: str | None = None,
     ) -> None:
-        self.what = what
+        # every part may quote a URL the user typed: none keeps a credential
+        self.what = redact(what)
         self.rank = rank
         self.collective = collective
-        self.path = path
-        self.hint = hint
+        self.path = redact(path)
+        self.hint = redact(hint)
         super().__init__(self._compose())
 
     def _compose(self) -> str:
@@ -151,7 +170,7 @@ def relay_text(exc: BaseException) -> str:
     """
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (SIGINT or Ctrl-C)"
-    text = getattr(exc, "what", None) or str(exc)
+    text = redact(getattr(exc, "what", None) or str(exc))
     return text if text.strip() else f"{type(exc).__name__} (raised without a message)"
 
 

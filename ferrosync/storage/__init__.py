@@ -52,7 +52,7 @@ from urllib.parse import urlsplit
 
 from ferrosync_schemes import scheme
 
-from ..errors import ConfigError
+from ..errors import ConfigError, redact
 from .base import (
     RECORD_LIMIT,
     REQUEST_KINDS,
@@ -99,7 +99,21 @@ def split_url(url: str) -> tuple[str, str]:
     A relative path that starts like a URL without its ``//`` (``s3:/bucket/run7``) is
     a ``ConfigError``: read as a directory it would quietly become ``./s3:/bucket/run7``
     (``./s3:/...`` says a directory is meant).
+
+    Credentials written into the URL (``s3://KEY:SECRET@bucket``, found by the one
+    redaction rule, ``errors.redact``) are a ``ConfigError`` that shows the URL without
+    them: a URL is echoed in process lists, logs, messages and records, so credentials
+    belong in ``storage_options`` or the environment. So is a scheme in upper case
+    (``S3://``), which fsspec's drivers do not recognise.
     """
+    if redact(url) != url:
+        raise ConfigError(
+            f"{redact(url)}: credentials in a URL are refused (a URL is shown in process "
+            "lists, logs and messages)",
+            hint="pass them in storage_options (python -m ferrosync.train --sync-option "
+            "'storage_options={\"key\": ..., \"secret\": ...}', the tools' "
+            "--storage-options) or the store's environment variables (AWS_ACCESS_KEY_ID "
+            "and AWS_SECRET_ACCESS_KEY for S3), and write the URL without them")
     if "://" not in url:
         mistyped = _SCHEME_LIKE.fullmatch(url)
         if mistyped is not None:
@@ -112,7 +126,11 @@ def split_url(url: str) -> tuple[str, str]:
                               "that name)")
         return "file", url
     parts = urlsplit(url)
-    protocol, rest = parts.scheme.lower(), url.split("://", 1)[1]
+    written, rest = url.split("://", 1)
+    protocol = parts.scheme.lower()
+    if written != protocol and written.lower() == protocol:
+        raise ConfigError(f"{url!r}: URL schemes are lower case",
+                          hint=f"write {protocol}://{rest}")
     if protocol == "file" and not rest.startswith("/"):
         host, slash, path = rest.partition("/")
         if host.lower() != "localhost":
