@@ -11,9 +11,13 @@ Importing this package is cheap: storage drivers and CUDA load on first use.
 
 from __future__ import annotations
 
-from . import ddp, errors
-from .api import GradSync, SyncHandle, connect
-from .errors import (
+from . import interrupts
+
+interrupts.hold_at_start()  # before torch: a command's Ctrl-C waits for its main (see there)
+
+from . import ddp, errors  # noqa: E402
+from .api import GradSync, SyncHandle, connect  # noqa: E402
+from .errors import (  # noqa: E402
     ConfigError,
     DuplicateRank,
     FerrosyncError,
@@ -26,7 +30,7 @@ from .errors import (
     SyncClosed,
     SyncTimeout,
 )
-from .partition import ShardSampler, shard_indices
+from .partition import ShardSampler, shard_indices  # noqa: E402
 
 __version__ = "0.1.0"
 

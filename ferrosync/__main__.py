@@ -163,6 +163,13 @@ def _check_reachable(storage) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one tool; returns the exit status (argparse exits 2 itself on bad flags)."""
+    from . import interrupts
+
+    try:
+        interrupts.release()  # a Ctrl-C while torch was importing arrives here
+    except KeyboardInterrupt:
+        print("ferrosync: interrupted", file=sys.stderr)
+        return 130
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

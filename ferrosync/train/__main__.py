@@ -15,10 +15,12 @@ so), 1 for any other failure. Every error is one line on stderr, ``ferrosync.tra
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .. import interrupts
     from ..errors import ConfigError
     from .cli import parse_args
     from .launcher import ENV_CHILD
@@ -26,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = None
     try:
+        interrupts.release()  # a Ctrl-C while torch was importing arrives here
         args = parse_args(argv)
         if args.nproc is not None and not os.environ.get(ENV_CHILD):
             from .launcher import launch
@@ -44,7 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         _error(exc, args)
         return 2
     except KeyboardInterrupt:
-        print("ferrosync.train: interrupted", file=sys.stderr, flush=True)
+        # a second Ctrl-C while saying so: already on the way out
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            note = None
+            if args is not None:
+                from .runner import resume_note
+
+                note = resume_note(args)
+            print("ferrosync.train: interrupted" + (f"; {note}" if note else ""),
+                  file=sys.stderr, flush=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         return 130
     except Exception as exc:  # noqa: BLE001 - a rank's failure, reported as one line
         from ..api import fail_open_syncs

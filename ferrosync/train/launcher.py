@@ -75,11 +75,13 @@ ERROR_PREFIX = "ferrosync.train: error: "
 _ERROR = ERROR_PREFIX.encode()
 _RANK_PREFIX = re.compile(r"^(?:\w+: )?rank \d+(?:, |: )")
 _PR_SET_PDEATHSIG = 1
+#: exit codes after Ctrl-C and SIGTERM (128 + the signal's number, as a shell reports)
+_INTERRUPTED, _TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 
 def launch(args, argv: list[str]) -> int:
     """Run ``args.nproc`` ranks of ``python -m ferrosync.train argv``; the exit code."""
-    from .runner import check_sync_options, check_sync_url, preflight
+    from .runner import check_sync_options, check_sync_url, preflight, resume_note
 
     # every check that writes nothing, before anything is created or started
     if args.sync is not None:
@@ -109,7 +111,11 @@ def launch(args, argv: list[str]) -> int:
         for rank in range(args.nproc):
             commands.append([sys.executable, "-m", "ferrosync.train", *argv])
             envs.append(_rank_env(rank, args.nproc, url, per_node, job, port, secret))
-        return Supervisor(commands, envs, url=url, elastic=args.elastic, job=job).run()
+        code = Supervisor(commands, envs, url=url, elastic=args.elastic, job=job).run()
+        note = resume_note(args) if code in (_INTERRUPTED, _TERMINATED) else None
+        if note:
+            print(f"ferrosync.train: {note}", file=sys.stderr, flush=True)
+        return code
     finally:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
@@ -397,11 +403,11 @@ class Supervisor:
         except KeyboardInterrupt:
             self._stop_all()
             self._say("interrupted: stopped every rank")
-            return 130
+            return _INTERRUPTED
         except _Stop:
             self._stop_all()
             self._say("terminated: stopped every rank")
-            return 143
+            return _TERMINATED
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -231,7 +231,37 @@ def preflight(args, world_size: int) -> None:
             torch.manual_seed(args.seed or 0)
             check_compatible(meta, model=model_fn(), world_size=world_size,
                              strategy=strategy.name, url=store.url)
+        else:
+            refuse_used_checkpoint_dir(store)
         store.probe()
+
+
+def refuse_used_checkpoint_dir(store: CheckpointStore) -> None:
+    """Without ``--resume``, a ``--checkpoint-dir`` that holds a run's checkpoints is
+    bad input (``ConfigError``, exit 2): a new run would point its ``latest.json`` at
+    its own first checkpoint and prune the old run's, and rewrite ``--metrics`` from
+    step 1, silently. Checked by the launcher, and by a rank started without it."""
+    meta = store.latest()
+    if meta is not None:
+        raise ConfigError(
+            f"--checkpoint-dir {store.url} holds another run's checkpoints (the latest at "
+            f"step {meta['step']}); starting here would replace them",
+            hint="pass --resume to continue that run, or choose an empty directory")
+
+
+def resume_note(args) -> str | None:
+    """For a run stopped early (Ctrl-C, SIGTERM): where it can continue from, when its
+    ``--checkpoint-dir`` holds a checkpoint; None otherwise (or when it cannot be read)."""
+    if not args.checkpoint_dir or args.elastic:
+        return None
+    try:
+        meta = CheckpointStore(args.checkpoint_dir, _checkpoint_options(args)).latest()
+    except (ConfigError, OSError):  # nothing to add to the stop: say nothing
+        return None
+    if meta is None:
+        return None
+    return (f"the latest checkpoint is step {meta['step']} in {args.checkpoint_dir}: run "
+            "the same command with --resume to continue from it")
 
 
 def _check_strategy_fits(strategy, model_fn) -> None:
@@ -338,6 +368,11 @@ def _run_rank(args) -> int:
     share = share_threads()
     if args.script is not None:
         return run_script(args, url)
+    if args.checkpoint_dir and not args.resume and args.nproc is None:
+        # a rank started without the launcher (srun, torchrun), before it connects: every
+        # rank reads the same latest.json, so all refuse alike
+        refuse_used_checkpoint_dir(CheckpointStore(args.checkpoint_dir,
+                                                   _checkpoint_options(args)))
     trainer = build_trainer(args)
     if share is not None:
         trainer.step_hooks.append(share.adjust)

@@ -1,0 +1,59 @@
+"""Ctrl-C and a reused checkpoint directory, as a user meets them: real interpreters.
+
+``python -m ferrosync.train`` spends its first seconds importing torch. A Ctrl-C then
+must end it with one line and exit 130: no traceback of the import machinery, no
+half-loaded extension ("cannot load module more than once per process"), never a lost
+signal (a job that runs on). These tests start new interpreters (the suite's forked
+ones have torch loaded already) and interrupt them at points read from the process
+itself (``/proc/PID/maps``: torch's library being loaded), not after guessed delays.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from train_cli import cli_env, command
+
+
+def _mapped(pid: int, library: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as f:
+            return library in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _interrupt_when(tmp_path, ready, *args) -> subprocess.CompletedProcess:
+    """Start a real ``python -m ferrosync.train ARGS``, send SIGINT once ``ready(pid)``."""
+    proc = subprocess.Popen(command(*args), cwd=tmp_path, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready(proc.pid):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the start-up point never came"
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/PID/maps")
+@pytest.mark.parametrize("library", ["_multiarray_umath", "libtorch_cpu", "libtorch_python"])
+def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path, library):
+    """Interrupted once NumPy's, torch's core or torch's Python library is mapped: three
+    points across the import (numpy first, then torch's core, then torch._C)."""
+    # a signal lost would let this run train for minutes: communicate's timeout fails it
+    done = _interrupt_when(tmp_path, lambda pid: _mapped(pid, library), "--nproc", 1,
+                           "--steps", 1_000_000, "--no-progress")
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip().splitlines() == ["ferrosync.train: interrupted"], done.stderr
+    assert "FINAL" not in done.stdout
