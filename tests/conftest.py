@@ -25,6 +25,7 @@ import atexit
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -352,3 +353,24 @@ def pytest_runtest_protocol(item, nextitem):
         for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
             patch.setattr(os, name, refuse)
         yield
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can create files in: mode 0555 for a normal user; for root
+    (who ignores modes) the immutable attribute, where the filesystem has it."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", str(path)],
+                                        capture_output=True).returncode != 0:
+        pytest.skip("running as root on a filesystem without chattr +i: no read-only dir")
+    try:
+        yield path
+    finally:
+        subprocess.run([chattr, "-i", str(path)], check=True)

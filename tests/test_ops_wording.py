@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -65,27 +64,6 @@ def test_inspect_names_the_signal_that_stopped_a_rank(tmp_path):
     descriptions = [a["description"] for g in as_json["generations"] for a in g["aborts"]
                     if a["rank"] == 1]
     assert descriptions == ["terminated by SIGTERM"], as_json
-
-
-@pytest.fixture
-def read_only_dir(tmp_path):
-    """A directory nobody can create files in: mode 0555 for a normal user; for root
-    (who ignores modes) the immutable attribute, where the filesystem has it."""
-    path = tmp_path / "ro"
-    path.mkdir()
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-        yield path
-        path.chmod(0o755)
-        return
-    chattr = shutil.which("chattr")
-    if chattr is None or subprocess.run([chattr, "+i", str(path)],
-                                        capture_output=True).returncode != 0:
-        pytest.skip("running as root on a filesystem without chattr +i: no read-only dir")
-    try:
-        yield path
-    finally:
-        subprocess.run([chattr, "-i", str(path)], check=True)
 
 
 def test_doctor_reports_a_read_only_location_as_a_failed_check(tmp_path, read_only_dir):

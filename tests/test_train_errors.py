@@ -75,6 +75,19 @@ def _case(name, tmp_path, demo_checkpoint):
                                     "--model must return a torch.nn.Module, got dict"),
         "loss that is a class": (["--nproc", 2, "--loss", "torch.nn:MSELoss"],
                                  "is a class, and the trainer calls it as FUNCTION"),
+        "model factory that raises": (["--nproc", 2, "--model", "train_models:raising"],
+                                      "--model train_models:raising: the factory raised "
+                                      "FileNotFoundError: weights.pt: no such file"),
+        "upper-case scheme": (["--nproc", 2, "--sync", "S3://bucket/run7"],
+                              "URL schemes are lower case; write s3://bucket/run7"),
+        "metrics under a file": (["--nproc", 2, "--metrics", blocker / "m.jsonl"],
+                                 f"--metrics {blocker / 'm.jsonl'}: cannot create a file in "
+                                 f"{blocker} (Not a directory)"),
+        "checkpoint dir of another run": (
+            ["--nproc", 1, "--checkpoint-dir", demo_checkpoint],
+            f"--checkpoint-dir {demo_checkpoint} holds another run's checkpoints (the latest "
+            "at step 2); starting here would replace them; pass --resume to continue that "
+            "run, or choose an empty directory"),
     }[name]
 
 
@@ -85,11 +98,12 @@ CASES = ["unknown flag", "missing script", "zero ranks", "unreachable sync",
          "URL with one slash", "misspelt scheme", "scheme no driver serves",
          "memory for two processes", "checkpoint URL with one slash",
          "model that needs arguments", "data that needs arguments", "model that is no module",
-         "loss that is a class"]
+         "loss that is a class", "model factory that raises", "upper-case scheme",
+         "metrics under a file", "checkpoint dir of another run"]
 
 
 #: the cases run as a real ``python -m ferrosync.train`` process
-IN_A_PROCESS = ("unknown flag", "resume without checkpoint")
+IN_A_PROCESS = ("unknown flag", "resume without checkpoint", "checkpoint dir of another run")
 
 
 def _run(args, tmp_path, in_a_process, monkeypatch, capsys):
@@ -108,7 +122,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, demo_checkpoint, name, monke
     sync = tmp_path / "sync"
     if "--sync" not in args:
         args = [*args[:2], "--sync", sync, *args[2:]]
-    if "--nproc" in args and not any(str(a).endswith(".py") for a in args):
+    if "--nproc" in args and "--metrics" not in args and not any(
+            str(a).endswith(".py") for a in args):
         args = [*args, "--metrics", tmp_path / "metrics.jsonl"]
     code, stdout, stderr = _run(args, tmp_path, name in IN_A_PROCESS, monkeypatch, capsys)
     assert code == 2, (stdout, stderr)
@@ -128,3 +143,35 @@ def test_a_rank_alone_reports_bad_input_with_exit_2(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "no checkpoint in" in proc.stderr
     assert not (tmp_path / "sync").exists() and not (tmp_path / "ck").exists()
+
+
+def test_a_factory_that_cannot_build_on_meta_is_left_to_the_ranks(tmp_path):
+    proc = run_cli("--nproc", 1, "--steps", 1, "--model", "train_models:value_reading",
+                   "--no-progress", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_used_checkpoint_dir_keeps_its_run_and_metrics(tmp_path, demo_checkpoint,
+                                                          monkeypatch, capsys):
+    """Without --resume, neither the launcher nor a rank started by hand (srun) touches
+    another run's checkpoints or the metrics file they go with."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    before = _listing(demo_checkpoint)
+    for args in (["--nproc", 2], ["--sync", tmp_path / "sync"]):
+        code, out, err = run_main([*args, "--checkpoint-dir", demo_checkpoint, "--metrics",
+                                   metrics, "--steps", 5], tmp_path, monkeypatch, capsys)
+        assert code == 2 and out == "", err
+        assert "holds another run's checkpoints" in err and "--resume" in err, err
+        assert _listing(demo_checkpoint) == before
+        assert metrics.read_text() == '{"step": 1}\n{"step": 2}\n'
+        assert not (tmp_path / "sync").exists()
+
+
+def test_metrics_in_a_read_only_directory_is_refused_before_any_rank(
+        tmp_path, read_only_dir, monkeypatch, capsys):
+    code, out, err = run_main(["--nproc", 2, "--metrics", read_only_dir / "m.jsonl",
+                               "--sync", tmp_path / "sync"], tmp_path, monkeypatch, capsys)
+    assert code == 2, err
+    assert err.count("\n") == 1 and f"cannot create a file in {read_only_dir}" in err, err
+    assert list(read_only_dir.iterdir()) == [] and not (tmp_path / "sync").exists()

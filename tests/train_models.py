@@ -129,3 +129,17 @@ def paced_tanh_mlp() -> torch.nn.Module:
         if isinstance(layer, torch.nn.ReLU):
             model.net[i] = torch.nn.Tanh()
     return model
+
+
+def raising() -> torch.nn.Module:
+    """A factory that fails on its own (a missing weights file): bad --model input."""
+    raise FileNotFoundError("weights.pt: no such file")
+
+
+def value_reading() -> torch.nn.Module:
+    """A factory that cannot build on the meta device (it reads a value): the launcher
+    leaves it to the ranks."""
+    model = torch.nn.Linear(10, 4)
+    if float(model.weight.detach().sum()) != float(model.weight.detach().sum()):  # a value
+        raise AssertionError("unreachable")
+    return model

@@ -104,6 +104,29 @@ class PathClaim:
                 os.close(held[0])
 
 
+def probe_output_file(path: str, flag: str = "--metrics") -> None:
+    """``path`` (a local output file) can be written the way ``MetricsWriter`` writes it:
+    a new file in its directory (or, where that does not exist yet, in the nearest
+    directory above it, which ``MetricsWriter`` would create it under). A
+    ``ConfigError`` (exit 2) naming the path otherwise, so the launcher finds a
+    read-only or mistyped path before any rank starts. Leaves nothing behind."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise ConfigError(f"{flag} {path} is a directory", hint="name a file in it")
+    directory = os.path.dirname(target)
+    while not os.path.lexists(directory):
+        directory = os.path.dirname(directory)
+    probe = os.path.join(directory, names.temp(os.path.basename(target)))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        os.close(os.open(probe, flags, 0o600))
+    except OSError as exc:
+        raise ConfigError(f"{flag} {path}: cannot create a file in {directory} "
+                          f"({exc.strerror or exc})", hint=f"give {flag} a path this user "
+                          "can write (a writable directory, not a read-only mount)") from None
+    os.unlink(probe)
+
+
 class MetricsWriter:
     """Appends one JSON line per step to a local file (rank 0 only; with ``--elastic``
     every member its own).

@@ -32,7 +32,7 @@ from .elastic import (
     RejoinNeeded,
     metrics_path_for,
 )
-from .metrics import require_tensorboard
+from .metrics import probe_output_file, require_tensorboard
 from .threads import share_threads
 from .trainer import Trainer, resolve_device
 
@@ -217,9 +217,11 @@ def preflight(args, world_size: int) -> None:
     strategy = _strategy(args)
     model_fn = _model_fn(args)
     resolve_device(args.device)
-    _check_strategy_fits(strategy, model_fn)
+    _check_strategy_fits(strategy, model_fn, args.model or "ferrosync.train.demo:model")
     if args.tensorboard:
         require_tensorboard()
+    if args.metrics and not args.elastic:  # a member writes its own name (metrics_path_for)
+        probe_output_file(args.metrics)
     if args.data:
         resolve(args.data, "--data")
     if args.loss:
@@ -264,16 +266,28 @@ def resume_note(args) -> str | None:
             "the same command with --resume to continue from it")
 
 
-def _check_strategy_fits(strategy, model_fn) -> None:
-    """The strategy's settings against the model (``--fragments`` against its parameter
-    tensors), with the model built on the meta device: no memory, no weights. A factory
+def _check_strategy_fits(strategy, model_fn, spec: str) -> None:
+    """The ``--model`` factory (``spec``) and the strategy's settings against the model
+    (``--fragments`` against its parameter tensors), with the model built on the meta
+    device: no memory, no weights. A factory that raises its own error is bad input; one
     that cannot build there (it loads weights, moves itself to a device) is left to the
     ranks, which run the same check in ``Strategy.attach``."""
     try:
         with torch.device("meta"):
             model = model_fn()
-    except Exception:  # noqa: BLE001 - any failure here is re-checked by every rank
-        return
+    except Exception as exc:  # noqa: BLE001 - the factory's own code failed
+        if "meta" in str(exc).lower():
+            # it cannot build there (it loads weights, moves itself to a device, reads
+            # a value): the ranks build it for real and check it then
+            return
+        # it raised for a reason of its own (a missing file, a bad setting): every rank
+        # would raise the same; building one on the CPU here would cost the memory
+        # (and, for a factory that moves itself to a GPU, a device context) of a rank
+        cause = " ".join(str(exc).split())
+        raise ConfigError(f"--model {spec}: the factory raised {type(exc).__name__}"
+                          f"{': ' + cause if cause else ''} (called once by the launcher, "
+                          "on the meta device)", hint="fix the factory; run it in Python "
+                          "to see the traceback") from None
     if not isinstance(model, torch.nn.Module):  # every rank would refuse it (Trainer)
         raise ConfigError(f"--model must return a torch.nn.Module, got "
                           f"{type(model).__name__}", hint="return the model itself")
