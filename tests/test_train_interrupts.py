@@ -16,7 +16,7 @@ import subprocess
 import time
 
 import pytest
-from train_cli import cli_env, command
+from train_cli import cli_env, command, start_cli
 
 
 def _mapped(pid: int, library: str) -> bool:
@@ -57,3 +57,29 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path, library):
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip().splitlines() == ["ferrosync.train: interrupted"], done.stderr
     assert "FINAL" not in done.stdout
+
+
+def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path):
+    """A rank started by hand (no launcher) with checkpoints: Ctrl-C says where the run
+    can continue from, on its one line."""
+    ck, marker = tmp_path / "ck", tmp_path / "paused.r0"
+    proc = start_cli("--sync", tmp_path / "sync", "--model", "train_models:dropout_mlp",
+                     "--steps", 50, "--checkpoint-dir", ck, "--checkpoint-every", 2,
+                     "--no-progress", cwd=tmp_path, FERROSYNC_TEST_PAUSE_AT=5,
+                     FERROSYNC_TEST_PAUSE_RANK=0, FERROSYNC_TEST_PAUSE_DIR=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():  # inside step 5: the checkpoint of step 4 is written
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the rank never reached step 5"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [(
+        f"ferrosync.train: interrupted; the latest checkpoint is step 4 in {ck}: run the "
+        "same command with --resume to continue from it")], err

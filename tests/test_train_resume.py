@@ -63,6 +63,9 @@ def test_interrupted_run_resumes_bit_identically(tmp_path, strategy):
             proc.communicate()
     assert proc.returncode == 130, err
     assert "interrupted: stopped every rank" in err
+    # and says where to continue from
+    assert f"the latest checkpoint is step 30 in {ck}: run the same command with --resume" \
+        in err, err
     with pytest.raises(ProcessLookupError):  # the launcher reaped it before exiting
         os.kill(paused_pid, 0)
     latest = json.loads((ck / "latest.json").read_text())
