@@ -166,7 +166,8 @@ def test_pump_prefixes_lines_and_holds_final():
     assert pump.error_line() == "no newline"
 
 
-@pytest.mark.unit
+# not in the unit tier: matplotlib's first import on a machine (an empty MPLCONFIGDIR)
+# builds its font cache by running `fc-list`, a process, which the unit tier refuses
 def test_plot_metrics(tmp_path, monkeypatch):
     from tools import plot_metrics
 
