@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 
 import pytest
-from train_cli import cli_env, command, start_cli
+from train_cli import await_point, cli_env, command, reaped, start_cli
 
 
 def _mapped(pid: int, library: str) -> bool:
@@ -31,18 +30,10 @@ def _interrupt_when(tmp_path, ready, *args) -> subprocess.CompletedProcess:
     """Start a real ``python -m ferrosync.train ARGS``, send SIGINT once ``ready(pid)``."""
     proc = subprocess.Popen(command(*args), cwd=tmp_path, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not ready(proc.pid):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the start-up point never came"
-            time.sleep(0.001)
+    with reaped(proc):
+        await_point(proc, lambda: ready(proc.pid), "the start-up point")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -67,18 +58,11 @@ def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path):
                      "--steps", 50, "--checkpoint-dir", ck, "--checkpoint-every", 2,
                      "--no-progress", cwd=tmp_path, FERROSYNC_TEST_PAUSE_AT=5,
                      FERROSYNC_TEST_PAUSE_RANK=0, FERROSYNC_TEST_PAUSE_DIR=tmp_path)
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():  # inside step 5: the checkpoint of step 4 is written
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the rank never reached step 5"
-            time.sleep(0.05)
+    with reaped(proc):
+        # inside step 5: the checkpoint of step 4 is written
+        await_point(proc, marker.exists, "step 5 of the rank")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == [(
         f"ferrosync.train: interrupted; the latest checkpoint is step 4 in {ck}: run the "

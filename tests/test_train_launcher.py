@@ -14,7 +14,15 @@ import threading
 import time
 
 import pytest
-from train_cli import METRIC_KEYS, final_of, read_metrics, run_cli, start_cli
+from train_cli import (
+    METRIC_KEYS,
+    await_point,
+    final_of,
+    read_metrics,
+    reaped,
+    run_cli,
+    start_cli,
+)
 
 from ferrosync.train.metrics import FINAL_KEYS
 
@@ -181,24 +189,13 @@ def test_a_second_sigterm_while_stopping_exits_like_the_first(tmp_path):
                      "--no-progress", cwd=tmp_path, FERROSYNC_TEST_PAUSE_AT=3,
                      FERROSYNC_TEST_PAUSE_RANK=1, FERROSYNC_TEST_PAUSE_DIR=tmp_path,
                      FERROSYNC_TEST_PAUSE_HOLD_TERM=1)
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists():
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "rank 1 never reached step 3"
-            time.sleep(0.05)
+    with reaped(proc):
+        await_point(proc, marker.exists, "step 3 of rank 1")
         proc.send_signal(signal.SIGTERM)
-        held = tmp_path / "paused.r1.term"
-        while not held.exists():  # the launcher has begun stopping the ranks
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "the launcher never stopped rank 1"
-            time.sleep(0.02)
+        # the launcher has begun stopping the ranks: rank 1 announces its SIGTERM
+        await_point(proc, (tmp_path / "paused.r1.term").exists, "the stop of rank 1")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
     assert proc.returncode == 143, err
     assert "terminated: stopped every rank" in err
     assert "_Stop" not in err and "Traceback" not in err and "error:" not in err, err

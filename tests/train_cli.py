@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import types
 from unittest import mock
 
@@ -380,3 +381,25 @@ def read_metrics_so_far(path) -> list[dict]:
     except FileNotFoundError:
         pass
     return rows
+
+
+def await_point(proc: subprocess.Popen, ready, what: str, timeout: float = 120) -> None:
+    """Block until ``ready()`` says ``proc`` reached a point (a marker file it wrote, a
+    library it mapped); fails at once if ``proc`` exits first, or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{what} never came"
+        time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def reaped(proc: subprocess.Popen):
+    """Within: a process the test signals; killed and reaped on the way out if it still
+    runs (a failed assertion must not leave it behind)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
