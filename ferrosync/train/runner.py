@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import runpy
 import signal
 import sys
@@ -251,6 +252,14 @@ def refuse_used_checkpoint_dir(store: CheckpointStore) -> None:
             hint="pass --resume to continue that run, or choose an empty directory")
 
 
+def _restarted() -> bool:
+    """This rank is torchrun's restart of a failed attempt (``--max-restarts``), run with
+    the first attempt's flags: the checkpoints there may be that attempt's own, which it
+    overwrites as it always did (pass ``--resume`` to continue them instead)."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    return count.isdigit() and int(count) > 0
+
+
 def resume_note(args) -> str | None:
     """For a run stopped early (Ctrl-C, SIGTERM): where it can continue from, when its
     ``--checkpoint-dir`` holds a checkpoint; None otherwise (or when it cannot be read)."""
@@ -276,7 +285,7 @@ def _check_strategy_fits(strategy, model_fn, spec: str) -> None:
         with torch.device("meta"):
             model = model_fn()
     except Exception as exc:  # noqa: BLE001 - the factory's own code failed
-        if "meta" in str(exc).lower():
+        if re.search(r"\bmeta\b", str(exc), re.IGNORECASE):  # "meta tensor", "'Meta' backend"
             # it cannot build there (it loads weights, moves itself to a device, reads
             # a value): the ranks build it for real and check it then
             return
@@ -382,7 +391,7 @@ def _run_rank(args) -> int:
     share = share_threads()
     if args.script is not None:
         return run_script(args, url)
-    if args.checkpoint_dir and not args.resume and args.nproc is None:
+    if args.checkpoint_dir and not args.resume and args.nproc is None and not _restarted():
         # a rank started without the launcher (srun, torchrun), before it connects: every
         # rank reads the same latest.json, so all refuse alike
         refuse_used_checkpoint_dir(CheckpointStore(args.checkpoint_dir,
