@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 from train_cli import await_point, cli_env, command, reaped, start_cli
@@ -26,9 +27,10 @@ def _mapped(pid: int, library: str) -> bool:
         return False
 
 
-def _interrupt_when(tmp_path, ready, *args) -> subprocess.CompletedProcess:
-    """Start a real ``python -m ferrosync.train ARGS``, send SIGINT once ``ready(pid)``."""
-    proc = subprocess.Popen(command(*args), cwd=tmp_path, env=cli_env(),
+def _interrupt_when(tmp_path, ready, *args, argv=None) -> subprocess.CompletedProcess:
+    """Start a real ``python -m ferrosync.train ARGS`` (or ``argv``), send SIGINT once
+    ``ready(pid)``."""
+    proc = subprocess.Popen(argv or command(*args), cwd=tmp_path, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with reaped(proc):
         await_point(proc, lambda: ready(proc.pid), "the start-up point")
@@ -48,6 +50,14 @@ def test_ctrl_c_while_torch_imports_is_one_line_and_130(tmp_path, library):
     assert done.returncode == 130, done.stderr
     assert done.stderr.strip().splitlines() == ["ferrosync.train: interrupted"], done.stderr
     assert "FINAL" not in done.stdout
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/PID/maps")
+def test_ctrl_c_while_an_operator_tool_imports_torch(tmp_path):
+    done = _interrupt_when(tmp_path, lambda pid: _mapped(pid, "libtorch_cpu"),
+                           argv=[sys.executable, "-m", "ferrosync", "inspect", tmp_path])
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "ferrosync: interrupted\n" and done.stdout == ""
 
 
 def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path):
