@@ -187,6 +187,25 @@ def test_readme_option_tables_match_the_code():
 
 
 @pytest.mark.unit
+def test_every_ferrosync_command_the_documents_name_exists():
+    """A `ferrosync SUB` in a document's code span is a subcommand of the console script
+    (docs once named a `ferrosync train` that did not exist: the trainer is
+    `python -m ferrosync.train`). Code blocks run, so they need no such check."""
+    import argparse
+
+    from ferrosync.__main__ import build_parser
+
+    (subs,) = [a.choices for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction)]
+    wrong = [f"{doc}:{_line_of(read(doc), m.start())}: ferrosync {m.group(1)}"
+             for doc in DOCUMENTS
+             for m in re.finditer(r"`(?:\$ )?ferrosync ([a-z][\w-]*)", read(doc))
+             if m.group(1) not in subs]
+    assert not wrong, (f"commands the console script does not have (it has "
+                       f"{', '.join(subs)}):\n" + "\n".join(wrong))
+
+
+@pytest.mark.unit
 def test_every_option_is_documented_and_validated():
     import dataclasses
 
