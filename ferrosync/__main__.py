@@ -184,9 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "keys":  # the user's own key files: no storage location
-            from .ops import keys
+            from .ops import keys_tool
 
-            return keys.run(prune_them=args.prune, older_than_days=args.older_than,
+            return keys_tool.run(prune_them=args.prune, older_than_days=args.older_than,
                             dry_run=args.dry_run, as_json=args.json)
         return _dispatch(args)
     except ConfigError as exc:

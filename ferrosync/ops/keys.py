@@ -50,7 +50,6 @@ import re
 import secrets
 import socket
 import stat
-import sys
 import time
 from dataclasses import dataclass
 
@@ -62,8 +61,8 @@ ENV_KEYS = "FERROSYNC_KEYS"
 SUFFIX = ".key"
 #: a key file is a few hundred bytes: anything larger is not one
 MAX_BYTES = 16384
-#: ``ferrosync keys --prune`` removes the key files of launches not running after this
-#: many days (``--older-than``)
+#: ``ferrosync keys --prune`` (``keys_tool``) removes the key files of launches not
+#: running after this many days (``--older-than``)
 PRUNE_AFTER_DAYS = 30.0
 _JOB = re.compile(names.JOB_ID)
 _HEX_SECRET = re.compile(r"[0-9a-f]{16,1024}")
@@ -398,40 +397,3 @@ def prune(found: list[KeyEntry], older_than_s: float, where: str | None = None,
     finally:
         os.close(fd)
     return chosen
-
-
-def run(*, prune_them: bool, older_than_days: float, dry_run: bool, as_json: bool,
-        where: str | None = None) -> int:
-    """``ferrosync keys``: list the key files, and with ``prune_them`` remove those of
-    launches that are over; exit status 0."""
-    where = where or directory()
-    found = entries(where)
-    removed = prune(found, older_than_days * 86400, where, dry_run) if prune_them else []
-    gone = {e.name: why for e, why in removed}
-    if as_json:
-        print(json.dumps({"directory": where, "pruned": bool(prune_them and not dry_run),
-                          "entries": [{
-                              "name": e.name, "job": e.key.job if e.key else None,
-                              "url": e.key.url if e.key else None, "age_s": round(e.age_s),
-                              "running": e.running, "state": e.state or None,
-                              "store_gone": e.store_gone, "problem": e.problem,
-                              "removed": gone.get(e.name)} for e in found]}, indent=1))
-        return 0
-    from .scan import printable  # names and URLs come from files: escaped
-
-    verb = "would remove" if dry_run else "removed"
-    print(f"ferrosync keys {where}: {len(found)} file(s)"
-          + (f", {verb} {len(removed)}" if prune_them else ""))
-    for e in found:
-        age = f"{e.age_s / 86400:.1f} d" if e.age_s >= 86400 else f"{e.age_s / 3600:.1f} h"
-        if e.key is None:
-            print(f"  {printable(e.name)}  {age}  {printable(e.problem)}")
-            continue
-        url = printable(e.key.url or "?") + (" (gone)" if e.store_gone else "")
-        mark = f"  -> {verb}: {gone[e.name]}" if e.name in gone else ""
-        print(f"  {printable(e.key.job)}  {age}  {url}  {printable(e.state)}{mark}")
-    if not prune_them and any(e.prune_reason(older_than_days * 86400) for e in found):
-        print(f"ferrosync keys --prune removes the key files of launches that are over "
-              f"(their run directory gone, or older than {older_than_days:g} days)",
-              file=sys.stderr)
-    return 0
