@@ -3,6 +3,7 @@
     ferrosync inspect URL [--json] [--watch S] [--objects]
     ferrosync gc URL [--keep N] [--dry-run] [--watch S] [--json]
     ferrosync doctor URL [--json] [--size-mib N] [--samples N] [--strict] [--mode M]
+    ferrosync keys [--prune] [--older-than DAYS] [--dry-run] [--json]   # the key files
     python -m ferrosync SUB ...            # the same, without the installed script
 
 Every tool takes ``--storage-options JSON`` (passed to the fsspec filesystem, e.g.
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Operator tools for a ferrosync storage location (directory, NFS, "
         "s3://, ...). See docs/operations.md.",
     )
-    subs = parser.add_subparsers(dest="command", metavar="{inspect,gc,doctor}")
+    subs = parser.add_subparsers(dest="command", metavar="{inspect,gc,doctor,keys}")
     subs.required = True
 
     def common(sub: argparse.ArgumentParser, *, secret: bool) -> None:
@@ -108,6 +109,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "location holds an elastic job and no fixed-size one")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--strict", action="store_true", help="exit 1 if any check fails")
+
+    from .ops.keys import PRUNE_AFTER_DAYS
+
+    p = subs.add_parser("keys", help="list or prune the key files the launcher keeps",
+                        description=f"List the key files in {keys_directory()} (one per "
+                        "launch of python -m ferrosync.train); --prune removes those of "
+                        "launches that are over. A running launch's is never removed.")
+    p.add_argument("--prune", action="store_true",
+                   help="remove the key files of launches whose launcher has exited and "
+                   "whose run directory is gone, or that are not running and older than "
+                   "--older-than")
+    p.add_argument("--older-than", type=cli_number(minimum=0), default=PRUNE_AFTER_DAYS,
+                   metavar="DAYS", help=f"with --prune: the age, in days, from which the key "
+                   f"file of a launch that is not running goes (default {PRUNE_AFTER_DAYS:g})")
+    p.add_argument("--dry-run", action="store_true", help="with --prune: say, remove nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
     return parser
 
 
@@ -173,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "keys":  # the user's own key files: no storage location
+            from .ops import keys_tool
+
+            return keys_tool.run(prune_them=args.prune, older_than_days=args.older_than,
+                            dry_run=args.dry_run, as_json=args.json)
         return _dispatch(args)
     except ConfigError as exc:
         print(f"ferrosync {args.command}: error: {exc}", file=sys.stderr)

@@ -594,7 +594,7 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
         timeout: seconds any single wait may last (rendezvous, each collective) before
             ``SyncTimeout``.
         **options: backend options (``reduce``, ``wire_dtype``, ``secret``,
-            ``storage_options``, ``heartbeat_timeout``, ...; see the README). An
+            ``storage_options``, ``heartbeat_timeout``, ...; see docs/reference.md). An
             unknown option is a ``ConfigError``. Two select another backend on a
             storage URL: ``local="gloo"`` (the two-level sync) and ``elastic=True``: join
             an elastic job (docs/elastic.md; with ``min_ranks``, ``max_ranks``,

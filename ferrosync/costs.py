@@ -72,6 +72,17 @@ def hourly(counts: dict, seconds: float, prices: dict[str, float] | None,
     }
 
 
+def request_noun(url: str) -> str:
+    """What one counted request is at ``url``, as the summaries name it: a billed
+    ``"storage requests"`` on an object store, ``"file operations"`` on a directory
+    (open, write and rename, unlink: not billed), ``"collective calls"`` on a
+    torch.distributed transport."""
+    protocol, _ = split_url(url)
+    if protocol in ("gloo", "nccl", "torch"):
+        return "collective calls"
+    return "file operations" if protocol in ("file", "local") else "storage requests"
+
+
 def is_billed(url: str) -> bool:
     """Whether ``url`` is an object store that bills requests (not a directory, an
     in-memory store or a torch.distributed transport)."""

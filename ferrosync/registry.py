@@ -10,7 +10,7 @@ for the two-level sync, ``elastic=True`` for an elastic job). From the registrat
 * ``connect`` picks the class (``registration_for``, ``backend_for``) and constructs
   every backend alike: its ``check_options`` validates the options (the selecting one
   included), its ``identity`` says who this process is, then the class is called;
-* ``tools/options_table.py`` writes the README's option table of each one (between
+* ``tools/options_table.py`` writes docs/reference.md's option table of each one (between
   ``<!-- options:NAME -->`` markers; ``tests/test_docs.py`` checks they match);
 * ``tests/test_registry.py`` checks that the contract matrix (``tests/conftest.py``)
   exercises every registered backend, so a registration without contract coverage
@@ -35,7 +35,7 @@ from .storage import split_url
 class Registration:
     """One backend, as ``connect`` chooses it and the docs and tests list it."""
 
-    #: the README table's name (``<!-- options:NAME -->``) and the backend's short name
+    #: the option table's name (``<!-- options:NAME -->``) and the backend's short name
     name: str
     #: ``"module:Class"`` of the ``GradSync`` subclass
     backend: str
@@ -55,7 +55,7 @@ class Registration:
         return _load(self.options)
 
 
-#: every backend, by name, in registration order (the README's table order)
+#: every backend, by name, in registration order (docs/reference.md's table order)
 REGISTRY: dict[str, Registration] = {}
 
 
@@ -155,5 +155,5 @@ def backend_for(url: str, options: dict | None = None):
 
 
 def option_tables() -> dict:
-    """README table name -> options dataclass, one per registration, in order."""
+    """Option table name -> options dataclass, one per registration, in order."""
     return {entry.name: entry.load_options() for entry in REGISTRY.values()}

@@ -8,6 +8,7 @@ from the ranks' heartbeats.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -79,6 +80,19 @@ def test_training_on_a_directory_has_no_request_bill(tmp_path):
     final = final_of(result.stdout)
     assert final["requests_per_hour"] > 0
     assert final["request_cost_per_hour"] is None
+    # one count of requests, the same in FINAL's two places and in the summary, named
+    # for what it is on a directory, and counted by kind as on an object store
+    req = final["storage_requests"]
+    assert final["requests"] == req["requests"] > 0
+    assert req["puts"] > 0 and req["gets"] > 0 and req["deletes"] > 0, req
+    assert req["requests"] >= req["puts"] + req["gets"] + req["deletes"]
+    assert final["requests_are"] == "file operations"
+    out = result.stdout + result.stderr
+    row = re.search(r"^\[rank 0\]   file operations  +([\d,]+) \(all ranks\), ([\d,]+)/hour "
+                    r"\(a directory: not billed\)$", out, re.M)
+    assert row, out[-3000:]
+    assert int(row.group(1).replace(",", "")) == final["requests"]
+    assert "storage requests" not in out and " requests (all ranks)" not in out
 
 
 def test_inspect_shows_request_rates_from_heartbeats(tmp_path):

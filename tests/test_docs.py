@@ -187,6 +187,25 @@ def test_readme_option_tables_match_the_code():
 
 
 @pytest.mark.unit
+def test_every_ferrosync_command_the_documents_name_exists():
+    """A `ferrosync SUB` in a document's code span is a subcommand of the console script
+    (docs once named a `ferrosync train` that did not exist: the trainer is
+    `python -m ferrosync.train`). Code blocks run, so they need no such check."""
+    import argparse
+
+    from ferrosync.__main__ import build_parser
+
+    (subs,) = [a.choices for a in build_parser()._actions
+               if isinstance(a, argparse._SubParsersAction)]
+    wrong = [f"{doc}:{_line_of(read(doc), m.start())}: ferrosync {m.group(1)}"
+             for doc in DOCUMENTS
+             for m in re.finditer(r"`(?:\$ )?ferrosync ([a-z][\w-]*)", read(doc))
+             if m.group(1) not in subs]
+    assert not wrong, (f"commands the console script does not have (it has "
+                       f"{', '.join(subs)}):\n" + "\n".join(wrong))
+
+
+@pytest.mark.unit
 def test_every_option_is_documented_and_validated():
     import dataclasses
 
@@ -273,16 +292,26 @@ def test_every_code_block_is_collected():
 
 
 @pytest.mark.unit
-def test_readme_figures_come_from_its_commands():
-    """tools/regen_figures.py finds the README's bench commands and every marked place it
-    writes (the script itself runs for half an hour: it is not run here)."""
+def test_the_figures_come_from_the_commands_shown():
+    """tools/regen_figures.py finds docs/performance.md's bench commands and every marked
+    place it writes (the script itself runs for half an hour: it is not run here)."""
     from tools import regen_figures
 
-    readme = read("README.md")
-    commands = regen_figures.bench_commands(readme)
+    text = read(regen_figures.BENCH_DOC)
+    commands = regen_figures.bench_commands(text)
     assert len(commands) == 4 and all(c[:2] == ["python", "tools/bench.py"] for c in commands)
     for name in ("machine", *regen_figures.FIGURES):
-        assert regen_figures.write_between(readme, name, "X") != readme
-    table = readme.split("<!-- figures:bench-table -->", 1)[1]
+        assert regen_figures.write_between(text, name, "X") != text
+    table = text.split("<!-- figures:bench-table -->", 1)[1]
     assert re.search(r"^\| 2 \| 64 MiB \| \d\.\d\d(–\d\.\d\d)?× \|", table, re.M), (
-        "the README keeps its 2-rank, 64 MiB, default-threading row as a ratio to gloo")
+        "the 2-rank, 64 MiB, default-threading row stays, as a ratio to gloo")
+
+
+@pytest.mark.unit
+def test_the_readme_names_the_machine_of_its_figure():
+    """A ratio the README quotes holds on the machine it was measured on: the README
+    names the machine beside it and links the page that has its command."""
+    readme = read("README.md")
+    for m in re.finditer(r"\d\.\d\d–\d\.\d\d×", readme):
+        around = readme[max(0, m.start() - 300):m.end() + 300]
+        assert "machine" in around and "docs/performance.md" in around, around

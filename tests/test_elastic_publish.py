@@ -8,6 +8,7 @@ member leaves, and when rank 0 publishes. Members run as separate processes
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sys
 import time
@@ -61,6 +62,8 @@ def test_publish_every_works_for_every_strategy(tmp_path, strategy):
     finals = finals_of(procs, procs)
     assert len({f["param_digest"] for f in finals.values()}) == 1, finals
     assert all(f["steps"] == 20 and f["ranks_agree"] for f in finals.values()), finals
+    # founders of a new job resumed from nothing
+    assert all(f["resumed_from"] is None for f in finals.values()), finals
     # the published state is the job's end, readable by a process that comes later
     code, out, err = finish(member(tmp_path, url, "c", *flags))
     assert code == 0, err[-2000:]
@@ -185,8 +188,15 @@ def test_every_member_stopped_by_sigterm_then_a_new_one_resumes_where_they_left(
         assert last_step(tmp_path, name) == 24, metrics(tmp_path, name)[-1]
     assert sum("published the job's state at step 24" in line for line in said.values()) == 1, said
     c = member(tmp_path, url, "c", *flags[2:], "--min-ranks", "1")
-    (final,) = finals_of({"c": c}, ["c"]).values()
+    code, out, err = finish(c)
+    assert code == 0, err[-3000:]
+    final = final_of(out)
     assert final["joined_at_step"] == 24 and final["steps"] == 40, final
+    # it says what it resumed from, and FINAL says so as a resumed fixed-size run's does
+    assert final["resumed_from"] == 24, final
+    assert re.search(r"^ferrosync\.train: member \S+: resuming from the state published at "
+                     r"step 24 \(round \d+\)$", err, re.M), err[-3000:]
+    assert "resumed at step 24" in out + err  # the summary's steps row
     first = metrics(tmp_path, "c")[0]
     assert (first["step"], first["epoch"], first["members"]) == (25, 1, 1), first
 

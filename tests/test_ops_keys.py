@@ -97,3 +97,96 @@ def test_the_directory_follows_xdg_and_the_override():
     assert keys.directory({"XDG_CONFIG_HOME": "/cfg", keys.ENV_KEYS: "/k"}) == "/k"
 
 
+
+
+# -- ferrosync keys: listing and pruning ----------------------------------------------------
+
+DAY = 86400.0
+
+
+def _key(where, job, url, *, launcher=None, age_days=0.0):
+    """A key file as the launcher writes it, with another launcher or age when given."""
+    path = keys.save(job, SECRET, url, where)
+    if launcher is not None:
+        with open(path) as f:
+            body = json.load(f)
+        body["launcher"] = {**body["launcher"], **launcher}
+        os.unlink(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(body, f)
+    stamp = os.stat(path).st_mtime - age_days * DAY
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+#: a launcher on this host that has exited (no process has this pid and start time)
+EXITED = {"pid": 4_194_303, "start": 1}
+
+
+def test_prune_removes_the_keys_of_launches_that_are_over_and_nothing_else(where, tmp_path):
+    alive_dir = tmp_path / "run-alive"
+    alive_dir.mkdir()
+    gone_dir = str(tmp_path / "run-gone")  # never made: the run directory is gone
+    _key(where, "running-old", gone_dir, age_days=90)  # this process is its launcher
+    _key(where, "exited-dir-gone", gone_dir, launcher=EXITED)
+    _key(where, "exited-dir-kept", str(alive_dir), launcher=EXITED, age_days=2)
+    _key(where, "exited-old", str(alive_dir), launcher=EXITED, age_days=45)
+    _key(where, "exited-s3", "s3://bucket/run", launcher=EXITED, age_days=5)
+    _key(where, "elsewhere-old", "s3://bucket/run", launcher={"host": "node9"}, age_days=31)
+    _key(where, "elsewhere-young", gone_dir, launcher={"host": "node9"}, age_days=29)
+    open_key = _key(where, "open-to-others", gone_dir, launcher=EXITED, age_days=90)
+    os.chmod(open_key, 0o644)
+    target = tmp_path / "precious.key"
+    target.write_text("a user's file")
+    os.symlink(target, os.path.join(where, "planted.key"))
+    with open(os.path.join(where, "notes.txt"), "w") as f:
+        f.write("mine")
+
+    found = {e.name: e for e in keys.entries(where)}
+    assert found["running-old.key"].running is True
+    assert found["exited-dir-gone.key"].store_gone and not found["exited-dir-kept.key"].store_gone
+    assert found["open-to-others.key"].key is None and "chmod 600" in found[
+        "open-to-others.key"].problem
+    planned = keys.prune(list(found.values()), 30 * DAY, where, dry_run=True)
+    assert len(os.listdir(where)) == 10  # a dry run removes nothing
+    removed = {e.name: why for e, why in keys.prune(list(found.values()), 30 * DAY, where)}
+    assert removed == {e.name: why for e, why in planned}
+    assert removed == {
+        "exited-dir-gone.key": "its launch is over and its run directory is gone",
+        "exited-old.key": "not running, 45 days old",
+        "elsewhere-old.key": "not running, 31 days old"}
+    assert sorted(os.listdir(where)) == [
+        "elsewhere-young.key", "exited-dir-kept.key", "exited-s3.key", "notes.txt",
+        "open-to-others.key", "planted.key", "running-old.key"]
+    assert target.read_text() == "a user's file"  # a link's target is never touched
+    # a shorter age takes the young ones of launches that are over, never a running one
+    removed = {e.name for e, _ in keys.prune(keys.entries(where), 1 * DAY, where)}
+    assert removed == {"elsewhere-young.key", "exited-dir-kept.key", "exited-s3.key"}
+    assert "running-old.key" in os.listdir(where)
+
+
+def test_ferrosync_keys_lists_and_prunes_from_the_command_line(where, tmp_path, capsys,
+                                                              monkeypatch):
+    from ferrosync.__main__ import main
+
+    monkeypatch.setenv(keys.ENV_KEYS, where)
+    _key(where, "launch-a", str(tmp_path / "gone"), launcher=EXITED)
+    _key(where, "launch-b", str(tmp_path), launcher=EXITED)
+    assert main(["keys"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith(f"ferrosync keys {where}: 2 file(s)\n")
+    assert f"launch-a  0.0 h  {tmp_path / 'gone'} (gone)  its launcher (pid" in out
+    assert "ferrosync keys --prune removes" in err  # says how, removes nothing
+    assert sorted(os.listdir(where)) == ["launch-a.key", "launch-b.key"]
+    assert main(["keys", "--prune", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [(e["job"], e["removed"]) for e in report["entries"]] == [
+        ("launch-a", "its launch is over and its run directory is gone"), ("launch-b", None)]
+    assert os.listdir(where) == ["launch-b.key"]
+    with pytest.raises(SystemExit) as exc:
+        main(["keys", "--prune", "--older-than", "-1"])
+    assert exc.value.code == 2
+    os.chmod(where, 0o755)  # a key directory others may enter: refused, one line, exit 2
+    assert main(["keys", "--prune"]) == 2
+    assert "chmod 700" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def test_strategies_figures_come_from_the_commands_shown_before_them():
     streaming = [*default, "--ranks", "2", "--strategies", "diloco", "streaming-diloco",
                  "--sync-every", "30", "--fragments", "4", "--overlap-steps", "0", "1",
                  "--seeds", "0", "1"]
-    assert rf.strategy_places(read("README.md")) == [("strategies-table", default),
+    assert rf.strategy_places(read("docs/performance.md")) == [("strategies-table", default),
                                                       ("streaming-summary", streaming)]
     assert rf.strategy_places(read("docs/train.md")) == [
         ("strategies-demo", default), ("strategies-seeds", seeds),

@@ -130,9 +130,11 @@ def test_one_answer_per_url(kwargs, message, monkeypatch):
 
 
 @pytest.mark.unit
-def test_readme_tables_are_the_registrations():
+def test_option_tables_are_the_registrations():
     assert list(registry.option_tables()) == list(registry.REGISTRY)
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
+    from tools.options_table import DOC
+
+    with open(os.path.join(ROOT, DOC)) as f:
+        reference = f.read()
     for name in registry.REGISTRY:
-        assert f"<!-- options:{name} -->" in readme, name
+        assert f"<!-- options:{name} -->" in reference, name

@@ -1,6 +1,6 @@
 """ferrosync's benchmark: average_ through every transport, side by side, in one run.
 
-Run (the README's table comes from the first line):
+Run (docs/performance.md's table comes from the first line):
     python tools/bench.py                                   # full matrix, ~10 minutes on 2 cores
     python tools/bench.py --payloads 4KiB,16MiB --world-sizes 2 --backends disk,gloo
     python tools/bench.py --wire-only                       # bytes per collective per codec

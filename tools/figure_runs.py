@@ -97,7 +97,7 @@ def span(xs: list[float], fmt: str = "{:.2f}", unit: str = "×") -> str:
     return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
 
 
-def write_between(text: str, name: str, content: str, doc: str = "README.md") -> str:
+def write_between(text: str, name: str, content: str, doc: str = "the document") -> str:
     """``text`` with what is between the first ``name`` markers replaced by ``content``
     (a table, content starting with "|", on lines of its own); SystemExit if ``doc``
     has no such markers."""

@@ -1,12 +1,12 @@
-"""Rewrite the option tables in README.md from the options dataclasses.
+"""Rewrite the option tables in docs/reference.md from the options dataclasses.
 
-    python tools/options_table.py          # rewrite README.md in place
-    python tools/options_table.py --check  # exit 1 if README.md is out of date
+    python tools/options_table.py          # rewrite docs/reference.md in place
+    python tools/options_table.py --check  # exit 1 if docs/reference.md is out of date
 
 Each table sits between ``<!-- options:NAME -->`` and ``<!-- /options:NAME -->``,
 NAME a backend's registration in ``ferrosync/registry.py`` (which names its options
 dataclass). ``tests/test_docs.py`` runs the
-check, so an option added in code without its README row fails the suite.
+check, so an option added in code without its row there fails the suite.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import re
 from ferrosync.registry import option_tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+#: the document holding every option table (the README links to it)
+DOC = "docs/reference.md"
 
 
 def render(text: str) -> str:
@@ -26,7 +28,7 @@ def render(text: str) -> str:
         pattern = re.compile(rf"(<!-- options:{name} -->\n).*?(<!-- /options:{name} -->)",
                              re.S)
         if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- options:{name} --> block")
+            raise SystemExit(f"{DOC} has no <!-- options:{name} --> block")
         table = cls.table()
         text = pattern.sub(lambda m, t=table: m.group(1) + t + "\n" + m.group(2), text)
     return text
@@ -36,15 +38,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only check, do not write")
     args = parser.parse_args()
-    readme = ROOT / "README.md"
-    old = readme.read_text()
+    doc = ROOT / DOC
+    old = doc.read_text()
     new = render(old)
     if args.check:
         if new != old:
-            print("README.md option tables are out of date: run python tools/options_table.py")
+            print(f"{DOC}'s option tables are out of date: run python tools/options_table.py")
             return 1
         return 0
-    readme.write_text(new)
+    doc.write_text(new)
     return 0
 
 

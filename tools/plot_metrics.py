@@ -1,100 +1,17 @@
-"""Plot a ``--metrics`` file: loss and sync time per optimizer step, as a PNG.
+"""Plot a ``--metrics`` file: what ``python -m ferrosync.train.plot`` does (the plotting
+is part of the package, ``ferrosync/train/plot.py``; this script is kept for old
+commands).
 
-Run:
-    python -m ferrosync.train --nproc 2 --metrics metrics.jsonl
-    python tools/plot_metrics.py metrics.jsonl                 # writes metrics.png
-    python tools/plot_metrics.py metrics.jsonl -o run1.png --smooth 50
-
-Needs matplotlib, an optional extra: ``pip install 'ferrosync[plot]'``.
+    python tools/plot_metrics.py metrics.jsonl     # = python -m ferrosync.train.plot ...
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
 
+from ferrosync.train.plot import main, moving_average, read_metrics
 
-def read_metrics(path: str) -> list[dict]:
-    """The JSON lines of ``path``; a torn last line (a killed run) is skipped."""
-    with open(path, encoding="utf-8") as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if number < len(lines):  # not just a torn last line: not a metrics file
-                raise SystemExit(f"plot_metrics: {path}: line {number} is not JSON; give "
-                                 "a file written by --metrics") from None
-    if not records:
-        raise SystemExit(f"plot_metrics: {path} holds no metrics")
-    return records
-
-
-def moving_average(values: list[float], window: int) -> list[float]:
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("metrics", help="JSON-lines file written by --metrics")
-    parser.add_argument("-o", "--output", help="PNG to write (default: METRICS with .png)")
-    parser.add_argument("--smooth", type=int, default=20,
-                        help="moving-average window in steps for the smoothed lines (default 20)")
-    args = parser.parse_args(argv)
-    if args.smooth < 1:
-        parser.error("--smooth must be >= 1")
-    if not os.path.isfile(args.metrics):
-        parser.error(f"{args.metrics} does not exist")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot_metrics: matplotlib is not installed; run: pip install 'ferrosync[plot]'",
-              file=sys.stderr)
-        return 2
-
-    records = read_metrics(args.metrics)
-    steps = [r["step"] for r in records]
-    # a rank 0 that joined a time-based sync with nothing to train writes loss null
-    trained = [r for r in records if r["loss"] is not None]
-    loss_steps, loss = [r["step"] for r in trained], [r["loss"] for r in trained]
-    sync_ms = [1000 * r["sync_s"] for r in records]
-    compute_ms = [1000 * r["compute_s"] for r in records]
-
-    fig, (top, bottom) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
-    top.plot(loss_steps, loss, color="tab:blue", alpha=0.3, linewidth=0.8,
-             label="loss (rank 0)")
-    top.plot(loss_steps, moving_average(loss, args.smooth), color="tab:blue",
-             label=f"mean of {args.smooth}")
-    top.set_ylabel("loss")
-    top.legend()
-    bottom.plot(steps, sync_ms, color="tab:red", alpha=0.3, linewidth=0.8, label="sync")
-    bottom.plot(steps, moving_average(sync_ms, args.smooth), color="tab:red",
-                label=f"sync, mean of {args.smooth}")
-    bottom.plot(steps, moving_average(compute_ms, args.smooth), color="tab:green",
-                label=f"compute, mean of {args.smooth}")
-    bottom.set_ylabel("ms per step")
-    bottom.set_xlabel("optimizer step")
-    bottom.legend()
-    fig.suptitle(os.path.basename(args.metrics))
-    fig.tight_layout()
-    output = args.output or os.path.splitext(args.metrics)[0] + ".png"
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
-    print(f"wrote {output} ({len(records)} steps)")
-    return 0
-
+__all__ = ["main", "moving_average", "read_metrics"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""Regenerate the figures of README.md and docs/train.md: run their documented benchmark
+"""Regenerate the figures of docs/performance.md and docs/train.md: run their documented benchmark
 commands three times and write what was measured into the marked places, plus
 docs/bench.json and docs/bench.png, with the machine state seen.
 
@@ -6,15 +6,15 @@ docs/bench.json and docs/bench.png, with the machine state seen.
                                                      # quiet machine (nothing else running)
     python tools/regen_figures.py --only strategies  # one section (bench, strategies)
     python tools/regen_figures.py --tiny --out-dir /tmp/figs   # a quick try of the script:
-        # every command scaled down, 1 run; writes copies of README.md, train.md and the
+        # every command scaled down, 1 run; writes copies of performance.md, train.md and the
         # JSON/PNG under --out-dir and leaves the repository alone
 
 Places are written between marker comments, `<!-- figures:NAME -->` ...
 `<!-- /figures:NAME -->`; a table goes on lines of its own between them.
 
 Section ``bench`` (~17 min): the `python tools/bench.py` lines of the bash block in the
-README's "Performance" section (``--tiny``: payloads 256x smaller, 2 iterations). It
-writes, in README.md:
+first bash block of docs/performance.md that holds them (``--tiny``: payloads 256x
+smaller, 2 iterations). It writes, in docs/performance.md:
 
 * `bench-table`: the table of `average_`'s median time relative to gloo's in the same
   run (per thread setting);
@@ -38,9 +38,10 @@ demo. Each marked place below is computed from the nearest such command shown be
 it in the same file (in a code span, or a line of a bash block, continuations joined),
 so the figures always come from the commands shown; each distinct command runs
 ``--runs`` times (``--tiny``: 60 steps, the first value of each of --ranks,
---sync-every, --seeds and --overlap-steps). The places, in README.md and docs/train.md:
+--sync-every, --seeds and --overlap-steps). The places, in docs/performance.md and
+docs/train.md:
 
-* `strategies-table` (README): grad and diloco per number of ranks;
+* `strategies-table` (performance.md): grad and diloco per number of ranks;
 * `strategies-demo` (train.md): every row of the command;
 * `strategies-seeds` (train.md): the sentence comparing diloco with grad over seeds;
 * `streaming-table` (train.md): every row, with accuracy per seed and bytes per sync;
@@ -116,12 +117,15 @@ EMULATOR_PAYLOADS = ["1MiB", "16MiB"]
 THREADS = [("default", "default threading"), ("pinned", "one thread per rank")]
 
 
-def bench_commands(readme: str) -> list[list[str]]:
-    """The `python tools/bench.py ...` lines of the README's Performance section."""
-    section = readme.split("\n## Performance", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return [shlex.split(line) for line in block.splitlines()
-            if line.startswith("python tools/bench.py")]
+def bench_commands(text: str) -> list[list[str]]:
+    """The `python tools/bench.py ...` lines of the first bash block of ``text`` (BENCH_DOC)
+    that holds any."""
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        lines = [shlex.split(line) for line in block.splitlines()
+                 if line.startswith("python tools/bench.py")]
+        if lines:
+            return lines
+    raise SystemExit(f"{BENCH_DOC} has no bash block of python tools/bench.py commands")
 
 
 def shrink(command: list[str], scale: int, iters: int | None) -> list[str]:
@@ -242,7 +246,9 @@ def figures(results, scale: int) -> dict:
             "ranges": ranges}
 
 
-#: the marked places of README.md the bench section writes, besides ``machine``
+#: the document whose bench commands section ``bench`` runs, and whose figures it writes
+BENCH_DOC = "docs/performance.md"
+#: the marked places of BENCH_DOC the bench section writes, besides ``machine``
 FIGURES = ("bench-table", "sharded-vs-root", "s3-floor", "s3-cpu", "s3-cpu-bound",
            "s3-vs-bound", "s3-server-floor", "s3-requests", "emulator-floor",
            "emulator-requests")
@@ -250,18 +256,18 @@ FIGURES = ("bench-table", "sharded-vs-root", "s3-floor", "s3-cpu", "s3-cpu-bound
 
 def bench_section(texts: dict, report: dict, *, runs: int, tiny: bool, invocation: str,
                   work: str, docs: str) -> None:
-    """Run the README's bench commands, write their figures into ``texts["README.md"]``,
+    """Run BENCH_DOC's bench commands, write their figures into ``texts[BENCH_DOC]``,
     their runs into ``report`` (docs/bench.json's top level) and bench.png into ``docs``."""
     scale, iters = (256, 2) if tiny else (1, None)
-    commands = [shrink(c, scale, iters) for c in bench_commands(texts["README.md"])]
+    commands = [shrink(c, scale, iters) for c in bench_commands(texts[BENCH_DOC])]
     state0 = machine_state()
     results = run_all(commands, runs, work)
     figs = figures(results, scale)
     machine = machine_line(results, runs, invocation, state0)
-    readme = texts["README.md"]
+    text = texts[BENCH_DOC]
     for name in FIGURES:
-        readme = write_between(readme, name, figs[name])
-    texts["README.md"] = write_between(readme, "machine", machine)
+        text = write_between(text, name, figs[name], BENCH_DOC)
+    texts[BENCH_DOC] = write_between(text, "machine", machine, BENCH_DOC)
     report.update({"machine": {**state0, "summary": machine},
                    "commands": [" ".join(c) for c in commands],
                    "ranges": figs["ranges"],
@@ -276,7 +282,7 @@ def bench_section(texts: dict, report: dict, *, runs: int, tiny: bool, invocatio
 # --- section "strategies": tools/bench_strategies.py on the demo -----------------------
 
 #: the documents holding strategies figures (paths from the repository root)
-STRATEGY_DOCS = ("README.md", "docs/train.md")
+STRATEGY_DOCS = ("docs/performance.md", "docs/train.md")
 #: the places that get the machine line of the strategies runs
 STRATEGY_MACHINE = ("strategies-machine", "streaming-machine")
 #: a bench_strategies command in a code span, or on a line of its own (a bash block)
@@ -580,7 +586,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="every command scaled down, 1 run: to try the script; "
                         "needs --out-dir")
-    parser.add_argument("--out-dir", help="write README.md, train.md, bench.json and "
+    parser.add_argument("--out-dir", help="write performance.md, train.md, bench.json and "
                         "bench.png here instead of into the repository")
     args = parser.parse_args(argv)
     if args.tiny and not args.out_dir:
@@ -596,7 +602,7 @@ def main(argv=None) -> None:
     invocation = ("python tools/regen_figures.py" + (" --tiny" if args.tiny else "")
                   + (f" --only {args.only}" if args.only else ""))
     texts = {}
-    for doc in ("README.md", *STRATEGY_DOCS):
+    for doc in (BENCH_DOC, *STRATEGY_DOCS):
         with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
             texts[doc] = f.read()
     written = dict(texts)

@@ -4,7 +4,7 @@ name, default, validation and description.
 ``connect(url, **options)`` hands the keyword arguments to the backend's
 ``check_options``, which calls ``Options.parse``: unknown names and bad values are a
 ``ConfigError`` before any I/O, and the backend reads typed attributes
-(``opts.reduce``), never string keys. The README's option tables are generated from
+(``opts.reduce``), never string keys. docs/reference.md's option tables are generated from
 the same fields (``table()``; each backend's registration in ``ferrosync/registry.py``
 names its options class, ``python tools/options_table.py`` rewrites the tables and
 ``tests/test_docs.py`` checks they match), so the documentation cannot drift from the
@@ -214,7 +214,7 @@ class BackendOptions:
 
     @classmethod
     def table(cls) -> str:
-        """The markdown table of documented options (README)."""
+        """The markdown table of documented options (docs/reference.md)."""
         rows = ["| option | default | meaning |", "|---|---|---|"]
         for f in dataclasses.fields(cls):
             meta = f.metadata

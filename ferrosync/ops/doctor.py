@@ -606,7 +606,7 @@ def _opt(options: list[str], name: str) -> str | None:
 
 
 def nfs_problems(options: list[str]) -> list[tuple[str, str]]:
-    """(status, text) for NFS mount options that hurt ferrosync (README "NFS")."""
+    """(status, text) for NFS mount options that hurt ferrosync (docs/reference.md, "NFS")."""
     problems = []
     if _opt(options, "nocto") is not None:
         problems.append(("fail", "nocto: open() no longer revalidates, so readers can see "

@@ -19,7 +19,7 @@ import json
 import os
 import time
 
-from ..costs import hourly, is_billed, request_cost
+from ..costs import hourly, is_billed, request_cost, request_noun
 from ..errors import StorageError
 from ..liveness import describe_abort
 from ..storage import Storage
@@ -72,9 +72,11 @@ def _request_rate(heartbeat) -> dict:
             **hourly(clean, now - since, None, billed=True)}
 
 
-def requests_summary(ranks: list[dict], billed: bool) -> dict | None:
+def requests_summary(ranks: list[dict], url: str) -> dict | None:
     """All ranks' requests per hour and, on a billed object store, their cost per hour
-    (None: no rank's heartbeat says)."""
+    (None: no rank's heartbeat says); ``requests_are`` names them as the trainer's
+    summary does (``costs.request_noun``: a directory's are file operations)."""
+    billed = is_billed(url)
     rates = [r for r in ranks if r.get("requests_per_hour") is not None]
     if not rates:
         return None
@@ -83,7 +85,8 @@ def requests_summary(ranks: list[dict], billed: bool) -> dict | None:
     return {"requests_per_hour": sum(r["requests_per_hour"] for r in rates),
             "request_cost_per_hour": cost if billed else None,
             "requests_so_far": sum(r["requests_so_far"] for r in rates),
-            "request_cost_so_far": so_far if billed else None, "ranks": len(rates)}
+            "request_cost_so_far": so_far if billed else None, "ranks": len(rates),
+            "requests_are": request_noun(url)}
 
 
 def _wall_age(wall) -> float | None:
@@ -114,7 +117,7 @@ def generation_report(storage: Storage, gen: FoundGeneration, views: list[RankVi
         "temp_files": [t.key for t in gen.temps],
         "last_collective_on_storage": gen.last_collective(),
         "ranks": (ranks := [rank_report(v) for v in views]),
-        "storage_requests": requests_summary(ranks, is_billed(storage.url)),
+        "storage_requests": requests_summary(ranks, storage.url),
         "stragglers": stragglers(views),
         "progress": progress(views),
         "aborts": [rank_report(v)["abort"] | {"rank": v.rank}
@@ -252,6 +255,10 @@ def build_report(storage: Storage, keys: JobKeys, window: float,
         "watch_s": window,
         "total_bytes": found.total_bytes,
         "total_objects": len(found.objects),
+        # what the generation lines count (their temp files apart): these, the rdzv
+        # records and the rest (temp files, probes, elastic jobs, foreign) add up to
+        # total_objects, and the header says so
+        "generation_objects": sum(len(g.objects) for g in gens),
         # every namespace together; per job in "jobs"
         "rdzv": {"namespaces": len(jobs),
                  "announcements": sum(len(j["announcements"]) for j in jobs),
@@ -282,13 +289,7 @@ def render(report: dict) -> str:
                else "heartbeats not watched (--watch 0): liveness not judged")
     lines = [f"ferrosync inspect {report['url']}  ({watched})"]
     gens = report["generations"]
-    lines.append(
-        f"storage: {len(gens)} generation(s), {report['total_objects']} objects, "
-        f"{human_bytes(report['total_bytes'])} in all; rdzv: "
-        f"{report['rdzv']['namespaces']} job(s), "
-        f"{report['rdzv']['announcements']} announcements, "
-        f"{report['rdzv']['join_records']} join records, "
-        f"{human_bytes(report['rdzv']['bytes'])}")
+    lines.append(_render_totals(report))
     for job in report["jobs"]:
         lines.extend(_render_job(job))
     if not gens and not report["total_objects"]:
@@ -311,6 +312,22 @@ def render(report: dict) -> str:
     lines.append("hb age: the writer's wall clock against this host's; informational only. "
                  "live/stale come from the beat counter changing while watched.")
     return "\n".join(lines)
+
+
+def _render_totals(report: dict) -> str:
+    """The header's count of objects, broken down so that its parts add up: those of
+    the generations (each generation's line counts its own), the rendezvous records,
+    and the rest (listed below the generations)."""
+    total, in_gens, rdzv = (report["total_objects"], report["generation_objects"],
+                            report["rdzv"])
+    other = total - in_gens - rdzv["records"]
+    return (f"storage: {total} objects, {human_bytes(report['total_bytes'])} in all: "
+            f"{in_gens} in {len(report['generations'])} generation(s), "
+            f"{rdzv['records']} rendezvous records of {rdzv['namespaces']} job(s) "
+            f"({rdzv['announcements']} announcements, {rdzv['join_records']} join records, "
+            f"{human_bytes(rdzv['bytes'])})"
+            + (f", {other} other (temp files, probes, elastic jobs, foreign: below)"
+               if other else ""))
 
 
 def _job_name(job: str | None) -> str:
@@ -408,7 +425,8 @@ def _render_generation(gen: dict) -> list[str]:
     req = gen.get("storage_requests")
     if req:
         cost, so_far = req["request_cost_per_hour"], req["request_cost_so_far"]
-        lines.append(f"  storage requests: {req['requests_so_far']:,} so far"
+        lines.append(f"  {req.get('requests_are', 'storage requests')}: "
+                     f"{req['requests_so_far']:,} so far"
                      + (f" (${so_far:,.4f})" if so_far is not None else "")
                      + f", {req['requests_per_hour']:,.0f}/hour"
                      + (f" (${cost:,.4f}/hour)" if cost is not None else "")

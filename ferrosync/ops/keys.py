@@ -28,6 +28,14 @@ Rules (one home: ``directory``, ``save``, ``load``):
   input, so only a valid job id (``names.JOB_ID``: no ``/``, no leading dot) names a
   file.
 
+Key files pile up, one per launch: ``ferrosync keys`` lists them, and ``ferrosync keys
+--prune`` removes those of launches that are over (``prune``): a launch whose launcher
+has provably exited on this host and whose local run directory is gone, or any launch
+not running whose key file is older than ``--older-than`` days (default 30; a launch
+from another host, whose state this host cannot tell, goes by age alone). A running
+launch's key file is never removed, nor anything that is not a valid key file of this
+user (it is listed, and left alone).
+
 To let an operator on another host verify a job, copy its key file into their key
 directory (``install -m 600 -D launch-….key ~/.config/ferrosync/keys/launch-….key``),
 or give them its ``secret`` field for ``--secret``; a team that wants every job
@@ -42,6 +50,7 @@ import re
 import secrets
 import socket
 import stat
+import time
 from dataclasses import dataclass
 
 from .. import names
@@ -52,6 +61,9 @@ ENV_KEYS = "FERROSYNC_KEYS"
 SUFFIX = ".key"
 #: a key file is a few hundred bytes: anything larger is not one
 MAX_BYTES = 16384
+#: ``ferrosync keys --prune`` (``keys_tool``) removes the key files of launches not
+#: running after this many days (``--older-than``)
+PRUNE_AFTER_DAYS = 30.0
 _JOB = re.compile(names.JOB_ID)
 _HEX_SECRET = re.compile(r"[0-9a-f]{16,1024}")
 _OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -295,3 +307,93 @@ def job_of(namespace: str | None) -> str | None:
     if not namespace or "." not in namespace:
         return None
     return namespace.split(".", 1)[1]
+
+
+# -- listing and pruning (``ferrosync keys``) -------------------------------------------
+
+@dataclass(frozen=True)
+class KeyEntry:
+    """One name in the key directory, as ``ferrosync keys`` reports it."""
+
+    name: str
+    age_s: float
+    key: KeyFile | None  # None: not a usable key file (``problem`` says why)
+    problem: str | None = None
+    running: bool | None = None  # the launcher's state (None: this host cannot tell)
+    state: str = ""
+    store_gone: bool = False  # a local run directory that no longer exists
+
+    def prune_reason(self, older_than_s: float) -> str | None:
+        """Why ``--prune`` removes it, or None (kept)."""
+        if self.key is None or self.running:
+            return None  # not a key file of ours, or its launch runs
+        if self.running is False and self.store_gone:
+            return "its launch is over and its run directory is gone"
+        if self.age_s > older_than_s:
+            return f"not running, {self.age_s / 86400:.0f} days old"
+        return None
+
+
+def _local_dir_of(url: str | None) -> str | None:
+    """The directory a key file's URL names, if it is a local one (else None)."""
+    if not url:
+        return None
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+        url = url[len("localhost"):] if url.startswith("localhost/") else url
+    return url if "://" not in url and os.path.isabs(url) else None
+
+
+def entries(where: str | None = None, now: float | None = None) -> list[KeyEntry]:
+    """Every name in the key directory (none if it does not exist), sorted; each key
+    file read with ``load``'s checks, so a file that fails them is reported, not used.
+    ``ConfigError`` when the directory is not private (``private_directory``)."""
+    where = where or directory()
+    if not os.path.lexists(where):
+        return []
+    where = private_directory(where)
+    now = time.time() if now is None else now
+    out = []
+    for name in sorted(os.listdir(where)):
+        try:
+            info = os.lstat(os.path.join(where, name))
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        age = max(0.0, now - info.st_mtime)
+        job = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else None
+        if job is None or path_of(job, where) is None:
+            out.append(KeyEntry(name, age, None, "not a key file's name (left alone)"))
+            continue
+        try:
+            key = load(job, where)
+        except ConfigError as exc:
+            out.append(KeyEntry(name, age, None, str(exc)))
+            continue
+        if key is None:
+            continue  # removed meanwhile
+        running, state = key.launcher_state()
+        local = _local_dir_of(key.url)
+        out.append(KeyEntry(name, age, key, None, running, state,
+                            store_gone=local is not None and not os.path.lexists(local)))
+    return out
+
+
+def prune(found: list[KeyEntry], older_than_s: float, where: str | None = None,
+          dry_run: bool = False) -> list[tuple[KeyEntry, str]]:
+    """Remove the key files ``KeyEntry.prune_reason`` gives a reason for (not with
+    ``dry_run``); (entry, reason) of each. Unlinked through a handle on the directory
+    opened without following links: a name is removed, never a link's target."""
+    chosen = [(e, why) for e in found if (why := e.prune_reason(older_than_s))]
+    if dry_run or not chosen:
+        return chosen
+    where = where or directory()
+    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for entry, _ in chosen:
+            try:
+                os.unlink(entry.name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
+    return chosen

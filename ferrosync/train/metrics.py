@@ -262,9 +262,9 @@ def format_summary(s: dict) -> str:
                  f"wait {s['wait_s']:.2f}, reduce {s['reduce_s']:.2f}, read {s['read_s']:.2f}"),
         ("syncs", _syncs(s)),
         ("checkpoints", f"{s['checkpoint_s']:.2f} s ({s['checkpoints']} written)"),
-        ("bytes moved", f"written {_mb(s['bytes_written'])}, read {_mb(s['bytes_read'])}, "
-                        f"{s['requests']:,} requests (all ranks)"),
-        ("storage requests", _request_rates(s)),
+        ("bytes moved", f"written {_mb(s['bytes_written'])}, read {_mb(s['bytes_read'])} "
+                        "(all ranks)"),
+        (s.get("requests_are") or "storage requests", _request_rates(s)),
         ("final loss", _num(s["loss"])),
     ]
     if s.get("eval_loss") is not None:
@@ -307,13 +307,16 @@ def final_line(summary: dict) -> str:
 
 
 def _request_rates(s: dict) -> str:
-    """All ranks' storage requests over the whole run (heartbeats included), per hour,
-    and what they cost per hour on an object store at the configured prices."""
+    """All ranks' requests over the whole run (heartbeats included: the one count,
+    FINAL's ``requests``), per hour, and what they cost per hour on an object store at
+    the configured prices; a directory's are file operations, which nobody bills."""
+    text = f"{s['requests']:,} (all ranks)"
     rate = s.get("requests_per_hour")
-    if rate is None:
-        return "-"
-    text = f"{rate:,.0f}/hour (all ranks)"
+    if rate is not None:
+        text += f", {rate:,.0f}/hour"
     cost = s.get("request_cost_per_hour")
     if cost is not None:
         text += f", ${cost:,.4f}/hour at list prices (--storage-prices)"
+    elif s.get("requests_are") == "file operations":
+        text += " (a directory: not billed)"
     return text

@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import torch
 
-from ..costs import hourly, is_billed, parse_prices
+from ..costs import hourly, is_billed, parse_prices, request_noun
 from ..stats import PHASES
 from ..storage import REQUEST_KINDS
 from .metrics import param_digest
@@ -40,7 +40,6 @@ def summarise(trainer, sync, log) -> dict:
     mine = RankReport(
         digest=param_digest(trainer.model),
         bytes_written=stats["bytes_written"], bytes_read=stats["bytes_read"],
-        requests=stats["requests"],
         loss=sum(losses) / len(losses) if losses else math.nan,
         steps=trainer.step, samples=log.samples, storage_requests=tuple(requests))
     per_rank = [RankReport.unpack(g) for g in sync.all_gather(mine.pack())]
@@ -62,7 +61,10 @@ def summarise(trainer, sync, log) -> dict:
         "ranks_agree": len(set(digests)) == 1,
         "bytes_written": int(sum(r.bytes_written for r in per_rank)),
         "bytes_read": int(sum(r.bytes_read for r in per_rank)),
-        "requests": int(sum(r.requests for r in per_rank)),
+        # one count of requests: the run's, every request (heartbeats included), the
+        # same number as storage_requests["requests"] (not sync.stats', which counts
+        # only inside collectives and from connect on)
+        "requests": storage_requests["requests"],
         "rank_steps": [int(r.steps) for r in per_rank],
         "samples": samples,
         "wall_s": log.wall,
@@ -82,10 +84,12 @@ def summarise(trainer, sync, log) -> dict:
 
 def job_rates(storage_requests: dict, samples: int, wall: float, prices, url: str) -> dict:
     """``samples_per_s``, ``requests_per_hour`` and ``request_cost_per_hour`` over
-    ``wall`` seconds, at ``prices`` (``--storage-prices``, else ``url``'s store's)."""
+    ``wall`` seconds, at ``prices`` (``--storage-prices``, else ``url``'s store's), and
+    what a request is at ``url`` (``requests_are``: ``costs.request_noun``)."""
     return {"samples_per_s": samples / wall if wall > 0 else 0.0,
             **hourly(storage_requests, wall, parse_prices(prices, url),
-                     billed=is_billed(url))}
+                     billed=is_billed(url)),
+            "requests_are": request_noun(url)}
 
 
 def float_or_none(value) -> float | None:
@@ -106,15 +110,14 @@ class RankReport:
     digest: bytes
     bytes_written: float
     bytes_read: float
-    requests: float
     loss: float  # NaN: this rank trained no batch
     steps: float
     samples: float
     storage_requests: tuple  # one per REQUEST_KEYS
 
     DIGEST_BYTES: ClassVar[int] = 32
-    NUMBERS: ClassVar[tuple[str, ...]] = ("bytes_written", "bytes_read", "requests", "loss",
-                                          "steps", "samples")
+    NUMBERS: ClassVar[tuple[str, ...]] = ("bytes_written", "bytes_read", "loss", "steps",
+                                          "samples")
 
     def pack(self) -> torch.Tensor:
         numbers = torch.tensor([*(getattr(self, n) for n in self.NUMBERS),

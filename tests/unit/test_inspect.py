@@ -8,6 +8,8 @@ storage, so a planted key cannot forge a line. The CLI on real jobs: tests/test_
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -162,6 +164,44 @@ def test_each_ranks_requests_add_up_per_hour_from_its_own_clock(clock, url, bill
     text = "\n".join(inspect._render_generation(gen))
     assert "storage requests: 1,000 so far" in text and "2,000/hour" in text
     assert ("at S3 list prices" in text) == billed
+
+
+def test_a_directorys_requests_are_file_operations(clock):
+    """On a directory nothing is billed: the rates are named for what they count."""
+    storage = MemoryStorage("/mnt/nfs/run", clock=clock)  # the URL of a directory
+    announce(storage, "a", 3, TOKEN_A)
+    heartbeat(storage, GEN_A, 0, 1, 2, state="closed", connected_at=1000.0,
+              wall_time=1000.0 + 3600, requests={"requests": 70, "puts": 30, "gets": 40})
+    (gen,) = report(storage, window=0)["generations"]
+    assert gen["storage_requests"]["requests_are"] == "file operations"
+    assert gen["storage_requests"]["request_cost_per_hour"] is None
+    text = "\n".join(inspect._render_generation(gen))
+    assert "  file operations: 70 so far, 70/hour over 1 ranks" in text
+    assert "storage requests" not in text
+
+
+def test_the_headers_object_count_adds_up_to_the_generations_and_the_records(storage):
+    """The header's total is broken down into what each generation's line counts, the
+    rendezvous records and the rest: no two counts of "objects" that disagree."""
+    announce(storage, "a", 3, TOKEN_A)
+    heartbeat(storage, GEN_A, 0, 10, 9, state="closed")
+    heartbeat(storage, GEN_A, 1, 10, 9, state="closed")
+    contribution(storage, GEN_A, 9, 0)
+    announce(storage, "b", 0, TOKEN_B)
+    heartbeat(storage, GEN_B, 0, 5, 4, state="closed")
+    storage.put("notes.txt", [b"a user's file"])  # foreign: counted as "other"
+    found = report(storage, window=0)
+    text = inspect.render(found)
+    per_generation = [int(n) for n in re.findall(r"^generation .*  world \d+  (\d+) objects",
+                                                 text, re.M)]
+    header = text.splitlines()[1]
+    m = re.match(r"storage: (\d+) objects, .* in all: (\d+) in (\d+) generation\(s\), "
+                 r"(\d+) rendezvous records of 2 job\(s\) .*, (\d+) other ", header)
+    assert m, header
+    total, in_gens, gens, records, other = map(int, m.groups())
+    assert (gens, in_gens) == (2, sum(per_generation)) and per_generation == [3, 1]
+    assert (records, other) == (2, 1)
+    assert total == in_gens + records + other == found["total_objects"]
 
 
 def test_names_planted_in_storage_cannot_forge_a_line_of_the_report(storage):

@@ -86,6 +86,19 @@ def test_the_summary_has_a_row_per_fact():
         "ranks agree"]
 
 
+def test_the_summary_names_a_directorys_requests_file_operations():
+    text = format_summary(summary(requests_are="file operations", requests_per_hour=3600.0,
+                                  request_cost_per_hour=None))
+    rows = {line.split("  ")[1].strip(): line for line in text.splitlines()[1:]}
+    assert "storage requests" not in rows
+    assert rows["file operations"].endswith("190 (all ranks), 3,600/hour (a directory: "
+                                            "not billed)")
+    assert rows["bytes moved"].endswith("(all ranks)") and "190" not in rows["bytes moved"]
+    billed = format_summary(summary(requests_are="storage requests", requests_per_hour=36.0,
+                                    request_cost_per_hour=0.5))
+    assert "190 (all ranks), 36/hour, $0.5000/hour at list prices" in billed
+
+
 def test_the_summary_says_which_ranks_disagree_and_how_often_a_strategy_synced():
     text = format_summary(summary(
         ranks_agree=False, rank_digests=["aa" * 32, "bb" * 32], strategy="diloco",
