@@ -126,16 +126,18 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def open_storage(url: str, storage_options: dict | None = None, *,
-                 timeout: float | None = None) -> Storage:
+                 timeout: float | None = None, transfer: dict | None = None) -> Storage:
     """Storage for ``url``. Validates the URL; does no I/O on object stores yet.
 
     ``timeout`` (seconds; ``connect``'s) bounds the first contact with an object
     store (``probe_bucket``), the retries of any one call (``Storage.retry_s``) and,
     on S3, botocore's own connect/read timeouts and retries, so a dead or mistyped
     endpoint fails within it. A missing fsspec driver is a ``ConfigError`` with the
-    ``pip install`` that adds it.
+    ``pip install`` that adds it. ``transfer``: ``Storage.set_transfer``'s settings
+    (an object store's largest request, part size and parts in flight).
     """
     protocol, rest = split_url(url)
     storage = opener_of(protocol)(url, protocol, rest, dict(storage_options or {}), timeout)
     storage.retry_s = timeout  # a call's retries end within it
+    storage.set_transfer(**(transfer or {}))
     return storage

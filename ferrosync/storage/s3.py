@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from .base import ExclusiveCreateUnsupported
 from .classify import cut_short, s3_code
 from .fsspec_store import FsspecStorage, build, driver_class
+from .parts import DEFAULT_CONCURRENCY
 
 #: what to check when an S3 endpoint does not answer
 _ENDPOINT_HINT = ("check the endpoint: storage_options endpoint_url, or $AWS_ENDPOINT_URL / "
@@ -131,6 +132,9 @@ def _s3_settings(storage_options: dict, timeout: float | None) -> None:
     config.setdefault("retries", {"mode": "adaptive", "max_attempts": attempts})
     config.setdefault("connect_timeout", connect_s)
     config.setdefault("read_timeout", read_s)
+    # botocore's pool holds 10 connections: fewer than one object's parts in flight
+    # (``parts.DEFAULT_CONCURRENCY``), and a gather reads several objects at once
+    config.setdefault("max_pool_connections", 4 * DEFAULT_CONCURRENCY)
     for key, value in _redundant_checksums_off().items():
         config.setdefault(key, value)
     if _s3_endpoint_uses_tls(storage_options):
