@@ -389,13 +389,16 @@ class FsspecStorage(Storage):
     def read_head(self, key: str, nbytes: int, *, rank: int | None = None) -> bytes | None:
         """The object's first ``nbytes`` bytes: one ranged GET of a plain object; of a
         written-in-parts one, its manifest and then its first part(s), that far."""
-        try:
-            data = self._raw_head(key, max(nbytes, PREFIX))
-        except FileNotFoundError:
+        data = self._raw_head(key, nbytes)
+        if data is None:
             return None
-        if data is None or data[:len(MAGIC)] != MAGIC:
-            return None if data is None else data[:nbytes]
-        manifest = self._manifest(key, data, max(nbytes, PREFIX), rank)
+        if len(data) == nbytes < PREFIX and MAGIC.startswith(data[:len(MAGIC)]):
+            data = self._raw_head(key, PREFIX)  # too short to tell: a manifest's start?
+            if data is None:
+                return None
+        if data[:len(MAGIC)] != MAGIC:
+            return data[:nbytes]
+        manifest = self._manifest(key, data, len(data), rank)
         out, left = [], nbytes
         for index, size in enumerate(manifest.sizes):
             if left <= 0:
