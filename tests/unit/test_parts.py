@@ -20,6 +20,7 @@ from ferrosync.storage.parts import (
     MAGIC,
     MIN_PART,
     PartsReader,
+    ViewsBody,
     Transfer,
     chunks,
     encode_manifest,
@@ -197,3 +198,12 @@ def test_gc_sees_live_parts_in_their_object_and_orphans_as_temps(store):
 
 def test_transfer_part_never_exceeds_a_request():
     assert Transfer(max_request_bytes=PART, part_bytes=4 * PART).part == PART
+
+
+def test_a_views_body_reads_and_seeks_across_its_pieces():
+    body = ViewsBody([memoryview(b"abc"), memoryview(b""), memoryview(bytearray(b"defgh"))])
+    assert body.read() == b"abcdefgh" and body.tell() == 8
+    assert body.seek(0, os.SEEK_END) == 8 and body.seek(2) == 2
+    assert body.read(3) == b"cde" and body.read(100) == b"fgh" and body.read() == b""
+    body.seek(-1, os.SEEK_CUR)
+    assert body.read() == b"h"
