@@ -134,6 +134,22 @@ def parse_manifest(raw: bytes, *, path: str, rank: int | None) -> Manifest:
     return Manifest(token, tuple(sizes))
 
 
+def listed_parts(listing, keys) -> list[str]:
+    """The part objects in ``listing`` (``Storage.list``'s (key, size)) of the objects
+    ``keys``: what to delete with objects this process did not write or read (a
+    previous run's), which ``Storage.delete`` cannot know the parts of."""
+    from .. import names
+
+    doomed = set(keys)
+    out = []
+    for key, _ in listing:
+        directory, _, name = key.rpartition("/")
+        found = names.parse(name)
+        if found.kind == "part" and names.within(directory, found.target) in doomed:
+            out.append(key)
+    return out
+
+
 def new_token() -> str:
     """The token that makes one write's part names unique."""
     return secrets.token_hex(8)

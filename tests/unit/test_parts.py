@@ -207,3 +207,24 @@ def test_a_views_body_reads_and_seeks_across_its_pieces():
     assert body.read(3) == b"cde" and body.read(100) == b"fgh" and body.read() == b""
     body.seek(-1, os.SEEK_CUR)
     assert body.read() == b"h"
+
+
+def test_checkpoints_in_parts_load_and_go_with_their_parts_in_a_later_run(store):
+    """A checkpoint written in parts by one run loads whole, and a later run's prune,
+    which never wrote or read it, removes its parts too."""
+    import torch
+
+    from ferrosync.train.checkpoint import CheckpointStore
+
+    def checkpoints():
+        ckpt = CheckpointStore(store.url)
+        ckpt.storage.set_transfer(max_request_bytes=2 * PART, part_bytes=PART)
+        return ckpt
+
+    weights = torch.arange(3 * PART // 4, dtype=torch.float32)  # 3 parts and more
+    first = checkpoints()
+    first.save({"w": weights}, {"step": 1}, keep=1)
+    assert torch.equal(first.load(first.latest())["w"], weights)
+    assert sum(names.parse(k).kind == "part" for k in _keys(store)) == 4
+    checkpoints().save({"w": weights[:10].clone()}, {"step": 2}, keep=1)  # a later run
+    assert _keys(store) == ["latest.json", "step-00000002.pt"]
