@@ -208,10 +208,16 @@ class FsspecStorage(Storage):
             run_window(self._executor(), (
                 functools.partial(write, i, pieces)
                 for i, (_, pieces) in enumerate(chunks(views, part))), self.transfer.concurrency)
-            self._put_one(key, encode_manifest(token, sizes), exclusive)
         except BaseException:
             self._drop_parts(key, token, count)
             raise
+        try:
+            self._put_one(key, encode_manifest(token, sizes), exclusive)
+        except FileExistsError:
+            self._drop_parts(key, token, count)  # another writer's object holds the name
+            raise
+        # any other failure: the manifest may have landed all the same (its reply lost,
+        # then a resend failed), so its parts stay; if it did not, gc finds them orphaned
         self._remember(key, token, count)
         if replaced is not None:
             self._drop_parts(key, *replaced)
