@@ -356,7 +356,8 @@ class FsspecStorage(Storage):
             data = self._get(key, start, start + nbytes + whole)
         except FileNotFoundError:
             raise StorageError(
-                "a part of this object vanished while it was read", path=self.path_of(key),
+                "a part of this object vanished while it was read", rank=rank,
+                path=self.path_of(key),
                 hint="something removed it while a rank read it: give every job its own "
                 "location, and run `ferrosync gc` only with its watch window") from None
         if len(data) != nbytes:
