@@ -17,6 +17,7 @@ import ferrosync
 from conftest import s3_storage_options
 from ferrosync.errors import StorageError
 from ferrosync.storage import open_storage
+from ferrosync.storage.parts import MIN_PART
 from ferrosync.testing.fault_proxy import Fault, FaultProxy
 from ranks import run_ranks
 
@@ -117,6 +118,27 @@ def test_a_create_in_parts_whose_last_reply_is_lost_is_ours(limited):
             storage.put("created", [os.urandom(3 * LIMIT)], exclusive=True)
         assert len(storage.list("")) == 1 + 4  # the manifest and the first write's parts
         storage.delete(["created"])
+        assert storage.list("") == []
+    finally:
+        storage.close()
+
+
+def test_objects_in_parts_on_every_store(any_object_transport):
+    """The same parts and manifest through each store's own driver (s3fs on moto and
+    SeaweedFS, gcsfs on fake-gcs-server, adlfs on Azurite): whole, created once,
+    deleted with their parts."""
+    transport = any_object_transport
+    storage = open_storage(transport.url, transport.options["storage_options"],
+                           transfer={"max_request_bytes": MIN_PART, "concurrency": 3})
+    data = os.urandom(3 * MIN_PART + 5)
+    try:
+        storage.put("in-parts", [data[:100], data[100:]], exclusive=True)
+        assert storage.read("in-parts", max_bytes=len(data)) == data
+        assert storage.read_head("in-parts", 64) == data[:64]
+        with pytest.raises(FileExistsError):
+            storage.put("in-parts", [data], exclusive=True)
+        assert len(storage.list("")) == 1 + 4
+        storage.delete(["in-parts"])
         assert storage.list("") == []
     finally:
         storage.close()
