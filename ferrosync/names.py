@@ -126,6 +126,13 @@ def temp(name: str, pid: int | None = None, token: str | None = None) -> str:
     return f".{name}.{os.getpid() if pid is None else pid}.{_token(token)}.tmp"
 
 
+def part(name: str, token: str, index: int) -> str:
+    """Part ``index`` of one write of ``name`` larger than a request (``token``: 16 hex,
+    that write's own): beside ``name``, hidden, until its manifest at ``name`` names it
+    (``storage/parts.py``)."""
+    return f".{name}.{token}.p{index}"
+
+
 def spare(pid: int | None = None, token: str | None = None) -> str:
     """A consumed object parked under a hidden name for a later rewrite in place."""
     return f".spare.{os.getpid() if pid is None else pid}.{_token(token)}"
@@ -161,14 +168,16 @@ class Name:
     rank: int | None = None
     collective: int | None = None  # contribution, result
     slice: int | None = None  # contribution, result: the slice, None when unsliced
-    #: join, objection, end: the claim's attempt; announcement, generation: its number
+    #: join, objection, end: the claim's attempt; announcement, generation: its number;
+    #: part: its index
     number: int | None = None
-    #: generation: its token; temp, spare, probe, doctor: the random hex
+    #: generation: its token; temp, spare, probe, doctor, part: the random hex
     token: str | None = None
     digest: str | None = None  # layout: the digest, hex
     pid: int | None = None  # temp, spare, doctor: the writer's process id
     job: str | None = None  # namespace: the job id (None: a job without one)
-    target: str | None = None  # temp: the name the temporary file will be renamed to
+    #: temp: the name the temporary file will be renamed to; part: its object's name
+    target: str | None = None
     peer: int | None = None  # message: the destination rank (``rank`` is the source)
     tag: int | None = None  # message: its tag
 
@@ -180,6 +189,7 @@ _N = r"([0-9]+)"
 # Temporary files come first: ".{name}...tmp" may wrap any other name.
 _PATTERNS = (
     ("temp", rf"\.(.+)\.{_N}\.([0-9a-f]{{8}})\.tmp", ("target", "pid", "token")),
+    ("part", rf"\.(.+)\.([0-9a-f]{{16}})\.p{_N}", ("target", "token", "number")),
     ("spare", rf"\.spare\.{_N}\.([0-9a-f]{{8}})", ("pid", "token")),
     ("probe", rf"\.probe\.r{_N}\.([0-9a-f]{{8}})", ("rank", "token")),
     ("doctor", rf"\.doctor\.{_N}\.([0-9a-f]+)", ("pid", "token")),

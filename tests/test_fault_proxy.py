@@ -16,6 +16,7 @@ import pytest
 
 from ferrosync.testing.fault_proxy import (
     SLOWDOWN_BODY,
+    TOO_LARGE_BODY,
     Fault,
     FaultProxy,
     check_loopback,
@@ -100,8 +101,25 @@ def test_requests_without_a_fault_pass_whole_on_one_connection(server, proxy):
     assert _request(conn, "PUT", "/b/chunked", b"abcdefghijklmnopqrstuvwxyz")[0] == 200
     assert _request(conn, "GET", "/b/chunked") == (200, b"abcdefghijklmnopqrstuvwxyz")
     assert _request(conn, "GET", "/b/missing")[0] == 404
-    assert proxy.stats() == {"requests": 5, "lose_reply": 0, "cut_body": 0, "reset": 0,
-                             "slowdown": 0, "delay": 0}
+    assert proxy.stats() == {"requests": 5, "largest_body": 100_000, "too_large": 0,
+                             "lose_reply": 0, "cut_body": 0, "reset": 0, "slowdown": 0,
+                             "delay": 0}
+
+
+def test_a_body_over_the_limit_is_refused_as_s3_refuses_it(server):
+    with FaultProxy(server.server_address[1], max_body=1000) as proxy:
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=TIMEOUT)
+        try:
+            assert _request(conn, "PUT", "/b/limit-ok", b"y" * 1000)[0] == 200
+            status, body = _request(conn, "PUT", "/b/limit-over", b"z" * 1001)
+            assert status == 400 and TOO_LARGE_BODY == body and b"EntityTooLarge" in body
+            # the connection stays usable, and the server never saw the refused body
+            assert _request(conn, "GET", "/b/limit-ok") == (200, b"y" * 1000)
+            assert "/b/limit-over" not in server.stored
+        finally:
+            conn.close()
+        assert proxy.stats()["largest_body"] == 1001
+        assert proxy.stats()["too_large"] == 1
 
 
 def test_a_lost_reply_comes_after_the_server_acted(server, proxy):

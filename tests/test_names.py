@@ -38,6 +38,8 @@ CASES = [
      names.Name("temp", pid=4242, token="deadbeef", target="c3.r1.s0")),
     (names.temp("hb.r0", pid=1, token="0000aaaa"),
      names.Name("temp", pid=1, token="0000aaaa", target="hb.r0")),
+    (names.part("c3.r1.s0", "0123456789abcdef", 12),
+     names.Name("part", number=12, token="0123456789abcdef", target="c3.r1.s0")),
     (names.spare(pid=77, token="cafe0123"), names.Name("spare", pid=77, token="cafe0123")),
     (names.probe(3, token="89abcdef"), names.Name("probe", rank=3, token="89abcdef")),
     (names.doctor_dir(pid=55, token="a1b2c3d4"), names.Name("doctor", pid=55, token="a1b2c3d4")),

@@ -107,6 +107,18 @@ def _upload(port: int, size: int) -> float:
     return elapsed
 
 
+def _uploads_at_once(port: int, size: int, n: int) -> list[float]:
+    """``n`` uploads of ``size`` bytes started together: each one's seconds."""
+    times: list[float] = []
+    threads = [threading.Thread(target=lambda: times.append(_upload(port, size)))
+               for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(IO_TIMEOUT)
+    return times
+
+
 def _round_trip(s: socket.socket, message: bytes = b"ping") -> float:
     start = time.perf_counter()
     s.sendall(message)
@@ -147,17 +159,27 @@ def test_throughput_matches_the_rate(sink):
 
 @pytest.mark.timing
 @pytest.mark.unit
+def test_each_connection_is_capped_beside_the_shared_link(sink):
+    """With each connection capped at a quarter of the link, one upload gets a quarter
+    of the link and four at once fill it: four take about as long as one."""
+    size, rate = 500_000, 40e6
+    with WanProxy(sink.port, rate_bps=rate, connection_rate_bps=rate / 4) as proxy:
+        one = _upload(proxy.port, size)
+        times = _uploads_at_once(proxy.port, size, 4)
+        assert proxy.stats()["connections"] == 5
+    alone = size * 8 / (rate / 4)  # 0.4 s: the connection's cap, not the link's rate
+    assert 0.75 * alone <= one <= 1.25 * alone, one
+    assert len(times) == 4
+    assert 0.75 * alone <= max(times) <= 1.25 * alone * 1.25, times  # the link is not the limit
+
+
+@pytest.mark.timing
+@pytest.mark.unit
 def test_connections_share_the_link(sink):
     """Two uploads at once take as long as their sum at the rate: one link, not two."""
     size, rate = 1_000_000, 20e6
-    times = []
     with WanProxy(sink.port, rate_bps=rate) as proxy:
-        threads = [threading.Thread(target=lambda: times.append(_upload(proxy.port, size)))
-                   for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(IO_TIMEOUT)
+        times = _uploads_at_once(proxy.port, size, 2)
         assert proxy.stats()["connections"] == 2
     assert len(times) == 2
     expected = 2 * size * 8 / rate  # 0.8 s for both together

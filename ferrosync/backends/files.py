@@ -71,7 +71,8 @@ class FileSync(Exchanges, GradSync):
 
     def __init__(self, url: str, identity, timeout: float, options: StorageOptions) -> None:
         # $FERROSYNC_FAULTS (tests and drills only) wraps the storage here
-        storage = inject(open_storage(url, options.storage_options, timeout=timeout),
+        storage = inject(open_storage(url, options.storage_options, timeout=timeout,
+                                        transfer=options.transfer()),
                          identity.rank)
         timing = options.timing(storage)
         super().__init__(url, identity, timeout, storage.counters, options.bucket_bytes)

@@ -28,6 +28,7 @@ from ..env import ENV_JOB, ENV_SECRET, discover_job
 from ..errors import ConfigError
 from ..storage.fsspec_store import FsspecStorage
 from ..storage.local import LocalStorage
+from ..storage.parts import MIN_PART, Transfer
 
 REDUCE_MODES = ("root", "sharded", "gather", "auto")
 LOCAL_MODES = ("gloo", "nccl", "auto")
@@ -274,8 +275,39 @@ class _StorageTiming:
         return Timing(poll, interval, timeout)
 
 
+def _transfer_size(name, value):
+    return validate.integer(name, value, minimum=MIN_PART, allow_none=True)
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes >> 30} GiB" if nbytes >= 1 << 30 else f"{nbytes >> 20} MiB"
+
+
 @dataclass(frozen=True)
-class StorageOptions(_StorageTiming, BackendOptions):
+class _ObjectTransfer(BackendOptions):
+    """How an object store moves one object (``storage/parts.py``): the storage-backed
+    backends' options, given to the store as it is opened (``transfer()``)."""
+
+    max_request_bytes: int | None = option(
+        None, "the largest request body sent to an object store: a larger object is "
+        "written as parts and a manifest (docs/design.md#large-objects)",
+        shown=f"{_mib(Transfer.max_request_bytes)} (S3's single-PUT limit)",
+        check=_transfer_size)
+    part_bytes: int | None = option(
+        None, "an object store's part (of a write larger than it) and ranged GET",
+        shown=_mib(Transfer.part_bytes), check=_transfer_size)
+    transfer_concurrency: int | None = option(
+        None, "an object store's parts or ranges of one object in flight",
+        shown=str(Transfer.concurrency), check=_positive_int_or_none)
+
+    def transfer(self) -> dict:
+        """``open_storage``'s ``transfer``: what was set (None: the store's default)."""
+        return {"max_request_bytes": self.max_request_bytes, "part_bytes": self.part_bytes,
+                "concurrency": self.transfer_concurrency}
+
+
+@dataclass(frozen=True)
+class StorageOptions(_StorageTiming, _ObjectTransfer):
     """Options of the storage backend (directories and fsspec object stores)."""
 
     scope: ClassVar[str] = "a storage URL"
@@ -414,7 +446,7 @@ class HierarchicalOptions(BackendOptions):
 
 
 @dataclass(frozen=True)
-class ElasticOptions(_StorageTiming, BackendOptions):
+class ElasticOptions(_StorageTiming, _ObjectTransfer):
     """Options of an elastic job's member (``connect(url, elastic=True)``,
     docs/elastic.md): the storage transport's, less what a roster decides (``reduce``,
     buckets), plus the job's ``spec``."""

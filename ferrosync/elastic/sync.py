@@ -50,7 +50,8 @@ def peek_state(url: str, options: dict, timeout: float = 300.0) -> PublishedStat
     ``connect``: ``job``, ``secret``, ``storage_options``; others are ignored), read
     without joining it: for a process that found the job ended (``JobEnded``)."""
     checked = ElasticOptions.parse(options)
-    storage = open_storage(url, checked.storage_options, timeout=timeout)
+    storage = open_storage(url, checked.storage_options, timeout=timeout,
+                           transfer=checked.transfer())
     try:
         objects = job_objects(storage, checked, (storage.poll_initial, storage.poll_max))
         return StateStore(objects).read(time.monotonic() + timeout, None, None)
@@ -87,7 +88,8 @@ class ElasticSync(GradSync):
                  options: ElasticOptions) -> None:
         # $FERROSYNC_FAULTS (tests and drills only): matched against the member's rank
         # of the moment
-        storage = inject(open_storage(url, options.storage_options, timeout=timeout),
+        storage = inject(open_storage(url, options.storage_options, timeout=timeout,
+                                        transfer=options.transfer()),
                          lambda: self.rank)
         timing = options.timing(storage)
         super().__init__(url, identity, timeout, storage.counters)

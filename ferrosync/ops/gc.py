@@ -34,7 +34,10 @@ What goes, and why it is safe:
   prunes its own rounds. Each is named in the report, with what it holds.
 * A temp file ``.{name}.{pid}.{hex}.tmp`` goes with its generation, or on its own
   when it outlived the watch window and its pid is none of its generation's running
-  ranks (and, on a local directory, no live process here).
+  ranks (and, on a local directory, no live process here). A part ``.{name}.{hex}.p{i}``
+  of an object written in parts (storage/parts.py) whose object ``name`` is missing (an
+  aborted write's, or one in progress) goes with its generation; outside generations,
+  when its object is still missing after the watch window.
 * Records that cannot be read, parsed or verified (junk, a MAC and no ``--secret``, a
   bad MAC, a file larger than any record) are never acted upon and protect, never
   unprotect: a junk abort marker keeps its generation, and a junk announcement above
@@ -108,7 +111,11 @@ def plan(storage: Storage, keys: JobKeys, window: float, keep: int) -> list[Deci
                                 namespace=gen.namespace)
         decisions.append(decision)
         if decision.action == "keep":
-            decisions.extend(_loose_temps(storage, gen.temps, running_pids[gen.prefix],
+            # not the parts of a kept generation's objects: a write of many parts over a
+            # slow link may outlast any watch window before its manifest is put, so its
+            # parts go with their generation (a part names no writer to ask)
+            temps = [t for t in gen.temps if t.kind != "part"]
+            decisions.extend(_loose_temps(storage, temps, running_pids[gen.prefix],
                                           f"temp files in {gen.prefix}", window, since))
     everyone = set().union(*running_pids.values()) if running_pids else set()
     decisions.extend(_loose_temps(storage, found.temps + found.probes, everyone,
@@ -157,7 +164,7 @@ def _running_pids(views: list[RankView]) -> set[int]:
 
 def _decide(gen: FoundGeneration, status: str, views: list[RankView], newest: set[str],
             job_keys: JobKeys) -> Decision:
-    keys = [o.key for o in gen.objects] + [t.key for t in gen.temps]
+    keys = [o.key for o in gen.objects + gen.temps + gen.parts]
     over = _launch_over(gen, status, job_keys)
     if over is not None:
         return Decision(gen.prefix, "remove", f"{status}, and its job is over: {over}", keys,
@@ -223,8 +230,9 @@ def _loose_temps(storage: Storage, objs: list[Obj], running: set[int], what: str
             kept.append(obj)
         elif window <= 0:
             kept.append(obj)
-        elif obj.kind == "probe-dir" or _still_there(storage, obj.key):
-            gone.append(obj)
+        elif obj.kind == "probe-dir" or _still_there(storage, obj.key) and not (
+                obj.target is not None and _still_there(storage, obj.target)):
+            gone.append(obj)  # (a part: its object is still missing after the window)
     out = []
     files = [o for o in gone if o.kind != "probe-dir"]
     if files:

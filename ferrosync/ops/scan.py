@@ -71,6 +71,8 @@ class Obj:
     pid: int | None = None  # temp files: the writer's process id
     namespace: str | None = None  # rendezvous records: "rdzv" or "rdzv.{job}"
     number: int | None = None  # rendezvous records: the claim's attempt or the generation
+    #: parts of an object written in parts: that object's key (storage/parts.py)
+    target: str | None = None
 
     @property
     def name(self) -> str:
@@ -103,6 +105,8 @@ class FoundGeneration:
     announcement: Record | None = None
     objects: list[Obj] = field(default_factory=list)  # temps excluded
     temps: list[Obj] = field(default_factory=list)
+    #: parts of its objects written in parts (their sizes count in those objects')
+    parts: list[Obj] = field(default_factory=list)
     has_dir: bool = False  # a directory exists (local stores; object stores have none)
     #: the namespace whose announcement names this directory (None: none does)
     namespace: str | None = None
@@ -316,6 +320,9 @@ def classify(key: str, size: int) -> Obj:
     found = names.parse(name)
     if found.kind == "temp":
         return Obj(key, size, "temp", pid=found.pid)
+    if found.kind == "part":
+        return Obj(key, size, "part", number=found.number,
+                   target=names.within(directory, found.target))
     top = names.parse(directory)
     if top.kind == "namespace":
         if found.kind not in names.RENDEZVOUS_KINDS:
@@ -339,9 +346,29 @@ def doctor_pid(key: str) -> int | None:
     return found.pid if found.kind == "doctor" else None
 
 
+#: what is a temp file to the tools: a writer's temporary file, or a part of an object
+#: written in parts whose object is not there (an aborted write's)
+ORPHANS = ("temp", "part")
+
+
+def _live_parts(objects: list[Obj]) -> set[str]:
+    """The parts whose object is listed too (its manifest names them); each such object's
+    size becomes its payload's, the sum of its parts'. A part whose object is missing is
+    an aborted write's (a live write's until its manifest is put: gc's watch window)."""
+    by_key = {o.key: o for o in objects}
+    live = [o for o in objects if o.kind == "part" and o.target in by_key]
+    counted: set[str] = set()
+    for part in live:
+        target = by_key[part.target]
+        target.size = (target.size if part.target in counted else 0) + part.size
+        counted.add(part.target)
+    return {o.key for o in live}
+
+
 def scan(storage: Storage, keys: JobKeys) -> Scan:
     """List the location once and read its announcements (each with its job's key)."""
     objects = [classify(key, size) for key, size in storage.list("")]
+    live_parts = _live_parts(objects)
     generations: dict[str, FoundGeneration] = {}
 
     def generation_of(prefix: str) -> FoundGeneration:
@@ -359,8 +386,11 @@ def scan(storage: Storage, keys: JobKeys) -> Scan:
             elastic.setdefault(top, []).append(obj)  # temp files there included
         elif _is_generation(directory):
             gen = generation_of(directory)
-            (gen.temps if obj.kind == "temp" else gen.objects).append(obj)
-        elif obj.kind == "temp":
+            (gen.parts if obj.key in live_parts else gen.temps if obj.kind in ORPHANS
+             else gen.objects).append(obj)
+        elif obj.key in live_parts:
+            continue  # counted in its object's size
+        elif obj.kind in ORPHANS:
             temps.append(obj)
         elif obj.kind in RDZV_KINDS:
             rdzv.append(obj)

@@ -17,8 +17,9 @@ Rules kept here (docs/design.md#storage-rules):
   same directory*, then ``os.replace`` renames it onto the final name; a rename
   within a directory is atomic on POSIX and on NFS. fsspec's own ``mv`` and
   transactions stage in the system temp dir and silently degrade to a copy across
-  filesystems, so they are not used. On object stores one PUT is atomic (s3fs
-  switches to a multipart upload above 100 MiB, which is invisible until complete).
+  filesystems, so they are not used. On object stores one PUT is atomic; an object
+  larger than a part is written as part objects and then a manifest at its name
+  (``parts``), which is invisible until that last PUT.
 * **Exact names, no ``exists()``.** ``open`` asks for one exact name; only "not found"
   means "not yet", every other error propagates at once. (``exists()`` turns a
   permission or network error into "no", and a listing can be stale for seconds
@@ -40,8 +41,8 @@ One engine per module, chosen by ``open_storage`` from the URL's scheme (the one
 schemes, ``ferrosync_schemes.SCHEMES``: opener, fsspec protocol, install hint, store):
 ``base`` (the interface, counters, readers, retry, the location probe), ``classify``
 (transient or not), ``local`` (directories), ``local_tools`` (what only the operator tools
-do to a directory), ``fsspec_store`` (object stores), ``s3`` (S3 specifics) and ``mounts``
-(which filesystem holds a path).
+do to a directory), ``fsspec_store`` (object stores), ``s3`` (S3 specifics), ``mounts``
+(which filesystem holds a path) and ``parts`` (object-store objects larger than a part).
 """
 
 from __future__ import annotations
@@ -144,16 +145,18 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 def open_storage(url: str, storage_options: dict | None = None, *,
-                 timeout: float | None = None) -> Storage:
+                 timeout: float | None = None, transfer: dict | None = None) -> Storage:
     """Storage for ``url``. Validates the URL; does no I/O on object stores yet.
 
     ``timeout`` (seconds; ``connect``'s) bounds the first contact with an object
     store (``probe_bucket``), the retries of any one call (``Storage.retry_s``) and,
     on S3, botocore's own connect/read timeouts and retries, so a dead or mistyped
     endpoint fails within it. A missing fsspec driver is a ``ConfigError`` with the
-    ``pip install`` that adds it.
+    ``pip install`` that adds it. ``transfer``: ``Storage.set_transfer``'s settings
+    (an object store's largest request, part size and parts in flight).
     """
     protocol, rest = split_url(url)
     storage = opener_of(protocol)(url, protocol, rest, dict(storage_options or {}), timeout)
     storage.retry_s = timeout  # a call's retries end within it
+    storage.set_transfer(**(transfer or {}))
     return storage

@@ -345,7 +345,7 @@ class Storage:
         """Whether the object at ``key`` holds exactly the bytes of ``parts``."""
         views = [memoryview(p).cast("B") for p in parts]
         size = sum(v.nbytes for v in views)
-        stored = self.read_head(key, size + 1)
+        stored = self._raw_head(key, size + 1)
         if stored is None or len(stored) != size:
             return False
         offset = 0
@@ -354,6 +354,17 @@ class Storage:
                 return False
             offset += view.nbytes
         return True
+
+    def _raw_head(self, key: str, nbytes: int) -> bytes | None:
+        """The stored object's own first ``nbytes`` bytes, as ``_holds`` compares them
+        (an engine that stores large objects as a manifest and parts: the manifest)."""
+        return self.read_head(key, nbytes)
+
+    def set_transfer(self, *, max_request_bytes: int | None = None,
+                     part_bytes: int | None = None, concurrency: int | None = None) -> None:
+        """How an object store moves one object (``storage/parts.py``): the largest
+        request body, the part size and the parts in flight (None: kept). A directory
+        has no request to bound: ignored."""
 
     def _recover(self) -> None:
         """Before retrying a transient failure: drop state the failure may have made

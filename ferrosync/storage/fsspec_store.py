@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
+import logging
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 from urllib.parse import urlsplit
 
 from ferrosync_schemes import scheme
 
-from ..errors import ConfigError, FerrosyncError, StorageError
+from .. import names
+from ..errors import ConfigError, FerrosyncError, ShardCorrupt, StorageError
 from .base import (
     EXCLUSIVE_CREATE_HINT,
     BytesReader,
@@ -28,6 +33,25 @@ from .base import (
     oversized,
 )
 from .classify import causes, http_status, is_transient, s3_code, s3_response, storage_error
+from .parts import (
+    MAGIC,
+    MANIFEST_LIMIT,
+    PREFIX,
+    Manifest,
+    PartsReader,
+    Transfer,
+    body_of,
+    chunks,
+    encode_manifest,
+    manifest_length,
+    new_token,
+    parse_manifest,
+    run_window,
+)
+
+_log = logging.getLogger(__name__)
+#: manifests remembered per store (to delete their parts with them): the newest ones
+_REMEMBERED = 4096
 
 
 def generic_create(cls) -> str | None:
@@ -83,6 +107,9 @@ class FsspecStorage(Storage):
     poll_max = 0.2
     heartbeat_interval = 2.0
     round_trips_dominate = True
+    #: how one object moves: the largest request, the part size, parts in flight
+    #: (``parts.Transfer``; ``set_transfer`` changes them for one store)
+    transfer = Transfer()
     #: ``put(exclusive=True)`` is the engine's own conditional request
     #: (``_create_if_absent``) rather than the driver's ``pipe_file(mode="create")``
     _conditional_put = False
@@ -103,16 +130,50 @@ class FsspecStorage(Storage):
             self.shared_between_processes = False  # this process's dictionary
         #: why this driver cannot create exclusively, where its class says so already
         self._no_create = None if self._conditional_put else generic_create(type(fs))
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        #: objects written or read in parts here: key -> (write token, parts)
+        self._manifests: dict[str, tuple[str, int]] = {}
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}" if key else self.root
+
+    def set_transfer(self, *, max_request_bytes: int | None = None,
+                     part_bytes: int | None = None, concurrency: int | None = None) -> None:
+        self.transfer = self.transfer.replace(max_request_bytes=max_request_bytes,
+                                              part_bytes=part_bytes, concurrency=concurrency)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The threads that move parts and ranges (made on first use, ended by close)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.transfer.concurrency,
+                                                thread_name_prefix="ferrosync-parts")
+            return self._pool
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def put(self, key: str, parts: Sequence, *, exclusive: bool = False,
             reuse: str | None = None) -> int:
         if reuse is not None:
             self.delete([reuse])  # an object store has nothing to recycle
         views = [memoryview(p).cast("B") for p in parts]
-        data = views[0].tobytes() if len(views) == 1 else b"".join(views)
+        size = sum(v.nbytes for v in views)
+        if size > self.transfer.part or _starts_like_manifest(views):
+            # larger than one part (or, rarely, bytes that would read as a manifest)
+            return self._put_parts(key, views, size, exclusive)
+        replaced = None if exclusive else self._forget(key)
+        self._put_one(key, body_of(views) if views else b"", exclusive)
+        if replaced is not None:
+            self._drop_parts(key, *replaced)
+        return size
+
+    def _put_one(self, key: str, data: bytes, exclusive: bool) -> None:
+        """One PUT of ``data`` at ``key`` (a create only if absent with ``exclusive``)."""
         path = self._path(key)
         if exclusive and self._conditional_put:
             self._create(key, [data], lambda: self._retry(
@@ -125,7 +186,72 @@ class FsspecStorage(Storage):
         else:
             self._write(key, path, data, "overwrite")
         self.counters.add(puts=1, written=len(data))
-        return len(data)
+
+    def _put_parts(self, key: str, views: list, size: int, exclusive: bool) -> int:
+        """``views`` as part objects, ``concurrency`` PUTs at a time, then the manifest
+        at ``key`` as the last step (``parts``); an aborted write removes what it
+        wrote (what it cannot is ``gc``'s)."""
+        if exclusive and not self._conditional_put and self._no_create:
+            raise ExclusiveCreateUnsupported(self._no_create, path=self.path_of(key),
+                                             hint=EXCLUSIVE_CREATE_HINT)
+        part, token = self.transfer.part, new_token()
+        count = -(-size // part)
+        sizes = [part] * (count - 1) + [size - part * (count - 1)]
+
+        def write(index: int, pieces: list) -> None:
+            part_key = self._part_key(key, token, index)
+            self._write_part(part_key, pieces)
+            self.counters.add(puts=1, written=sum(p.nbytes for p in pieces))
+
+        replaced = None if exclusive else self._forget(key)
+        try:
+            run_window(self._executor(), (
+                functools.partial(write, i, pieces)
+                for i, (_, pieces) in enumerate(chunks(views, part))), self.transfer.concurrency)
+        except BaseException:
+            self._drop_parts(key, token, count)
+            raise
+        try:
+            self._put_one(key, encode_manifest(token, sizes), exclusive)
+        except FileExistsError:
+            self._drop_parts(key, token, count)  # another writer's object holds the name
+            raise
+        # any other failure: the manifest may have landed all the same (its reply lost,
+        # then a resend failed), so its parts stay; if it did not, gc finds them orphaned
+        self._remember(key, token, count)
+        if replaced is not None:
+            self._drop_parts(key, *replaced)
+        return size
+
+    def _write_part(self, key: str, pieces: list) -> None:
+        """One part's PUT. fsspec's drivers take ``bytes``: one part's copy (an engine
+        whose client streams a file-like body overrides it)."""
+        self._write(key, self._path(key), body_of(pieces), "overwrite")
+
+    @staticmethod
+    def _part_key(key: str, token: str, index: int) -> str:
+        directory, _, name = key.rpartition("/")
+        return names.within(directory, names.part(name, token, index))
+
+    def _remember(self, key: str, token: str, count: int) -> None:
+        """Keep ``key``'s parts (written or read here) to delete them with it."""
+        with self._lock:
+            self._manifests[key] = (token, count)
+            while len(self._manifests) > _REMEMBERED:
+                self._manifests.pop(next(iter(self._manifests)))
+
+    def _forget(self, key: str) -> tuple[str, int] | None:
+        with self._lock:
+            return self._manifests.pop(key, None)
+
+    def _drop_parts(self, key: str, token: str, count: int) -> None:
+        """Delete the parts of one write of ``key``, where we can: a failure leaves
+        them to ``gc`` (their manifest is gone or names another write)."""
+        try:
+            self.delete([self._part_key(key, token, i) for i in range(count)])
+        except Exception:  # noqa: BLE001 - best effort: gc collects orphan parts
+            _log.warning("could not delete the %d parts of %s; `ferrosync gc` removes them",
+                         count, self.path_of(key))
 
     def _write(self, key: str, path: str, data: bytes, mode: str) -> None:
         """``pipe_file`` in ``mode`` (retried), making the parent where a driver needs it."""
@@ -186,39 +312,134 @@ class FsspecStorage(Storage):
 
     def open(self, key: str, *, max_bytes: int | None = None,
              rank: int | None = None) -> Reader | None:
-        self.counters.add(gets=1)
-        # bounded: ask for one byte more than the largest legal object, so an oversized
-        # one costs max_bytes + 1 bytes of memory and transfer, never its claimed size
-        end = None if max_bytes is None else max_bytes + 1
+        """One GET of at most a part (bounded: of at most ``max_bytes + 1`` bytes, so
+        an oversized object costs that, never its claimed size): the whole of a small
+        object; a manifest, whose parts are then read ``concurrency`` at a time; or the
+        first part of a large plain object, read on in ranges of a part."""
+        part = self.transfer.part
+        end = part if max_bytes is None else min(max_bytes + 1, part)
         try:
-            # start=0 (by keyword: s3fs's second positional is version_id) makes s3fs
-            # send one ranged GET instead of HEAD + GET, and a miss costs one request
-            # instead of HEAD + LIST
-            data = self._retry("reading", key, self._cat, self._path(key), end)
+            data = self._get(key, 0, end)
         except FileNotFoundError:
             return None
-        self.counters.add(read=len(data))
-        if max_bytes is not None and len(data) > max_bytes:
+        if data[:len(MAGIC)] == MAGIC:
+            return self._open_parts(key, data, end, max_bytes, rank)
+        if len(data) < end:
+            return BytesReader(data)
+        if max_bytes is not None and end == max_bytes + 1:
             raise oversized(self.path_of(key), None, max_bytes, rank)
-        return BytesReader(data)
+        size = self._size_of(key)
+        if size is None:  # removed since the GET
+            return None
+        self._check_size(key, size, max_bytes, rank)
+        if size <= len(data):
+            return BytesReader(data)
+        offsets = range(len(data), size, part)
+        sizes = [len(data)] + [min(part, size - o) for o in offsets]
+        starts = [0, *offsets]
+        return PartsReader(sizes, lambda i: self._piece(key, starts[i], sizes[i], rank),
+                           self._executor(), self.transfer.concurrency, first=data)
+
+    def _get(self, key: str, start: int, end: int | None) -> bytes:
+        """One counted GET of ``key``'s bytes ``[start, end)`` (all from ``start``: None)."""
+        self.counters.add(gets=1)
+        data = self._retry("reading", key, self._cat, self._path(key), end, start)
+        self.counters.add(read=len(data))
+        return data
+
+    def _piece(self, key: str, start: int, nbytes: int, rank: int | None, *,
+                whole: bool = False) -> bytes:
+        """Exactly ``nbytes`` of ``key`` from ``start``: a range of a large object, or
+        with ``whole`` all of a part object (one byte more is asked for: a longer part
+        is refused). It must be there: its manifest or its first bytes were."""
+        try:
+            data = self._get(key, start, start + nbytes + whole)
+        except FileNotFoundError:
+            raise StorageError(
+                "a part of this object vanished while it was read", rank=rank,
+                path=self.path_of(key),
+                hint="something removed it while a rank read it: give every job its own "
+                "location, and run `ferrosync gc` only with its watch window") from None
+        if len(data) != nbytes:
+            raise ShardCorrupt(
+                f"object part at byte {start} has {len(data)} bytes, {nbytes} expected "
+                "(changed while read, or not ferrosync's)", rank=rank, path=self.path_of(key),
+                hint="give every job a location only its own ranks can write")
+        return data
+
+    def _size_of(self, key: str) -> int | None:
+        """The object's size (one HEAD), None when it does not exist."""
+        path = self._path(key)
+        self.counters.add(gets=1)
+        self.fs.invalidate_cache(path)
+        try:
+            info = self._retry("reading", key, self.fs.info, path)
+        except FileNotFoundError:
+            return None
+        return int(info.get("size") or 0)
+
+    def _open_parts(self, key: str, data: bytes, end: int, max_bytes: int | None,
+                    rank: int | None) -> Reader:
+        """The reader of the object whose manifest starts with ``data``."""
+        manifest = self._manifest(key, data, end, rank)
+        self._check_size(key, manifest.size, max_bytes, rank)
+        self._remember(key, manifest.token, len(manifest.sizes))
+        part_keys = [self._part_key(key, manifest.token, i) for i in range(len(manifest.sizes))]
+        return PartsReader(manifest.sizes,
+                           lambda i: self._piece(part_keys[i], 0, manifest.sizes[i], rank,
+                                                     whole=True),
+                           self._executor(), self.transfer.concurrency)
+
+    def _manifest(self, key: str, data: bytes, end: int, rank: int | None) -> Manifest:
+        """The manifest ``data`` begins (read on where the first GET held less of it)."""
+        need = manifest_length(data) if len(data) >= PREFIX else PREFIX
+        if len(data) == end and need > len(data) and need <= MANIFEST_LIMIT:
+            data = data + self._get(key, len(data), need + 1)
+        return parse_manifest(data, path=self.path_of(key), rank=rank)
 
     def read_head(self, key: str, nbytes: int, *, rank: int | None = None) -> bytes | None:
-        """One ranged GET of the first ``nbytes`` bytes, whatever the object's size."""
-        self.counters.add(gets=1)
+        """The object's first ``nbytes`` bytes: one ranged GET of a plain object; of a
+        written-in-parts one, its manifest and then its first part(s), that far."""
+        data = self._raw_head(key, nbytes)
+        if data is None:
+            return None
+        if len(data) == nbytes < PREFIX and MAGIC.startswith(data[:len(MAGIC)]):
+            data = self._raw_head(key, PREFIX)  # too short to tell: a manifest's start?
+            if data is None:
+                return None
+        if data[:len(MAGIC)] != MAGIC:
+            return data[:nbytes]
+        manifest = self._manifest(key, data, len(data), rank)
+        out, left = [], nbytes
+        for index, size in enumerate(manifest.sizes):
+            if left <= 0:
+                break
+            take = min(size, left)
+            out.append(self._piece(self._part_key(key, manifest.token, index), 0, take, rank,
+                                   whole=take == size))
+            left -= take
+        return b"".join(out)
+
+    def _raw_head(self, key: str, nbytes: int) -> bytes | None:
+        """The stored object's own first ``nbytes`` bytes (a manifest as it is)."""
         try:
-            data = self._retry("reading", key, self._cat, self._path(key), max(nbytes, 1))
+            return self._get(key, 0, max(nbytes, 1))[:nbytes]
         except FileNotFoundError:
             return None
-        self.counters.add(read=len(data))
-        return data[:nbytes]
 
-    def _cat(self, path: str, end: int | None = None) -> bytes:
+    def _cat(self, path: str, end: int | None = None, start: int = 0) -> bytes:
+        # start by keyword (s3fs's second positional is version_id): s3fs then sends one
+        # ranged GET instead of HEAD + GET, and a miss costs one request, not HEAD + LIST
         if end is None:
-            return self.fs.cat_file(path, start=0)
-        return self.fs.cat_file(path, start=0, end=end)
+            return self.fs.cat_file(path, start=start)
+        return self.fs.cat_file(path, start=start, end=end)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
+        for key in list(keys):  # an object written in parts goes with its parts
+            found = self._forget(key)
+            if found is not None:
+                keys.extend(self._part_key(key, found[0], i) for i in range(found[1]))
         if not keys:
             return
         paths = [self._path(k) for k in keys]
@@ -338,6 +559,12 @@ _BAD_CREDENTIALS = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken
 _TIMED_OUT = {"ConnectTimeoutError", "ReadTimeoutError", "FSTimeoutError"}
 _UNREACHABLE = {"EndpointConnectionError", "ClientConnectorError", "ConnectionRefusedError",
                 "ClientOSError", "gaierror"}
+
+
+def _starts_like_manifest(views: list) -> bool:
+    """Whether the concatenation of ``views`` starts with a manifest's magic."""
+    head = b"".join(v[:len(MAGIC)].tobytes() for v in views[:len(MAGIC)])
+    return head[:len(MAGIC)] == MAGIC
 
 
 def _accepts_refresh(fs) -> bool:

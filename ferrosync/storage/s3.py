@@ -15,6 +15,7 @@ from ..errors import ConfigError
 from .base import ExclusiveCreateUnsupported
 from .classify import cut_short, s3_code
 from .fsspec_store import FsspecStorage, build, driver_class
+from .parts import DEFAULT_CONCURRENCY, ViewsBody
 
 #: what to check when an S3 endpoint does not answer
 _ENDPOINT_HINT = ("check the endpoint: storage_options endpoint_url, or $AWS_ENDPOINT_URL / "
@@ -77,6 +78,24 @@ class S3Storage(FsspecStorage):
             finally:
                 self.fs.invalidate_cache(path)
 
+    def _write_part(self, key: str, pieces: list) -> None:
+        """One part's PUT with a body read straight out of the caller's buffers
+        (``ViewsBody``): botocore and aiohttp stream it, so a part in flight is not
+        copied, neither into ``bytes`` nor into the socket's send buffer (where a
+        ``bytes`` body waits whole while a slow connection drains it)."""
+        if not self._conditional_put:  # not s3fs: the driver's own write
+            super()._write_part(key, pieces)
+            return
+        path = self._path(key)
+        bucket, name, _ = self.fs.split_path(path)
+
+        def put() -> None:
+            with ViewsBody(pieces) as body:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=body)
+            self.fs.invalidate_cache(path)
+
+        self._retry("writing", key, put)
+
     def _retryable(self, exc: BaseException) -> bool:
         """botocore is the retry layer for whole requests (connection errors, 5xx,
         SlowDown, within ``connect``'s timeout: ``_s3_settings``): retrying what it gave
@@ -131,6 +150,9 @@ def _s3_settings(storage_options: dict, timeout: float | None) -> None:
     config.setdefault("retries", {"mode": "adaptive", "max_attempts": attempts})
     config.setdefault("connect_timeout", connect_s)
     config.setdefault("read_timeout", read_s)
+    # botocore's pool holds 10 connections: fewer than one object's parts in flight
+    # (``parts.DEFAULT_CONCURRENCY``), and a gather reads several objects at once
+    config.setdefault("max_pool_connections", 4 * DEFAULT_CONCURRENCY)
     for key, value in _redundant_checksums_off().items():
         config.setdefault(key, value)
     if _s3_endpoint_uses_tls(storage_options):

@@ -71,6 +71,10 @@ MAX_HEAD = 64 * 1024
 SLOWDOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                  b"<Message>Please reduce your request rate.</Message>"
                  b"<RequestId>fault-proxy</RequestId></Error>")
+#: the body of the 400 a request over ``max_body`` is answered with: S3's own
+TOO_LARGE_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>EntityTooLarge'
+                  b"</Code><Message>Your proposed upload exceeds the maximum allowed size"
+                  b"</Message><RequestId>fault-proxy</RequestId></Error>")
 _TIME = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(us|ms|s)\s*$", re.I)
 _TIME_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
@@ -237,16 +241,17 @@ def _without_expect(head: bytes) -> bytes:
     return b"\r\n".join(li for li in lines if not li.lower().startswith(b"expect:"))
 
 
-def _next_request(client: socket.socket, reader: _Stream) -> tuple[bytes, str, str, dict]:
+def _next_request(client: socket.socket, reader: _Stream) -> tuple[bytes, str, str, dict, int]:
     """The client's next whole request (raw, less any ``Expect``: the proxy answers
-    ``100 Continue`` itself), its method, target and headers."""
+    ``100 Continue`` itself), its method, target, headers and body's length (framing
+    included, as the server would receive it)."""
     head, headers = reader.head()
     if headers.get("expect", "").lower() == "100-continue":
         client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         head = _without_expect(head)
     body = reader.body(headers, until_close=False)
     method, target = (part.decode("latin-1") for part in head.split(b" ", 2)[:2])
-    return head + body, method, target, headers
+    return head + body, method, target, headers, len(body)
 
 
 class _Upstream:
@@ -291,18 +296,23 @@ class FaultProxy(Lifetime):
         target_host: must be a loopback address (ValueError otherwise).
         port: where to listen on 127.0.0.1 (0: a free port, see ``.port``).
         duration: close by itself after this many seconds (None: only on ``close``).
+        max_body: refuse a request whose body is larger, as S3 refuses a PUT over
+            5 GiB (``400 EntityTooLarge``; None: no limit).
 
-    ``counts`` holds requests seen and faults applied by kind; ``events`` the
+    ``counts`` holds requests seen, the largest request body (``largest_body``), the
+    bodies refused (``too_large``) and faults applied by kind; ``events`` the
     (method, target, kind) of each applied fault, in order.
     """
 
     def __init__(self, target_port: int, faults: list[Fault] | tuple = (), *, seed: int = 0,
                  target_host: str = "127.0.0.1", port: int = 0,
-                 duration: float | None = None) -> None:
+                 duration: float | None = None, max_body: int | None = None) -> None:
         self.target = (check_loopback(target_host), int(target_port))
         self.faults = list(faults)
         self.duration = duration
-        self.counts = {"requests": 0, **{kind: 0 for kind in FAULT_KINDS}}
+        self.max_body = max_body
+        self.counts = {"requests": 0, "largest_body": 0, "too_large": 0,
+                       **{kind: 0 for kind in FAULT_KINDS}}
         self.events: list[tuple[str, str, str]] = []
         self._random = random.Random(seed)
         self._lock = threading.Lock()
@@ -328,6 +338,14 @@ class FaultProxy(Lifetime):
         """Drop every fault: from now on requests pass unharmed."""
         with self._lock:
             self.faults.clear()
+
+    def _too_large(self, size: int) -> bool:
+        """Count a request body of ``size`` bytes; whether it is over ``max_body``."""
+        with self._lock:
+            self.counts["largest_body"] = max(self.counts["largest_body"], size)
+            refused = self.max_body is not None and size > self.max_body
+            self.counts["too_large"] += refused
+        return refused
 
     def _start_accepting(self) -> None:
         self._spawn(self._accept, "fault-proxy-accept")
@@ -410,9 +428,14 @@ class FaultProxy(Lifetime):
         try:
             while not self.closing.is_set():
                 try:
-                    request, method, target, headers = _next_request(client, reader)
+                    request, method, target, headers, size = _next_request(client, reader)
                 except _Closed:
                     return  # the client is done with this connection
+                if self._too_large(size):
+                    client.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/xml"
+                                   b"\r\nContent-Length: %d\r\n\r\n" % len(TOO_LARGE_BODY)
+                                   + TOO_LARGE_BODY)
+                    continue
                 fault, delay = self._choose(method, target, headers)
                 if delay and self.closing.wait(delay):
                     return

@@ -10,7 +10,10 @@ given bandwidth and round-trip time do to training, without leaving the machine:
         --duration 600
 
 The model is one shared link per direction (all connections through the proxy share
-its bandwidth, as they would share a real WAN link):
+its bandwidth, as they would share a real WAN link), and optionally a cap per
+connection beside it (``connection_rate_bps``, ``--connection-rate``: an object store
+serves each connection at about 100 MB/s however fast the host's link is, so one
+stream reaches a fraction of the link and only parallel ones fill it):
 
 * bandwidth: a token bucket at ``rate_bps`` with a depth of ``burst_bytes`` decides
   when each received chunk has been "serialised" onto the link;
@@ -125,6 +128,8 @@ class _Pipe:
     def __init__(self, proxy: WanProxy, src: socket.socket, dst: socket.socket,
                  link: _Link, name: str) -> None:
         self.proxy, self.src, self.dst, self.link = proxy, src, dst, link
+        #: this connection's own cap (a store's per-connection rate), before the link
+        self.own = _Link(proxy.connection_rate_bps, proxy.burst_bytes)
         self.queue: collections.deque = collections.deque()  # (release_at, bytes | marker)
         self.queued = 0
         self.cond = threading.Condition()
@@ -149,8 +154,10 @@ class _Pipe:
                     while self.queued >= limit and not self.proxy.closing.is_set():
                         self.cond.wait(POLL_S)
                 data = self.src.recv(CHUNK)
-                # stamped on arrival: serialised at the link's rate, then delayed
-                release = self.link.departure(len(data), time.monotonic()) + self.proxy.delay_s
+                # stamped on arrival: through the connection's own cap, serialised at
+                # the shared link's rate, then delayed
+                capped = self.own.departure(len(data), time.monotonic())
+                release = self.link.departure(len(data), capped) + self.proxy.delay_s
                 with self.cond:
                     self.queue.append((release, data or _EOF))  # an EOF follows the data
                     self.queued += len(data)
@@ -206,6 +213,9 @@ class WanProxy(Lifetime):
         target_port: the local server to forward to.
         rate_bps: bits per second in each direction, shared by all connections
             (None: unlimited).
+        connection_rate_bps: bits per second in each direction of each connection,
+            on top of the shared rate, as an object store serves each connection
+            (None: unlimited).
         rtt_s: round-trip time to add; each direction delays by half of it.
         target_host: must be a loopback address (ValueError otherwise).
         port: where to listen on 127.0.0.1 (0: a free port, see ``.port``).
@@ -215,18 +225,23 @@ class WanProxy(Lifetime):
 
     def __init__(self, target_port: int, *, rate_bps: float | None = None,
                  rtt_s: float = 0.0, target_host: str = "127.0.0.1", port: int = 0,
-                 burst_bytes: int = DEFAULT_BURST, duration: float | None = None) -> None:
-        if rate_bps is not None and rate_bps <= 0:
-            raise ValueError(f"rate_bps must be positive or None, got {rate_bps}")
+                 burst_bytes: int = DEFAULT_BURST, duration: float | None = None,
+                 connection_rate_bps: float | None = None) -> None:
+        for name, rate in (("rate_bps", rate_bps), ("connection_rate_bps", connection_rate_bps)):
+            if rate is not None and rate <= 0:
+                raise ValueError(f"{name} must be positive or None, got {rate}")
         if rtt_s < 0:
             raise ValueError(f"rtt_s must be >= 0, got {rtt_s}")
         if duration is not None and duration <= 0:
             raise ValueError(f"duration must be positive or None, got {duration}")
         self.target = (check_loopback(target_host), int(target_port))
         self.rate_bps, self.rtt_s, self.delay_s = rate_bps, rtt_s, rtt_s / 2
+        self.connection_rate_bps, self.burst_bytes = connection_rate_bps, burst_bytes
         self.duration = duration
         # about one bandwidth-delay product in flight per direction, like a TCP window
-        bdp = 0 if rate_bps is None else int(rate_bps / 8 * max(rtt_s, 0.01))
+        slowest = min((r for r in (rate_bps, connection_rate_bps) if r is not None),
+                      default=None)
+        bdp = 0 if slowest is None else int(slowest / 8 * max(rtt_s, 0.01))
         self.queue_limit = max(MIN_QUEUE, 2 * bdp)
         self.up = _Link(rate_bps, burst_bytes)  # client -> server
         self.down = _Link(rate_bps, burst_bytes)  # server -> client
@@ -346,6 +361,9 @@ def parse_args(argv):
     add_proxy_flags(p, "server")
     p.add_argument("--rate", type=parse_rate, default=None, metavar="RATE",
                    help="bandwidth per direction, e.g. 100Mbit, 1Gbit (default: unlimited)")
+    p.add_argument("--connection-rate", type=parse_rate, default=None, metavar="RATE",
+                   help="bandwidth per direction of each connection, beside the shared "
+                   "--rate, as an object store serves each connection (default: unlimited)")
     p.add_argument("--rtt", type=parse_duration, default=0.0, metavar="TIME",
                    help="round-trip time to add, e.g. 50ms (half each way; default 0)")
     p.add_argument("--burst", type=int, default=DEFAULT_BURST, metavar="BYTES",
@@ -359,13 +377,15 @@ def main(argv: list[str] | None = None) -> int:
         host, port = split_target(args.target)
         proxy = WanProxy(port, rate_bps=args.rate, rtt_s=args.rtt, target_host=host,
                          port=args.listen_port, burst_bytes=args.burst,
-                         duration=args.duration)
+                         duration=args.duration, connection_rate_bps=args.connection_rate)
     except ValueError as exc:
         print(f"wan_proxy: {exc}", file=sys.stderr)
         return 2
     # SIGTERM ends it as cleanly as the duration does
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=proxy.close).start())
     rate = "unlimited" if args.rate is None else f"{args.rate / 1e6:g} Mbit/s"
+    if args.connection_rate is not None:
+        rate += f" ({args.connection_rate / 1e6:g} Mbit/s per connection)"
     with proxy:
         print(f"wan_proxy: listening on 127.0.0.1:{proxy.port} -> "
               f"{proxy.target[0]}:{proxy.target[1]}, {rate}, rtt {args.rtt * 1e3:g} ms, "

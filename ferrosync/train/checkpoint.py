@@ -40,6 +40,7 @@ import torch
 from ..errors import ConfigError, ShardCorrupt, StorageError
 from ..storage import Storage, open_storage
 from ..storage import probe_location as probe_storage
+from ..storage.parts import listed_parts
 from ..wire import loads_bounded
 
 LATEST = "latest.json"
@@ -220,7 +221,8 @@ class CheckpointStore:
         torch.save(state, buffer)
         self.storage.makedirs("")
         nbytes = self.storage.put(key, [buffer.getbuffer()])
-        files = [(int(m.group(1)), name, size) for name, size in self.storage.list("")
+        listing = self.storage.list("")
+        files = [(int(m.group(1)), name, size) for name, size in listing
                  if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
         # the sizes readers are held to: every file of this step as its writer wrote it
         sizes = {**(rank_sizes or {}), key: nbytes}
@@ -228,17 +230,19 @@ class CheckpointStore:
         # latest.json only after the checkpoint itself is complete: a crash between
         # the two leaves the previous (whole) checkpoint as the latest
         self.storage.put(LATEST, [json.dumps(meta, sort_keys=True).encode()])
-        self._prune(keep, step, [(s, name) for s, name, _ in files])
+        self._prune(keep, step, [(s, name) for s, name, _ in files], listing)
         return self.storage.path_of(key)
 
-    def _prune(self, keep: int, newest: int, files: list[tuple[int, str]]) -> None:
+    def _prune(self, keep: int, newest: int, files: list[tuple[int, str]],
+               listing: list[tuple[str, int]]) -> None:
         complete = sorted({step for step, name in files
                            if step <= newest and _STEP_FILE.match(name)})
         kept = set(complete[-keep:] if keep > 0 else [])
         # files of older steps go, rank files of a step whose main file never
         # appeared (a crash mid-checkpoint) too; never anything newer than this one
-        self.storage.delete([name for step, name in files
-                             if step <= newest and step not in kept])
+        doomed = [name for step, name in files if step <= newest and step not in kept]
+        # with the parts of those written in parts by an earlier run (storage/parts.py)
+        self.storage.delete(doomed + listed_parts(listing, doomed))
 
 
 def _declared(meta: dict, key: str) -> int | None:
