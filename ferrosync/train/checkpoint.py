@@ -23,6 +23,15 @@ replaced by something larger, a sparse file of any size among them) is refused b
 a byte of it is read, with an error naming both sizes. Reading costs the file's size
 once (plus the tensors ``torch.load`` makes of it), on a directory and on object stores.
 
+Every file carries ferrosync's object header (``ferrosync.wire``, kind ``checkpoint``):
+an xxh3-64 checksum of its bytes, the step, the writing rank and a digest of its own
+name, and ``latest.json`` carries a checksum of its own body. ``--resume`` checks them
+before ``torch.load`` sees a byte: one flipped bit, a torn or moved file is a
+``ConfigError`` (exit 2) naming the file and the step. A checksum is no MAC: it
+catches damage, not someone who may write the directory and rewrites both (give the
+checkpoint directory the same protection as the run). An index of format 1 (written
+before checkpoints carried checksums) still loads, unverified, with a warning.
+
 Every rank loads the checkpoint itself (the optimizer state must be identical on
 every rank), so the directory must be visible to all of them, like the sync URL.
 """
@@ -33,6 +42,7 @@ import io
 import json
 import random
 import re
+import warnings
 
 import numpy
 import torch
@@ -40,10 +50,24 @@ import torch
 from ..errors import ConfigError, ShardCorrupt, StorageError
 from ..storage import Storage, open_storage
 from ..storage import probe_location as probe_storage
-from ..wire import loads_bounded
+from ..wire import (
+    DTYPE_CODES,
+    KIND_CHECKPOINT,
+    MAGIC,
+    Header,
+    PayloadCheck,
+    PayloadDigest,
+    layout_digest,
+    loads_bounded,
+    parse_header,
+    seal,
+)
 
 LATEST = "latest.json"
-FORMAT = 1
+#: 2: every file carries a checksummed header, latest.json a checksum of itself
+FORMAT = 2
+#: index formats this version reads (1: no checksums; loaded with a warning)
+READABLE_FORMATS = (1, 2)
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
 _ANY_STEP_FILE = re.compile(r"^step-(\d{8,})(?:\.r\d+)?\.pt$")
 
@@ -132,6 +156,11 @@ class CheckpointStore:
                 f"{self.storage.path_of(LATEST)} is not a ferrosync checkpoint index",
                 hint="point --checkpoint-dir at a directory written by ferrosync.train",
             ) from None
+        if meta.get("format") != 1 and meta.get("checksum") != _index_checksum(meta):
+            raise ConfigError(
+                f"{self.storage.path_of(LATEST)} fails its checksum (step "
+                f"{meta['step']}): it was damaged or edited after it was written; refused",
+                hint="restore it from a copy, or start without --resume")
         return meta
 
     def require_latest(self) -> dict:
@@ -154,11 +183,27 @@ class CheckpointStore:
                               "ferrosync.train")
         return self._load_key(key, meta)
 
-    def _load_key(self, key: str, meta: dict) -> dict:
+    def verify(self, meta: dict, world_size: int) -> None:
+        """The launcher, before any rank starts: every file of the checkpoint ``meta``
+        describes passes its integrity check (read once, never unpickled), else the
+        ``ConfigError`` a rank would raise, now."""
+        key = meta["file"]
+        if not _STEP_FILE.match(key):
+            self.load(meta)  # the error for a foreign name
+        files = [(key, 0)] + ([(self.rank_key(int(meta["step"]), r), r)
+                               for r in range(world_size)] if meta.get("rank_files") else [])
+        for name, rank in files:
+            self._verified(name, self._read(name, _declared(meta, name)), meta, rank)
+
+    def _load_key(self, key: str, meta: dict, rank: int = 0) -> dict:
         raw = self._read(key, _declared(meta, key))
+        start = self._verified(key, raw, meta, rank)
         try:
-            # BytesIO shares the bytes (no copy): the tensors are the one other cost
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            # BytesIO shares the bytes (no copy): the tensors are the one other cost;
+            # torch.load reads the archive from the stream's position, after the header
+            stream = io.BytesIO(raw)
+            stream.seek(start)
+            return torch.load(stream, map_location="cpu", weights_only=True)
         # torch.load raises whatever its unpickler meets (UnpicklingError, RuntimeError,
         # EOFError, ...): each means a damaged or foreign file, named with its cause below
         except Exception as exc:  # noqa: BLE001
@@ -167,6 +212,34 @@ class CheckpointStore:
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
                 hint="it is damaged or not a ferrosync checkpoint; start without --resume",
             ) from None
+
+    def _verified(self, key: str, raw: bytes, meta: dict, rank: int) -> int:
+        """Where torch.save's bytes start in ``key`` once its header and checksum hold:
+        written by ``rank`` for this very name and step, whole and unchanged. An index
+        of format 1 predates checksums: its files load unverified, with a warning."""
+        step, path = int(meta["step"]), self.storage.path_of(key)
+        if meta.get("format") == 1 and raw[:len(MAGIC)] != MAGIC:
+            warnings.warn(f"checkpoint {path} (step {step}) was written before checkpoints "
+                          "carried checksums: loaded unverified", RuntimeWarning, stacklevel=4)
+            return 0
+        view = memoryview(raw)
+        try:
+            head = parse_header(view, path=path)
+            if (head.kind, head.collective, head.rank, head.layout) != (
+                    KIND_CHECKPOINT, step, rank, layout_digest(key)):
+                raise ShardCorrupt("its header names another file, step or rank", path=path)
+            if head.size + head.payload_nbytes != len(raw):
+                raise ShardCorrupt(f"{len(raw)} bytes where its header declares "
+                                   f"{head.size + head.payload_nbytes}", path=path)
+            check = PayloadCheck(head, view, None, path, None)
+            check.update(view[head.size:])
+            check.finish()
+        except ShardCorrupt as exc:
+            raise ConfigError(
+                f"checkpoint {path} (step {step}) fails its integrity check "
+                f"({exc.what}): it was damaged after it was written; refused before "
+                "loading", hint=_DAMAGED_HINT) from None
+        return head.size
 
     def _read(self, key: str, declared: int | None) -> bytes:
         """The bytes of ``key``, refused unread when larger than ``declared`` (what
@@ -198,14 +271,24 @@ class CheckpointStore:
     def save_rank(self, step: int, rank: int, state: dict) -> int:
         """Every rank (before rank 0's ``save`` of the same step): this rank's own state.
         Returns its size in bytes, for ``save``'s ``rank_sizes``."""
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
         self.storage.makedirs("")
-        return self.storage.put(self.rank_key(step, rank), [buffer.getbuffer()])
+        return self._put(self.rank_key(step, rank), step, rank, state)
 
     def load_rank(self, meta: dict, rank: int) -> dict:
         """This rank's file of the checkpoint ``meta`` describes (see ``save_rank``)."""
-        return self._load_key(self.rank_key(int(meta["step"]), rank), meta)
+        return self._load_key(self.rank_key(int(meta["step"]), rank), meta, rank)
+
+    def _put(self, key: str, step: int, rank: int, state: dict) -> int:
+        """Write ``state`` as ``key``: ferrosync's object header (checksum, step, rank,
+        a digest of the name), then torch.save's bytes. Returns the bytes written."""
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = buffer.getbuffer()
+        header = Header(kind=KIND_CHECKPOINT, dtype=DTYPE_CODES[torch.uint8], codec=0,
+                        rank=rank, world_size=0, generation=0, collective=step,
+                        count=len(payload), offset=0, total=len(payload), weight=0.0,
+                        layout=layout_digest(key), payload_nbytes=len(payload))
+        return self.storage.put(key, [seal(header, [payload], None), payload])
 
     def save(self, state: dict, meta: dict, *, keep: int = 2,
              rank_sizes: dict[str, int] | None = None) -> str:
@@ -216,15 +299,14 @@ class CheckpointStore:
         """
         step = int(meta["step"])
         key = f"step-{step:08d}.pt"
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
         self.storage.makedirs("")
-        nbytes = self.storage.put(key, [buffer.getbuffer()])
+        nbytes = self._put(key, step, 0, state)
         files = [(int(m.group(1)), name, size) for name, size in self.storage.list("")
                  if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
         # the sizes readers are held to: every file of this step as its writer wrote it
         sizes = {**(rank_sizes or {}), key: nbytes}
         meta = {**meta, "format": FORMAT, "file": key, "bytes": sizes}
+        meta["checksum"] = _index_checksum(meta)
         # latest.json only after the checkpoint itself is complete: a crash between
         # the two leaves the previous (whole) checkpoint as the latest
         self.storage.put(LATEST, [json.dumps(meta, sort_keys=True).encode()])
@@ -239,6 +321,20 @@ class CheckpointStore:
         # appeared (a crash mid-checkpoint) too; never anything newer than this one
         self.storage.delete([name for step, name in files
                              if step <= newest and step not in kept])
+
+
+_DAMAGED_HINT = ("restore the file from a copy, or start without --resume (the older "
+                 "step-*.pt files beside it are not indexed by latest.json); check the "
+                 "disk or store that holds --checkpoint-dir")
+
+
+def _index_checksum(meta: dict) -> str:
+    """xxh3-64 (``wire.PayloadDigest``) of ``meta`` without its own checksum, as
+    canonical JSON: what latest.json's ``checksum`` must say."""
+    digest = PayloadDigest(None)
+    digest.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"},
+                             sort_keys=True).encode())
+    return digest.xxh3().hex()
 
 
 def _declared(meta: dict, key: str) -> int | None:
@@ -259,10 +355,10 @@ def _declared(meta: dict, key: str) -> int | None:
 def check_compatible(meta: dict, *, model: torch.nn.Module, world_size: int, strategy: str,
                      url: str) -> None:
     """Raise ConfigError unless the checkpoint ``meta`` fits this run."""
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in READABLE_FORMATS:
         raise ConfigError(f"checkpoint at {url} has format {meta.get('format')!r}, this "
-                          f"version reads {FORMAT}", hint="resume with the ferrosync version "
-                          "that wrote it, or start without --resume")
+                          f"version reads {READABLE_FORMATS}", hint="resume with the "
+                          "ferrosync version that wrote it, or start without --resume")
     theirs = {name: (shape, dtype) for name, shape, dtype in meta.get("model", [])}
     ours = {name: (shape, dtype) for name, shape, dtype in model_signature(model)}
     if theirs != ours:
