@@ -77,8 +77,7 @@ KIND_CONTRIB = 1
 KIND_RESULT = 2
 KIND_BROADCAST = 3
 KIND_ERROR = 4
-KIND_CHECKPOINT = 5  # a training checkpoint file (ferrosync/train/checkpoint.py)
-KIND_NAMES = {1: "contribution", 2: "result", 3: "broadcast", 4: "error", 5: "checkpoint"}
+KIND_NAMES = {1: "contribution", 2: "result", 3: "broadcast", 4: "error"}
 
 CHECKSUM_XXH3 = 1
 CHECKSUM_HMAC = 2

@@ -32,7 +32,7 @@ def _saved(url: str, *, rank_files: bool = False) -> tuple[CheckpointStore, dict
             sizes[ckpt.rank_key(7, rank)] = ckpt.save_rank(
                 7, rank, {"w": torch.full((100,), float(rank))})
     ckpt.save({"w": torch.arange(1000.0)}, {"step": 7, "rank_files": rank_files}, keep=2,
-              rank_sizes=sizes)
+              rank_files=sizes)
     return ckpt, ckpt.latest()
 
 
@@ -108,8 +108,8 @@ def _refused(ckpt: CheckpointStore, load, what: str, path) -> str:
     return text
 
 
-# offsets: in the header (its crc), the first payload byte, the middle, the last byte
-@pytest.mark.parametrize("where", [20, 112, "middle", -1])
+# offsets: the first byte (zip's magic), the middle, the last byte
+@pytest.mark.parametrize("where", [0, "middle", -1])
 @pytest.mark.parametrize("name", ["step-00000007.pt", "step-00000007.r1.pt"])
 def test_one_flipped_bit_is_refused_before_loading(tmp_path, monkeypatch, where, name):
     ckpt, meta = _saved(str(tmp_path), rank_files=True)
@@ -118,8 +118,8 @@ def test_one_flipped_bit_is_refused_before_loading(tmp_path, monkeypatch, where,
     monkeypatch.setattr(torch, "load", lambda *a, **k: pytest.fail("torch.load was reached"))
     load = (lambda: ckpt.load(meta)) if name == meta["file"] else \
         (lambda: ckpt.load_rank(meta, 1))
-    _refused(ckpt, load, "fails its integrity check", tmp_path / name)
-    _refused(ckpt, lambda: ckpt.verify(meta, 2), "fails its integrity check",
+    _refused(ckpt, load, "fails its checksum", tmp_path / name)
+    _refused(ckpt, lambda: ckpt.verify(meta, 2), "fails its checksum",
              tmp_path / name)
 
 
@@ -128,20 +128,24 @@ def test_a_file_moved_to_another_rank_or_step_is_refused(tmp_path):
     (tmp_path / "step-00000007.r1.pt").write_bytes(
         (tmp_path / "step-00000007.r0.pt").read_bytes())
     meta["bytes"]["step-00000007.r1.pt"] = meta["bytes"]["step-00000007.r0.pt"]
-    _refused(ckpt, lambda: ckpt.load_rank(meta, 1), "names another file, step or rank",
+    _refused(ckpt, lambda: ckpt.load_rank(meta, 1), "fails its checksum",
              tmp_path / "step-00000007.r1.pt")
 
 
-def test_a_file_stripped_of_its_header_is_refused(tmp_path):
-    """A format-2 index never accepts a bare torch.save file (a flipped magic must not
-    pass for an old checkpoint)."""
+def test_an_index_that_declares_no_checksum_is_refused(tmp_path):
+    """Format 2 always declares one: a file without one is not trusted."""
     ckpt, meta = _saved(str(tmp_path))
-    buffer = io.BytesIO()
-    torch.save({"w": torch.arange(1000.0)}, buffer)
-    (tmp_path / meta["file"]).write_bytes(buffer.getvalue())
-    meta["bytes"][meta["file"]] = len(buffer.getvalue())
-    _refused(ckpt, lambda: ckpt.load(meta), "not a ferrosync object",
-             tmp_path / meta["file"])
+    del meta["xxh3"][meta["file"]]
+    with pytest.raises(ConfigError, match="declares no checksum for 'step-00000007.pt'"):
+        ckpt.load(meta)
+
+
+def test_checkpoint_files_still_load_with_torch_load(tmp_path):
+    """What docs/train.md promises: a step file is a plain torch.save file."""
+    ckpt, meta = _saved(str(tmp_path), rank_files=True)
+    assert meta["xxh3"] and sorted(meta["xxh3"]) == sorted(meta["bytes"])
+    loaded = torch.load(tmp_path / meta["file"], weights_only=True)
+    assert torch.equal(loaded["w"], torch.arange(1000.0))
 
 
 @pytest.mark.parametrize("edit", ['"step": 7', '"epoch": 0'])

@@ -150,5 +150,5 @@ def test_a_flipped_checkpoint_byte_is_refused_with_exit_2(tmp_path, demo_checkpo
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
     assert str(step_file) in lines[0] and "(step 2)" in lines[0], lines[0]
-    assert "fails its integrity check" in lines[0] and "--resume" in lines[0], lines[0]
+    assert "fails its checksum" in lines[0] and "--resume" in lines[0], lines[0]
     assert "FINAL" not in proc.stdout

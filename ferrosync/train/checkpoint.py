@@ -23,14 +23,14 @@ replaced by something larger, a sparse file of any size among them) is refused b
 a byte of it is read, with an error naming both sizes. Reading costs the file's size
 once (plus the tensors ``torch.load`` makes of it), on a directory and on object stores.
 
-Every file carries ferrosync's object header (``ferrosync.wire``, kind ``checkpoint``):
-an xxh3-64 checksum of its bytes, the step, the writing rank and a digest of its own
-name, and ``latest.json`` carries a checksum of its own body. ``--resume`` checks them
-before ``torch.load`` sees a byte: one flipped bit, a torn or moved file is a
-``ConfigError`` (exit 2) naming the file and the step. A checksum is no MAC: it
-catches damage, not someone who may write the directory and rewrites both (give the
-checkpoint directory the same protection as the run). An index of format 1 (written
-before checkpoints carried checksums) still loads, unverified, with a warning.
+``latest.json`` declares each file's checksum too (``"xxh3"``: xxh3-64, the checksum
+of ``wire.PayloadDigest``), and one of its own body (``"checksum"``). ``--resume``
+checks them before ``torch.load`` sees a byte (the launcher before any rank starts,
+each rank again): one flipped bit, a torn file or an edited index is a ``ConfigError``
+(exit 2) naming the file and the step. A checksum is no MAC: it catches damage, not
+someone who may write the directory and rewrites both (give the checkpoint directory
+the same protection as the run). An index of format 1 (written before checkpoints
+carried checksums) still loads, unverified, with a warning.
 
 Every rank loads the checkpoint itself (the optimizer state must be identical on
 every rank), so the directory must be visible to all of them, like the sync URL.
@@ -50,21 +50,10 @@ import torch
 from ..errors import ConfigError, ShardCorrupt, StorageError
 from ..storage import Storage, open_storage
 from ..storage import probe_location as probe_storage
-from ..wire import (
-    DTYPE_CODES,
-    KIND_CHECKPOINT,
-    MAGIC,
-    Header,
-    PayloadCheck,
-    PayloadDigest,
-    layout_digest,
-    loads_bounded,
-    parse_header,
-    seal,
-)
+from ..wire import PayloadDigest, loads_bounded
 
 LATEST = "latest.json"
-#: 2: every file carries a checksummed header, latest.json a checksum of itself
+#: 2: latest.json declares every file's checksum, and one of itself
 FORMAT = 2
 #: index formats this version reads (1: no checksums; loaded with a warning)
 READABLE_FORMATS = (1, 2)
@@ -185,25 +174,22 @@ class CheckpointStore:
 
     def verify(self, meta: dict, world_size: int) -> None:
         """The launcher, before any rank starts: every file of the checkpoint ``meta``
-        describes passes its integrity check (read once, never unpickled), else the
+        describes passes its checksum (read once, never unpickled), else the
         ``ConfigError`` a rank would raise, now."""
         key = meta["file"]
         if not _STEP_FILE.match(key):
             self.load(meta)  # the error for a foreign name
-        files = [(key, 0)] + ([(self.rank_key(int(meta["step"]), r), r)
-                               for r in range(world_size)] if meta.get("rank_files") else [])
-        for name, rank in files:
-            self._verified(name, self._read(name, _declared(meta, name)), meta, rank)
+        files = [key] + ([self.rank_key(int(meta["step"]), r) for r in range(world_size)]
+                         if meta.get("rank_files") else [])
+        for name in files:
+            self._verify(name, self._read(name, _declared(meta, name)), meta)
 
-    def _load_key(self, key: str, meta: dict, rank: int = 0) -> dict:
+    def _load_key(self, key: str, meta: dict) -> dict:
         raw = self._read(key, _declared(meta, key))
-        start = self._verified(key, raw, meta, rank)
+        self._verify(key, raw, meta)
         try:
-            # BytesIO shares the bytes (no copy): the tensors are the one other cost;
-            # torch.load reads the archive from the stream's position, after the header
-            stream = io.BytesIO(raw)
-            stream.seek(start)
-            return torch.load(stream, map_location="cpu", weights_only=True)
+            # BytesIO shares the bytes (no copy): the tensors are the one other cost
+            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         # torch.load raises whatever its unpickler meets (UnpicklingError, RuntimeError,
         # EOFError, ...): each means a damaged or foreign file, named with its cause below
         except Exception as exc:  # noqa: BLE001
@@ -213,33 +199,26 @@ class CheckpointStore:
                 hint="it is damaged or not a ferrosync checkpoint; start without --resume",
             ) from None
 
-    def _verified(self, key: str, raw: bytes, meta: dict, rank: int) -> int:
-        """Where torch.save's bytes start in ``key`` once its header and checksum hold:
-        written by ``rank`` for this very name and step, whole and unchanged. An index
-        of format 1 predates checksums: its files load unverified, with a warning."""
+    def _verify(self, key: str, raw: bytes, meta: dict) -> None:
+        """``raw`` (the bytes of ``key``) matches the checksum ``meta`` declares for it,
+        else a one-line ``ConfigError``. An index of format 1 predates checksums: its
+        files load unverified, with a warning."""
         step, path = int(meta["step"]), self.storage.path_of(key)
-        if meta.get("format") == 1 and raw[:len(MAGIC)] != MAGIC:
+        if meta.get("format") == 1:
             warnings.warn(f"checkpoint {path} (step {step}) was written before checkpoints "
                           "carried checksums: loaded unverified", RuntimeWarning, stacklevel=4)
-            return 0
-        view = memoryview(raw)
-        try:
-            head = parse_header(view, path=path)
-            if (head.kind, head.collective, head.rank, head.layout) != (
-                    KIND_CHECKPOINT, step, rank, layout_digest(key)):
-                raise ShardCorrupt("its header names another file, step or rank", path=path)
-            if head.size + head.payload_nbytes != len(raw):
-                raise ShardCorrupt(f"{len(raw)} bytes where its header declares "
-                                   f"{head.size + head.payload_nbytes}", path=path)
-            check = PayloadCheck(head, view, None, path, None)
-            check.update(view[head.size:])
-            check.finish()
-        except ShardCorrupt as exc:
+            return
+        sums = meta.get("xxh3")
+        declared = sums.get(key) if isinstance(sums, dict) else None
+        if not isinstance(declared, str):
+            raise ConfigError(f"{LATEST} at {self.url} declares no checksum for {key!r} "
+                              f"(step {step})", hint=_DAMAGED_HINT)
+        found = checksum([raw])
+        if found != declared:
             raise ConfigError(
-                f"checkpoint {path} (step {step}) fails its integrity check "
-                f"({exc.what}): it was damaged after it was written; refused before "
-                "loading", hint=_DAMAGED_HINT) from None
-        return head.size
+                f"checkpoint {path} (step {step}) fails its checksum (xxh3 {found}, "
+                f"{LATEST} declares {declared}): it was damaged after it was written; "
+                "refused before loading", hint=_DAMAGED_HINT)
 
     def _read(self, key: str, declared: int | None) -> bytes:
         """The bytes of ``key``, refused unread when larger than ``declared`` (what
@@ -268,44 +247,41 @@ class CheckpointStore:
     def rank_key(step: int, rank: int) -> str:
         return f"step-{step:08d}.r{rank}.pt"
 
-    def save_rank(self, step: int, rank: int, state: dict) -> int:
+    def save_rank(self, step: int, rank: int, state: dict) -> tuple[int, str]:
         """Every rank (before rank 0's ``save`` of the same step): this rank's own state.
-        Returns its size in bytes, for ``save``'s ``rank_sizes``."""
+        Returns its size in bytes and its checksum, for ``save``'s ``rank_files``."""
         self.storage.makedirs("")
-        return self._put(self.rank_key(step, rank), step, rank, state)
+        return self._put(self.rank_key(step, rank), state)
 
     def load_rank(self, meta: dict, rank: int) -> dict:
         """This rank's file of the checkpoint ``meta`` describes (see ``save_rank``)."""
-        return self._load_key(self.rank_key(int(meta["step"]), rank), meta, rank)
+        return self._load_key(self.rank_key(int(meta["step"]), rank), meta)
 
-    def _put(self, key: str, step: int, rank: int, state: dict) -> int:
-        """Write ``state`` as ``key``: ferrosync's object header (checksum, step, rank,
-        a digest of the name), then torch.save's bytes. Returns the bytes written."""
+    def _put(self, key: str, state: dict) -> tuple[int, str]:
+        """Write ``state`` (torch.save) as ``key``; (bytes written, their checksum)."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
         payload = buffer.getbuffer()
-        header = Header(kind=KIND_CHECKPOINT, dtype=DTYPE_CODES[torch.uint8], codec=0,
-                        rank=rank, world_size=0, generation=0, collective=step,
-                        count=len(payload), offset=0, total=len(payload), weight=0.0,
-                        layout=layout_digest(key), payload_nbytes=len(payload))
-        return self.storage.put(key, [seal(header, [payload], None), payload])
+        return self.storage.put(key, [payload]), checksum([payload])
 
     def save(self, state: dict, meta: dict, *, keep: int = 2,
-             rank_sizes: dict[str, int] | None = None) -> str:
+             rank_files: dict[str, tuple[int, str]] | None = None) -> str:
         """Rank 0: publish ``state`` as ``step-<step>.pt``, then point ``latest.json`` at
         it, then delete all but the newest ``keep`` checkpoints. Returns the file's path.
-        ``rank_sizes``: the size of every rank file of this step, as its writer wrote it
-        (``save_rank``'s answers, gathered); ``latest.json`` declares them.
+        ``rank_files``: the size and checksum of every rank file of this step, as its
+        writer wrote it (``save_rank``'s answers, gathered); ``latest.json`` declares them.
         """
         step = int(meta["step"])
         key = f"step-{step:08d}.pt"
         self.storage.makedirs("")
-        nbytes = self._put(key, step, 0, state)
+        written = {**(rank_files or {}), key: self._put(key, state)}
         files = [(int(m.group(1)), name, size) for name, size in self.storage.list("")
                  if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
-        # the sizes readers are held to: every file of this step as its writer wrote it
-        sizes = {**(rank_sizes or {}), key: nbytes}
-        meta = {**meta, "format": FORMAT, "file": key, "bytes": sizes}
+        # the sizes and checksums readers are held to: every file of this step as its
+        # writer wrote it
+        meta = {**meta, "format": FORMAT, "file": key,
+                "bytes": {name: size for name, (size, _) in written.items()},
+                "xxh3": {name: digest for name, (_, digest) in written.items()}}
         meta["checksum"] = _index_checksum(meta)
         # latest.json only after the checkpoint itself is complete: a crash between
         # the two leaves the previous (whole) checkpoint as the latest
@@ -328,13 +304,19 @@ _DAMAGED_HINT = ("restore the file from a copy, or start without --resume (the o
                  "disk or store that holds --checkpoint-dir")
 
 
-def _index_checksum(meta: dict) -> str:
-    """xxh3-64 (``wire.PayloadDigest``) of ``meta`` without its own checksum, as
-    canonical JSON: what latest.json's ``checksum`` must say."""
+def checksum(parts) -> str:
+    """The hex xxh3-64 of ``parts`` (``wire.PayloadDigest``, the store's checksum)."""
     digest = PayloadDigest(None)
-    digest.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"},
-                             sort_keys=True).encode())
+    for part in parts:
+        digest.update(part)
     return digest.xxh3().hex()
+
+
+def _index_checksum(meta: dict) -> str:
+    """The checksum of ``meta`` without its own, as canonical JSON: what latest.json's
+    ``checksum`` must say."""
+    return checksum([json.dumps({k: v for k, v in meta.items() if k != "checksum"},
+                                sort_keys=True).encode()])
 
 
 def _declared(meta: dict, key: str) -> int | None:
