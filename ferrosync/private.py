@@ -40,10 +40,12 @@ class PrivateDir:
         self.path = path
 
     @classmethod
-    def open(cls, path: str, *, base: str | None = None, secret: bool = False) -> PrivateDir:
+    def open(cls, path: str, *, base: str | None = None, secret: bool = False,
+             what: str = "directory") -> PrivateDir:
         """Create (0700) and verify ``path``; ``base`` (default: its parent) is where
         the parts ferrosync owns begin; ``secret``: ``path`` itself must keep group and
-        others out entirely. ``ConfigError`` when any part is unsafe."""
+        others out entirely; ``what`` names it in errors ("key directory"). A
+        ``ConfigError`` when any part is unsafe."""
         path = os.path.abspath(os.path.expanduser(path))
         base = os.path.abspath(os.path.expanduser(base)) if base else os.path.dirname(path)
         parts = [p for p in os.path.relpath(path, base).split(os.sep) if p not in ("", ".")]
@@ -61,10 +63,10 @@ class PrivateDir:
                 try:
                     sub = os.open(part, _PART_FLAGS, dir_fd=fd)
                 except OSError as exc:  # ELOOP/ENOTDIR: a link or a file at the name
-                    raise _unsafe(here, _occupant(part, fd, exc)) from None
+                    raise _unsafe(here, _occupant(part, fd, exc), what) from None
                 os.close(fd)
                 fd = sub
-                _check(os.fstat(fd), here, secret=secret and i == len(parts) - 1)
+                _check(os.fstat(fd), here, what, secret=secret and i == len(parts) - 1)
         except BaseException:
             os.close(fd)
             raise
@@ -134,7 +136,8 @@ def _open_base(base: str, path: str) -> int:
             info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX):
         os.close(fd)
         raise _unsafe(base, f"it belongs to uid {info.st_uid} with mode "
-                      f"{stat.S_IMODE(info.st_mode):04o}: others could replace what is in it")
+                      f"{stat.S_IMODE(info.st_mode):04o}: others could replace what is in it",
+                      "base directory")
     return fd
 
 
@@ -147,16 +150,19 @@ def _occupant(name: str, dir_fd: int, exc: OSError) -> str:
     return f"{what} occupies its name"
 
 
-def _check(info: os.stat_result, path: str, *, secret: bool) -> None:
+def _check(info: os.stat_result, path: str, what: str, *, secret: bool) -> None:
     if info.st_uid != os.geteuid():
         raise _unsafe(path, f"it belongs to uid {info.st_uid}, not to this user "
-                      f"(uid {os.geteuid()}): another user made it first")
+                      f"(uid {os.geteuid()}): another user made it first", what)
     if info.st_mode & (0o077 if secret else 0o022):
         raise _unsafe(path, f"its mode {stat.S_IMODE(info.st_mode):04o} lets "
-                      f"{'group or others in' if secret else 'others write to it'}")
+                      f"{'group or others in' if secret else 'others write to it'}", what,
+                      hint=f"chmod 700 {path} (nothing others can enter or change is "
+                      "trusted)")
 
 
-def _unsafe(path: str, why: str) -> ConfigError:
-    return ConfigError(f"{path} is not a private directory of this user: {why}; refused",
-                       hint="remove it (or chmod 700 it if it is yours) and find out who "
-                       "made it; ferrosync never uses another user's directory")
+def _unsafe(path: str, why: str, what: str = "directory", hint: str | None = None
+            ) -> ConfigError:
+    return ConfigError(f"the {what} {path} is not a private directory of this user: {why}; "
+                       "refused", hint=hint or "remove it and find out who made it; "
+                       "ferrosync never uses a directory another user made or can change")

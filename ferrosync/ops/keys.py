@@ -158,8 +158,8 @@ def private_directory(where: str | None = None) -> PrivateDir:
     if where is None and not os.environ.get(ENV_KEYS):
         config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(
             os.path.expanduser("~"), ".config")
-        return PrivateDir.open(directory(), base=config, secret=True)
-    return PrivateDir.open(where or directory(), secret=True)
+        return PrivateDir.open(directory(), base=config, secret=True, what="key directory")
+    return PrivateDir.open(where or directory(), secret=True, what="key directory")
 
 
 def save(job: str, secret: str | None, url: str, where: str | None = None) -> str:
