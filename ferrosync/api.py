@@ -233,7 +233,8 @@ class GradSync(OwnershipGuard, abc.ABC):
         Every rank passes ``world_size`` inputs and ``world_size`` outputs of one dtype
         (any ferrosync carries); sizes may differ from pair to pair (uneven splits), but
         rank j's ``outputs[r]`` must have as many elements as rank r's ``inputs[j]``
-        (else ``LayoutMismatch``). Blocks until every output is in place.
+        (else ``LayoutMismatch``; for a rank's own part, ``ConfigError`` before any I/O).
+        Blocks until every output is in place.
         """
         self._check_point_to_point("all_to_all")
         inputs, outputs = as_tensor_list(inputs), as_tensor_list(outputs)
@@ -248,6 +249,15 @@ class GradSync(OwnershipGuard, abc.ABC):
         if len(dtypes) > 1:
             raise value_error("all_to_all tensors", "one dtype", sorted(map(str, dtypes)),
                               rank=self.rank)
+        me = self.rank
+        own_in, own_out = inputs[me].numel(), outputs[me].numel()
+        if own_in != own_out:  # the one pair this rank can check alone: before any I/O
+            raise value_error(
+                f"all_to_all outputs[{me}] (what rank {me} sends itself)",
+                f"{own_in} elements, like inputs[{me}]", None, got=f"{own_out} elements",
+                rank=me, hint=f"rank {me}'s outputs[j] must be as large as rank j's "
+                f"inputs[{me}]; for j = {me} that is its own inputs[{me}] (with "
+                "all_to_all_single: equal output and input split sizes at its own rank)")
         layout = {"op": "all_to_all", "dtype": str(dtypes.pop())}
         digest = layout_digest(json.dumps(layout, sort_keys=True))
 

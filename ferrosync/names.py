@@ -18,6 +18,8 @@ A run's storage location holds::
     .spare.{pid}.{8 hex}        a consumed object parked for reuse (``spare``)
     .probe.r{k}.{8 hex}         a connect probe (``probe``)
     .doctor.{pid}.{hex}/        ``ferrosync doctor``'s probe directory (``doctor_dir``)
+        doctor.json             its mark, written first (``DOCTOR_MARK``)
+        atomic, lat.{i}, ...    its probes (``doctor_object``)
     .ferrosync-gc.lock          the lock one ``ferrosync gc`` holds (``GC_LOCK``)
 
 The format functions return one path component; ``within`` joins a directory and a
@@ -43,6 +45,12 @@ RDZV = "rdzv"
 GC_LOCK = ".ferrosync-gc.lock"
 #: how the doctor's probe directories begin (``doctor_dir``)
 DOCTOR_PREFIX = ".doctor."
+#: the record doctor writes first in its directory: gc removes what is there only where
+#: this mark names the directory (a user's files under such a name are not doctor's)
+DOCTOR_MARK = "doctor.json"
+#: the probe objects doctor writes in its directory, besides its mark
+_DOCTOR_PROBE = re.compile(r"atomic|exclusive|mode|throughput|rename\.[abc]"
+                           r"|(?:visible|lat)\.[0-9]+")
 _GENERATION_TOKEN = re.compile(r"[0-9a-f]{16}")
 #: a job id as ``ferrosync.env`` accepts it (kept in step with its check)
 JOB_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
@@ -146,6 +154,15 @@ def probe(rank: int, token: str | None = None) -> str:
 def doctor_dir(pid: int | None = None, token: str | None = None) -> str:
     """The directory ``ferrosync doctor`` works in (removed when it is done)."""
     return f"{DOCTOR_PREFIX}{os.getpid() if pid is None else pid}.{_token(token)}"
+
+
+def doctor_object(name: str) -> bool:
+    """Whether doctor writes an object called ``name`` in its directory: its mark, a
+    probe, or a probe's temporary file."""
+    found = parse(name)
+    if found.kind == "temp":
+        name = found.target
+    return name == DOCTOR_MARK or _DOCTOR_PROBE.fullmatch(name) is not None
 
 
 def is_generation_token(token) -> bool:

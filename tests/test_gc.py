@@ -10,6 +10,7 @@ finishes correctly once resumed. Real rank processes and the real CLI throughout
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -195,3 +196,85 @@ def test_gc_frees_a_full_filesystem_a_job_died_on(tmp_path, capsys, small_tmpfs)
                      r"over: its launcher \(pid \d+ on .*\) has exited", out), out
     assert [p.name for p in sync.iterdir()] == [namespace]
     assert os.statvfs(small_tmpfs).f_bfree > blocks
+
+
+# -- doctor directories: only what doctor provably wrote goes ------------------------------
+
+USER_FILES = {"1": b"one", "2024.csv": b"a,b\n", "7.txt": b"seven", "31337.key": b"k" * 32,
+              ".notes.4242.0123abcd.tmp": b"temp-like", "sub/9": b"nine"}
+
+
+def _plant_doctor_dir(storage, marked: str | None) -> tuple[str, list[str], list[str]]:
+    """A doctor-like directory of a dead pid holding a user's files, and (``marked``:
+    the directory its mark names) what a doctor killed mid-run leaves there. Returns
+    (directory, doctor's keys, the user's keys)."""
+    from ferrosync.ops.doctor import mark
+
+    directory = names.doctor_dir(pid=DEAD_PID, token="0badcafe")
+    storage.makedirs(directory)
+    users = []
+    for name, data in USER_FILES.items():
+        users.append(names.within(directory, name))
+        storage.makedirs(users[-1].rpartition("/")[0])
+        storage.put(users[-1], [data])
+    doctors = []
+    if marked is not None:
+        doctors = [names.within(directory, n) for n in
+                   (names.DOCTOR_MARK, "atomic", "lat.0", names.temp("visible.1",
+                                                                     pid=DEAD_PID))]
+        storage.put(doctors[0], [mark(marked)])
+        for key in doctors[1:]:
+            storage.put(key, [b"probe bytes"])
+    return directory, doctors, users
+
+
+def _gc_keeps_users_files(capsys, url, options, storage, marked):
+    directory, doctors, users = _plant_doctor_dir(storage, marked)
+    so = ["--storage-options", json.dumps(options["storage_options"])] if options else []
+    everything = {k for k, _ in storage.list("")}
+    plan = tool_json(capsys, "gc", url, *so, "--watch", "0.2", "--dry-run")
+    assert {k for k, _ in storage.list("")} == everything  # a dry run removes nothing
+    done = tool_json(capsys, "gc", url, *so, "--watch", "0.2")
+    left = {k for k, _ in storage.list("")}
+    for key in users:
+        assert key in left, (key, done["decisions"])
+        assert storage.read(key) == USER_FILES[key.split("/", 1)[1]]
+    removed = [k for d in done["decisions"] if d["action"] == "remove" for k in d["keys"]]
+    (kept,) = [d for d in plan["decisions"] if d["target"] == directory]
+    mine = users if marked == directory else users + doctors
+    assert kept["action"] == "keep" and sorted(kept["keys"]) == sorted(mine), kept
+    if marked == directory:  # a doctor killed mid-run: its own probes go, nothing else
+        assert sorted(removed) == sorted(doctors) and not left & set(doctors), done
+        assert "objects ferrosync doctor never writes" in kept["reason"], kept
+    else:  # no mark, or another directory's: nothing here is provably doctor's
+        assert removed == [] and set(doctors) <= left, done
+        assert "no doctor mark" in kept["reason"], kept
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("where", ["directory", "memory"])
+@pytest.mark.parametrize("marked", ["none", "copied", "doctor's"])
+def test_gc_never_removes_a_users_files_under_a_doctor_name(tmp_path, capsys, where, marked):
+    url = str(tmp_path / "run") if where == "directory" else \
+        f"memory://gc-{uuid.uuid4().hex[:8]}/run"
+    storage = open_storage(url)
+    storage.makedirs("")
+    directory = names.doctor_dir(pid=DEAD_PID, token="0badcafe")
+    marked = {"none": None, "copied": names.doctor_dir(pid=7, token="12345678"),
+              "doctor's": directory}[marked]
+    _gc_keeps_users_files(capsys, url, None, storage, marked)
+
+
+def test_gc_never_removes_a_users_files_under_a_doctor_name_on_s3(s3_transport, capsys):
+    url, options = s3_transport.url, s3_transport.options
+    storage = open_storage(url, options["storage_options"])
+    _gc_keeps_users_files(capsys, url, options, storage,
+                          names.doctor_dir(pid=DEAD_PID, token="0badcafe"))
+
+
+def test_doctor_leaves_nothing_and_gc_needs_its_mark(tmp_path, capsys):
+    """A real doctor run writes its mark first and removes it with its probes."""
+    url = str(tmp_path / "run")
+    report = tool_json(capsys, "doctor", url, "--size-mib", "0", "--samples", "2")
+    assert all(c["status"] != "fail" for c in report["checks"]), report
+    assert os.listdir(url) == []

@@ -148,3 +148,36 @@ def test_no_collective_reaches_the_placeholder_or_goes_unanswered(tmp_path):
         refused = {n for n, o in seen.items() if o != "ok"}
         assert refused == {"monitored_barrier", "set_timeout", "_enable_collectives_timing",
                            "split_group", "merge_remote_group"}
+
+
+def uneven_own_part(rank, world, location, own_in, own_out):
+    """all_to_all_single where rank 0 gives itself ``own_in`` rows but expects ``own_out``
+    back from itself."""
+    from ferrosync.errors import ConfigError
+
+    dist.init_process_group("ferrosync", init_method=f"{location}/run", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    try:
+        splits_in, splits_out = ([own_in, 2], [own_out, 1]) if rank == 0 else ([1, 1], [2, 1])
+        out = torch.empty(sum(splits_out))
+        try:
+            dist.all_to_all_single(out, torch.ones(sum(splits_in)), splits_out, splits_in)
+        except Exception as exc:  # noqa: BLE001 - the type and text are the result
+            return type(exc).__name__, isinstance(exc, ConfigError), str(exc)
+        return "no error", False, ""
+    finally:
+        dist.destroy_process_group()
+
+
+# 1 row into 2: torch's copy_ would broadcast it silently; 2 into 3: torch's RuntimeError
+@pytest.mark.parametrize("own_in, own_out", [(1, 2), (2, 3)])
+def test_all_to_all_with_an_uneven_own_part_is_named_before_anything_moves(tmp_path, own_in,
+                                                                           own_out):
+    """Rank 0's own output part differs from its own input part: a ferrosync error
+    naming the rank and both sizes at once."""
+    results = run_ranks(uneven_own_part, 2, str(tmp_path), own_in, own_out, timeout=120)
+    name, is_config, text = results[0]
+    assert (name, is_config) == ("ConfigError", True), results[0]
+    assert "rank 0" in text and "outputs[0]" in text, text
+    assert f"{own_in} elements" in text and f"{own_out} elements" in text, text
+    assert results[1][0] not in ("RuntimeError", "no error"), results[1]

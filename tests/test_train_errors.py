@@ -175,3 +175,27 @@ def test_metrics_in_a_read_only_directory_is_refused_before_any_rank(
     assert code == 2, err
     assert err.count("\n") == 1 and f"cannot create a file in {read_only_dir}" in err, err
     assert list(read_only_dir.iterdir()) == [] and not (tmp_path / "sync").exists()
+
+
+@pytest.mark.parametrize("launcher", [True, False], ids=["launcher", "rank-alone"])
+def test_a_flipped_checkpoint_byte_is_refused_with_exit_2(tmp_path, demo_checkpoint, launcher):
+    """One flipped byte in the step file: one line naming the file, the step and what to
+    do, exit 2, before the model is touched (the launcher: before any rank starts)."""
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(demo_checkpoint, ck)
+    (step_file,) = ck.glob("step-*.pt")
+    data = bytearray(step_file.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    step_file.write_bytes(bytes(data))
+    args = (["--nproc", 1] if launcher else []) + [
+        "--sync", tmp_path / "sync", "--resume", "--checkpoint-dir", ck, "--steps", 4,
+        "--no-progress"]
+    proc = run_cli(*args, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert str(step_file) in lines[0] and "(step 2)" in lines[0], lines[0]
+    assert "fails its checksum" in lines[0] and "--resume" in lines[0], lines[0]
+    assert "FINAL" not in proc.stdout

@@ -379,6 +379,76 @@ def test_the_gc_lock_is_never_opened_through_a_link(tmp_path, capsys):
     assert content(victim) == SECRET_BYTES
 
 
+DEEP = 1500  # levels: past Python's recursion limit (1,000), under a 1,024-descriptor limit
+
+
+def deep_chain(root: str, levels: int = DEEP, leaf: str | None = None,
+               name: str = "d") -> str:
+    """``root/d/d/.../d`` (``levels`` deep, each called ``name``) made through handles
+    (the path is longer than some calls take); a file ``leaf`` at the bottom if named.
+    Returns the key of the bottom."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(levels):
+            os.mkdir(name, dir_fd=fd)
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        if leaf:
+            with open(os.open(leaf, os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "wb") as f:
+                f.write(SECRET_BYTES)
+    finally:
+        os.close(fd)
+    return "/".join([name] * levels)
+
+
+def remove_tree(root: str) -> None:
+    """Empty ``root`` of a deep tree: pytest's own clean-up of tmp_path recurses
+    (shutil.rmtree) and would fail on it."""
+    store = LocalStorage(root)
+    store.delete(key for key, _ in store.list(""))
+    for name in os.listdir(root):
+        LocalTree(store).remove_empty_dirs(name)
+
+
+@pytest.mark.unit
+def test_inspect_and_gc_report_a_deep_tree(tmp_path, capsys):
+    """A 1,500-level tree is listed without recursion: a report, exit 0, nothing removed."""
+    from ferrosync.__main__ import main
+
+    root = tmp_path / "run"
+    root.mkdir()
+    bottom = deep_chain(str(root), leaf="user.csv")
+    try:
+        assert main(["inspect", str(root), "--watch", "0", "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["total_objects"] == 1, report["total_objects"]
+        assert f"{bottom}/user.csv" in json.dumps(report["foreign_objects"])
+        for argv in (["gc", str(root), "--dry-run", "--watch", "0"],
+                     ["gc", str(root), "--watch", "0"]):
+            assert main(argv) == 0
+            assert "0 objects" in capsys.readouterr().out
+        store = LocalStorage(str(root))
+        assert store.read(f"{bottom}/user.csv") == SECRET_BYTES
+    finally:
+        remove_tree(str(root))
+
+
+@pytest.mark.unit
+def test_emptied_directories_of_any_depth_are_removed(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    store = LocalStorage(str(root))
+    os.mkdir(root / GEN)
+    deep_chain(str(root / GEN))
+    deep_chain(str(root / GEN / "d"), levels=3, leaf="kept", name="e")  # a branch that stays
+    LocalTree(store).remove_empty_dirs(GEN)
+    assert store.list(GEN) == [(f"{GEN}/d/e/e/e/kept", len(SECRET_BYTES))]
+    os.unlink(os.path.join(root, GEN, "d/e/e/e/kept"))
+    LocalTree(store).remove_empty_dirs(GEN)
+    assert os.listdir(root) == []  # the whole chain, and nothing recursed
+
+
 @pytest.mark.unit
 def test_the_ddp_init_method_directory_is_owner_and_group_only(tmp_path):
     from ferrosync.ddp.init_methods import STORE_FILE, _directory_store

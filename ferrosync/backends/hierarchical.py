@@ -38,7 +38,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -47,6 +46,7 @@ from ..api import GradSync
 from ..codecs import accumulator_dtype
 from ..env import Identity
 from ..errors import ConfigError, FerrosyncError, error_class, relay_text, relayed
+from ..private import host_dir
 from ..registry import storage_backend
 from ..storage import Counters
 from .common import check_layouts, weighted_copy
@@ -413,6 +413,9 @@ class HierarchicalSync(GradSync):
 
 
 def _default_local_dir() -> str:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"ferrosync-{os.getuid()}")
+    """This user's host directory, created and verified (``ferrosync.private``: a
+    directory another user made first is a ``ConfigError``), then used by path: nobody
+    else can rename anything inside it."""
+    with host_dir() as directory:
+        return directory.path
 

@@ -35,8 +35,10 @@ Checks (each ok / warn / fail / info; see docs/operations.md):
 Then it prints recommended ``connect()`` settings for the mode the job runs in
 (``--mode``; by default elastic when the location holds an elastic job and no
 fixed-size one; ``ops/recommend.py``). Its probe objects live under
-``.doctor.{pid}.{hex}/`` and are removed afterwards (``gc`` removes them if doctor
-was killed).
+``.doctor.{pid}.{hex}/``, after a mark that names the directory (``names.DOCTOR_MARK``),
+and are removed afterwards; ``gc`` removes them if doctor was killed, but only where
+the mark is doctor's and only names doctor writes (``owned``): a user's files under
+such a name stay.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import names
-from ..errors import ConfigError, StorageError
+from ..errors import ConfigError, ShardCorrupt, StorageError
 from ..storage import (
     LOCAL_FILESYSTEMS,
     Backoff,
@@ -62,6 +64,7 @@ from ..storage import (
 )
 from ..storage.local_tools import LocalTree
 from ..stores import facts, store_of
+from ..wire import encode_record, open_record
 from .keys import JobKeys, job_of
 from .recommend import recommend
 from .recommend import render as render_recommendation
@@ -139,6 +142,7 @@ class Doctor:
                 # a finding, reported as the failed check, not an abort of the whole run
                 try:
                     self.storage.makedirs(self.prefix)
+                    self.storage.put(self.key(names.DOCTOR_MARK), [mark(self.prefix)])
                     writable = True
                 except (StorageError, OSError) as exc:
                     self.add("writable", "fail", f"cannot create the scratch directory "
@@ -491,7 +495,10 @@ class Doctor:
                  f"MB/s with one {human_bytes(len(data))} object{note}")
 
     def cleanup(self) -> None:
-        keys = [k for k, _ in self.storage.list(self.prefix)]
+        # the mark last: a cleanup cut short leaves probes that gc can still prove doctor's
+        keys = sorted(owned(self.storage, self.prefix, [k for k, _ in
+                                                        self.storage.list(self.prefix)]),
+                      key=lambda k: k.endswith("/" + names.DOCTOR_MARK))
         self.storage.delete(keys)
         if self.local:
             LocalTree(self.storage).remove_empty_dirs(self.prefix)  # never through a link
@@ -506,6 +513,27 @@ class Doctor:
         return recommend(self.storage, self.measured, mode=self.mode or "fixed",
                          payload_mib=self.payload_mib, world_size=self.world_size,
                          nfs=bool(self.mount and self.mount["fstype"].startswith("nfs")))
+
+
+def mark(directory: str) -> bytes:
+    """The mark doctor writes first in ``directory``: a plain control record naming it."""
+    return encode_record({"kind": "ferrosync doctor", "dir": directory}, None)
+
+
+def owned(storage: Storage, directory: str, keys: list[str]) -> list[str]:
+    """Those of ``keys`` (listed under the doctor-like ``directory``) that doctor provably
+    wrote: none unless ``directory`` holds doctor's mark naming it (a copy of another
+    directory's mark names that one), then the names doctor writes, directly inside it.
+    Anything else there is someone else's and never removed."""
+    try:
+        raw = storage.read(names.within(directory, names.DOCTOR_MARK))
+    except (StorageError, ShardCorrupt):  # a link, a FIFO, larger than any record
+        return []
+    if raw is None or open_record(raw, None).body != {"kind": "ferrosync doctor",
+                                                         "dir": directory}:
+        return []
+    return [k for k in keys if k.rpartition("/")[0] == directory
+            and names.doctor_object(k.rpartition("/")[2])]
 
 
 def _pattern(version: int, size: int) -> bytes:

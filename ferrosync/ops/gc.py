@@ -48,6 +48,10 @@ What goes, and why it is safe:
   (an ``flock``); jobs never take it, they are protected by liveness. On a full
   filesystem, where the lock file cannot be created, gc goes on without it (and says
   so): freeing space is what it is run for then.
+* A doctor directory ``.doctor.{pid}.{hex}/`` left by a killed ``ferrosync doctor``
+  goes only as far as doctor provably wrote it: its mark naming the directory, and
+  only the names doctor writes (``doctor.owned``); a user's files under such a name,
+  or anything in one without the mark, are kept and named.
 * Nothing is followed: links, FIFOs, sockets and devices (which ferrosync never
   writes) are reported and left alone, a link's target is never touched, and a
   generation directory is removed only when it is empty.
@@ -67,6 +71,7 @@ from .. import names
 from ..errors import StorageError
 from ..storage import LocalStorage, Storage, object_exists
 from ..storage.local_tools import LocalTree
+from .doctor import owned
 from .keys import JobKeys
 from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, printable, scan
 from .watch import FINAL_STATES, RankView, generation_status, judge
@@ -118,12 +123,41 @@ def plan(storage: Storage, keys: JobKeys, window: float, keep: int) -> list[Deci
             decisions.extend(_loose_temps(storage, temps, running_pids[gen.prefix],
                                           f"temp files in {gen.prefix}", window, since))
     everyone = set().union(*running_pids.values()) if running_pids else set()
-    decisions.extend(_loose_temps(storage, found.temps + found.probes, everyone,
-                                  "temp files and probes outside generations", window, since))
+    probes, foreign = _doctors_own(storage, found.probes)
+    theirs = {d.target for d in foreign}
+    decisions.extend(d for d in _loose_temps(storage, found.temps + probes, everyone,
+                                             "temp files and probes outside generations",
+                                             window, since)
+                     if d.target not in theirs)  # a doctor-like directory with their files
+    decisions.extend(foreign)
     decisions.extend(_elastic_decision(ns, objs) for ns, objs in sorted(found.elastic.items()))
     if found.irregular:
         decisions.append(_irregular_decision(found.irregular))
     return decisions
+
+
+def _doctors_own(storage: Storage, probes: list[Obj]) -> tuple[list[Obj], list[Decision]]:
+    """Split ``probes`` into candidates (connect probes, and what doctor provably wrote
+    in its directories: ``doctor.owned``) and a "keep" decision for each doctor-like
+    directory holding anything else, a user's files under such a name."""
+    candidates, dirs = [], {}
+    for obj in probes:
+        top, sep, _ = obj.key.partition("/")
+        if sep and top.startswith(DOCTOR_PREFIX):
+            dirs.setdefault(top, []).append(obj)
+        else:
+            candidates.append(obj)  # a connect probe, or an empty doctor directory
+    kept = []
+    for directory, objs in sorted(dirs.items()):
+        ours = set(owned(storage, directory, [o.key for o in objs]))
+        candidates.extend(o for o in objs if o.key in ours)
+        others = [o for o in objs if o.key not in ours]
+        if others:
+            why = ("objects ferrosync doctor never writes" if ours else
+                   f"no doctor mark ({names.DOCTOR_MARK}) naming it: not ferrosync's")
+            kept.append(Decision(directory, "keep", f"{why}; left alone",
+                                 [o.key for o in others], sum(o.size for o in others)))
+    return candidates, kept
 
 
 def _elastic_decision(namespace: str, objs: list[Obj]) -> Decision:
@@ -280,7 +314,9 @@ def apply(storage: Storage, decisions: list[Decision]) -> tuple[int, int]:
         if d.action != "remove":
             continue
         # heartbeats last: a concurrent `inspect` never sees data without its liveness
-        keys = sorted(d.keys, key=lambda k: names.parse(k.rpartition("/")[2]).kind == "heartbeat")
+        # (and doctor's mark last: what a cut-short gc leaves is still provably doctor's)
+        keys = sorted(d.keys, key=lambda k: k.rpartition("/")[2] == names.DOCTOR_MARK or
+                      names.parse(k.rpartition("/")[2]).kind == "heartbeat")
         storage.delete(keys)
         objects += len(keys)
         nbytes += d.bytes

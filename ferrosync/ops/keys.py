@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from .. import names
 from ..errors import ConfigError
+from ..private import PrivateDir
 
 #: the directory of key files (default: $XDG_CONFIG_HOME/ferrosync/keys)
 ENV_KEYS = "FERROSYNC_KEYS"
@@ -162,40 +163,39 @@ def _readlink(path: str) -> str | None:
 
 # -- writing (the launcher) -------------------------------------------------------------
 
-def private_directory(where: str | None = None) -> str:
-    """The key directory, created 0700 if missing; ``ConfigError`` when it exists but is
-    not this user's, or group or others may enter it."""
-    where = where or directory()
-    os.makedirs(where, mode=0o700, exist_ok=True)
-    info = os.stat(where)
-    if not stat.S_ISDIR(info.st_mode):
-        raise ConfigError(f"the key directory {where} is not a directory",
-                          hint=f"remove it, or set ${ENV_KEYS} to a private directory")
-    _check_private(where, info, "key directory", "700")
-    return where
+def private_directory(where: str | None = None) -> PrivateDir:
+    """The key directory, created 0700 if missing and verified (``ferrosync.private``:
+    this user's, no link on the parts ferrosync makes, no access for group or others);
+    ``ConfigError`` otherwise. The default's parts begin below the config directory."""
+    if where is None and not os.environ.get(ENV_KEYS):
+        config = os.environ.get("XDG_CONFIG_HOME") or os.path.join(
+            os.path.expanduser("~"), ".config")
+        return PrivateDir.open(directory(), base=config, secret=True, what="key directory")
+    return PrivateDir.open(where or directory(), secret=True, what="key directory")
 
 
 def save(job: str, secret: str | None, url: str, where: str | None = None) -> str:
     """Write ``job``'s key file (0600, created exclusively, never through a link);
     returns its path. ``ConfigError`` for an unsafe key directory; ``OSError`` when it
     cannot be written (a full disk, a read-only home)."""
-    where = private_directory(where)
-    path = path_of(job, where)
-    if path is None:
-        raise ConfigError(f"job id {job!r} cannot name a key file")
-    body = json.dumps({"v": 1, "job": job, "secret": secret, "url": url,
-                       "launcher": launch_context()}, sort_keys=True).encode()
-    temp = os.path.join(where, f".{job}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(temp, _OPEN_NEW, 0o600)
-    try:
+    with private_directory(where) as keys_dir:
+        path = path_of(job, keys_dir.path)
+        if path is None:
+            raise ConfigError(f"job id {job!r} cannot name a key file")
+        body = json.dumps({"v": 1, "job": job, "secret": secret, "url": url,
+                           "launcher": launch_context()}, sort_keys=True).encode()
+        temp = f".{job}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = keys_dir.open_file(temp, _OPEN_NEW, 0o600)
         try:
-            os.write(fd, body)
-            os.fchmod(fd, 0o600)  # whatever the umask
+            try:
+                os.write(fd, body)
+                os.fchmod(fd, 0o600)  # whatever the umask
+            finally:
+                os.close(fd)
+            # exclusive: never replaces another launch's file
+            keys_dir.link(temp, os.path.basename(path))
         finally:
-            os.close(fd)
-        os.link(temp, path)  # exclusive: never replaces another launch's file
-    finally:
-        os.unlink(temp)
+            keys_dir.unlink(temp)
     return path
 
 

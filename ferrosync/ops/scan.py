@@ -317,6 +317,10 @@ def read_record(storage: Storage, key: str, secret: bytes | None) -> Record | No
 def classify(key: str, size: int) -> Obj:
     """What a listed key is, from its name and its directory's name alone."""
     directory, _, name = key.rpartition("/")
+    if key.startswith(DOCTOR_PREFIX) and directory:
+        # everything under a doctor-like directory, temp-like names included: gc removes
+        # only what doctor provably wrote there (``doctor.owned``)
+        return Obj(key, size, "probe", pid=doctor_pid(key))
     found = names.parse(name)
     if found.kind == "temp":
         return Obj(key, size, "temp", pid=found.pid)
@@ -331,8 +335,6 @@ def classify(key: str, size: int) -> Obj:
                    number=found.number)
     if not directory and found.kind in ("probe", "lock"):
         return Obj(key, size, found.kind)
-    if key.startswith(DOCTOR_PREFIX):
-        return Obj(key, size, "probe", pid=doctor_pid(key))
     if top.kind == "generation":
         if found.kind not in names.GENERATION_KINDS:
             return Obj(key, size, "unknown")

@@ -183,6 +183,14 @@ class LocalStorage(Storage):
     def _open_dir(self, directory: str) -> _Dir:
         if directory:
             parent, _, name = directory.rpartition("/")
+            if parent not in self._dirs:
+                # open the missing ancestors top down, in a loop: a deep key must not
+                # recurse once per level
+                parts = parent.split("/")
+                for depth in range(1, len(parts)):
+                    ancestor = "/".join(parts[:depth])
+                    if ancestor not in self._dirs:
+                        self._open_dir(ancestor)
             parent_fd = self._dir(parent).fd
             try:
                 fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
@@ -496,24 +504,55 @@ def _mkdir_at(name: str, dir_fd: int) -> None:
 
 def _walk(fd: int, base: str, out: list) -> None:
     """Append (key, mode, size) of everything in the directory ``fd`` (closed here)
-    and below it to ``out``; lstat only, and directories opened with O_NOFOLLOW."""
+    and below it to ``out``; lstat only, and directories opened with O_NOFOLLOW.
+
+    Iterative, depth first: a tree of any depth (a 1,500-level chain is untrusted input
+    like any other) neither exhausts Python's stack nor holds a descriptor per level;
+    a directory's handle is closed once its last subdirectory has been opened."""
+    # each frame: [its handle (None once closed), its key, subdirectory names left]
+    stack = [[fd, base, _scan_into(fd, base, out)]]
     try:
-        with os.scandir(fd) as entries:
-            for entry in entries:
-                key = f"{base}/{entry.name}" if base else entry.name
-                try:
-                    info = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # removed since the directory was read
-                out.append((key, info.st_mode, info.st_size))
-                if stat.S_ISDIR(info.st_mode):
-                    try:
-                        sub = os.open(entry.name, _LIST_FLAGS, dir_fd=fd)
-                    except OSError:
-                        continue  # removed, or replaced by a link since: not entered
-                    _walk(sub, key, out)
+        while stack:
+            frame = stack[-1]
+            if not frame[2]:
+                stack.pop()
+                continue
+            name = frame[2].pop()
+            parent_fd = frame[0]
+            if not frame[2]:  # its last subdirectory: the parent's handle is done
+                frame[0] = None
+            try:
+                sub = os.open(name, _LIST_FLAGS, dir_fd=parent_fd)
+            except OSError:
+                sub = None  # removed, or replaced by a link since: not entered
+            finally:
+                if frame[0] is None:
+                    os.close(parent_fd)
+            if sub is not None:
+                key = f"{frame[1]}/{name}" if frame[1] else name
+                stack.append([sub, key, _scan_into(sub, key, out)])
     finally:
-        os.close(fd)
+        for frame in stack:
+            if frame[0] is not None:
+                os.close(frame[0])
+
+
+def _scan_into(fd: int, base: str, out: list) -> list[str]:
+    """Append (key, mode, size) of the entries of directory ``fd`` (left open) to
+    ``out``; returns the names of its subdirectories (from lstat), last to visit first."""
+    subdirs = []
+    with os.scandir(fd) as entries:  # reads a duplicate: fd stays open
+        for entry in entries:
+            key = f"{base}/{entry.name}" if base else entry.name
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed since the directory was read
+            out.append((key, info.st_mode, info.st_size))
+            if stat.S_ISDIR(info.st_mode):
+                subdirs.append(entry.name)
+    subdirs.reverse()  # popped from the end: visited in listing order
+    return subdirs
 
 
 def write_file(path: str, parts: Sequence, *, dir_fd: int | None = None,

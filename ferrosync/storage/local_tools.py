@@ -6,6 +6,7 @@ reaches them; ``LocalTree`` is the narrow interface ``ferrosync.ops`` calls.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 
@@ -60,19 +61,36 @@ class LocalTree:
 
 def _remove_empty_below(fd: int) -> None:
     """rmdir every empty directory below the directory ``fd`` (closed here), children
-    first; links are not followed and non-empty directories stay."""
+    first; links are not followed and non-empty directories stay. Iterative (a tree of
+    any depth is untrusted input), holding the handles of one branch only."""
+    # each frame: [its handle, subdirectory names left, the one being visited]
+    stack = [[fd, _subdirs(fd), None]]
+    try:
+        while stack:
+            frame = stack[-1]
+            if frame[2] is not None:  # back from a child: remove it if now empty
+                with contextlib.suppress(OSError):  # not empty: something new appeared
+                    os.rmdir(frame[2], dir_fd=frame[0])
+                frame[2] = None
+            if not frame[1]:
+                os.close(stack.pop()[0])
+                continue
+            frame[2] = frame[1].pop()
+            try:
+                sub = os.open(frame[2], _LIST_FLAGS, dir_fd=frame[0])
+            except OSError:
+                frame[2] = None
+                continue
+            stack.append([sub, _subdirs(sub), None])
+    finally:
+        for frame in stack:
+            os.close(frame[0])
+
+
+def _subdirs(fd: int) -> list[str]:
+    """Names of the subdirectories (by lstat) of directory ``fd``, which stays open."""
     try:
         with os.scandir(fd) as entries:
-            subdirs = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
-        for name in subdirs:
-            try:
-                sub = os.open(name, _LIST_FLAGS, dir_fd=fd)
-            except OSError:
-                continue
-            _remove_empty_below(sub)
-            try:
-                os.rmdir(name, dir_fd=fd)
-            except OSError:
-                pass  # not empty: something new appeared there; leave it
-    finally:
-        os.close(fd)
+            return [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []

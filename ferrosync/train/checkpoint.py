@@ -23,6 +23,15 @@ replaced by something larger, a sparse file of any size among them) is refused b
 a byte of it is read, with an error naming both sizes. Reading costs the file's size
 once (plus the tensors ``torch.load`` makes of it), on a directory and on object stores.
 
+``latest.json`` declares each file's checksum too (``"xxh3"``: xxh3-64, the checksum
+of ``wire.PayloadDigest``), and one of its own body (``"checksum"``). ``--resume``
+checks them before ``torch.load`` sees a byte (the launcher before any rank starts,
+each rank again): one flipped bit, a torn file or an edited index is a ``ConfigError``
+(exit 2) naming the file and the step. A checksum is no MAC: it catches damage, not
+someone who may write the directory and rewrites both (give the checkpoint directory
+the same protection as the run). An index of format 1 (written before checkpoints
+carried checksums) still loads, unverified, with a warning.
+
 Every rank loads the checkpoint itself (the optimizer state must be identical on
 every rank), so the directory must be visible to all of them, like the sync URL.
 """
@@ -33,6 +42,7 @@ import io
 import json
 import random
 import re
+import warnings
 
 import numpy
 import torch
@@ -41,10 +51,15 @@ from ..errors import ConfigError, ShardCorrupt, StorageError
 from ..storage import Storage, open_storage
 from ..storage import probe_location as probe_storage
 from ..storage.parts import listed_parts
-from ..wire import loads_bounded
+from ..wire import PayloadDigest, loads_bounded
 
 LATEST = "latest.json"
-FORMAT = 1
+#: 2: latest.json declares every file's checksum, and one of itself
+FORMAT = 2
+#: what a refused --resume can do instead (a used directory is refused without --resume)
+NEW_RUN = "start a new run in an empty --checkpoint-dir"
+#: index formats this version reads (1: no checksums; loaded with a warning)
+READABLE_FORMATS = (1, 2)
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
 _ANY_STEP_FILE = re.compile(r"^step-(\d{8,})(?:\.r\d+)?\.pt$")
 
@@ -133,6 +148,11 @@ class CheckpointStore:
                 f"{self.storage.path_of(LATEST)} is not a ferrosync checkpoint index",
                 hint="point --checkpoint-dir at a directory written by ferrosync.train",
             ) from None
+        if meta.get("format") != 1 and meta.get("checksum") != _index_checksum(meta):
+            raise ConfigError(
+                f"{self.storage.path_of(LATEST)} fails its checksum (step "
+                f"{meta['step']}): it was damaged or edited after it was written; refused",
+                hint=f"restore it from a copy, or {NEW_RUN}")
         return meta
 
     def require_latest(self) -> dict:
@@ -155,8 +175,21 @@ class CheckpointStore:
                               "ferrosync.train")
         return self._load_key(key, meta)
 
+    def verify(self, meta: dict, world_size: int) -> None:
+        """The launcher, before any rank starts: every file of the checkpoint ``meta``
+        describes passes its checksum (read once, never unpickled), else the
+        ``ConfigError`` a rank would raise, now."""
+        key = meta["file"]
+        if not _STEP_FILE.match(key):
+            self.load(meta)  # the error for a foreign name
+        files = [key] + ([self.rank_key(int(meta["step"]), r) for r in range(world_size)]
+                         if meta.get("rank_files") else [])
+        for name in files:
+            self._verify(name, self._read(name, _declared(meta, name)), meta)
+
     def _load_key(self, key: str, meta: dict) -> dict:
         raw = self._read(key, _declared(meta, key))
+        self._verify(key, raw, meta)
         try:
             # BytesIO shares the bytes (no copy): the tensors are the one other cost
             return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -166,8 +199,29 @@ class CheckpointStore:
             raise ConfigError(
                 f"cannot load checkpoint {self.storage.path_of(key)} "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
-                hint="it is damaged or not a ferrosync checkpoint; start without --resume",
+                hint=f"it is damaged or not a ferrosync checkpoint; {NEW_RUN}",
             ) from None
+
+    def _verify(self, key: str, raw: bytes, meta: dict) -> None:
+        """``raw`` (the bytes of ``key``) matches the checksum ``meta`` declares for it,
+        else a one-line ``ConfigError``. An index of format 1 predates checksums: its
+        files load unverified, with a warning."""
+        step, path = int(meta["step"]), self.storage.path_of(key)
+        if meta.get("format") == 1:
+            warnings.warn(f"checkpoint {path} (step {step}) was written before checkpoints "
+                          "carried checksums: loaded unverified", RuntimeWarning, stacklevel=4)
+            return
+        sums = meta.get("xxh3")
+        declared = sums.get(key) if isinstance(sums, dict) else None
+        if not isinstance(declared, str):
+            raise ConfigError(f"{LATEST} at {self.url} declares no checksum for {key!r} "
+                              f"(step {step})", hint=_DAMAGED_HINT)
+        found = checksum([raw])
+        if found != declared:
+            raise ConfigError(
+                f"checkpoint {path} (step {step}) fails its checksum (xxh3 {found}, "
+                f"{LATEST} declares {declared}): it was damaged after it was written; "
+                "refused before loading", hint=_DAMAGED_HINT)
 
     def _read(self, key: str, declared: int | None) -> bytes:
         """The bytes of ``key``, refused unread when larger than ``declared`` (what
@@ -180,7 +234,7 @@ class CheckpointStore:
             raise ConfigError(
                 f"checkpoint {path} is larger than the {declared} bytes {LATEST} declares "
                 "for it: it changed after it was written; refused unread",
-                hint="restore the file that was written, or start without --resume") from None
+                hint=f"restore the file that was written, or {NEW_RUN}") from None
         except MemoryError:  # only without a declared size: the allocation itself failed
             raise ConfigError(
                 f"checkpoint {path} is larger than this host's memory",
@@ -189,44 +243,50 @@ class CheckpointStore:
         if raw is None:
             raise ConfigError(f"checkpoint {path} is missing",
                               hint="the directory was pruned by hand: restore the file "
-                              "or start without --resume")
+                              f"or {NEW_RUN}")
         return raw
 
     @staticmethod
     def rank_key(step: int, rank: int) -> str:
         return f"step-{step:08d}.r{rank}.pt"
 
-    def save_rank(self, step: int, rank: int, state: dict) -> int:
+    def save_rank(self, step: int, rank: int, state: dict) -> tuple[int, str]:
         """Every rank (before rank 0's ``save`` of the same step): this rank's own state.
-        Returns its size in bytes, for ``save``'s ``rank_sizes``."""
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
+        Returns its size in bytes and its checksum, for ``save``'s ``rank_files``."""
         self.storage.makedirs("")
-        return self.storage.put(self.rank_key(step, rank), [buffer.getbuffer()])
+        return self._put(self.rank_key(step, rank), state)
 
     def load_rank(self, meta: dict, rank: int) -> dict:
         """This rank's file of the checkpoint ``meta`` describes (see ``save_rank``)."""
         return self._load_key(self.rank_key(int(meta["step"]), rank), meta)
 
+    def _put(self, key: str, state: dict) -> tuple[int, str]:
+        """Write ``state`` (torch.save) as ``key``; (bytes written, their checksum)."""
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = buffer.getbuffer()
+        return self.storage.put(key, [payload]), checksum([payload])
+
     def save(self, state: dict, meta: dict, *, keep: int = 2,
-             rank_sizes: dict[str, int] | None = None) -> str:
+             rank_files: dict[str, tuple[int, str]] | None = None) -> str:
         """Rank 0: publish ``state`` as ``step-<step>.pt``, then point ``latest.json`` at
         it, then delete all but the newest ``keep`` checkpoints. Returns the file's path.
-        ``rank_sizes``: the size of every rank file of this step, as its writer wrote it
-        (``save_rank``'s answers, gathered); ``latest.json`` declares them.
+        ``rank_files``: the size and checksum of every rank file of this step, as its
+        writer wrote it (``save_rank``'s answers, gathered); ``latest.json`` declares them.
         """
         step = int(meta["step"])
         key = f"step-{step:08d}.pt"
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
         self.storage.makedirs("")
-        nbytes = self.storage.put(key, [buffer.getbuffer()])
+        written = {**(rank_files or {}), key: self._put(key, state)}
         listing = self.storage.list("")
         files = [(int(m.group(1)), name, size) for name, size in listing
                  if "/" not in name and (m := _ANY_STEP_FILE.match(name))]
-        # the sizes readers are held to: every file of this step as its writer wrote it
-        sizes = {**(rank_sizes or {}), key: nbytes}
-        meta = {**meta, "format": FORMAT, "file": key, "bytes": sizes}
+        # the sizes and checksums readers are held to: every file of this step as its
+        # writer wrote it
+        meta = {**meta, "format": FORMAT, "file": key,
+                "bytes": {name: size for name, (size, _) in written.items()},
+                "xxh3": {name: digest for name, (_, digest) in written.items()}}
+        meta["checksum"] = _index_checksum(meta)
         # latest.json only after the checkpoint itself is complete: a crash between
         # the two leaves the previous (whole) checkpoint as the latest
         self.storage.put(LATEST, [json.dumps(meta, sort_keys=True).encode()])
@@ -243,6 +303,27 @@ class CheckpointStore:
         doomed = [name for step, name in files if step <= newest and step not in kept]
         # with the parts of those written in parts by an earlier run (storage/parts.py)
         self.storage.delete(doomed + listed_parts(listing, doomed))
+
+
+_DAMAGED_HINT = (f"restore the file from a copy, or {NEW_RUN} (the older "
+                 "step-*.pt files beside it are not "
+                 "indexed by latest.json); check the disk or store that holds "
+                 "--checkpoint-dir")
+
+
+def checksum(parts) -> str:
+    """The hex xxh3-64 of ``parts`` (``wire.PayloadDigest``, the store's checksum)."""
+    digest = PayloadDigest(None)
+    for part in parts:
+        digest.update(part)
+    return digest.xxh3().hex()
+
+
+def _index_checksum(meta: dict) -> str:
+    """The checksum of ``meta`` without its own, as canonical JSON: what latest.json's
+    ``checksum`` must say."""
+    return checksum([json.dumps({k: v for k, v in meta.items() if k != "checksum"},
+                                sort_keys=True).encode()])
 
 
 def _declared(meta: dict, key: str) -> int | None:
@@ -263,10 +344,10 @@ def _declared(meta: dict, key: str) -> int | None:
 def check_compatible(meta: dict, *, model: torch.nn.Module, world_size: int, strategy: str,
                      url: str) -> None:
     """Raise ConfigError unless the checkpoint ``meta`` fits this run."""
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in READABLE_FORMATS:
         raise ConfigError(f"checkpoint at {url} has format {meta.get('format')!r}, this "
-                          f"version reads {FORMAT}", hint="resume with the ferrosync version "
-                          "that wrote it, or start without --resume")
+                          f"version reads {READABLE_FORMATS}", hint="resume with the "
+                          f"ferrosync version that wrote it, or {NEW_RUN}")
     theirs = {name: (shape, dtype) for name, shape, dtype in meta.get("model", [])}
     ours = {name: (shape, dtype) for name, shape, dtype in model_signature(model)}
     if theirs != ours:
@@ -289,7 +370,7 @@ def check_compatible(meta: dict, *, model: torch.nn.Module, world_size: int, str
             f"checkpoint at {url} was written by {meta['world_size']} ranks, this run has "
             f"{world_size}",
             hint=f"resume with {meta['world_size']} ranks (the data order and every rank's "
-            "random state depend on it), or start without --resume",
+            f"random state depend on it), or {NEW_RUN}",
         )
     if meta.get("strategy", strategy) != strategy:
         raise ConfigError(

@@ -26,13 +26,14 @@ import hashlib
 import json
 import math
 import os
+import warnings
 import weakref
 
 import torch
 
 from .. import names
 from ..errors import ConfigError
-from .threads import host_dir, own_directory
+from ..private import host_dir, host_path
 
 #: keys the FINAL line always carries (docs/design.md#final-line)
 FINAL_KEYS = ("steps", "loss", "accuracy", "param_digest", "ranks_agree", "bytes_written",
@@ -57,10 +58,9 @@ class PathClaim:
 
     def __init__(self, path: str, flag: str = "--metrics") -> None:
         self.real = os.path.realpath(path)
-        directory = host_dir("claims")
-        name = hashlib.sha256(self.real.encode()).hexdigest()[:32]
-        #: the host-local file whose lock is the claim (None: no usable directory)
-        self.lock_file = os.path.join(directory, name) if own_directory(directory) else None
+        self._name = hashlib.sha256(self.real.encode()).hexdigest()[:32]
+        #: the host-local file whose lock is the claim
+        self.lock_file = os.path.join(host_path("claims"), self._name)
         held = self._held.get(self.real)
         if held is None:
             fd = self._lock(path, flag)
@@ -70,11 +70,15 @@ class PathClaim:
         self._finalizer = weakref.finalize(self, PathClaim._unclaim, self.real)
 
     def _lock(self, path: str, flag: str) -> int | None:
-        if self.lock_file is None:
-            return None
+        """The locked claim file's descriptor; None (no claim, with a warning where the
+        directory is someone else's) when there is no usable host directory."""
         try:
-            fd = os.open(self.lock_file, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
-                         0o600)
+            with host_dir("claims") as directory:
+                fd = directory.open_file(self._name, os.O_RDWR | os.O_CREAT)
+        except ConfigError as exc:
+            warnings.warn(f"{flag} {path} is not claimed against a second writer: {exc}",
+                          RuntimeWarning, stacklevel=3)
+            return None
         except OSError:
             return None
         try:

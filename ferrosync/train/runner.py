@@ -234,6 +234,7 @@ def preflight(args, world_size: int) -> None:
             torch.manual_seed(args.seed or 0)
             check_compatible(meta, model=model_fn(), world_size=world_size,
                              strategy=strategy.name, url=store.url)
+            store.verify(meta, world_size)  # a damaged file: exit 2 before any rank starts
         else:
             refuse_used_checkpoint_dir(store)
         store.probe()

@@ -10,7 +10,8 @@ cores, and OpenMP's spinning workers make each step many times slower (measured:
 ``ThreadShare`` counts the ``python -m ferrosync.train`` processes of this user on
 this host through a host-local directory (``/dev/shm/ferrosync-<uid>/train-procs``, one
 empty file per process named ``<pid>.<start time>``; files of processes that are gone
-are ignored and removed) and sets ``torch.set_num_threads(cores // processes)``
+are ignored and removed, through the directory's verified handle: ``ferrosync.private``)
+and sets ``torch.set_num_threads(cores // processes)``
 (at least 1). It re-counts at most once a second from the training loop
 (``adjust``), so a process that started alone gives up threads when a second one
 arrives. It does nothing when the user set ``OMP_NUM_THREADS``, and
@@ -21,38 +22,23 @@ from __future__ import annotations
 
 import atexit
 import os
-import stat
-import tempfile
 import time
+import warnings
 
 import torch
+
+from .. import private
+from ..errors import ConfigError
+from ..private import PrivateDir
 
 #: re-count the processes at most this often (seconds)
 RECOUNT_S = 1.0
 ENV_THREADS = "OMP_NUM_THREADS"
 
 
-def host_dir(name: str) -> str:
-    """``ferrosync-<uid>/<name>`` in host-local memory (``/dev/shm``, else the temporary
-    directory): what this user's processes on this host share."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"ferrosync-{os.getuid()}", name)
-
-
 def registry_dir() -> str:
     """Where processes announce themselves: host-local memory, per user."""
-    return host_dir("train-procs")
-
-
-def own_directory(path: str) -> bool:
-    """Create ``path`` (0700) if needed; whether it is a directory of this user (not a
-    link, not planted by someone else: its contents are then trusted)."""
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
-    except OSError:
-        return False
-    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+    return private.host_path("train-procs")
 
 
 def host_cores() -> int:
@@ -94,6 +80,7 @@ class ThreadShare:
 
     def __init__(self, directory: str | None = None, cores: int | None = None) -> None:
         self.directory = directory or registry_dir()
+        self._dir: PrivateDir | None = None
         self.cores = cores or host_cores()
         self.pid = os.getpid()
         started = _start_time(self.pid)
@@ -104,15 +91,20 @@ class ThreadShare:
 
     def register(self) -> bool:
         """Announce this process; False (and threads left alone) if the directory is
-        unusable (not ours, a link, read-only)."""
-        if not own_directory(self.directory):
-            return False  # planted by someone else: do not trust its contents
+        unusable: read-only, or not this user's private directory (planted by someone
+        else, a link: then a warning says so, and nothing in it is touched)."""
         try:
-            fd = os.open(os.path.join(self.directory, self.name),
-                         os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-            os.close(fd)
-        except OSError:
+            directory = PrivateDir.open(self.directory, base=_base_of(self.directory))
+        except ConfigError as exc:
+            warnings.warn(f"threads are not shared with this user's other trainers: {exc}",
+                          RuntimeWarning, stacklevel=2)
             return False
+        try:
+            os.close(directory.open_file(self.name, os.O_WRONLY | os.O_CREAT))
+        except OSError:
+            directory.close()
+            return False
+        self._dir = directory
         self._registered = True
         atexit.register(self.unregister)
         return True
@@ -121,15 +113,18 @@ class ThreadShare:
         if self._registered:
             self._registered = False
             try:
-                os.unlink(os.path.join(self.directory, self.name))
+                self._dir.unlink(self.name)
             except OSError:
                 pass
+            self._dir.close()
 
     def count(self) -> int:
-        """Live registered processes (this one included); removes the dead ones' files."""
+        """Live registered processes (this one included); removes the dead ones' files,
+        in the verified directory only (its handle: a name swapped for a link since
+        redirects nothing)."""
         live = 0
         try:
-            entries = os.listdir(self.directory)
+            entries = self._dir.listdir()
         except OSError:
             return 1
         for entry in entries:
@@ -140,7 +135,7 @@ class ThreadShare:
                 live += 1
                 continue
             try:
-                os.unlink(os.path.join(self.directory, entry))
+                self._dir.unlink(entry)
             except OSError:
                 pass  # another process removed it first
         return max(live, 1)
@@ -162,6 +157,14 @@ class ThreadShare:
             torch.set_num_threads(share)
             self.threads = share
         return self.threads
+
+
+def _base_of(directory: str) -> str:
+    """Where the parts ferrosync owns begin: below host-local memory for the registry,
+    else (a directory given by the caller) at the directory itself."""
+    base = private.host_base()
+    inside = os.path.commonpath([os.path.abspath(directory), base]) == base
+    return base if inside else os.path.dirname(os.path.abspath(directory))
 
 
 def share_threads() -> ThreadShare | None:

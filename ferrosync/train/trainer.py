@@ -50,6 +50,7 @@ from ..strategies import TELEMETRY_KEYS, GradAveraging, Strategy
 from ..validate import integer
 from .batching import batch_loader
 from .checkpoint import (
+    NEW_RUN,
     CheckpointStore,
     capture_rng,
     check_compatible,
@@ -263,7 +264,7 @@ class Trainer:
             raise ConfigError(
                 f"checkpoint {store.url}/{meta['file']} does not fit this run "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
-                hint="resume with the settings that wrote it, or start without --resume",
+                hint=f"resume with the settings that wrote it, or {NEW_RUN}",
             ) from None
         self.consumed = int(own["sampler"].get("consumed", 0))
         self.resumed_from = self.step
@@ -287,16 +288,18 @@ class Trainer:
         }
         step = self.strategy.progress(self.step)  # the same on every rank
         per_rank = not (self.strategy.replicated and self.strategy.lockstep)
-        rank_sizes = {}
+        rank_files = {}
         if per_rank:
             # parameters, inner optimizer state and data position differ per rank
-            nbytes = self.checkpoints.save_rank(step, self.rank, own)
-            # a barrier that carries each rank file's size: every rank file exists
-            # before latest.json can name the step, and latest.json declares what each
-            # holds (a reader is held to it), whatever a listing would show
-            sizes = sync.all_gather(torch.tensor([nbytes], dtype=torch.int64))
-            rank_sizes = {self.checkpoints.rank_key(step, k): int(t.item())
-                          for k, t in enumerate(sizes)}
+            nbytes, digest = self.checkpoints.save_rank(step, self.rank, own)
+            # a barrier that carries each rank file's size and checksum: every rank file
+            # exists before latest.json can name the step, and latest.json declares what
+            # each holds (a reader is held to it), whatever a listing would show
+            mine = torch.tensor([nbytes, int.from_bytes(bytes.fromhex(digest), "little",
+                                                        signed=True)], dtype=torch.int64)
+            rank_files = {self.checkpoints.rank_key(step, k): (
+                int(t[0]), int(t[1]).to_bytes(8, "little", signed=True).hex())
+                for k, t in enumerate(sync.all_gather(mine))}
         if self.rank == 0:
             state = {**own, "strategy": self.strategy.state_dict(), "rng": rng}
             meta = {"step": step, "epoch": epoch, "world_size": self.world_size,
@@ -304,7 +307,7 @@ class Trainer:
                     "seed": self.seed, "model": model_signature(self.model),
                     "rank_files": per_rank}
             self.checkpoints.save(state, meta, keep=self.keep_checkpoints,
-                                  rank_sizes=rank_sizes)
+                                  rank_files=rank_files)
         return time.perf_counter() - start
 
     # -- the loop ----------------------------------------------------------------------
