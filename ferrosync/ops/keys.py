@@ -44,6 +44,7 @@ readable by all its operators sets one ``$FERROSYNC_SECRET``, which the launcher
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -351,14 +352,12 @@ def entries(where: str | None = None, now: float | None = None) -> list[KeyEntry
     where = where or directory()
     if not os.path.lexists(where):
         return []
-    where = private_directory(where)
     now = time.time() if now is None else now
     out = []
-    for name in sorted(os.listdir(where)):
-        try:
-            info = os.lstat(os.path.join(where, name))
-        except FileNotFoundError:
-            continue  # removed meanwhile
+    with private_directory(where) as keys_dir:
+        listing = [(name, info) for name in sorted(keys_dir.listdir())
+                   if (info := _lstat_in(keys_dir, name)) is not None]
+    for name, info in listing:
         age = max(0.0, now - info.st_mtime)
         job = name[:-len(SUFFIX)] if name.endswith(SUFFIX) else None
         if job is None or path_of(job, where) is None:
@@ -386,14 +385,17 @@ def prune(found: list[KeyEntry], older_than_s: float, where: str | None = None,
     chosen = [(e, why) for e in found if (why := e.prune_reason(older_than_s))]
     if dry_run or not chosen:
         return chosen
-    where = where or directory()
-    fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
+    with private_directory(where) as keys_dir:
         for entry, _ in chosen:
-            try:
-                os.unlink(entry.name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-    finally:
-        os.close(fd)
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                keys_dir.unlink(entry.name)
     return chosen
+
+
+def _lstat_in(keys_dir: PrivateDir, name: str) -> os.stat_result | None:
+    """``name``'s own status in the verified directory (never a link's target); None
+    once it is gone."""
+    try:
+        return os.stat(name, dir_fd=keys_dir.fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None

@@ -57,7 +57,7 @@ LATEST = "latest.json"
 #: 2: latest.json declares every file's checksum, and one of itself
 FORMAT = 2
 #: what a refused --resume can do instead (a used directory is refused without --resume)
-NEW_RUN = "start a new run in an empty --checkpoint-dir"
+NEW_RUN = "start a new run (no --resume) in an empty --checkpoint-dir"
 #: index formats this version reads (1: no checksums; loaded with a warning)
 READABLE_FORMATS = (1, 2)
 _STEP_FILE = re.compile(r"^step-(\d{8,})\.pt$")
