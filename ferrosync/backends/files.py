@@ -77,6 +77,7 @@ class FileSync(Exchanges, GradSync):
         super().__init__(url, identity, timeout, storage.counters, options.bucket_bytes)
         self._storage = storage
         self._opts = options
+        self.wire_dtype = options.wire_dtype
         # objects are bound to their job through the generation token in every header
         # (covered by the MAC): a generation is announced in exactly one job's namespace
         self._key: bytes | None = options.secret

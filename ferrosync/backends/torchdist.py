@@ -76,6 +76,7 @@ class TorchDistSync(GradSync):
         self._counters = Counters()
         super().__init__(url, identity, timeout, self._counters, options.bucket_bytes)
         self._opts = options
+        self.wire_dtype = options.wire_dtype
         self._encoder = Encoder(options, self._pool)
         self._seq = 0
         self._owns_group = False
