@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import ferrosync
+from conftest import free_port
 from ferrosync.backends.encoder import Encoder
 from ferrosync.backends.options import StorageOptions, TorchOptions
 from ferrosync.codecs import TOPK_CHUNK, Int8Codec, TopKCodec, codec_for
 from ferrosync.errors import ConfigError
 from ferrosync.flat import BufferPool
-from conftest import free_port
 from ranks import run_ranks
 
 
