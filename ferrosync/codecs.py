@@ -269,6 +269,8 @@ class TopKCodec(Codec):
 
     def decode(self, payload, count):
         frames = -(-count // TOPK_CHUNK)
+        if frames == 0:
+            return torch.zeros(0, dtype=torch.float32, device=payload.device)
         framed = payload[: frames * self.frame_bytes].view(frames, self.frame_bytes)
         scale = framed[:, :4].contiguous().view(torch.float32)
         idx = framed[:, 4:4 + 2 * self.k].contiguous().view(torch.int16).to(torch.int64)
