@@ -78,7 +78,7 @@ def test_error_feedback_keeps_exactly_what_was_not_delivered():
     """residual + decoded == the compensated input, bit for bit in float32, each step;
     and the delayed values do arrive."""
     pool = BufferPool()
-    encoder = Encoder(StorageOptions.parse({"wire_dtype": "topk"}), pool)
+    encoder = Encoder.for_options(StorageOptions.parse({"wire_dtype": "topk"}), pool)
     codec = encoder.codec(torch.float32)
     torch.manual_seed(0)
     n = 2 * TOPK_CHUNK + 100
@@ -113,7 +113,7 @@ def test_non_finite_chunks_decode_to_nan_and_others_are_untouched():
     _, alone = roundtrip(codec, clean)
     assert torch.equal(y[2 * TOPK_CHUNK:], alone)
     # error feedback does not carry the overflow into the next step
-    encoder = Encoder(StorageOptions.parse({"wire_dtype": "topk"}), BufferPool())
+    encoder = Encoder.for_options(StorageOptions.parse({"wire_dtype": "topk"}), BufferPool())
     encoder.encode(x, codec, ("g",))
     assert torch.isfinite(encoder._ef._residual[(None, b"", "g")]).all()
 
@@ -148,7 +148,7 @@ def test_out_of_range_options_are_clear_config_errors(options, words):
 def test_options_reach_the_codec_on_every_backend():
     assert TorchOptions.parse({"wire_dtype": "topk", "topk_bits": 4}).topk_bits == 4
     opts = StorageOptions.parse({"wire_dtype": "topk", "topk_density": 0.03, "topk_bits": 3})
-    codec = Encoder(opts, BufferPool()).codec(torch.bfloat16)
+    codec = Encoder.for_options(opts, BufferPool()).codec(torch.bfloat16)
     assert isinstance(codec, TopKCodec) and (codec.k, codec.bits) == (123, 3)
     assert not isinstance(codec_for(torch.int64, "topk"), TopKCodec)  # integers exact
 
@@ -163,7 +163,7 @@ def _data(rank: int, step: int, n: int = 3 * TOPK_CHUNK + 5) -> torch.Tensor:
 def _expected(world: int, steps: int, weights) -> list[torch.Tensor]:
     """What every rank must hold after each step: each rank's payload decoded (with its
     own error feedback), summed in rank order in float32, divided once."""
-    encoders = [Encoder(StorageOptions.parse({"wire_dtype": "topk"}), BufferPool())
+    encoders = [Encoder.for_options(StorageOptions.parse({"wire_dtype": "topk"}), BufferPool())
                 for _ in range(world)]
     out = []
     for step in range(steps):

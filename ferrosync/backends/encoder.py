@@ -11,20 +11,26 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import Codec, ErrorFeedback, as_uint8, codec_for
+from ..codecs import TOPK_BITS, TOPK_DENSITY, Codec, ErrorFeedback, as_uint8, codec_for
 
 
 class Encoder:
-    def __init__(self, options, pool) -> None:
-        """``options``: a backend's options (``wire_dtype``, ``error_feedback``,
-        ``topk_density``, ``topk_bits``)."""
-        self._wire_dtype = options.wire_dtype
-        self._topk = {"topk_density": options.topk_density, "topk_bits": options.topk_bits}
-        self._error_feedback = options.error_feedback
+    def __init__(self, wire_dtype: str | None, error_feedback: bool, pool, *,
+                 topk_density: float = TOPK_DENSITY, topk_bits: int = TOPK_BITS) -> None:
+        self._wire_dtype = wire_dtype
+        self._topk = {"topk_density": topk_density, "topk_bits": topk_bits}
+        self._error_feedback = error_feedback
         self._pool = pool
         self._codecs: dict[torch.dtype, Codec] = {}
         self._ef = ErrorFeedback()
         self.stream: tuple = (None, b"")  # codec-state key of the running collective
+
+    @classmethod
+    def for_options(cls, options, pool) -> Encoder:
+        """The encoder of a backend's ``options`` (``wire_dtype``, ``error_feedback``,
+        ``topk_density``, ``topk_bits``)."""
+        return cls(options.wire_dtype, options.error_feedback, pool,
+                   topk_density=options.topk_density, topk_bits=options.topk_bits)
 
     def codec(self, dtype: torch.dtype) -> Codec:
         codec = self._codecs.get(dtype)

@@ -83,7 +83,7 @@ class FileSync(Exchanges, GradSync):
         self._key: bytes | None = options.secret
         self.job: str | None = options.job
         poll, interval = timing.poll, timing.heartbeat_interval
-        self._encoder = Encoder(options, self._pool)
+        self._encoder = Encoder.for_options(options, self._pool)
         self._heartbeat = None
         self._objects: GenerationObjects | None = None
         try:

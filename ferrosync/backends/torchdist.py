@@ -77,7 +77,7 @@ class TorchDistSync(GradSync):
         super().__init__(url, identity, timeout, self._counters, options.bucket_bytes)
         self._opts = options
         self.wire_dtype = options.wire_dtype
-        self._encoder = Encoder(options, self._pool)
+        self._encoder = Encoder.for_options(options, self._pool)
         self._seq = 0
         self._owns_group = False
         self._cpu_group = None  # gloo group for CPU tensors when the default one is NCCL

@@ -110,7 +110,7 @@ class ElasticSync(GradSync):
         self._fan_in = options.fan_in
         self._exchange = Exchange(
             objects, self._rosters, self._agreement, self._watch,
-            Encoder(options, self._pool), self._stats,
+            Encoder.for_options(options, self._pool), self._stats,
             member_id=self.member_id, fan_in=options.fan_in, timeout=timeout,
             look_every=timing.heartbeat_interval)
         self._heartbeat = heartbeat(objects, self.member_id, timing.heartbeat_interval)

@@ -30,7 +30,7 @@ class LocalSGD(PeriodicStrategy):
     default_sync_every = 20
 
     def attach(self, model, optimizer, sync) -> None:
-        if sync.wire_dtype == "topk":
+        if getattr(sync, "wire_dtype", None) == "topk":
             # before any collective: every rank refuses alike
             raise ConfigError(
                 "local-sgd cannot use wire_dtype='topk': it averages the parameters "
