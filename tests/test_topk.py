@@ -267,3 +267,41 @@ def test_ddp_hook_averages_topk_gradients_identically_with_feedback(dir_transpor
     # one residual per bucket, kept across steps (not a new one per step); DDP
     # rebuilds its buckets once after the first step
     assert residuals[0] > 1 and len(set(residuals[1:])) == 1, residuals
+
+
+# -- elastic jobs -------------------------------------------------------------------------------
+
+ELASTIC_N = 16 * TOPK_CHUNK  # 256 KiB of float32
+
+
+def w_elastic(index, _world, url, members, rounds):
+    with ferrosync.connect(url, elastic=True, min_ranks=members, job="topk", timeout=60,
+                           heartbeat_interval=0.2, heartbeat_timeout=2.5, fan_in=2,
+                           wire_dtype="topk") as sync:
+        x = torch.empty(ELASTIC_N)
+        out = []
+        for k in range(rounds):
+            x.copy_(_data(index, k, ELASTIC_N))
+            total = sync.average_(x)
+            out.append((total, x.clone(), sync.stats["last"]["bytes_read"]))
+        return out
+
+
+def test_elastic_average_from_five_members_is_a_flat_round_of_sparse_reads(tmp_path):
+    """From 5 members an average would go through the tree, whose partial sums are
+    dense: with topk it is a flat round, every member reading the others' sparse
+    contributions and summing them in roster order: the same bits everywhere."""
+    got = run_ranks(w_elastic, 5, str(tmp_path / "el"), 5, 2, timeout=120)
+    for k in range(2):
+        total, reference, _ = got[0][k]
+        assert total == 5.0
+        for member in got[1:]:
+            assert member[k][0] == total and torch.equal(member[k][1], reference)
+        # the plain mean of the members' inputs, seen through topk: close in norm only
+        # where error feedback has not caught up yet, but every member agrees on it
+        assert torch.isfinite(reference).all() and (reference != 0).any()
+    for member in got:
+        _, _, read = member[1]
+        # four sparse contributions of ~2.4 KiB each plus control records, never the
+        # 256 KiB dense partial sums of a tree round
+        assert read < 4 * ELASTIC_N * 4 / 20, read
