@@ -305,3 +305,48 @@ def test_elastic_average_from_five_members_is_a_flat_round_of_sparse_reads(tmp_p
         # four sparse contributions of ~2.4 KiB each plus control records, never the
         # 256 KiB dense partial sums of a tree round
         assert read < 4 * ELASTIC_N * 4 / 20, read
+
+
+# -- the trainer --------------------------------------------------------------------------------
+
+WIDE = ["--model", "ferrosync.train.tasks:wide_model", "--data",
+        "ferrosync.train.tasks:wide_data", "--batch-size", "64", "--lr", "0.1"]
+
+
+def _diloco(tmp_path, wire: str, *flags):
+    from train_cli import final_of, run_cli
+
+    proc = run_cli("--nproc", 2, "--sync", tmp_path / wire, *WIDE, "--strategy", "diloco",
+                   "--sync-every", 2, "--steps", 4, "--no-progress", "--sync-option",
+                   f"wire_dtype={wire}", *flags, cwd=tmp_path)
+    return proc, (final_of(proc.stdout) if proc.returncode == 0 else None)
+
+
+def test_trainer_diloco_topk_moves_50x_fewer_bytes_per_sync_than_float32(tmp_path):
+    _, dense = _diloco(tmp_path, "float32")
+    proc, sparse = _diloco(tmp_path, "topk")
+    assert sparse is not None, proc.stderr
+    assert dense["ranks_agree"] and sparse["ranks_agree"]
+    per_sync = {w: f["sync_bytes"] / f["syncs"] for w, f in (("f", dense), ("t", sparse))}
+    # the whole wire of a sync (every object's header and control records included)
+    assert per_sync["f"] / per_sync["t"] >= 50, per_sync
+
+
+def test_trainer_refuses_topk_for_local_sgd_with_exit_2(tmp_path):
+    from train_cli import run_cli
+
+    proc = run_cli("--nproc", 2, "--sync", tmp_path / "run", "--strategy", "local-sgd",
+                   "--steps", 2, "--no-progress", "--sync-option", "wire_dtype=topk",
+                   cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "local-sgd cannot use wire_dtype='topk'" in proc.stderr
+
+
+def test_trainer_names_the_allowed_range(tmp_path):
+    from train_cli import run_cli
+
+    proc = run_cli("--nproc", 2, "--sync", tmp_path / "run", "--strategy", "diloco",
+                   "--steps", 2, "--no-progress", "--sync-option", "wire_dtype=topk",
+                   "--sync-option", "topk_bits=12", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "topk_bits must be an int in [1, 8], got 12" in proc.stderr
