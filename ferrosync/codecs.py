@@ -308,14 +308,18 @@ def check_wire_dtype(value) -> str | None:
     return value
 
 
+#: the allowed range as the docs and errors write it
+TOPK_DENSITY_SHOWN = f"[1/{TOPK_CHUNK}, {TOPK_DENSITY_RANGE[1]:g}]"
+
+
 def check_topk_density(name: str, value) -> float:
     lo, hi = TOPK_DENSITY_RANGE
-    value = validate.number(name, value, minimum=lo, maximum=hi,
-                            hint=f"the share of each {TOPK_CHUNK}-value chunk sent with "
-                            f"wire_dtype='topk' (default 1/64 = {TOPK_DENSITY:g})")
-    if round(value * TOPK_CHUNK) < 1:  # rounding: the lower bound itself is fine
-        raise validate.error(name, f"a number in [{lo:g}, {hi:g}]", value)
-    return value
+    hint = (f"the share of each {TOPK_CHUNK}-value chunk sent with wire_dtype='topk' "
+            f"(default 1/64 = {TOPK_DENSITY:g})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            lo <= value <= hi):  # NaN fails too
+        raise validate.error(name, f"a number in {TOPK_DENSITY_SHOWN}", value, hint=hint)
+    return float(value)
 
 
 def check_topk_bits(name: str, value) -> int:

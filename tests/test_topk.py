@@ -129,8 +129,8 @@ def test_a_forged_index_stays_inside_its_chunk():
 
 @pytest.mark.unit
 @pytest.mark.parametrize("options, words", [
-    ({"topk_density": 0}, "topk_density must be a number in [0.000244141, 0.5], got 0"),
-    ({"topk_density": 0.75}, "topk_density must be a number in [0.000244141, 0.5]"),
+    ({"topk_density": 0}, "topk_density must be a number in [1/4096, 0.5], got 0"),
+    ({"topk_density": 0.75}, "topk_density must be a number in [1/4096, 0.5]"),
     ({"topk_density": "dense"}, "topk_density must be a number"),
     ({"topk_bits": 0}, "topk_bits must be an int in [1, 8], got 0"),
     ({"topk_bits": 16}, "topk_bits must be an int in [1, 8], got 16"),

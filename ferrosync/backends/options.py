@@ -27,7 +27,7 @@ from ..codecs import (
     TOPK_BITS,
     TOPK_BITS_RANGE,
     TOPK_DENSITY,
-    TOPK_DENSITY_RANGE,
+    TOPK_DENSITY_SHOWN,
     check_topk_bits,
     check_topk_density,
     check_wire_dtype,
@@ -106,16 +106,16 @@ def _wire_dtype(_name, value):
 
 
 def _topk_density(*, shared: bool):
-    lo, hi = TOPK_DENSITY_RANGE
     return option(
         TOPK_DENSITY, f"with `wire_dtype=\"topk\"`: the share of each 4096-value chunk "
-        f"sent ({lo:g} to {hi:g})", shown="1/64", check=check_topk_density, shared=shared)
+        f"sent, in {TOPK_DENSITY_SHOWN}", shown="1/64", check=check_topk_density,
+        shared=shared)
 
 
 def _topk_bits(*, shared: bool):
     lo, hi = TOPK_BITS_RANGE
     return option(
-        TOPK_BITS, f"with `wire_dtype=\"topk\"`: bits per value sent ({lo} to {hi})",
+        TOPK_BITS, f"with `wire_dtype=\"topk\"`: bits per value sent, in [{lo}, {hi}]",
         shown=str(TOPK_BITS), check=check_topk_bits, shared=shared)
 
 
@@ -502,8 +502,8 @@ class ElasticOptions(_StorageTiming, BackendOptions):
         shown="unlimited", check=_positive_int_or_none)
     wire_dtype: str | None = option(
         None, "contribution encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, "
-        "`\"int8\"` (block scales + error feedback, kept per member) or `\"topk\"` (flat "
-        "rounds only: docs/topk.md)", shown="`None`", check=_wire_dtype, shared=True)
+        "`\"int8\"` (block scales + error feedback, kept per member) or `\"topk\"` (a flat "
+        "round at every size: docs/topk.md)", shown="`None`", check=_wire_dtype, shared=True)
     topk_density: float = _topk_density(shared=True)
     topk_bits: int = _topk_bits(shared=True)
     error_feedback: bool = option(
