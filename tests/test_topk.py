@@ -350,3 +350,18 @@ def test_trainer_names_the_allowed_range(tmp_path):
                    "--sync-option", "topk_bits=12", cwd=tmp_path)
     assert proc.returncode == 2
     assert "topk_bits must be an int in [1, 8], got 12" in proc.stderr
+
+
+def test_trainer_streaming_diloco_and_grad_run_with_topk(tmp_path):
+    """Streaming DiLoCo's fragments and per-step gradient averaging (DGC's setting) on a
+    topk sync: every rank ends with the same parameters."""
+    from train_cli import final_of, run_cli
+
+    for strategy, flags in (("streaming-diloco", ["--sync-every", 4, "--fragments", 2]),
+                            ("grad", [])):
+        proc = run_cli("--nproc", 2, "--sync", tmp_path / strategy, "--strategy", strategy,
+                       *flags, "--steps", 8, "--no-progress", "--sync-option",
+                       "wire_dtype=topk", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        final = final_of(proc.stdout)
+        assert final["ranks_agree"] and final["steps"] == 8
