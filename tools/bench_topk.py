@@ -21,9 +21,13 @@ For each task and wire it prints, as mean and range over the seeds:
 * held-out loss and accuracy after the same steps;
 * compute fraction at each ``--links`` RATE/RTT, *modelled* from those numbers (not
   run through the slow-link proxy: tools/bench_goodput.py does that, minutes per
-  point): a sync blocks for ``8 * bytes / rate + requests * rtt`` (this rank's bytes
-  on its own link, one round trip per request), between windows of the compute time
-  measured here, so fraction = compute / (compute + syncs * that).
+  point): a sync blocks for ``8 * bytes / rate + (ranks + 1) * rtt`` (this rank's
+  bytes at the link's rate; the round trips of the gather reduce that an object store
+  uses at 2 ranks: one PUT, one GET per other rank, one poll that finds it missing),
+  between windows of the compute time measured here, so fraction = compute /
+  (compute + syncs * that).
+
+``--from-json PATH`` prints the table again from a saved ``--json`` file (no runs).
 """
 
 from __future__ import annotations
@@ -82,13 +86,15 @@ def parse_args(argv):
     p.add_argument("--train-arg", action="append", default=[], metavar="FLAG",
                    help="extra trainer flag for every run (repeat; e.g. --train-arg=--seed)")
     p.add_argument("--json", metavar="PATH", help="save every run's numbers here")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="print the table of a saved --json file instead of running")
     return p.parse_args(argv)
 
 
 def run_one(task: str, wire: str, seed: int, args) -> dict:
     """One training run; its FINAL record's numbers."""
     with tempfile.TemporaryDirectory(prefix="bench-topk-") as where:
-        cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", "2", "--sync",
+        cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", str(RANKS), "--sync",
                os.path.join(where, "run"), *TASKS[task], "--strategy", "diloco",
                "--sync-every", str(args.sync_every), "--steps", str(args.steps),
                "--seed", str(seed), "--no-progress", "--sync-option", f"wire_dtype={wire}",
@@ -113,9 +119,12 @@ def run_one(task: str, wire: str, seed: int, args) -> dict:
             "digest": final["param_digest"]}
 
 
+RANKS = 2
+
+
 def modelled_fraction(run: dict, rate_bps: float, rtt_s: float) -> float:
     """Compute / (compute + the syncs' modelled blocking time) at one link."""
-    sync_s = 8 * run["bytes_per_sync"] / rate_bps + run["requests_per_sync"] * rtt_s
+    sync_s = 8 * run["bytes_per_sync"] / rate_bps + (RANKS + 1) * rtt_s
     return run["compute_s"] / (run["compute_s"] + run["syncs"] * sync_s)
 
 
@@ -148,6 +157,15 @@ def table(runs: list[dict], args) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        with open(args.from_json, encoding="utf-8") as f:
+            saved = json.load(f)
+        runs = saved["runs"]
+        args.tasks = list(dict.fromkeys(r["task"] for r in runs))
+        args.wires = list(dict.fromkeys(r["wire"] for r in runs))
+        print("\n".join(table(runs, args)))
+        print(f"\nfrom {args.from_json}: {saved['args']}")
+        return 0
     started = time.time()
     runs = []
     for task in args.tasks:
