@@ -365,3 +365,15 @@ def test_trainer_streaming_diloco_and_grad_run_with_topk(tmp_path):
         assert proc.returncode == 0, proc.stderr
         final = final_of(proc.stdout)
         assert final["ranks_agree"] and final["steps"] == 8
+
+
+def test_trainer_elastic_diloco_with_topk_ends_alike(tmp_path):
+    from train_cli import final_of, run_cli
+
+    proc = run_cli("--elastic", "--min-ranks", 2, "--nproc", 2, "--sync", tmp_path / "el",
+                   "--strategy", "diloco", "--sync-every", 5, "--steps", 20, "--no-progress",
+                   "--sync-option", "wire_dtype=topk", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    final = final_of(proc.stdout)
+    assert final["ranks_agree"] and final["syncs"] == 4
+    assert len(set(final["rank_digests"])) == 1
