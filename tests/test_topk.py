@@ -377,3 +377,9 @@ def test_trainer_elastic_diloco_with_topk_ends_alike(tmp_path):
     final = final_of(proc.stdout)
     assert final["ranks_agree"] and final["syncs"] == 4
     assert len(set(final["rank_digests"])) == 1
+
+
+@pytest.mark.unit
+def test_topk_without_error_feedback_warns():
+    with pytest.warns(UserWarning, match="error_feedback=False loses"):
+        StorageOptions.parse({"wire_dtype": "topk", "error_feedback": False})

@@ -229,6 +229,12 @@ class BackendOptions:
             values[f.name] = check(f.name, value) if check is not None else value
         parsed = cls(**values)
         parsed._check_together()
+        if getattr(parsed, "wire_dtype", None) == "topk" and not getattr(
+                parsed, "error_feedback", True):
+            # legal, but every sync then drops what it does not send (~98 %) for good
+            warnings.warn("ferrosync: wire_dtype='topk' with error_feedback=False loses "
+                          "every value a sync does not send; keep error_feedback=True "
+                          "unless that is what you measure", stacklevel=4)
         return parsed
 
     def _check_together(self) -> None:
