@@ -76,6 +76,10 @@ class GradSync(OwnershipGuard, abc.ABC):
     #: True for an elastic job's member, whose rank and world size may change after
     #: any collective (``ferrosync.elastic``); strategies and loops check it
     elastic = False
+    #: the ``wire_dtype`` option this backend averages with (None: native). With
+    #: ``"topk"`` an average carries only each chunk's largest values: average changes
+    #: (gradients, pseudo-gradients), never values such as parameters (docs/topk.md)
+    wire_dtype: str | None = None
 
     def __init__(self, url: str, identity: Identity, timeout: float, counters,
                  bucket_bytes: int | None = None) -> None:
@@ -173,7 +177,18 @@ class GradSync(OwnershipGuard, abc.ABC):
 
     def average_parameters(self, module_or_params, *, weight: float = 1.0,
                            async_op: bool = False):
-        """Collective: ``average_`` over the parameters' data (Local SGD, model averaging)."""
+        """Collective: ``average_`` over the parameters' data (Local SGD, model averaging).
+
+        Refused with ``wire_dtype="topk"`` (before any I/O): a sparse average of the
+        parameters themselves would zero most of them; average their change instead.
+        """
+        if self.wire_dtype == "topk":
+            raise ConfigError(
+                "average_parameters cannot use wire_dtype='topk': it sends only the largest "
+                "values of each chunk, so averaging parameters would zero most of them",
+                rank=self.rank, path=self.url,
+                hint="average the change since the last sync (DiLoCo's pseudo-gradients: "
+                "--strategy diloco), or use wire_dtype='int8' for parameters")
         named = _named_parameters(module_or_params)
         params = [p for _, p in named]
         return self._average_call([p.detach() for p in params], weight, async_op,

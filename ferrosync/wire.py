@@ -19,7 +19,7 @@ Header fields (``struct`` format ``HEADER``)::
      16   4  world size
      20   4  slice            which slice of the collective this object carries
      24   4  nslices
-     28   4  block            codec block size (int8), else 0
+     28   4  block            codec parameters (int8: 256; topk: k << 4 | bits), else 0
      32   8  generation
      40   8  collective       sequence number within the generation
      48   8  count            elements in this object

@@ -235,9 +235,10 @@ class FakeSync:
 
     def __init__(self, rank: int = 0, world_size: int = 2, *, timeout: float = 60.0,
                  elastic: bool = False, peer_records=(), peer_parts=None,
-                 moved: int = 100) -> None:
+                 moved: int = 100, wire_dtype: str | None = None) -> None:
         self.rank, self.world_size = rank, world_size
         self.timeout, self.elastic = timeout, elastic
+        self.wire_dtype = wire_dtype
         self.url = "fake://sync"
         self.contributors = list(range(world_size))
         self.peer_records = list(peer_records)

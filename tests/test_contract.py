@@ -275,6 +275,21 @@ def test_wire_dtypes_are_close_and_smaller(case, wire):
         assert err <= bound * scale + 1e-3, (wire, got.dtype, err, scale)
 
 
+def test_topk_results_are_bit_identical(case):
+    """wire_dtype="topk" on every backend: the sum of the decoded sparse contributions,
+    the same bits on every rank (tests/test_topk.py checks the values against the
+    rank-order sum)."""
+    if case.world_size == 1:
+        pytest.skip("a single rank sends nothing")
+    weights = [1.0 + r for r in range(case.world_size)]
+    results = run_ranks(w_average, case.world_size, case.url,
+                        {**case.options, "wire_dtype": "topk"}, weights, seed=5, calls=2)
+    assert_bit_identical([r[1] for r in results])
+    assert all(r[0] == sum(weights) for r in results)
+    for got, ref in zip(results[0][1], reference(case.world_size, weights, seed=5)):
+        assert got.shape == ref.shape and bool(torch.isfinite(got).all())
+
+
 def test_secret_authenticates_every_object(case):
     options = {**case.options, "secret": "s3cr3t-for-tests"}
     weights = [1.0] * case.world_size

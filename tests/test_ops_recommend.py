@@ -77,3 +77,23 @@ def test_doctor_recommends_for_the_elastic_job_it_finds(capsys):
     assert report["mode"] == "elastic" and report["recommended"]["mode"] == "elastic"
     (existing,) = [c for c in report["checks"] if c["name"] == "existing jobs"]
     assert existing["data"]["elastic"] == ["el.exp8"], existing
+
+
+@pytest.mark.parametrize("write_mbps, wire", [(1000.0, None), (100.0, "int8"),
+                                              (10.0, "topk")])
+def test_a_slow_link_gets_a_compressed_wire(write_mbps, wire):
+    """100 MiB over 2 ranks, 0.21 GB a collective: 0.21 s at 1 GB/s (no compression),
+    2.1 s at 100 MB/s (int8), 21 s at 10 MB/s (topk)."""
+    storage = open_storage("s3://bucket/exp8")
+    measured = {**_measured(), "throughput": {"write_Bps": write_mbps * 1e6,
+                                              "read_Bps": 2 * write_mbps * 1e6}}
+    rec = recommend(storage, measured, mode="fixed", payload_mib=100, world_size=2,
+                    nfs=False)
+    assert rec.get("wire_dtype") == wire
+    call = render("s3://bucket/exp8", rec)[-1]
+    if wire is None:
+        assert "wire_dtype" not in call
+    else:
+        assert f"wire_dtype={wire!r}" in call
+        # what the doctor prints, connect takes
+        StorageOptions.parse({"wire_dtype": rec["wire_dtype"]})

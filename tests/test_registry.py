@@ -107,12 +107,15 @@ def test_shared_settings_come_from_the_options_class():
     the rendezvous of the storage backend and an elastic job's record alike."""
     from ferrosync.backends.options import ElasticOptions, StorageOptions
 
-    assert StorageOptions.shared_names() == ("reduce", "wire_dtype", "bucket_bytes",
+    assert StorageOptions.shared_names() == ("reduce", "wire_dtype", "topk_density",
+                                             "topk_bits", "bucket_bytes",
                                              "sharded_min_bytes", "gather_max_ranks")
-    assert ElasticOptions.shared_names() == ("wire_dtype", "fan_in")
-    assert ElasticOptions.shared_defaults() == {"wire_dtype": None, "fan_in": 8}
+    assert ElasticOptions.shared_names() == ("wire_dtype", "topk_density", "topk_bits",
+                                             "fan_in")
+    topk = {"topk_density": 1 / 64, "topk_bits": 2}
+    assert ElasticOptions.shared_defaults() == {"wire_dtype": None, **topk, "fan_in": 8}
     assert ElasticOptions.parse({"elastic": True, "fan_in": 3}).shared_settings() == {
-        "wire_dtype": None, "fan_in": 3}
+        "wire_dtype": None, **topk, "fan_in": 3}
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -1,4 +1,4 @@
-"""``Encoder``: a backend's codecs and their state (int8 error feedback).
+"""``Encoder``: a backend's codecs and their state (int8 and topk error feedback).
 
 The one encoder of every backend that compresses (``FileSync``, ``TorchDistSync``):
 payloads go on the wire in the codec that ``wire_dtype`` picks per tensor dtype.
@@ -11,22 +11,31 @@ from __future__ import annotations
 
 import torch
 
-from ..codecs import Codec, ErrorFeedback, Int8Codec, as_uint8, codec_for
+from ..codecs import TOPK_BITS, TOPK_DENSITY, Codec, ErrorFeedback, as_uint8, codec_for
 
 
 class Encoder:
-    def __init__(self, wire_dtype: str | None, error_feedback: bool, pool) -> None:
+    def __init__(self, wire_dtype: str | None, error_feedback: bool, pool, *,
+                 topk_density: float = TOPK_DENSITY, topk_bits: int = TOPK_BITS) -> None:
         self._wire_dtype = wire_dtype
+        self._topk = {"topk_density": topk_density, "topk_bits": topk_bits}
         self._error_feedback = error_feedback
         self._pool = pool
         self._codecs: dict[torch.dtype, Codec] = {}
         self._ef = ErrorFeedback()
         self.stream: tuple = (None, b"")  # codec-state key of the running collective
 
+    @classmethod
+    def for_options(cls, options, pool) -> Encoder:
+        """The encoder of a backend's ``options`` (``wire_dtype``, ``error_feedback``,
+        ``topk_density``, ``topk_bits``)."""
+        return cls(options.wire_dtype, options.error_feedback, pool,
+                   topk_density=options.topk_density, topk_bits=options.topk_bits)
+
     def codec(self, dtype: torch.dtype) -> Codec:
         codec = self._codecs.get(dtype)
         if codec is None:
-            codec = self._codecs[dtype] = codec_for(dtype, self._wire_dtype)
+            codec = self._codecs[dtype] = codec_for(dtype, self._wire_dtype, **self._topk)
         return codec
 
     def encode(self, x: torch.Tensor, codec: Codec, place) -> torch.Tensor:
@@ -50,12 +59,12 @@ class Encoder:
     def encode_into(self, x: torch.Tensor, codec: Codec, out: torch.Tensor, key) -> None:
         """Encode ``x`` into ``out`` (``codec.nbytes(x.numel())`` bytes, ``x``'s device).
 
-        With int8, error feedback on and a ``key`` (what the data is and where it goes,
+        With int8 or topk, error feedback on and a ``key`` (what the data is and where it goes,
         e.g. ``(stream, digest, slot)``), the residual kept under ``key`` is added
         first and the new quantisation error is kept for the next call; ``key=None``
         encodes exactly what is given.
         """
-        if isinstance(codec, Int8Codec) and self._error_feedback and key is not None:
+        if codec.feedback and self._error_feedback and key is not None:
             sent = self._ef.compensate(key, x)
             codec.encode(sent, out)
             self._ef.remember(key, sent, codec.decode(out, x.numel()))

@@ -78,12 +78,13 @@ class FileSync(Exchanges, GradSync):
         super().__init__(url, identity, timeout, storage.counters, options.bucket_bytes)
         self._storage = storage
         self._opts = options
+        self.wire_dtype = options.wire_dtype
         # objects are bound to their job through the generation token in every header
         # (covered by the MAC): a generation is announced in exactly one job's namespace
         self._key: bytes | None = options.secret
         self.job: str | None = options.job
         poll, interval = timing.poll, timing.heartbeat_interval
-        self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
+        self._encoder = Encoder.for_options(options, self._pool)
         self._heartbeat = None
         self._objects: GenerationObjects | None = None
         try:
@@ -193,6 +194,11 @@ class FileSync(Exchanges, GradSync):
             # the better barrier (one round trip, the ranks leave together: SeaweedFS,
             # 2 ranks, 5-6 ms and ~2.4 requests per rank instead of 14-15 ms and ~4.6)
             mode = "root"
+        elif not codec.lossy_result:
+            # topk: the average of sparse payloads is dense, so no rank publishes it;
+            # every rank gathers the sparse contributions and sums them in rank order
+            # (StorageOptions refuses reduce='root'/'sharded' with it)
+            mode = "gather"
         if mode == "sharded":
             return self._average_sharded(s, flat, weight, digest, codec)
         if mode == "gather":
@@ -349,7 +355,7 @@ class FileSync(Exchanges, GradSync):
         Every rank sums the same decoded payloads in the same order with the same code,
         so the bits equal the root reduce's on every rank (a lossy result is rounded
         through the codec as root's published result is, with the same error feedback
-        state on every rank)."""
+        state on every rank). The one mode for topk: its sum is never re-encoded."""
         n = flat.numel()
         whole = Part.whole(n)
         objects = self._objects
@@ -368,7 +374,7 @@ class FileSync(Exchanges, GradSync):
         total = total_weight(weights)
         if total > 0:
             with self._stats.phase("reduce_s"):
-                if codec.raw:
+                if codec.raw or not codec.lossy_result:
                     divide_into(flat, acc, total)
                 else:
                     divide_into(acc, acc, total)

@@ -111,6 +111,7 @@ class HierarchicalSync(GradSync):
         node, nnodes, local_rank, local_world = node_identity(identity, options)
         self._counters = _Counters()
         super().__init__(url, identity, timeout, self._counters, None)
+        self.wire_dtype = options.storage.wire_dtype  # the leaders' (inside a node: exact)
         self.node, self.nnodes = node, nnodes
         self.local_rank, self.local_world_size = local_rank, local_world
         mode = options.local

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import Codec, Int8Codec, as_uint8
+from ..codecs import Codec, as_uint8
 from ..errors import ShardCorrupt
 from ..wire import (
     DTYPE_CODES,
@@ -74,7 +74,7 @@ class Expected:
 
     @property
     def block(self) -> int:
-        return self.codec.frame_elems if isinstance(self.codec, Int8Codec) else 0
+        return self.codec.block
 
     def header(self, writer: int, *, weight: float, nbytes: int, flags: int = 0) -> Header:
         """The header ``writer`` puts on this object."""
@@ -121,7 +121,8 @@ class Expected:
             raise corrupt(
                 "header fields (dtype, codec, block, count, offset, total, slice, nslices, "
                 f"world) = {got}, expected {expect}",
-                "ranks must use the same options (wire_dtype, reduce) and ferrosync version")
+                "ranks must use the same options (wire_dtype, topk_density, topk_bits, reduce) "
+                "and ferrosync version")
         if not math.isfinite(header.weight) or header.weight < 0:
             raise corrupt(f"invalid weight {header.weight} from rank {header.rank}")
         if header.flags & FLAG_EMPTY and header.payload_nbytes:
@@ -187,7 +188,7 @@ class Incoming:
         header = self.header
         check = self._check()
         total = header.payload_nbytes
-        step = max(1, chunk_bytes // codec.frame_bytes) * codec.frame_bytes
+        step = codec.chunk_frames(chunk_bytes) * codec.frame_bytes
         buf = pool.get("read", min(step, total), torch.uint8, "cpu",
                        pinned=device.type == "cuda")
         done = elem = 0

@@ -23,7 +23,15 @@ import torch
 import torch.distributed
 
 from .. import validate
-from ..codecs import check_wire_dtype
+from ..codecs import (
+    TOPK_BITS,
+    TOPK_BITS_RANGE,
+    TOPK_DENSITY,
+    TOPK_DENSITY_SHOWN,
+    check_topk_bits,
+    check_topk_density,
+    check_wire_dtype,
+)
 from ..env import ENV_JOB, ENV_SECRET, discover_job
 from ..errors import ConfigError
 from ..storage.fsspec_store import FsspecStorage
@@ -96,6 +104,20 @@ def _boolean(name, value):
 
 def _wire_dtype(_name, value):
     return check_wire_dtype(value)
+
+
+def _topk_density(*, shared: bool):
+    return option(
+        TOPK_DENSITY, f"with `wire_dtype=\"topk\"`: the share of each 4096-value chunk "
+        f"sent, in {TOPK_DENSITY_SHOWN}", shown="1/64", check=check_topk_density,
+        shared=shared)
+
+
+def _topk_bits(*, shared: bool):
+    lo, hi = TOPK_BITS_RANGE
+    return option(
+        TOPK_BITS, f"with `wire_dtype=\"topk\"`: bits per value sent, in [{lo}, {hi}]",
+        shown=str(TOPK_BITS), check=check_topk_bits, shared=shared)
 
 
 def _reduce(name, value):
@@ -208,6 +230,12 @@ class BackendOptions:
             values[f.name] = check(f.name, value) if check is not None else value
         parsed = cls(**values)
         parsed._check_together()
+        if getattr(parsed, "wire_dtype", None) == "topk" and not getattr(
+                parsed, "error_feedback", True):
+            # legal, but every sync then drops what it does not send (~98 %) for good
+            warnings.warn("ferrosync: wire_dtype='topk' with error_feedback=False loses "
+                          "every value a sync does not send; keep error_feedback=True "
+                          "unless that is what you measure", stacklevel=4)
         return parsed
 
     def _check_together(self) -> None:
@@ -322,9 +350,12 @@ class StorageOptions(_StorageTiming, _ObjectTransfer):
         "(each where it measured faster)",
         shown='`"auto"`', check=_reduce, shared=True)
     wire_dtype: str | None = option(
-        None, "payload encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, or "
-        "`\"int8\"` (block scales + error feedback)", shown="`None`", check=_wire_dtype,
-        shared=True)
+        None, "payload encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, "
+        "`\"int8\"` (block scales + error feedback), or `\"topk\"` (the largest values of "
+        "each chunk in a few bits + error feedback; averaged by gathering: docs/topk.md)",
+        shown="`None`", check=_wire_dtype, shared=True)
+    topk_density: float = _topk_density(shared=True)
+    topk_bits: int = _topk_bits(shared=True)
     job: str | None = option(
         None, "job id: jobs with different ids never meet on one URL; "
         "`python -m ferrosync.train` names each launch",
@@ -365,7 +396,7 @@ class StorageOptions(_StorageTiming, _ObjectTransfer):
         None, "where to accumulate (`\"cpu\"` or `\"cuda\"`)", shown="tensors' device",
         check=_device_or_none)
     error_feedback: bool = option(
-        True, "carry int8 quantisation error to the next call", shown="`True`",
+        True, "carry int8 and topk quantisation error to the next call", shown="`True`",
         check=_boolean)
     # measured (tools/bench.py, 2 and 4 ranks): sharded wins from 1 MiB up, root below
     sharded_min_bytes: int = option(
@@ -379,6 +410,11 @@ class StorageOptions(_StorageTiming, _ObjectTransfer):
 
     def _check_together(self) -> None:
         _check_polls(self)
+        if self.wire_dtype == "topk" and self.reduce in ("root", "sharded"):
+            raise ConfigError(
+                f"wire_dtype='topk' cannot use reduce={self.reduce!r}: the average of sparse "
+                "contributions is dense, and publishing it would send it dense or re-sparsify "
+                "it (lossy)", hint="use reduce='gather' or 'auto' (topk always gathers)")
 
 
 @dataclass(frozen=True)
@@ -391,10 +427,12 @@ class TorchOptions(BackendOptions):
         25 << 20, "flatten tensors into buckets of at most this many bytes", shown="25 MiB",
         check=_positive_int_or_none)
     wire_dtype: str | None = option(
-        None, "`None` (native), `\"float32\"`, `\"bfloat16\"`, `\"float16\"` or `\"int8\"`",
-        shown="`None`", check=_wire_dtype)
+        None, "`None` (native), `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, `\"int8\"` or "
+        "`\"topk\"`", shown="`None`", check=_wire_dtype)
+    topk_density: float = _topk_density(shared=False)
+    topk_bits: int = _topk_bits(shared=False)
     error_feedback: bool = option(
-        True, "carry int8 quantisation error to the next call", shown="`True`",
+        True, "carry int8 and topk quantisation error to the next call", shown="`True`",
         check=_boolean)
 
     @classmethod
@@ -502,10 +540,12 @@ class ElasticOptions(_StorageTiming, _ObjectTransfer):
         shown="unlimited", check=_positive_int_or_none)
     wire_dtype: str | None = option(
         None, "contribution encoding: native, `\"float32\"`, `\"bfloat16\"`, `\"float16\"`, "
-        "or `\"int8\"` (block scales + error feedback, kept per member)", shown="`None`",
-        check=_wire_dtype, shared=True)
+        "`\"int8\"` (block scales + error feedback, kept per member) or `\"topk\"` (a flat "
+        "round at every size: docs/topk.md)", shown="`None`", check=_wire_dtype, shared=True)
+    topk_density: float = _topk_density(shared=True)
+    topk_bits: int = _topk_bits(shared=True)
     error_feedback: bool = option(
-        True, "carry int8 quantisation error to this member's next contribution",
+        True, "carry int8 and topk quantisation error to this member's next contribution",
         shown="`True`", check=_boolean)
     fan_in: int = option(
         8, "members per group of the tree reduce that averages from 5 members on "

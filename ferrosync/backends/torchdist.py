@@ -76,7 +76,8 @@ class TorchDistSync(GradSync):
         self._counters = Counters()
         super().__init__(url, identity, timeout, self._counters, options.bucket_bytes)
         self._opts = options
-        self._encoder = Encoder(options.wire_dtype, options.error_feedback, self._pool)
+        self.wire_dtype = options.wire_dtype
+        self._encoder = Encoder.for_options(options, self._pool)
         self._seq = 0
         self._owns_group = False
         self._cpu_group = None  # gloo group for CPU tensors when the default one is NCCL
@@ -236,6 +237,11 @@ class TorchDistSync(GradSync):
                 accumulate(acc, codec.decode(f[8 : 8 + nbytes], n), w, first=first)
                 first = False
             acc.div_(total)
+            if not codec.lossy_result:
+                # topk: the sum of sparse payloads is dense; every rank summed the same
+                # decoded payloads in the same order, so it is already identical everywhere
+                flat.copy_(acc)
+                return total
             # like the storage backend, the result travels (here: is rounded) in the wire
             # encoding, so every rank holds exactly what the others hold
             result = self._pool.get("result", nbytes, torch.uint8, flat.device)

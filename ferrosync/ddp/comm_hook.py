@@ -66,8 +66,11 @@ def hook(sync: GradSync, bucket: dist.GradBucket) -> Future[torch.Tensor]:
 
     Register with ``ddp.register_comm_hook(sync, ferrosync.ddp.hook)``. DDP calls it
     on every rank for every bucket, in bucket order; it returns once the bucket
-    holds Σ_r grad_r / W, bit-identical on every rank. Errors (a failed peer, a
-    timeout, different buckets on different ranks) are raised from ``backward()``.
+    holds Σ_r grad_r / W, bit-identical on every rank. With ``wire_dtype="topk"`` on
+    ``sync`` this is sparse gradient averaging with error feedback (DGC) per bucket:
+    DDP hands the hook the same bucket tensors every step, so each keeps its residual.
+    Errors (a failed peer, a timeout, different buckets on different ranks) are raised
+    from ``backward()``.
     """
     if not isinstance(sync, GradSync):
         raise ConfigError(f"the hook's state must be a GradSync, got {type(sync).__name__}",

@@ -223,6 +223,16 @@ class SyncProcessGroup(dist.ProcessGroup):
                                   f"{t.dtype}")
             if op in (_Op.MIN, _Op.MAX) and t.is_complex():
                 raise self._error(f"{op.name} is undefined for complex tensors[{i}]")
+            if (op in (_Op.SUM, _Op.AVG) and self.sync.wire_dtype == "topk"
+                    and (t.dtype in _AVERAGED or t.is_complex())):
+                # a sparse sum of arbitrary tensors (losses, metrics, parameters) would
+                # silently drop most of their values; only updates may go sparse
+                raise self._error(
+                    f"allreduce {op.name} of {t.dtype} tensors[{i}] cannot use "
+                    "wire_dtype='topk': it sends only each chunk's largest values",
+                    hint="average DDP's gradients with ferrosync.ddp.wrap(model, sync) or "
+                    "register_comm_hook(sync, ferrosync.ddp.hook); give other allreduces a "
+                    "group without wire_dtype='topk'")
 
     def _check_list(self, what: str, tensors, count: int, numel: int) -> None:
         if len(tensors) != count:

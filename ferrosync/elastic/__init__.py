@@ -22,7 +22,8 @@ whoever else is in the round). Every member decodes every contribution, its own
 included, so each is counted alike, and the average of the decoded values is not
 encoded again (nothing carries it), so it is still the same bits on every member,
 a newcomer included. The job's record says which ``wire_dtype`` the job uses; a
-member with another is refused before it writes anything.
+member with another is refused before it writes anything. With ``"topk"`` every average
+is a flat round, at any size: the tree's partial sums would be dense (docs/topk.md).
 
 ``rank`` and ``world_size`` are this member's index in, and the size of, the latest
 roster, so they may change after any collective; ``membership`` lists the member

@@ -95,6 +95,7 @@ class ElasticSync(GradSync):
         super().__init__(url, identity, timeout, storage.counters)
         self._storage = storage
         self.job = options.job
+        self.wire_dtype = options.wire_dtype
         self.member_id = secrets.token_hex(8)
         #: the resolved liveness settings (the defaults depend on the kind of store)
         self.heartbeat_interval, self.heartbeat_timeout = (timing.heartbeat_interval,
@@ -111,7 +112,7 @@ class ElasticSync(GradSync):
         self._fan_in = options.fan_in
         self._exchange = Exchange(
             objects, self._rosters, self._agreement, self._watch,
-            Encoder(options.wire_dtype, options.error_feedback, self._pool), self._stats,
+            Encoder.for_options(options, self._pool), self._stats,
             member_id=self.member_id, fan_in=options.fan_in, timeout=timeout,
             look_every=timing.heartbeat_interval)
         self._heartbeat = heartbeat(objects, self.member_id, timing.heartbeat_interval)
@@ -229,7 +230,11 @@ class ElasticSync(GradSync):
         """Every contributor's flats summed in roster order, each into its own
         accumulator (float32 for half types), divided once by the total weight."""
         codecs = self._exchange.codecs(flats, encoded=True)
-        if len(self._roster.members) >= TREE_FROM and sum(f.numel() for f in flats):
+        # topk: the tree's partial sums would be dense (or, re-encoded, lossy), so a
+        # sparse average is a flat round at every size: each member reads the others'
+        # sparse contributions, (W-1)·P/110 bytes (docs/topk.md)
+        if (len(self._roster.members) >= TREE_FROM and sum(f.numel() for f in flats)
+                and all(c.lossy_result for c in codecs)):
             return self._tree_average(flats, codecs, weight, digest, layout)
         prev, roster, wire = self._round("average", layout, flats, codecs, weight, digest,
                                          send=weight > 0)

@@ -17,6 +17,9 @@ them. Above the floor it follows the measurements:
 * ``timeout`` (one collective) 10 × the time one root-reduce collective of
   ``payload_mib`` over ``world_size`` ranks takes at the measured throughput, at
   least 300 s;
+* ``wire_dtype`` on a slow link, from that same collective's time in float32:
+  ``"int8"`` (4x fewer bytes) from ``INT8_FROM_S``, ``"topk"`` (about 110x fewer;
+  for gradients and DiLoCo's pseudo-gradients: docs/topk.md) from ``TOPK_FROM_S``;
 
 and the result is parsed by the same options class, so ``connect`` accepts it.
 """
@@ -26,8 +29,13 @@ from __future__ import annotations
 import math
 
 from ..backends.options import ElasticOptions, StorageOptions
+from ..codecs import Int8Codec, TopKCodec
 
 MiB = 1 << 20
+#: a float32 collective of the payload taking this long at the measured throughput is
+#: a slow link: int8 from 1 s, topk from 4 s (where int8 would still take over 1 s)
+INT8_FROM_S = 1.0
+TOPK_FROM_S = 4.0
 MODES = ("fixed", "elastic")
 #: the heartbeat settings shown, in order
 SHOWN = ("poll_initial", "poll_max", "heartbeat_interval", "heartbeat_timeout", "timeout")
@@ -73,9 +81,24 @@ def recommend(storage, measured: dict, *, mode: str, payload_mib: int, world_siz
         out["timeout"] = float(max(300, math.ceil(10 * seconds + vis_max)))
         out["timeout_basis"] = (f"10x one collective of {payload_mib} MiB over "
                                 f"{world_size} ranks at the measured throughput")
+        out.update(_wire(seconds))
     if nfs:
         out["nfs_mount_options"] = "hard,lookupcache=positive (keep the default cto)"
     return out
+
+
+def _wire(seconds: float) -> dict:
+    """The ``wire_dtype`` for a link where a float32 collective takes ``seconds``."""
+    if seconds < INT8_FROM_S:
+        return {}
+    n = 1 << 20
+    codec = TopKCodec() if seconds >= TOPK_FROM_S else Int8Codec()
+    ratio = 4 * n / codec.nbytes(n)
+    use = (" (average gradients or DiLoCo's pseudo-gradients with it, never parameters: "
+           "docs/topk.md)" if codec.name == "topk" else "")
+    return {"wire_dtype": codec.name,
+            "wire_basis": f"that collective takes about {seconds:.3g} s here in float32; "
+                          f"{codec.name} moves {ratio:.0f}x fewer bytes{use}"}
 
 
 def render(url: str, rec: dict) -> list[str]:
@@ -87,6 +110,9 @@ def render(url: str, rec: dict) -> list[str]:
              "  " + "  ".join(pairs)]
     if "timeout_basis" in rec:
         lines.append(f"  (timeout: {rec['timeout_basis']}; scale it with your payload)")
+    if "wire_basis" in rec:
+        lines.append(f"  (wire_dtype={rec['wire_dtype']!r}: {rec['wire_basis']})")
+        pairs.append(f"wire_dtype={rec['wire_dtype']!r}")
     args = ", ".join(p for p in pairs if not p.startswith("timeout="))
     timeout = f", timeout={rec['timeout']:g}" if "timeout" in rec else ""
     mode = ", elastic=True" if elastic else ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from .base import norm
 from .periodic import PeriodicStrategy
 
@@ -29,6 +30,14 @@ class LocalSGD(PeriodicStrategy):
     default_sync_every = 20
 
     def attach(self, model, optimizer, sync) -> None:
+        if getattr(sync, "wire_dtype", None) == "topk":
+            # before any collective: every rank refuses alike
+            raise ConfigError(
+                "local-sgd cannot use wire_dtype='topk': it averages the parameters "
+                "themselves, and topk sends only each chunk's largest values",
+                rank=sync.rank, path=sync.url,
+                hint="use --strategy diloco --outer-lr 1 --outer-momentum 0 (local SGD "
+                "on pseudo-gradients, which topk sends), or wire_dtype='int8'")
         super().attach(model, optimizer, sync)
         self._stage = [t.detach().clone() for t in (*model.parameters(), *self._buffers)]
 

@@ -16,7 +16,7 @@ import sys
 
 from ..errors import ConfigError
 from ..strategies import STRATEGIES, DiLoCo, LocalSGD, known_settings
-from ..strategies.diloco import OUTER_LR, OUTER_MOMENTUM
+from ..strategies.diloco import OUTER_LR, OUTER_MOMENTUM, SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM
 from ..strategies.streaming import FRAGMENTS, OVERLAP_STEPS
 from ..validate import cli_number
 from .elastic import PUBLISH_EVERY_SECONDS
@@ -235,10 +235,12 @@ def _strategy_flags(p: argparse.ArgumentParser) -> None:
                    "since the last sync) ** G (default 1; 0 = every rank that trained "
                    "counts equally)")
     g.add_argument("--outer-lr", type=_positive, metavar="LR",
-                   help=f"diloco/streaming-diloco: outer learning rate (default {OUTER_LR})")
+                   help=f"diloco/streaming-diloco: outer learning rate (default {OUTER_LR}; "
+                   f"{SPARSE_OUTER_LR} with --sync-option wire_dtype=topk)")
     g.add_argument("--outer-momentum", type=_non_negative, metavar="M",
                    help="diloco/streaming-diloco: outer Nesterov momentum (default "
-                   f"{OUTER_MOMENTUM}; 0 = plain SGD)")
+                   f"{OUTER_MOMENTUM}, {SPARSE_OUTER_MOMENTUM:g} with wire_dtype=topk; 0 = plain "
+                   "SGD)")
     g.add_argument("--outer-device", choices=["cpu"],
                    help="diloco/streaming-diloco: keep the global parameters and outer "
                    "state on the CPU (default: the training device)")

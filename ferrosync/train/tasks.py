@@ -17,7 +17,18 @@ with momentum 0.9, is at 72% held-out accuracy after 50 steps and 80% after 200.
 The data depend only on ``WIDE_DATA_SEED`` (never on ``--seed`` or the number of
 ranks) and take about 0.2 s to make.
 
-The student: ``TiedResidualMLP``, ``wide_parameters()`` = 333,834 float32
+``lm``: a small transformer that predicts the next byte of Python source code, on text
+that ships with Python itself (the standard library's top-level modules: nothing is
+downloaded)::
+
+    python -m ferrosync.train --nproc 2 --model ferrosync.train.tasks:lm_model \
+        --data ferrosync.train.tasks:lm_data --optimizer adamw --lr 3e-3 --batch-size 32
+
+Each sample is ``LM_CONTEXT`` bytes of source and the byte that follows (so the
+trainer's accuracy is next-byte accuracy); held-out samples come from other files
+than the training samples. The text depends on the Python version that runs it.
+
+The wide task's student: ``TiedResidualMLP``, ``wide_parameters()`` = 333,834 float32
 parameters (1.34 MB of gradients, 0.107 s at 100 Mbit/s) and about 3.3 times the
 compute of a plain MLP of that size (its hidden layer runs ``WIDE_DEPTH`` times).
 What matters for goodput is the compute-to-communication ratio: one step's
@@ -28,6 +39,9 @@ about 1 on a 2-core machine with two ranks).
 """
 
 from __future__ import annotations
+
+import os
+import sysconfig
 
 import torch
 from torch.utils.data import TensorDataset
@@ -89,3 +103,72 @@ def wide_parameters() -> int:
     """Parameters of ``wide_model()`` (without building it)."""
     h, f, c = WIDE_HIDDEN, WIDE_FEATURES, WIDE_CLASSES
     return f * h + h + h * h + h + h * c + c
+
+
+LM_CONTEXT = 32
+LM_WIDTH = 64
+LM_HEADS = 4
+LM_LAYERS = 2
+LM_TEXT_BYTES = 3 << 20
+LM_TRAIN_SIZE = 131072
+LM_EVAL_SIZE = 8192
+LM_EVAL_SHARE = 0.1  # the last tenth of the text (whole files) is held out
+
+
+def _stdlib_text() -> bytes:
+    """Up to ``LM_TEXT_BYTES`` of the standard library's top-level ``*.py`` files, in
+    name order (deterministic for one Python version)."""
+    root = sysconfig.get_paths()["stdlib"]
+    parts, size = [], 0
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not name.endswith(".py") or not os.path.isfile(path):
+            continue
+        with open(path, "rb") as f:
+            data = f.read()
+        parts.append(data)
+        size += len(data)
+        if size >= LM_TEXT_BYTES:
+            break
+    return b"".join(parts)[:LM_TEXT_BYTES]
+
+
+def _windows(text: torch.Tensor, count: int) -> TensorDataset:
+    """``count`` evenly spaced (context, next byte) samples of ``text`` (uint8)."""
+    starts = torch.linspace(0, len(text) - LM_CONTEXT - 1, count).long()
+    idx = starts[:, None] + torch.arange(LM_CONTEXT + 1)
+    windows = text[idx]
+    return TensorDataset(windows[:, :LM_CONTEXT].contiguous(),
+                         windows[:, LM_CONTEXT].long().contiguous())
+
+
+def lm_data() -> tuple[TensorDataset, TensorDataset]:
+    """(train, eval) datasets of ``(context uint8[LM_CONTEXT], next byte int64)``."""
+    text = torch.frombuffer(bytearray(_stdlib_text()), dtype=torch.uint8)
+    split = int(len(text) * (1 - LM_EVAL_SHARE))
+    return _windows(text[:split], LM_TRAIN_SIZE), _windows(text[split:], LM_EVAL_SIZE)
+
+
+class ByteLM(torch.nn.Module):
+    """Byte embeddings plus learned positions, ``LM_LAYERS`` pre-norm transformer layers
+    (no dropout: runs compare at equal steps), and a linear head on the last position."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, LM_WIDTH)
+        self.pos = torch.nn.Parameter(torch.randn(LM_CONTEXT, LM_WIDTH) * 0.02)
+        layer = torch.nn.TransformerEncoderLayer(LM_WIDTH, LM_HEADS, 4 * LM_WIDTH,
+                                                 dropout=0.0, batch_first=True,
+                                                 norm_first=True)
+        self.body = torch.nn.TransformerEncoder(layer, LM_LAYERS, enable_nested_tensor=False)
+        self.norm = torch.nn.LayerNorm(LM_WIDTH)
+        self.head = torch.nn.Linear(LM_WIDTH, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.body(self.embed(x.long()) + self.pos)
+        return self.head(self.norm(h[:, -1]))
+
+
+def lm_model() -> torch.nn.Module:
+    """The byte-level language model (``ByteLM``, about 0.13 M parameters)."""
+    return ByteLM()

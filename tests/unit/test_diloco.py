@@ -17,7 +17,13 @@ import torch
 
 from fakes import FakeSync, PlainSGD
 from ferrosync.errors import ConfigError
-from ferrosync.strategies.diloco import OUTER_LR, OUTER_MOMENTUM, DiLoCo
+from ferrosync.strategies.diloco import (
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    SPARSE_OUTER_LR,
+    SPARSE_OUTER_MOMENTUM,
+    DiLoCo,
+)
 from ferrosync.strategies.local_sgd import LocalSGD
 
 LR = 0.5  # the inner optimizer's
@@ -137,3 +143,31 @@ def test_a_checkpoint_of_another_model_is_refused_at_attach():
     with pytest.raises(ConfigError, match="has 2 global tensors, this model 4") as info:
         again.attach(bigger, None, FakeSync(rank=1))
     assert info.value.rank == 1 and "resume with the model that wrote" in str(info.value)
+
+
+@pytest.mark.parametrize("wire, settings, expected", [
+    (None, {}, {"lr": OUTER_LR, "momentum": OUTER_MOMENTUM, "nesterov": True}),
+    ("int8", {}, {"lr": OUTER_LR, "momentum": OUTER_MOMENTUM, "nesterov": True}),
+    # SparseLoCo: the error feedback accumulates like momentum, so none on top
+    ("topk", {}, {"lr": SPARSE_OUTER_LR, "momentum": SPARSE_OUTER_MOMENTUM,
+                  "nesterov": False}),
+    ("topk", {"outer_momentum": 0.5}, {"lr": SPARSE_OUTER_LR, "momentum": 0.5,
+                                       "nesterov": True}),
+    ("topk", {"outer_lr": 0.3, "outer_momentum": 0.9},
+     {"lr": 0.3, "momentum": 0.9, "nesterov": True}),
+])
+def test_outer_step_defaults_follow_the_wire(outer_sgd, wire, settings, expected):
+    strategy = DiLoCo(sync_every=2, **settings)
+    strategy.attach(_model(), PlainSGD(_model().parameters(), lr=LR),
+                    FakeSync(wire_dtype=wire))
+    assert outer_sgd[-1] == expected
+
+
+def test_topk_refuses_models_with_float_buffers_and_local_sgd_refuses_topk():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    sync = FakeSync(wire_dtype="topk")
+    with pytest.raises(ConfigError, match="floating-point buffers"):
+        DiLoCo().attach(model, PlainSGD(model.parameters(), lr=LR), sync)
+    with pytest.raises(ConfigError, match="local-sgd cannot use wire_dtype='topk'"):
+        LocalSGD().attach(_model(), PlainSGD(_model().parameters(), lr=LR), sync)
+    assert sync.calls == []  # refused before any collective
