@@ -374,15 +374,18 @@ class Backoff:
     the cap bounds the request rate on billed object stores.
     """
 
-    __slots__ = ("_delay", "_cap")
+    __slots__ = ("_delay", "_cap", "_clock")
 
-    def __init__(self, initial: float, cap: float) -> None:
+    def __init__(self, initial: float, cap: float, *, clock=None) -> None:
+        """``clock``: what has ``monotonic`` and ``sleep`` (a ``runtime.Runtime``;
+        default the ``time`` module)."""
         self._delay = initial
         self._cap = cap
+        self._clock = clock or time
 
     def sleep(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        time.sleep(max(0.0, min(self._delay, remaining)))
+        remaining = deadline - self._clock.monotonic()
+        self._clock.sleep(max(0.0, min(self._delay, remaining)))
         self._delay = min(self._delay * 2, self._cap)
 
 
