@@ -40,6 +40,10 @@ def parser() -> argparse.ArgumentParser:
                    help="virtual seconds of training between rounds")
     p.add_argument("--publish-every", type=int, default=5,
                    help="rounds between publishes of the job's state")
+    p.add_argument("--heartbeat-interval", type=float, default=None,
+                   help="the members' heartbeat_interval (default: the object-store one)")
+    p.add_argument("--heartbeat-timeout", type=float, default=None,
+                   help="the members' heartbeat_timeout (default: the object-store one)")
     return p
 
 
@@ -52,13 +56,20 @@ def command(args) -> str:
     parts += ["--payload", args.payload, "--compute-s", args.compute_s]
     if args.publish_every != 5:
         parts += ["--publish-every", args.publish_every]
+    for name in ("heartbeat_interval", "heartbeat_timeout"):
+        if getattr(args, name) is not None:
+            parts += [f"--{name.replace('_', '-')}", getattr(args, name)]
     return shlex.join(str(p) for p in parts)
 
 
 def simulate(args) -> dict:
+    options = {name: getattr(args, name) for name in ("heartbeat_interval",
+                                                      "heartbeat_timeout")
+               if getattr(args, name) is not None}
     world = World(args.members, args.rounds, args.seed, profile=args.profile,
                   churn=parse_churn(args.churn), payload=args.payload,
-                  compute_s=args.compute_s, publish_every=args.publish_every)
+                  compute_s=args.compute_s, publish_every=args.publish_every,
+                  member_options=options)
     return world.run()
 
 

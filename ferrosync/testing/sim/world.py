@@ -15,9 +15,9 @@ wrong average):
   itself from the contributions of the roster's contributors;
 * ``split_roster``: two members saw different rosters for one round;
 * ``divergent_model``: two members that finished a round hold different model bytes;
-* ``slow_detection``: a killed member (or one paused past ``heartbeat_timeout``) was
-  still in the members of a roster written more than 1.5 x ``heartbeat_timeout``
-  after its death (or after the round began, whichever is later);
+* ``slow_detection``: a killed member (or one paused past ``heartbeat_timeout``, while
+  it is paused) was still in the members of a roster written more than 1.5 x
+  ``heartbeat_timeout`` after its death (or after the round began, whichever is later);
 * ``slow_admission``: a joiner was not admitted by the second roster written after it
   arrived;
 * ``lost_work``: after a total loss the job restarted from a state older than the
@@ -46,6 +46,9 @@ JOB = "sim"
 CHURN_KINDS = ("joins", "leaves", "kills", "pauses", "total_loss", "stragglers")
 #: floats a simulated member really moves; the store counts them as ``payload`` bytes
 REAL_FLOATS = 256
+#: connects a member process makes at most (a newcomer whose state's publisher died
+#: connects again)
+RECONNECTS = 3
 
 
 def parse_churn(spec: str | None) -> dict[str, float]:
@@ -83,21 +86,31 @@ class Member:
         self.leave = False  # asked to leave (SIGTERM-style) at its next round boundary
         self.fate: str | None = None  # killed / paused / left: why it may stop
         self.died_at: float | None = None
+        self.back_at = float("inf")  # when a paused member runs again
         self.slow = 1.0  # a straggler's compute factor for its next round
         self.done = False
 
     def main(self) -> None:
+        """Connect; a newcomer whose state's publisher died connects again, as
+        ``read_state`` tells it to (at most ``RECONNECTS`` times)."""
+        for _ in range(RECONNECTS):
+            if not self._connect_and_train():
+                return
+
+    def _connect_and_train(self) -> bool:
+        """One membership; True when this process should connect again."""
         world = self.world
         sched = world.sched
         options = ElasticOptions.parse({"job": JOB, "min_ranks": 1,
                                         **world.member_options})
         storage = SimStorage(world.server, self.proc, URL)
+        self.arrived = sched.now
         try:
             sync = ElasticSync(URL, ElasticSync.identity(None, None), world.timeout,
                                options, storage=storage, runtime=self.proc.runtime)
         except (JobEnded, SyncTimeout) as exc:
             world.refused(self, exc)
-            return
+            return False
         self.member_id = sync.member_id
         world.timing = (sync.heartbeat_interval, sync.heartbeat_timeout)
         self.admitted = sync.round
@@ -108,9 +121,13 @@ class Member:
                 got = sync.fetch_state([model])
                 world.restarted(self, sync, got)
             else:
-                state = sync.read_state(min_round=sync.round, publisher=sync.membership[0])
-                model.copy_(state.tensors["0"] if "0" in state.tensors
-                            else next(iter(state.tensors.values())))
+                try:
+                    state = sync.read_state(min_round=sync.round,
+                                            publisher=sync.membership[0])
+                except PeerFailed as exc:
+                    sched.note("reconnect", self.proc.name, str(exc)[:80])
+                    return True
+                model.copy_(next(iter(state.tensors.values())))
             while sync.round < world.rounds and not self.leave:
                 sched.note("compute", self.proc.name)
                 self.proc.runtime.sleep(world.compute_s * self.slow)
@@ -129,8 +146,8 @@ class Member:
         except (MemberDropped, PeerFailed, SyncTimeout) as exc:
             world.dropped(self, exc)
         finally:
-            self.done = True
             sync.close()
+        return False
 
 
 class World:
@@ -167,10 +184,12 @@ class World:
         self.losses: list[tuple[float, int]] = []  # (time, the newest finished round)
         self.contributions: dict[tuple[str, int], torch.Tensor] = {}
         self.deaths: list[Member] = []
+        self.details: list[str] = []  # what each violation saw, in order
 
     # -- what members report ----------------------------------------------------------------------
     def violate(self, name: str, detail: str = "") -> None:
         self.violations[name] = self.violations.get(name, 0) + 1
+        self.details.append(f"{name} at {self.sched.now - self.start:.3f} s: {detail}")
         self.sched.note("violation", name, detail)
 
     def contribution(self, member_id: str, round_: int) -> torch.Tensor:
@@ -239,7 +258,14 @@ class World:
     def spawn(self) -> Member:
         member = Member(self, len(self.everyone))
         self.everyone.append(member)
-        self.sched.spawn(member.proc, f"{member.proc.name}/main", member.main)
+
+        def main() -> None:
+            try:
+                member.main()
+            finally:
+                member.done = True
+
+        self.sched.spawn(member.proc, f"{member.proc.name}/main", main)
         return member
 
     def alive(self) -> list[Member]:
@@ -282,7 +308,9 @@ class World:
             victim.fate = "paused"
             victim.died_at = sched.now
             self.deaths.append(victim)
-            sched.pause(victim.proc, self.timing[1] * (1.2 + self._rng.random()))
+            seconds = self.timing[1] * (1.2 + self._rng.random())
+            victim.back_at = sched.now + seconds
+            sched.pause(victim.proc, seconds)
         elif kind == "stragglers":
             victim.slow = 5.0
 
@@ -322,12 +350,17 @@ class World:
                 at = created.get(self._roster_key(r))
                 if at is None or at <= died:
                     continue
+                if at > member.back_at:
+                    break  # a paused member runs again: it may be a member again
                 contributors, members = self.rosters[r]
                 if mid not in members:
                     break
                 start = self.starts.get(r, died)
                 if at > max(died, start) + bound:
-                    self.violate("slow_detection", f"{mid} still in roster {r}")
+                    self.violate("slow_detection", f"{mid} ({member.fate} at "
+                                 f"{died - self.start:.3f} s) still in roster {r} written at "
+                                 f"{at - self.start:.3f} s (round began "
+                                 f"{start - self.start:.3f} s)")
                     break
 
     def result(self, wall_s: float) -> dict:
@@ -355,6 +388,7 @@ class World:
             "cost_per_hour": round(cost * 3600 / virtual_s, 4) if virtual_s else None,
             "trace_digest": self.sched.digest,
             "joined": len(self.everyone), "switches": self.sched.switches,
+            "details": self.details[:20],
         }
 
 
