@@ -6,7 +6,7 @@ thread that runs only while it holds the baton. It gives the baton back at every
 point where real code could be overtaken by another process: a sleep, an event or
 lock wait, a thread join, a storage request (``store.py`` sleeps through its
 latency). The driver (``Scheduler.run``) then wakes the next one by (virtual time,
-sequence number): the same seed gives the same order, the same requests and the same
+sequence number), handing the baton straight to it: the same seed gives the same order, the same requests and the same
 ``digest``, whatever the machine's speed.
 
 A killed process (``kill``) never runs again as itself: its threads are woken once to
@@ -82,6 +82,8 @@ class Scheduler:
         self._digest = hashlib.blake2b(digest_size=16)
         self.switches = 0
         self.failures: list[tuple[Task, BaseException]] = []
+        self._until = 0.0
+        self._stop = None
 
     # -- the trace -----------------------------------------------------------------------------
     def note(self, *fields) -> None:
@@ -122,15 +124,31 @@ class Scheduler:
 
     def run(self, until: float, stop=None) -> None:
         """Run the queue until virtual time ``until``, or until ``stop()`` is true."""
+        self._until, self._stop = until, stop
+        first = self._dispatch()
+        if first is None:
+            return
+        self._driver.clear()
+        self.current = first
+        first.go.set()
+        self._driver.wait()
+
+    def _dispatch(self) -> Task | None:
+        """The next task to run (driver actions that fall due run here, on whichever
+        thread holds the baton); None when the run is over."""
         heap = self._heap
         while heap:
-            at, seq, item, epoch = heap[0]
-            if at > until or (stop is not None and stop()):
-                return
+            at, _, item, epoch = heap[0]
+            if at > self._until or (self._stop is not None and self._stop()):
+                return None
             heapq.heappop(heap)
             if epoch is None:
                 self.now = max(self.now, at)
-                item()
+                try:
+                    item()
+                # broad on purpose: a failing driver action is a finding, not a hang
+                except Exception as exc:  # noqa: BLE001
+                    self.failures.append((Task("driver", None), exc))
                 continue
             task = item
             if task.done or epoch != task.epoch:
@@ -142,10 +160,15 @@ class Scheduler:
             task.epoch += 1
             self.now = max(self.now, at)
             self.switches += 1
-            self.current = task
-            self._driver.clear()
-            task.go.set()
-            self._driver.wait()
+            return task
+        return None
+
+    def _pass_baton(self, nxt: Task | None) -> None:
+        self.current = nxt
+        if nxt is None:
+            self._driver.set()
+        else:
+            nxt.go.set()
 
     def pending(self) -> list[Task]:
         """Tasks that have not finished (for a stall report)."""
@@ -164,10 +187,11 @@ class Scheduler:
         task = self.current
         if at is not None:
             self._push(at, task)
-        self.current = None
-        self._driver.set()
-        task.go.wait()
-        task.go.clear()
+        nxt = self._dispatch()
+        if nxt is not task:  # else: nobody is due before this task, it runs on
+            self._pass_baton(nxt)
+            task.go.wait()
+            task.go.clear()
         if task.process.dead:
             raise SimKilled(task.name)
 
@@ -189,8 +213,7 @@ class Scheduler:
             task.done = True
             for joiner in task.joiners:
                 self.wake(joiner)
-            self.current = None
-            self._driver.set()
+            self._pass_baton(self._dispatch())
 
 
 class SimEvent:

@@ -141,6 +141,8 @@ class SimServer:
         self.slowdowns = 0
         self.requests: dict[str, int] = defaultdict(int)
         self.peak_prefix_put_rate = 0
+        self.lost_replies = 0
+        self.cut_bodies = 0
 
     # -- the model -----------------------------------------------------------------------------
     def first_byte(self, kind: str) -> float:
@@ -198,10 +200,14 @@ class SimServer:
             self._last_write[key] = now
 
     def lose_reply(self) -> bool:
-        return self._rng.random() < self.profile.lost_reply
+        lost = self._rng.random() < self.profile.lost_reply
+        self.lost_replies += lost
+        return lost
 
     def cut_body(self) -> bool:
-        return self._rng.random() < self.profile.cut_body
+        cut = self._rng.random() < self.profile.cut_body
+        self.cut_bodies += cut
+        return cut
 
     # -- requests (at the server) ----------------------------------------------------------------
     def put(self, key: str, data: bytes, exclusive: bool) -> None:

@@ -15,9 +15,10 @@ wrong average):
   itself from the contributions of the roster's contributors;
 * ``split_roster``: two members saw different rosters for one round;
 * ``divergent_model``: two members that finished a round hold different model bytes;
-* ``slow_detection``: a killed member (or one paused past ``heartbeat_timeout``, while
-  it is paused) was still in the members of a roster written more than 1.5 x
-  ``heartbeat_timeout`` after its death (or after the round began, whichever is later);
+* ``slow_detection``: the roster that drops a killed member (or one paused past
+  ``heartbeat_timeout``, while it is paused) was written more than 1.5 x
+  ``heartbeat_timeout`` after its death, the start of that round, or the latest death
+  among the round's other members, whichever is latest;
 * ``slow_admission``: a joiner was not admitted by the second roster written after it
   arrived;
 * ``lost_work``: after a total loss the job restarted from a state older than the
@@ -185,6 +186,8 @@ class World:
         self.contributions: dict[tuple[str, int], torch.Tensor] = {}
         self.deaths: list[Member] = []
         self.details: list[str] = []  # what each violation saw, in order
+        self.running = 0  # member processes whose main thread has not ended
+        self.events: dict[str, int] = {}  # churn events that happened, by kind
 
     # -- what members report ----------------------------------------------------------------------
     def violate(self, name: str, detail: str = "") -> None:
@@ -259,11 +262,14 @@ class World:
         member = Member(self, len(self.everyone))
         self.everyone.append(member)
 
+        self.running += 1
+
         def main() -> None:
             try:
                 member.main()
             finally:
                 member.done = True
+                self.running -= 1
 
         self.sched.spawn(member.proc, f"{member.proc.name}/main", main)
         return member
@@ -285,6 +291,7 @@ class World:
         alive = self.alive()
         sched = self.sched
         sched.note("churn", kind)
+        self.events[kind] = self.events.get(kind, 0) + 1
         if kind == "joins":
             self.spawn()
             return
@@ -321,7 +328,8 @@ class World:
         self.sched.kill(member.proc)
 
     def over(self) -> bool:
-        return all(m.done or m.proc.dead for m in self.everyone)
+        """Every member process finished (a killed one once its threads unwound)."""
+        return self.running == 0
 
     # -- the run -----------------------------------------------------------------------------------------
     def run(self, max_virtual_s: float | None = None) -> dict:
@@ -340,8 +348,15 @@ class World:
         return self.result(wall() - began)
 
     def _check_detection(self) -> None:
+        """The roster that drops a dead member is written within the bound of its
+        death, or of the start of that round, or of the latest death of another member
+        of the round before it was written, whichever is latest (members that die
+        together leave together: a round waits for every one of them). Rosters before
+        it may list it rightly: a member that contributed and then died counts in that
+        round."""
         bound = 1.5 * self.timing[1]
         created = self.server.created
+        died_at = {m.member_id: m.died_at for m in self.deaths if m.member_id is not None}
         for member in self.deaths:
             mid, died = member.member_id, member.died_at
             if mid is None:
@@ -352,16 +367,18 @@ class World:
                     continue
                 if at > member.back_at:
                     break  # a paused member runs again: it may be a member again
-                contributors, members = self.rosters[r]
-                if mid not in members:
-                    break
+                if mid in self.rosters[r][1]:
+                    continue
                 start = self.starts.get(r, died)
+                before = self.rosters.get(r - 1, ((), ()))[1]
+                start = max([start] + [died_at[m] for m in before
+                                       if died_at.get(m) is not None and died_at[m] < at])
                 if at > max(died, start) + bound:
                     self.violate("slow_detection", f"{mid} ({member.fate} at "
-                                 f"{died - self.start:.3f} s) still in roster {r} written at "
-                                 f"{at - self.start:.3f} s (round began "
+                                 f"{died - self.start:.3f} s) dropped by roster {r} written "
+                                 f"at {at - self.start:.3f} s (round began "
                                  f"{start - self.start:.3f} s)")
-                    break
+                break
 
     def result(self, wall_s: float) -> dict:
         durations = sorted(self.ends[r] - self.starts[r] for r in self.ends if r in self.starts)
@@ -388,6 +405,9 @@ class World:
             "cost_per_hour": round(cost * 3600 / virtual_s, 4) if virtual_s else None,
             "trace_digest": self.sched.digest,
             "joined": len(self.everyone), "switches": self.sched.switches,
+            "churn": dict(sorted(self.events.items())),
+            "faults": {"lost_replies": self.server.lost_replies,
+                       "cut_bodies": self.server.cut_bodies},
             "details": self.details[:20],
         }
 
