@@ -21,7 +21,7 @@ from ferrosync.testing.sim.store import PROFILES, SimHTTPError, SimServer, SimSt
 from ferrosync.testing.sim.world import World, parse_churn
 from tools import elastic_sim
 
-CHURN = "joins=120,leaves=60,kills=60,pauses=30,stragglers=120"
+CHURN = "joins=1200,leaves=600,kills=600,pauses=300,stragglers=600"
 
 
 def sim(capsys, *argv) -> tuple[int, dict, str]:
@@ -33,11 +33,11 @@ def sim(capsys, *argv) -> tuple[int, dict, str]:
 
 
 def test_fifty_members_with_churn_and_faults_run_clean(capsys):
-    code, result, err = sim(capsys, "--members", 50, "--rounds", 6, "--seed", 11,
+    code, result, err = sim(capsys, "--members", 50, "--rounds", 5, "--seed", 12,
                             "--churn", CHURN, "--heartbeat-interval", 5)
     assert code == 0, (result["details"], err)
     assert result["violations"] == [] and result["wrong_rounds"] == 0
-    assert result["rounds"] == 6 and result["members"] == 50
+    assert result["rounds"] == 5 and result["members"] == 50
     for key in ("virtual_s", "wall_s", "round_s_p50", "round_s_p99",
                 "requests_per_member_round", "peak_prefix_put_rate", "slowdowns",
                 "cost_per_hour", "trace_digest", "profile", "seed"):
@@ -49,15 +49,16 @@ def test_fifty_members_with_churn_and_faults_run_clean(capsys):
 
 def test_the_same_seed_gives_the_same_trace_and_another_seed_another():
     def digest(seed):
-        world = World(12, 4, seed, churn=parse_churn("joins=300,kills=300,pauses=100"),
-                      member_options={"heartbeat_interval": 5.0})
+        world = World(12, 4, seed, churn=parse_churn(
+            "joins=600,leaves=300,kills=600,pauses=200,total_loss=30"),
+            member_options={"heartbeat_interval": 5.0})
         result = world.run()
         assert result["violations"] == [], result["details"]
         return result["trace_digest"]
 
-    first = digest(5)
-    assert digest(5) == first
-    assert digest(6) != first
+    first = digest(6)
+    assert digest(6) == first
+    assert digest(8) != first
 
 
 def test_a_planted_fault_in_the_average_is_caught_and_replayable(capsys, monkeypatch):

@@ -18,7 +18,8 @@ wrong average):
 * ``slow_detection``: the roster that drops a killed member (or one paused past
   ``heartbeat_timeout``, while it is paused) was written more than 1.5 x
   ``heartbeat_timeout`` after its death, the start of that round, or the latest death
-  among the round's other members, whichever is latest;
+  or return from a pause of another member or queued joiner before it, whichever is
+  latest;
 * ``slow_admission``: a joiner was not admitted by the second roster written after it
   arrived;
 * ``lost_work``: after a total loss the job restarted from a state older than the
@@ -209,10 +210,7 @@ class World:
             self.violate("round_skipped", f"{member.member_id} {round_}->{sync.round}")
             return
         self.ends[round_] = self.sched.now
-        contributors = tuple(sync.contributors)
-        view = (contributors, tuple(sync.membership))
-        if self.rosters.setdefault(round_, view) != view:
-            self.violate("split_roster", str(round_))
+        contributors = self._saw(round_, sync)
         if self.models.setdefault(round_, model.numpy().tobytes()) != model.numpy().tobytes():
             self.violate("divergent_model", str(round_))
         # the reference: the mean of the contributors' draws, summed in float64 (every
@@ -227,8 +225,16 @@ class World:
         self.member_rounds += 1
         self.sched.note("round", member.proc.name, round_, len(contributors))
 
+    def _saw(self, round_: int, sync) -> tuple:
+        """Record a member's view of the roster of ``round_``; its contributors."""
+        view = (tuple(sync.contributors), tuple(sync.membership))
+        if self.rosters.setdefault(round_, view) != view:
+            self.violate("split_roster", str(round_))
+        return view[0]
+
     def admitted(self, member: Member, sync) -> None:
         self.sched.note("admitted", member.proc.name, sync.member_id, sync.round)
+        self._saw(sync.round, sync)
         if sync.founding:
             return  # founding or refounding: no roster to be admitted by
         late = [r for r in range(0, sync.round + 1)
@@ -350,13 +356,14 @@ class World:
     def _check_detection(self) -> None:
         """The roster that drops a dead member is written within the bound of its
         death, or of the start of that round, or of the latest death of another member
-        of the round before it was written, whichever is latest (members that die
+        or queued joiner before it was written, whichever is latest (members that die
         together leave together: a round waits for every one of them). Rosters before
         it may list it rightly: a member that contributed and then died counts in that
         round."""
         bound = 1.5 * self.timing[1]
         created = self.server.created
-        died_at = {m.member_id: m.died_at for m in self.deaths if m.member_id is not None}
+        events = [m.died_at for m in self.deaths] + [
+            m.back_at for m in self.deaths if m.back_at != float("inf")]
         for member in self.deaths:
             mid, died = member.member_id, member.died_at
             if mid is None:
@@ -370,9 +377,10 @@ class World:
                 if mid in self.rosters[r][1]:
                     continue
                 start = self.starts.get(r, died)
-                before = self.rosters.get(r - 1, ((), ()))[1]
-                start = max([start] + [died_at[m] for m in before
-                                       if died_at.get(m) is not None and died_at[m] < at])
+                # the round waits on every member and queued joiner that died (or
+                # resumed from a pause: then it is waited for alive) before it was
+                # written: the dead leave together, after the last of these events
+                start = max([start] + [t for t in events if t < at])
                 if at > max(died, start) + bound:
                     self.violate("slow_detection", f"{mid} ({member.fate} at "
                                  f"{died - self.start:.3f} s) dropped by roster {r} written "
