@@ -75,7 +75,8 @@ import threading
 import time
 import weakref
 
-from . import names, runtime as runtimes
+from . import names
+from . import runtime as runtimes
 from .errors import (
     LayoutMismatch,
     PeerFailed,

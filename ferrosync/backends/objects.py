@@ -37,7 +37,8 @@ import time
 
 import torch
 
-from .. import names, runtime as runtimes
+from .. import names
+from .. import runtime as runtimes
 from ..errors import (
     LayoutMismatch,
     PeerFailed,

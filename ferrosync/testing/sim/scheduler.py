@@ -5,9 +5,10 @@ Every simulated thread (a member's main thread, its heartbeat thread) is a real 
 thread that runs only while it holds the baton. It gives the baton back at every
 point where real code could be overtaken by another process: a sleep, an event or
 lock wait, a thread join, a storage request (``store.py`` sleeps through its
-latency). The driver (``Scheduler.run``) then wakes the next one by (virtual time,
-sequence number), handing the baton straight to it: the same seed gives the same order, the same requests and the same
-``digest``, whatever the machine's speed.
+latency). The thread giving the baton up picks the next one by (virtual time,
+sequence number) and hands the baton straight to it (``Scheduler.run`` starts the
+first and waits for the end): the same seed gives the same order, the same requests
+and the same ``digest``, whatever the machine's speed.
 
 A killed process (``kill``) never runs again as itself: its threads are woken once to
 unwind with ``SimKilled`` (a ``BaseException``, so no ``except Exception`` of the
@@ -85,7 +86,7 @@ class Scheduler:
         self._until = 0.0
         self._stop = None
 
-    # -- the trace -----------------------------------------------------------------------------
+    # -- the trace ---------------------------------------------------------------------
     def note(self, *fields) -> None:
         """Add an event to the trace (its digest is the run's fingerprint)."""
         self._digest.update(repr((round(self.now, 9), *fields)).encode())
@@ -94,7 +95,7 @@ class Scheduler:
     def digest(self) -> str:
         return self._digest.hexdigest()
 
-    # -- for the driver ------------------------------------------------------------------------
+    # -- for the driver ----------------------------------------------------------------
     def call_at(self, at: float, action) -> None:
         """Run ``action()`` on the driver at virtual time ``at`` (churn, checks)."""
         heapq.heappush(self._heap, (at, next(self._seq), action, None))
@@ -174,7 +175,7 @@ class Scheduler:
         """Tasks that have not finished (for a stall report)."""
         return [t for _, _, t, e in self._heap if e is not None and not t.done]
 
-    # -- for simulated threads -----------------------------------------------------------------
+    # -- for simulated threads ---------------------------------------------------------
     def _push(self, at: float, task: Task) -> None:
         heapq.heappush(self._heap, (at, next(self._seq), task, task.epoch))
 

@@ -144,7 +144,7 @@ class SimServer:
         self.lost_replies = 0
         self.cut_bodies = 0
 
-    # -- the model -----------------------------------------------------------------------------
+    # -- the model ---------------------------------------------------------------------
     def first_byte(self, kind: str) -> float:
         p = self.profile
         median, p99 = (p.put_median, p.put_p99) if kind == "put" else (p.get_median,
@@ -209,7 +209,7 @@ class SimServer:
         self.cut_bodies += cut
         return cut
 
-    # -- requests (at the server) ----------------------------------------------------------------
+    # -- requests (at the server) ------------------------------------------------------
     def put(self, key: str, data: bytes, exclusive: bool) -> None:
         if exclusive:
             if key in self.objects:
@@ -244,7 +244,7 @@ class SimStorage(Storage):
         self.runtime = process.runtime
         self.retry_s = None
 
-    # -- plumbing -------------------------------------------------------------------------------
+    # -- plumbing ----------------------------------------------------------------------
     def _wait(self, seconds: float) -> None:
         if self.process.dead:
             raise SimKilled(self.process.name)
@@ -259,7 +259,7 @@ class SimStorage(Storage):
         self.server.admit(kind, key)
         return latency / 2
 
-    # -- the Storage interface ------------------------------------------------------------------
+    # -- the Storage interface ---------------------------------------------------------
     def put(self, key, parts, *, exclusive=False, reuse=None) -> int:
         data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
         if exclusive:

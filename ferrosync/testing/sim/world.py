@@ -36,10 +36,10 @@ import statistics
 
 import torch
 
+from ... import names
 from ...backends.options import ElasticOptions
 from ...elastic import ElasticSync
 from ...errors import JobEnded, MemberDropped, PeerFailed, SyncTimeout
-from ... import names
 from .scheduler import Process, Scheduler, wall
 from .store import PROFILES, SimServer, SimStorage
 
@@ -190,7 +190,7 @@ class World:
         self.running = 0  # member processes whose main thread has not ended
         self.events: dict[str, int] = {}  # churn events that happened, by kind
 
-    # -- what members report ----------------------------------------------------------------------
+    # -- what members report -----------------------------------------------------------
     def violate(self, name: str, detail: str = "") -> None:
         self.violations[name] = self.violations.get(name, 0) + 1
         self.details.append(f"{name} at {self.sched.now - self.start:.3f} s: {detail}")
@@ -263,7 +263,7 @@ class World:
     def _roster_key(round_: int) -> str:
         return names.within(names.elastic_namespace(JOB), names.elastic_roster(round_))
 
-    # -- churn -----------------------------------------------------------------------------------------
+    # -- churn -------------------------------------------------------------------------
     def spawn(self) -> Member:
         member = Member(self, len(self.everyone))
         self.everyone.append(member)
@@ -337,7 +337,7 @@ class World:
         """Every member process finished (a killed one once its threads unwound)."""
         return self.running == 0
 
-    # -- the run -----------------------------------------------------------------------------------------
+    # -- the run -----------------------------------------------------------------------
     def run(self, max_virtual_s: float | None = None) -> dict:
         began = wall()
         for _ in range(self.members_n):
