@@ -44,6 +44,12 @@ def parser() -> argparse.ArgumentParser:
                    help="the members' heartbeat_interval (default: the object-store one)")
     p.add_argument("--heartbeat-timeout", type=float, default=None,
                    help="the members' heartbeat_timeout (default: the object-store one)")
+    p.add_argument("--min-ranks", type=int, default=1,
+                   help="the members' min_ranks (the founding roster waits for them)")
+    p.add_argument("--spread-s", type=float, default=0.0,
+                   help="the first members arrive evenly over this many virtual seconds")
+    p.add_argument("--progress", action="store_true",
+                   help="a line on stderr per round (for long runs)")
     return p
 
 
@@ -59,6 +65,10 @@ def command(args) -> str:
     for name in ("heartbeat_interval", "heartbeat_timeout"):
         if getattr(args, name) is not None:
             parts += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    if args.min_ranks != 1:
+        parts += ["--min-ranks", args.min_ranks]
+    if args.spread_s:
+        parts += ["--spread-s", args.spread_s]
     return shlex.join(str(p) for p in parts)
 
 
@@ -69,7 +79,10 @@ def simulate(args) -> dict:
     world = World(args.members, args.rounds, args.seed, profile=args.profile,
                   churn=parse_churn(args.churn), payload=args.payload,
                   compute_s=args.compute_s, publish_every=args.publish_every,
-                  member_options=options)
+                  member_options=options, min_ranks=args.min_ranks,
+                  spread_s=args.spread_s,
+                  progress=(lambda line: print(line, file=sys.stderr, flush=True))
+                  if args.progress else None)
     return world.run()
 
 
@@ -83,8 +96,10 @@ def main(argv=None) -> int:
     for name in ("members", "rounds", "payload", "publish_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.compute_s < 0:
-        p.error("--compute-s must be >= 0")
+    if args.compute_s < 0 or args.spread_s < 0:
+        p.error("--compute-s and --spread-s must be >= 0")
+    if not 1 <= args.min_ranks <= args.members:
+        p.error("--min-ranks must be between 1 and --members")
     result = simulate(args)
     clean = not result["violations"] and not result["wrong_rounds"]
     if not clean:

@@ -103,7 +103,7 @@ class Member:
         """One membership; True when this process should connect again."""
         world = self.world
         sched = world.sched
-        options = ElasticOptions.parse({"job": JOB, "min_ranks": 1,
+        options = ElasticOptions.parse({"job": JOB, "min_ranks": world.min_ranks,
                                         **world.member_options})
         storage = SimStorage(world.server, self.proc, URL)
         self.arrived = sched.now
@@ -158,7 +158,8 @@ class World:
     def __init__(self, members: int, rounds: int, seed: int, *, profile: str = "s3",
                  churn: dict[str, float] | None = None, payload: int = 1 << 20,
                  compute_s: float = 1.0, publish_every: int = 5,
-                 timeout: float = 600.0, member_options: dict | None = None) -> None:
+                 timeout: float = 600.0, member_options: dict | None = None,
+                 min_ranks: int = 1, spread_s: float = 0.0, progress=None) -> None:
         self.members_n, self.rounds, self.seed = members, rounds, seed
         self.profile = PROFILES[profile]
         self.churn = churn or {}
@@ -167,6 +168,9 @@ class World:
         self.publish_every = publish_every
         self.timeout = timeout
         self.member_options = member_options or {}
+        self.min_ranks = min_ranks
+        self.spread_s = spread_s  # the first members arrive over this many seconds
+        self.progress = progress  # progress(line): a line per round (None: silent)
         self.sched = Scheduler()
         self.start = self.sched.now
         scale = payload / (REAL_FLOATS * 4)
@@ -188,6 +192,7 @@ class World:
         self.deaths: list[Member] = []
         self.details: list[str] = []  # what each violation saw, in order
         self.running = 0  # member processes whose main thread has not ended
+        self.wall_began = wall()
         self.events: dict[str, int] = {}  # churn events that happened, by kind
 
     # -- what members report -----------------------------------------------------------
@@ -209,6 +214,9 @@ class World:
         if sync.round != round_:
             self.violate("round_skipped", f"{member.member_id} {round_}->{sync.round}")
             return
+        if round_ not in self.ends and self.progress is not None:
+            self.progress(f"round {round_} done at {self.sched.now - self.start:.1f} virtual "
+                          f"s, {wall() - self.wall_began:.1f} s wall, {sync.world_size} members")
         self.ends[round_] = self.sched.now
         contributors = self._saw(round_, sync)
         if self.models.setdefault(round_, model.numpy().tobytes()) != model.numpy().tobytes():
@@ -339,9 +347,13 @@ class World:
 
     # -- the run -----------------------------------------------------------------------
     def run(self, max_virtual_s: float | None = None) -> dict:
-        began = wall()
-        for _ in range(self.members_n):
-            self.spawn()
+        began = self.wall_began = wall()
+        for i in range(self.members_n):
+            if self.spread_s > 0 and i:
+                self.sched.call_at(self.start + self.spread_s * i / self.members_n,
+                                   self.spawn)
+            else:
+                self.spawn()
         for kind in self.churn:
             self._schedule(kind)
         limit = self.start + (max_virtual_s or 10 * 86400.0)
