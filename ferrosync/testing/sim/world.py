@@ -341,6 +341,16 @@ class World:
         self.deaths.append(member)
         self.sched.kill(member.proc)
 
+    def _tick(self) -> None:
+        """A progress line every 10 virtual seconds (with ``progress``)."""
+        admitted = sum(1 for m in self.everyone if m.admitted is not None)
+        self.progress(f"at {self.sched.now - self.start:.0f} virtual s, "
+                      f"{wall() - self.wall_began:.0f} s wall: {admitted} admitted, "
+                      f"{sum(self.server.requests.values())} requests, "
+                      f"{self.sched.switches} switches")
+        if not self.over():
+            self.sched.call_at(self.sched.now + 10.0, self._tick)
+
     def over(self) -> bool:
         """Every member process finished (a killed one once its threads unwound)."""
         return self.running == 0
@@ -356,6 +366,8 @@ class World:
                 self.spawn()
         for kind in self.churn:
             self._schedule(kind)
+        if self.progress is not None:
+            self._tick()
         limit = self.start + (max_virtual_s or 10 * 86400.0)
         self.sched.run(limit, stop=self.over)
         if not self.over():
