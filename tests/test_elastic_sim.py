@@ -75,6 +75,22 @@ def test_a_planted_fault_in_the_average_is_caught_and_replayable(capsys, monkeyp
             "--profile s3") in err
 
 
+def test_a_planted_fault_in_the_liveness_rule_is_caught(monkeypatch):
+    """Dead members never judged silent (the planted fault): a kill stalls the round
+    until the collective timeout, and the run says so."""
+    from ferrosync import liveness
+
+    def never_silent(self, peer, beat, now):
+        self.observe(peer, beat, now)
+        return False
+
+    monkeypatch.setattr(liveness.SilenceClocks, "silent", never_silent)
+    result = World(6, 4, 1, churn=parse_churn("kills=400"), timeout=120.0,
+                   member_options={"heartbeat_interval": 5.0}).run()
+    assert result["churn"]["kills"] >= 1
+    assert "member_error:SyncTimeout" in result["violations"], result["details"]
+
+
 def test_bad_churn_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         elastic_sim.main(["--members", "2", "--rounds", "1", "--seed", "0",
