@@ -347,7 +347,7 @@ class World:
         self.progress(f"at {self.sched.now - self.start:.0f} virtual s, "
                       f"{wall() - self.wall_began:.0f} s wall: {admitted} admitted, "
                       f"{sum(self.server.requests.values())} requests, "
-                      f"{self.sched.switches} switches")
+                      f"{self.server.slowdowns} SlowDowns, {self.sched.switches} switches")
         if not self.over():
             self.sched.call_at(self.sched.now + 10.0, self._tick)
 
