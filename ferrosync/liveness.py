@@ -76,6 +76,7 @@ import time
 import weakref
 
 from . import names
+from . import runtime as runtimes
 from .errors import (
     LayoutMismatch,
     PeerFailed,
@@ -292,10 +293,12 @@ class Heartbeat:
     def __init__(self, storage: Storage, prefix: str, rank: int, interval: float,
                  key: bytes | None, generation: int, *, clock: ProcessClock | None = None,
                  name: str | None = None, fields: dict | None = None,
-                 running: str = "running") -> None:
+                 running: str = "running", runtime=None) -> None:
         """``name`` (default ``names.heartbeat(rank)``), ``fields`` (added to every
         record) and ``running`` (the state while beating) parameterise it for an
-        elastic job's members (``hb.{id}``, state ``alive``, then ``left``/``aborted``)."""
+        elastic job's members (``hb.{id}``, state ``alive``, then ``left``/``aborted``).
+        ``runtime`` (default ``runtime.DEFAULT``): its clock, thread, event and lock."""
+        self._runtime = rt = runtime or runtimes.DEFAULT
         self._storage = storage
         self._prefix = prefix
         self._key = names.within(prefix, name) if name else heartbeat_key(prefix, rank)
@@ -305,8 +308,8 @@ class Heartbeat:
         self._lock = threading.Lock()
         # writes are serialised in beat order: a beat still in flight when ``stop``
         # writes the final state must not land after it (S3 keeps the last PUT)
-        self._write_lock = threading.Lock()
-        self._stop = threading.Event()
+        self._write_lock = rt.lock()
+        self._stop = rt.event()
         self._record = {
             **(fields or {}),
             "beat": 0,
@@ -317,14 +320,14 @@ class Heartbeat:
             "op": None,
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "wall_time": time.time(),  # for `inspect` only; never used for liveness
+            "wall_time": rt.time(),  # for `inspect` only; never used for liveness
             "interval": interval,  # lets tools size their watch window
             # this process's storage requests since it connected (heartbeats included),
             # by this host's clock: `inspect` shows requests and their cost per hour
-            "connected_at": time.time(),
+            "connected_at": rt.time(),
             "requests": {},
         }
-        self._thread: threading.Thread | None = None
+        self._thread = None  # the runtime's thread handle
         self.last_error: BaseException | None = None
         self.failing_since: float | None = None
         self.failures = 0  # failed writes in the current run of failures
@@ -336,10 +339,8 @@ class Heartbeat:
     def start(self) -> None:
         _HEARTBEATS[(id(self._storage), self._prefix, self._record["rank"])] = self
         self._beat()  # the first beat is synchronous: peers see us at once
-        self._thread = threading.Thread(
-            target=self._run, name=f"ferrosync-heartbeat-r{self._record['rank']}", daemon=True
-        )
-        self._thread.start()
+        self._thread = self._runtime.start_thread(
+            self._run, f"ferrosync-heartbeat-r{self._record['rank']}")
 
     def set_position(self, collective: int, op: str | None) -> None:
         with self._lock:
@@ -347,7 +348,7 @@ class Heartbeat:
             self._record["op"] = op
             # when it began, by this host's clock: `inspect` says since when a hung job
             # waits (for display only, like wall_time)
-            self._record["position_at"] = time.time()
+            self._record["position_at"] = self._runtime.time()
 
     def failure(self, now: float) -> tuple[float, BaseException] | None:
         """(seconds the writes have been failing, last error), or None if they work."""
@@ -378,7 +379,7 @@ class Heartbeat:
         now = self._clock.tick()
         with self._lock:
             self._record["beat"] += 1
-            self._record["wall_time"] = time.time()
+            self._record["wall_time"] = self._runtime.time()
             counts = self._storage.counters.snapshot()
             self._record["requests"] = {k: counts.get(k, 0) for k in ("requests",
                                                                        *REQUEST_KINDS)}
@@ -409,8 +410,8 @@ class Heartbeat:
             self._beat(state)
             if self.failing_since is None:
                 break
-            time.sleep(0.05 * (attempt + 1))
-        if self._thread is not None and self._thread is not threading.current_thread():
+            self._runtime.sleep(0.05 * (attempt + 1))
+        if self._thread is not None and self._thread is not self._runtime.current_thread():
             self._thread.join(timeout=max(5.0, 2 * self._interval))
         self._thread = None
         key = (id(self._storage), self._prefix, self._record["rank"])

@@ -17,7 +17,9 @@ before"), and a log of every request.
 contributions scripted: for the policy layers (strategies) above the transport.
 
 Modules that take their clock from ``time`` and their polling from ``Backoff`` are
-switched to the fake clock with ``clock.install(monkeypatch, module)``.
+switched to the fake clock with ``clock.install(monkeypatch, module)``, which also
+makes it ``ferrosync.runtime.DEFAULT`` (what the object layer, the elastic layer and
+heartbeats run on when nothing is passed in).
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ import types
 
 import torch
 
-from ferrosync import liveness
-from ferrosync.elastic import membership
+from ferrosync import liveness, runtime
 from ferrosync.storage import Storage
 from ferrosync.storage.base import BytesReader
 
@@ -81,28 +82,45 @@ class FakeClock:
     def Backoff(self, initial: float, cap: float) -> FakeBackoff:  # noqa: N802 - the class it fakes
         return FakeBackoff(self, initial, cap)
 
+    def runtime(self) -> FakeRuntime:
+        """A ``ferrosync.runtime.Runtime`` on this clock (real threads and locks)."""
+        return FakeRuntime(self)
+
     def install(self, monkeypatch, *modules) -> FakeClock:
-        """Make ``modules`` read time from this clock (their ``time`` name) and poll
-        with its back-off (their ``Backoff`` name, where they import one)."""
+        """Make ``modules`` read time from this clock (their ``time`` name, where they
+        import one) and poll with its back-off (their ``Backoff`` name), and make a
+        runtime on it the default one (``ferrosync.runtime.DEFAULT``)."""
         shim = types.SimpleNamespace(monotonic=self.monotonic, time=self.time,
                                      sleep=self.sleep, perf_counter=self.perf_counter)
+        monkeypatch.setattr(runtime, "DEFAULT", self.runtime())
         for module in modules:
-            monkeypatch.setattr(module, "time", shim)
+            if hasattr(module, "time"):
+                monkeypatch.setattr(module, "time", shim)
             if hasattr(module, "Backoff"):
                 monkeypatch.setattr(module, "Backoff", self.Backoff)
         return self
 
 
 def install_elastic_clock(monkeypatch, *modules) -> FakeClock:
-    """A ``FakeClock`` driving ``elastic.membership`` (and ``modules``): its time and
-    the process clock its silence rule reads, with no member judged gone yet (the
-    judgements are per process, so other tests' members would leak in)."""
-    clock = FakeClock().install(monkeypatch, *modules, membership)
-    process = liveness.ProcessClock(clock)
-    monkeypatch.setattr(liveness, "PROCESS_CLOCK", process)
-    monkeypatch.setattr(membership, "PROCESS_CLOCK", process)
-    monkeypatch.setattr(membership, "_GONE", {})
+    """A ``FakeClock`` driving the elastic layer (and ``modules``): its time and the
+    process clock its silence rule reads (the default runtime's), with no member
+    judged gone yet (the judgements are per process, so other tests' members would
+    leak in)."""
+    clock = FakeClock().install(monkeypatch, *modules)
+    monkeypatch.setattr(liveness, "PROCESS_CLOCK", runtime.DEFAULT.process_clock)
     return clock
+
+
+class FakeRuntime(runtime.Runtime):
+    """``ferrosync.runtime.Runtime`` on a ``FakeClock``: its time, sleeps and back-off,
+    a process clock of its own and no member judged gone; threads and locks are real."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.monotonic, self.time, self.sleep = clock.monotonic, clock.time, clock.sleep
+        self.Backoff = clock.Backoff
+        self.process_clock = liveness.ProcessClock(clock)
 
 
 class FakeBackoff:

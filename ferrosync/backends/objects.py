@@ -38,6 +38,7 @@ import time
 import torch
 
 from .. import names
+from .. import runtime as runtimes
 from ..errors import (
     LayoutMismatch,
     PeerFailed,
@@ -47,7 +48,7 @@ from ..errors import (
     relay_text,
     relayed,
 )
-from ..storage import RECORD_LIMIT, Backoff, BytesReader, object_exists
+from ..storage import RECORD_LIMIT, BytesReader, object_exists
 from ..wire import (
     DTYPE_CODES,
     KIND_ERROR,
@@ -76,12 +77,15 @@ class Objects:
     ``wait_for``; ``rank`` names the reader in errors (an elastic member's changes).
     ``before_put(op)`` is called before an object is written and may raise (the owning
     ``GradSync``'s rule that nothing is published once it failed); ``op`` names the
-    collective being run.
+    collective being run. ``runtime`` (default ``runtime.DEFAULT``, read at each use)
+    is where time, sleeps and waits come from, for this layer and the elastic layer
+    above it (the simulator passes a virtual one).
     """
 
     def __init__(self, storage, prefix: str, *, key: bytes | None, tag: int,
                  poll: tuple[float, float], rank: int | None = None,
-                 tag_name: str = "generation") -> None:
+                 tag_name: str = "generation", runtime=None) -> None:
+        self._runtime = runtime
         self.storage = storage
         self.prefix = prefix
         self.key = key
@@ -91,6 +95,10 @@ class Objects:
         self.tag_name = tag_name
         self.op = ""
         self.before_put = lambda op: None
+
+    @property
+    def runtime(self):
+        return self._runtime if self._runtime is not None else runtimes.DEFAULT
 
     @property
     def head(self) -> int:
@@ -279,7 +287,7 @@ class Objects:
         return a value that ends the wait), then the deadline (a number, or a function
         for a deadline that moves) is judged: past it, ``expired()`` is raised.
         ``sleeping()``, if given, is a context around each sleep (a stats phase)."""
-        backoff = None
+        backoff, clock = None, self.runtime
         while True:
             found = attempt()
             if found is not None:
@@ -289,10 +297,10 @@ class Objects:
                 if found is not None:
                     return found
             end = deadline() if callable(deadline) else deadline
-            if time.monotonic() >= end:
+            if clock.monotonic() >= end:
                 raise expired()
             if backoff is None:
-                backoff = Backoff(*(poll or self.poll))
+                backoff = clock.Backoff(*(poll or self.poll))
             if sleeping is None:
                 backoff.sleep(end)
             else:

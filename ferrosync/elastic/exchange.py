@@ -17,7 +17,6 @@ verified reads, the error for a missing slice, liveness and waits.
 from __future__ import annotations
 
 import json
-import time
 import warnings
 
 import torch
@@ -73,6 +72,10 @@ class Exchange:
     @property
     def tag(self) -> int:
         return self.objects.tag
+
+    @property
+    def clock(self):
+        return self.objects.runtime
 
     def path_of(self, name: str) -> str:
         return self.objects.path_of(name)
@@ -269,7 +272,7 @@ class Exchange:
         agreement.fits = lambda r, member: self.fits(r, member, prev, digest, total)
         with self.phase("wait_s"):
             roster = agreement.wait(round_, prev, list(prev.members[:pos]),
-                                    time.monotonic() + self.timeout,
+                                    self.objects.runtime.monotonic() + self.timeout,
                                     sizes=self.sizes(total, tree))
         self._round = (prev, roster, digest, total)
         self._check_kept(round_, roster, pos, name)

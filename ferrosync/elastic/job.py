@@ -17,7 +17,6 @@ how it gets into a roster (docs/elastic.md#joining).
 from __future__ import annotations
 
 import json
-import time
 
 from .. import names
 from ..errors import ConfigError, JobEnded, MemberDropped, ShardCorrupt, SyncTimeout
@@ -100,7 +99,7 @@ def admit(objects, rosters, agreement, member_id: str, deadline: float) -> Roste
     while True:
         ahead = []
         for k in range(prev.join_next, entry):
-            if time.monotonic() > deadline:
+            if objects.runtime.monotonic() > deadline:
                 raise SyncTimeout(
                     f"reading the {entry - prev.join_next} join entries ahead of this "
                     "member took longer than its timeout",

@@ -26,7 +26,6 @@ job's object layer (``backends.objects.Objects``); anything else is refused as
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, replace
 
 from .. import names
@@ -37,11 +36,6 @@ from .history import History
 
 ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
 _STATES = (ALIVE, LEFT, ABORTED)
-#: member ids this process has judged gone, by job namespace: a member never comes back
-#: under its id (one that was dropped while alive rejoins under a new one), so the
-#: judgement outlives the member that made it (a newcomer that connects again after its
-#: state's publisher died knows at once that the job's old members are gone)
-_GONE: dict[str, set[str]] = {}
 
 #: rosters older than this many rounds are deleted by the roster writer; a joiner
 #: finds a recent one through the ``latest`` hint, which is at most a few rounds old
@@ -52,9 +46,10 @@ def heartbeat(objects, member_id: str, interval: float) -> Heartbeat:
     """The heartbeat of member ``member_id`` in the job of ``objects`` (its namespace and
     key): ``liveness.Heartbeat`` writing ``hb.{id}`` with the member's id and the
     elastic states (``alive``, ``left``, ``aborted``)."""
+    runtime = objects.runtime
     return Heartbeat(objects.storage, objects.prefix, 0, interval, objects.key, 0,
                      name=names.elastic_heartbeat(member_id), fields={"id": member_id},
-                     running=ALIVE)
+                     running=ALIVE, clock=runtime.process_clock, runtime=runtime)
 
 
 class Watch:
@@ -73,8 +68,15 @@ class Watch:
     def __init__(self, objects, timeout: float, interval: float) -> None:
         self._objects = objects
         self._timeout = timeout
-        self._silence = SilenceClocks(timeout, interval)
-        self.gone = _GONE.setdefault(objects.storage.path_of(objects.prefix), set())
+        self._clock = objects.runtime.process_clock or PROCESS_CLOCK
+        self._silence = SilenceClocks(timeout, interval, clock=self._clock)
+        # member ids this process has judged gone, by job namespace (the runtime's): a
+        # member never comes back under its id (one that was dropped while alive rejoins
+        # under a new one), so the judgement outlives the member that made it (a newcomer
+        # that connects again after its state's publisher died knows at once that the
+        # job's old members are gone)
+        self.gone = objects.runtime.gone.setdefault(
+            objects.storage.path_of(objects.prefix), set())
         self._how: dict[str, str] = {}  # member -> the state this Watch judged it gone in
 
     def state(self, member_id: str) -> str:
@@ -91,7 +93,7 @@ class Watch:
                                    path=self._objects.path_of(name),
                                    hint="let nothing else write under this URL")
             beat, state = record.get("beat"), record["state"]
-        if state == ALIVE and self._silence.silent(member_id, beat, PROCESS_CLOCK.tick()):
+        if state == ALIVE and self._silence.silent(member_id, beat, self._clock.tick()):
             state = "silent"
         if state != ALIVE:
             self.gone.add(member_id)
@@ -120,12 +122,12 @@ class Watch:
 
     def overdue(self, member_id: str) -> bool:
         return member_id not in self.gone and \
-            self._silence.overdue(member_id, PROCESS_CLOCK.now())
+            self._silence.overdue(member_id, self._clock.now())
 
     def next_change(self, fresh_of=()) -> float | None:
         """When (``time.monotonic``) a watched member can next be judged gone, or one of
         ``fresh_of`` stop being fresh (``SilenceClocks.next_change``)."""
-        return self._silence.next_change(PROCESS_CLOCK.now(), fresh_of)
+        return self._silence.next_change(self._clock.now(), fresh_of)
 
 
 @dataclass(frozen=True)
@@ -340,7 +342,7 @@ class Rosters:
                 self._joins[n] = member_id
                 return n
             n += 1
-            if time.monotonic() > deadline:
+            if objects.runtime.monotonic() > deadline:
                 raise SyncTimeout(
                     f"no free entry of the join queue found in time (the last tried: {n})",
                     path=objects.path_of(names.elastic_join(n)),

@@ -27,7 +27,6 @@ and every ``PROGRESS_EVERY`` seconds after.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 
 from .. import names
@@ -52,12 +51,13 @@ class Progress:
     """Says on ``log`` how many members a wait below ``min_ranks`` has: when it starts,
     and every ``PROGRESS_EVERY`` seconds after, while it lasts."""
 
-    def __init__(self, min_ranks: int) -> None:
+    def __init__(self, min_ranks: int, clock) -> None:
         self._min = min_ranks
+        self._clock = clock
         self._next: float | None = None
 
     def below(self, here: int) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if self._next is None or now >= self._next:
             log.info("waiting for members: %d here, %d needed (min_ranks=%d)", here,
                      self._min, self._min)
@@ -260,7 +260,7 @@ class Agreement:
         from stops being seen running."""
         self.sizes = sizes
         self.short = None
-        progress = Progress(self._min)
+        progress = Progress(self._min, clock := self._objects.runtime)
         everyone = len(prev.members) < TREE_FROM
         after = prev.members[len(predecessors) + 1:]
         proof = () if everyone else predecessors[:2]
@@ -268,7 +268,7 @@ class Agreement:
         state = {"checker": all(m in gone for m in predecessors), "looks": 0,
                  # a round that ends within a check interval (a healthy one) needs no
                  # full pass
-                 "next_full": time.monotonic() + self._check_interval}
+                 "next_full": clock.monotonic() + self._check_interval}
 
         def next_look(now: float) -> float:
             change = self._watch.next_change(proof)
@@ -276,7 +276,7 @@ class Agreement:
                        + self._check_interval)
 
         def between() -> Roster | None:
-            now = time.monotonic()
+            now = clock.monotonic()
             if now >= self._next_look:
                 state["looks"] += 1
                 if on_look is not None:

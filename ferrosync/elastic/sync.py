@@ -10,7 +10,6 @@ members through the tree, ``tree.py``) and state for newcomers (``state.py``).
 
 from __future__ import annotations
 
-import secrets
 import time
 
 import torch
@@ -35,14 +34,15 @@ from .state import DEFAULT_MAX_STATE_BYTES, PublishedState, StateStore
 from .tree import TREE_FROM, TreeRound, Units, plan
 
 
-def job_objects(storage, options: ElasticOptions, poll, rank=None) -> Objects:
+def job_objects(storage, options: ElasticOptions, poll, rank=None, runtime=None) -> Objects:
     """The object layer of the elastic job ``options.job`` on ``storage``: its namespace,
     sealed with the job's own key, every header naming the job (``wire.job_key``,
     ``wire.job_tag``): an object copied from another job that shares the secret fails
     its MAC and never enters an average."""
     namespace = names.elastic_namespace(options.job)
     return Objects(storage, namespace, key=job_key(options.secret, namespace),
-                   tag=job_tag(namespace), poll=poll, rank=rank, tag_name="job")
+                   tag=job_tag(namespace), poll=poll, rank=rank, tag_name="job",
+                   runtime=runtime)
 
 
 def peek_state(url: str, options: dict, timeout: float = 300.0) -> PublishedState | None:
@@ -85,22 +85,29 @@ class ElasticSync(GradSync):
         return Identity(0, 1, 0, 1, "elastic")
 
     def __init__(self, url: str, identity: Identity, timeout: float,
-                 options: ElasticOptions) -> None:
-        # $FERROSYNC_FAULTS (tests and drills only): matched against the member's rank
-        # of the moment
-        storage = inject(open_storage(url, options.storage_options, timeout=timeout,
-                                        transfer=options.transfer()),
-                         lambda: self.rank)
+                 options: ElasticOptions, *, storage=None, runtime=None) -> None:
+        """``storage`` (an opened ``Storage`` for ``url``, which the member then owns)
+        and ``runtime`` (a ``runtime.Runtime``: time, waits, threads) are for the
+        elastic simulator (``ferrosync/testing/sim``); a real member opens ``url`` and
+        runs on the process's own time."""
+        if storage is None:
+            # $FERROSYNC_FAULTS (tests and drills only): matched against the member's
+            # rank of the moment
+            storage = inject(open_storage(url, options.storage_options, timeout=timeout,
+                                            transfer=options.transfer()),
+                             lambda: self.rank)
         timing = options.timing(storage)
         super().__init__(url, identity, timeout, storage.counters)
         self._storage = storage
         self.job = options.job
         self.wire_dtype = options.wire_dtype
-        self.member_id = secrets.token_hex(8)
         #: the resolved liveness settings (the defaults depend on the kind of store)
         self.heartbeat_interval, self.heartbeat_timeout = (timing.heartbeat_interval,
                                                            timing.heartbeat_timeout)
-        objects = self._objects = job_objects(storage, options, timing.poll, self.rank)
+        objects = self._objects = job_objects(storage, options, timing.poll, self.rank,
+                                              runtime)
+        self._clock = objects.runtime
+        self.member_id = self._clock.token_hex(8)
         objects.before_put = self._raise_if_failed
         self._secret = objects.key  # whether objects are authenticated (ddp's warning)
         self._rosters = Rosters(objects)
@@ -137,7 +144,7 @@ class ElasticSync(GradSync):
             self._heartbeat.start()
             started = True
             self._adopt(admit(objects, self._rosters, self._agreement, self.member_id,
-                              time.monotonic() + timeout))
+                              self._clock.monotonic() + timeout))
         except BaseException:
             self._closed = True
             if started:  # the others must not wait on a member that never joined
@@ -270,7 +277,7 @@ class ElasticSync(GradSync):
                                          send=weight > 0, tree=True)
         tree = TreeRound(self._exchange, plan(len(prev.members), self._fan_in), prev, roster,
                          Units(flats, codecs), digest, wire, weight,
-                         time.monotonic() + self.timeout)
+                         self._clock.monotonic() + self.timeout)
         total = tree.run(flats)
         self._adopt(roster)
         return total
@@ -362,7 +369,7 @@ class ElasticSync(GradSync):
         if nothing was published yet. Not a collective; the tensors change only once
         the state verified."""
         self._check_usable()
-        return self._state.fetch(tensors, time.monotonic() + self.timeout, self.rank)
+        return self._state.fetch(tensors, self._clock.monotonic() + self.timeout, self.rank)
 
     def read_state(self, min_round: int | None = None, timeout: float | None = None, *,
                    publisher: str | None = None,
@@ -391,7 +398,7 @@ class ElasticSync(GradSync):
                                  hint="connect again to join through another round")
 
         max_bytes = validate.integer("max_bytes", max_bytes, minimum=0)
-        return self._state.read(time.monotonic() + wait, self.rank, min_round,
+        return self._state.read(self._clock.monotonic() + wait, self.rank, min_round,
                                 give_up if publisher is not None else None, max_bytes)
 
     def __repr__(self) -> str:

@@ -45,7 +45,6 @@ liveness rule, the exact-name wait, and the member's stats.
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Protocol
@@ -72,6 +71,7 @@ class RoundIO(Protocol):
     rank: int  # the member's rank, for error messages
     tag: int  # the job's tag, in every object's header
     look_every: float  # seconds between looks at the owners a wait depends on
+    clock: object  # the member's ``runtime.Runtime`` (its ``monotonic``)
 
     def path_of(self, name: str) -> str: ...
 
@@ -230,14 +230,14 @@ class TreeRound:
         # an owner already known gone is not waited for; another is looked at once per
         # heartbeat interval of waiting
         looks = [0.0 if self.io.known_gone(owner) else
-                 time.monotonic() + self.io.look_every]
+                 self.io.clock.monotonic() + self.io.look_every]
 
         def attempt():
             with self.io.phase("wait_s"):
                 return self._read(name, expected, writer)
 
         def between():
-            now = time.monotonic()
+            now = self.io.clock.monotonic()
             if now >= looks[0]:
                 self._look_at_owners()
                 if not self.io.alive(owner):

@@ -165,6 +165,9 @@ class Storage:
     #: seconds one call may spend retrying (``open_storage``'s timeout); None: no bound
     #: but ``retries``
     retry_s: float | None = None
+    #: where ``_retry`` reads time and sleeps (a ``runtime.Runtime``; None: the ``time``
+    #: module): the elastic simulator's storage runs on virtual time
+    runtime = None
 
     def __init__(self, url: str) -> None:
         self.url = url.rstrip("/")
@@ -286,8 +289,8 @@ class Storage:
         lists and deletes are idempotent, a put rewrites the same bytes, and an exclusive
         create that finds its own bytes is recognised as ours (``_create``).
         """
-        delay = 0.05
-        give_up = None if self.retry_s is None else time.monotonic() + self.retry_s
+        delay, clock = 0.05, self.runtime or time
+        give_up = None if self.retry_s is None else clock.monotonic() + self.retry_s
         for attempt in range(self.retries + 1):
             try:
                 return fn(*args, **kwargs)
@@ -295,11 +298,11 @@ class Storage:
                 raise
             except Exception as exc:  # botocore/aiohttp errors are not all OSErrors
                 if (not self._retryable(exc) or attempt == self.retries or (
-                        give_up is not None and time.monotonic() + delay > give_up)):
+                        give_up is not None and clock.monotonic() + delay > give_up)):
                     raise storage_error(what, self.path_of(key), exc,
                                         is_transient(exc)) from exc
                 self._recover()
-                time.sleep(delay)
+                clock.sleep(delay)
                 delay = min(delay * 4, 2.0)
         raise AssertionError("unreachable")
 
@@ -385,15 +388,18 @@ class Backoff:
     the cap bounds the request rate on billed object stores.
     """
 
-    __slots__ = ("_delay", "_cap")
+    __slots__ = ("_delay", "_cap", "_clock")
 
-    def __init__(self, initial: float, cap: float) -> None:
+    def __init__(self, initial: float, cap: float, *, clock=None) -> None:
+        """``clock``: what has ``monotonic`` and ``sleep`` (a ``runtime.Runtime``;
+        default the ``time`` module)."""
         self._delay = initial
         self._cap = cap
+        self._clock = clock or time
 
     def sleep(self, deadline: float) -> None:
-        remaining = deadline - time.monotonic()
-        time.sleep(max(0.0, min(self._delay, remaining)))
+        remaining = deadline - self._clock.monotonic()
+        self._clock.sleep(max(0.0, min(self._delay, remaining)))
         self._delay = min(self._delay * 2, self._cap)
 
 
@@ -421,8 +427,10 @@ def probe_location(storage: Storage, rank: int | None = None, *,
         if exc.rank is not None or rank is None:
             raise
         raise ConfigError(exc.what, rank=rank, path=exc.path, hint=exc.hint) from exc.__cause__
-    key = names.probe(0 if rank is None else rank)
-    payload = b"ferrosync probe " + secrets.token_bytes(8)
+    # random names and bytes; a simulated store's runtime draws them from its seed
+    token = storage.runtime.token_hex if storage.runtime is not None else secrets.token_hex
+    key = names.probe(0 if rank is None else rank, token(4))
+    payload = b"ferrosync probe " + token(8).encode()
     creates = True
     try:
         storage.makedirs("")

@@ -3,4 +3,6 @@
 ``seaweed`` (SeaweedFS, a real S3 server), ``emulators`` (fake-gcs-server, Azurite),
 ``wan_proxy`` (a slow, distant link: ``python -m ferrosync.testing.wan_proxy``),
 ``fault_proxy`` (lost replies, cut bodies, resets, 503s: ``python -m
-ferrosync.testing.fault_proxy``)."""
+ferrosync.testing.fault_proxy``). The ``sim`` package is the exception to the
+standard-library rule: the elastic simulator runs ferrosync's own elastic code (and
+torch) on a simulated store and clock, in one process (``tools/elastic_sim.py``)."""

@@ -1,0 +1,329 @@
+"""Virtual time and a baton: N simulated processes of the production code, one thread
+running at a time, in an order fixed by the seed.
+
+Every simulated thread (a member's main thread, its heartbeat thread) is a real OS
+thread that runs only while it holds the baton. It gives the baton back at every
+point where real code could be overtaken by another process: a sleep, an event or
+lock wait, a thread join, a storage request (``store.py`` sleeps through its
+latency). The thread giving the baton up picks the next one by (virtual time,
+sequence number) and hands the baton straight to it (``Scheduler.run`` starts the
+first and waits for the end): the same seed gives the same order, the same requests
+and the same ``digest``, whatever the machine's speed.
+
+A killed process (``kill``) never runs again as itself: its threads are woken once to
+unwind with ``SimKilled`` (a ``BaseException``, so no ``except Exception`` of the
+production code swallows it), and its storage client refuses every request, so
+nothing it does after its death reaches the world. A paused process (``pause``: a
+SIGSTOP) is not woken until it resumes; virtual time runs on, as a monotonic clock
+does for a stopped process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import threading
+import time
+
+from ...liveness import ProcessClock
+from ...runtime import Runtime
+
+#: a simulated thread's OS stack: the production code's call depth is modest, and a
+#: thousand members run two thousand threads
+STACK_BYTES = 1 << 20
+
+
+class SimKilled(BaseException):
+    """The simulated process was killed: its threads unwind without touching anything."""
+
+
+class Task:
+    """One simulated thread: an OS thread that runs while it holds the baton."""
+
+    __slots__ = ("name", "process", "go", "epoch", "done", "error", "joiners")
+
+    def __init__(self, name: str, process) -> None:
+        self.name = name
+        self.process = process
+        self.go = threading.Event()
+        self.epoch = 0  # wake-ups scheduled under an older epoch are stale
+        self.done = False
+        self.error: BaseException | None = None
+        self.joiners: list[Task] = []
+
+    def join(self, timeout: float | None = None) -> None:
+        sched = self.process.sched
+        if not self.done:
+            self.joiners.append(sched.current)
+            sched.block(None if timeout is None else sched.now + timeout)
+
+
+class Process:
+    """A simulated OS process: its tasks, its runtime, whether it is dead or stopped."""
+
+    def __init__(self, sched: Scheduler, name: str, seed: int) -> None:
+        self.sched = sched
+        self.name = name
+        self.dead = False
+        self.paused_until = 0.0
+        self.tasks: list[Task] = []
+        self.runtime = SimRuntime(sched, self, seed)
+
+
+class Scheduler:
+    """The virtual clock, the run queue and the trace digest of one simulation."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._driver = threading.Event()
+        self.current: Task | None = None
+        self._digest = hashlib.blake2b(digest_size=16)
+        self.switches = 0
+        self.failures: list[tuple[Task, BaseException]] = []
+        self._until = 0.0
+        self._stop = None
+
+    # -- the trace ---------------------------------------------------------------------
+    def note(self, *fields) -> None:
+        """Add an event to the trace (its digest is the run's fingerprint)."""
+        self._digest.update(repr((round(self.now, 9), *fields)).encode())
+
+    @property
+    def digest(self) -> str:
+        return self._digest.hexdigest()
+
+    # -- for the driver ----------------------------------------------------------------
+    def call_at(self, at: float, action) -> None:
+        """Run ``action()`` on the driver at virtual time ``at`` (churn, checks)."""
+        heapq.heappush(self._heap, (at, next(self._seq), action, None))
+
+    def spawn(self, process: Process, name: str, target) -> Task:
+        """A new simulated thread of ``process`` running ``target()``, runnable now."""
+        task = Task(name, process)
+        process.tasks.append(task)
+        old = threading.stack_size(STACK_BYTES)
+        try:
+            threading.Thread(target=self._main, args=(task, target), name=f"sim-{name}",
+                             daemon=True).start()
+        finally:
+            threading.stack_size(old)
+        self._push(self.now, task)
+        return task
+
+    def kill(self, process: Process) -> None:
+        """The process dies now: its threads unwind at once, touching nothing."""
+        process.dead = True
+        for task in process.tasks:
+            if not task.done:
+                self._push(self.now, task)
+
+    def pause(self, process: Process, seconds: float) -> None:
+        process.paused_until = max(process.paused_until, self.now + seconds)
+
+    def run(self, until: float, stop=None) -> None:
+        """Run the queue until virtual time ``until``, or until ``stop()`` is true."""
+        self._until, self._stop = until, stop
+        first = self._dispatch()
+        if first is None:
+            return
+        self._driver.clear()
+        self.current = first
+        first.go.set()
+        self._driver.wait()
+
+    def _dispatch(self) -> Task | None:
+        """The next task to run (driver actions that fall due run here, on whichever
+        thread holds the baton); None when the run is over."""
+        heap = self._heap
+        while heap:
+            at, _, item, epoch = heap[0]
+            if at > self._until or (self._stop is not None and self._stop()):
+                return None
+            heapq.heappop(heap)
+            if epoch is None:
+                self.now = max(self.now, at)
+                try:
+                    item()
+                # broad on purpose: a failing driver action is a finding, not a hang
+                except Exception as exc:  # noqa: BLE001
+                    self.failures.append((Task("driver", None), exc))
+                continue
+            task = item
+            if task.done or epoch != task.epoch:
+                continue  # a stale wake-up (the task was woken otherwise first)
+            process = task.process
+            if process.paused_until > at and not process.dead:
+                heapq.heappush(heap, (process.paused_until, next(self._seq), task, epoch))
+                continue
+            task.epoch += 1
+            self.now = max(self.now, at)
+            self.switches += 1
+            return task
+        return None
+
+    def _pass_baton(self, nxt: Task | None) -> None:
+        self.current = nxt
+        if nxt is None:
+            self._driver.set()
+        else:
+            nxt.go.set()
+
+    def pending(self) -> list[Task]:
+        """Tasks that have not finished (for a stall report)."""
+        return [t for _, _, t, e in self._heap if e is not None and not t.done]
+
+    # -- for simulated threads ---------------------------------------------------------
+    def _push(self, at: float, task: Task) -> None:
+        heapq.heappush(self._heap, (at, next(self._seq), task, task.epoch))
+
+    def wake(self, task: Task) -> None:
+        """Make a blocked ``task`` runnable now."""
+        self._push(self.now, task)
+
+    def block(self, at: float | None = None) -> None:
+        """Give the baton back; resume when woken (``wake``) or at ``at``."""
+        task = self.current
+        if at is not None:
+            self._push(at, task)
+        nxt = self._dispatch()
+        if nxt is not task:  # else: nobody is due before this task, it runs on
+            self._pass_baton(nxt)
+            task.go.wait()
+            task.go.clear()
+        if task.process.dead:
+            raise SimKilled(task.name)
+
+    def _main(self, task: Task, target) -> None:
+        task.go.wait()
+        task.go.clear()
+        try:
+            if task.process.dead:
+                raise SimKilled(task.name)
+            target()
+        except SimKilled:
+            pass
+        # broad on purpose: a simulated thread's failure is a finding, reported by the
+        # simulation, never a crash of the driver
+        except BaseException as exc:  # noqa: BLE001
+            task.error = exc
+            self.failures.append((task, exc))
+        finally:
+            task.done = True
+            for joiner in task.joiners:
+                self.wake(joiner)
+            self._pass_baton(self._dispatch())
+
+
+class SimEvent:
+    """``threading.Event`` on the scheduler."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._sched = sched
+        self._flag = False
+        self._waiters: list[Task] = []
+
+    def is_set(self) -> bool:
+        return self._flag
+
+    def set(self) -> None:
+        self._flag = True
+        for task in self._waiters:
+            self._sched.wake(task)
+        self._waiters.clear()
+
+    def clear(self) -> None:
+        self._flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._flag:
+            sched = self._sched
+            me = sched.current
+            self._waiters.append(me)
+            try:
+                sched.block(None if timeout is None else sched.now + timeout)
+            finally:
+                if me in self._waiters:
+                    self._waiters.remove(me)
+        return self._flag
+
+
+class SimLock:
+    """``threading.Lock`` on the scheduler (held across storage requests)."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self._sched = sched
+        self._owner: Task | None = None
+        self._waiters: list[Task] = []
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        sched = self._sched
+        while self._owner is not None:
+            if not blocking:
+                return False
+            self._waiters.append(sched.current)
+            sched.block()
+        self._owner = sched.current
+        return True
+
+    def release(self) -> None:
+        self._owner = None
+        if self._waiters:
+            self._sched.wake(self._waiters.pop(0))
+
+    def locked(self) -> bool:
+        return self._owner is not None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class SimRuntime(Runtime):
+    """A simulated process's ``runtime.Runtime``: virtual time, the scheduler's waits
+    and threads, its own liveness clock and ``gone`` judgements, ids from its seed."""
+
+    #: wall time = virtual monotonic time + this (any fixed date: for ``inspect`` only)
+    WALL_OFFSET = 1.7e9
+
+    def __init__(self, sched: Scheduler, process: Process, seed: int) -> None:
+        super().__init__()
+        self._sched = sched
+        self._process = process
+        import random
+        self._rng = random.Random(seed)
+        self.process_clock = ProcessClock(self.monotonic)
+
+    def monotonic(self) -> float:
+        return self._sched.now
+
+    def time(self) -> float:
+        return self._sched.now + self.WALL_OFFSET
+
+    def sleep(self, seconds: float) -> None:
+        self._sched.block(self._sched.now + max(0.0, seconds))
+
+    def event(self) -> SimEvent:
+        return SimEvent(self._sched)
+
+    def lock(self) -> SimLock:
+        return SimLock(self._sched)
+
+    def start_thread(self, target, name: str) -> Task:
+        return self._sched.spawn(self._process, f"{self._process.name}/{name}", target)
+
+    def current_thread(self):
+        return self._sched.current
+
+    def token_hex(self, nbytes: int) -> str:
+        return f"{self._rng.getrandbits(8 * nbytes):0{2 * nbytes}x}"
+
+
+def wall() -> float:
+    """Real seconds (for ``wall_s`` only; never read by the simulation)."""
+    return time.perf_counter()
