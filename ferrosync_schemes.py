@@ -34,6 +34,10 @@ class Scheme(NamedTuple):
     install: str | None = None
     store: str | None = None
     ddp: str | None = None
+    #: the part before ``@`` names a container, not a user (adlfs'
+    #: ``abfs://container@account``, ocifs' ``oci://bucket@namespace``); in any other
+    #: scheme it is a user name or a token, hidden and refused (``ferrosync.errors.redact``)
+    at_container: bool = False
 
 
 _LOCAL = "ferrosync.storage.local:open_local"
@@ -49,12 +53,15 @@ SCHEMES: dict[str, Scheme] = {
     "s3a": Scheme(_S3, "s3a", "pip install 'ferrosync[s3]'", "Amazon S3", "object"),
     "gs": Scheme(_GCS, "gs", "pip install gcsfs", "Google Cloud Storage", "object"),
     "gcs": Scheme(_GCS, "gcs", "pip install gcsfs", "Google Cloud Storage", "object"),
-    "az": Scheme(FSSPEC, "az", "pip install adlfs", "Azure Blob Storage", "object"),
-    "abfs": Scheme(FSSPEC, "abfs", "pip install adlfs", "Azure Blob Storage", "object"),
-    "abfss": Scheme(FSSPEC, "abfss", "pip install adlfs", "Azure Blob Storage", "object"),
+    "az": Scheme(FSSPEC, "az", "pip install adlfs", "Azure Blob Storage", "object",
+                  at_container=True),
+    "abfs": Scheme(FSSPEC, "abfs", "pip install adlfs", "Azure Blob Storage", "object",
+                  at_container=True),
+    "abfss": Scheme(FSSPEC, "abfss", "pip install adlfs", "Azure Blob Storage", "object",
+                  at_container=True),
     "adl": Scheme(FSSPEC, "adl", "pip install adlfs", ddp="object"),
     "oss": Scheme(FSSPEC, "oss", "pip install ossfs", ddp="object"),
-    "oci": Scheme(FSSPEC, "oci", "pip install ocifs", ddp="object"),
+    "oci": Scheme(FSSPEC, "oci", "pip install ocifs", ddp="object", at_container=True),
     "hdfs": Scheme(FSSPEC, "hdfs", "pip install pyarrow", ddp="object"),
     "webhdfs": Scheme(FSSPEC, "webhdfs", "pip install requests", ddp="object"),
     "memory": Scheme(FSSPEC, "memory", store="memory"),

@@ -25,7 +25,7 @@ import os
 import sys
 
 from .env import ENV_SECRET
-from .errors import ConfigError, StorageError, redact
+from .errors import ConfigError, StorageError, one_line
 from .ops.keys import directory as keys_directory
 from .validate import cli_number
 
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ferrosync {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (StorageError, OSError) as exc:  # a driver's own error may quote a URL
-        print(f"ferrosync {args.command}: storage failed: {redact(exc)}", file=sys.stderr)
+    except (StorageError, OSError) as exc:  # a driver's own error may quote a URL, span lines
+        print(f"ferrosync {args.command}: storage failed: {one_line(exc)}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
         return 130

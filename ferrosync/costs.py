@@ -13,6 +13,8 @@ known store. Other classes and regions differ: pass yours, e.g.
 
 from __future__ import annotations
 
+from ferrosync_schemes import scheme
+
 from .storage import split_url
 from .stores import store_of
 from .validate import choice, number
@@ -72,19 +74,23 @@ def hourly(counts: dict, seconds: float, prices: dict[str, float] | None,
     }
 
 
+#: the torch.distributed transports' URL schemes: their requests are collective calls
+_TRANSPORTS = ("gloo", "nccl", "torch")
+
+
 def request_noun(url: str) -> str:
     """What one counted request is at ``url``, as the summaries name it: a billed
     ``"storage requests"`` on an object store, ``"file operations"`` on a directory
     (open, write and rename, unlink: not billed), ``"collective calls"`` on a
     torch.distributed transport."""
     protocol, _ = split_url(url)
-    if protocol in ("gloo", "nccl", "torch"):
+    if protocol in _TRANSPORTS:
         return "collective calls"
-    return "file operations" if protocol in ("file", "local") else "storage requests"
+    return "file operations" if scheme(protocol).store == "directory" else "storage requests"
 
 
 def is_billed(url: str) -> bool:
     """Whether ``url`` is an object store that bills requests (not a directory, an
     in-memory store or a torch.distributed transport)."""
     protocol, _ = split_url(url)
-    return protocol not in ("file", "local", "memory", "gloo", "nccl", "torch")
+    return request_noun(url) == "storage requests" and scheme(protocol).store != "memory"

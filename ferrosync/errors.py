@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+from ferrosync_schemes import scheme
+
 __all__ = [
     "FerrosyncError",
     "ConfigError",
@@ -29,22 +31,41 @@ __all__ = [
     "RejoinNeeded",
     "ObjectCollectiveWarning",
     "redact",
+    "one_line",
 ]
 
 #: a URL's ``user:password@`` (``s3://KEY:SECRET@bucket/x``): everything from the scheme's
 #: ``//`` to the last ``@`` of the word, when a ``:`` comes before it (a secret may hold
-#: ``/`` or ``+``, so the URL's own parse of where the host starts cannot be trusted)
-_URL_CREDENTIALS = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s'\"@]*:[^\s'\"]*@")
+#: ``/`` or ``+``, so the URL's own parse of where the host starts cannot be trusted); or
+#: a ``user@``/``TOKEN@`` with no ``:`` before the first ``/`` (``_hide`` keeps those of
+#: the schemes where it names a container)
+_URL_CREDENTIALS = re.compile(
+    r"(?i)\b([a-z][a-z0-9+.-]*)://([^\s'\"@]*:[^\s'\"]*|[^\s'\"/@:]+)@")
 
 
 def redact(text):
     """``text`` with every credential written into a URL replaced by ``***``
-    (``s3://***@bucket/x``): the one rule that keeps them out of every message, log
-    line and record ferrosync writes. ``redact(url) != url`` is how ``split_url`` finds
-    a URL with credentials (and refuses it). None stays None."""
+    (``s3://***@bucket/x``, ``s3://TOKEN@bucket/x`` too): the one rule that keeps them
+    out of every message, log line and record ferrosync writes. ``abfs://container@acct``
+    and ``oci://bucket@namespace`` name no user and stay (``ferrosync_schemes``'
+    ``at_container``). ``redact(url) != url`` is how ``split_url`` finds a URL with
+    credentials (and refuses it). None stays None."""
     if text is None:
         return None
-    return _URL_CREDENTIALS.sub(r"\1***@", str(text))
+    return _URL_CREDENTIALS.sub(_hide, str(text))
+
+
+def _hide(match: re.Match) -> str:
+    protocol, userinfo = match.group(1), match.group(2)
+    if ":" not in userinfo and scheme(protocol.lower()).at_container:
+        return match.group(0)
+    return f"{protocol}://***@"
+
+
+def one_line(text) -> str:
+    """``text`` (an exception, a driver's message) as one redacted line: what every
+    one-line error and report line ferrosync prints is made of."""
+    return " ".join(redact(text).split())
 
 
 class FerrosyncError(Exception):

@@ -5,7 +5,8 @@ prints the import machinery's traceback, leaves half-loaded extension modules be
 (the next import of them fails with "cannot load module more than once per process"),
 and can be swallowed by import-time code that catches everything, so the job runs on.
 So when this process is one of ferrosync's commands (``python -m ferrosync.train``,
-``python -m ferrosync``, the ``ferrosync`` script), the first line of
+``python -m ferrosync``, the ``ferrosync`` script, ``python -m
+ferrosync.testing.seaweed``), the first line of
 ``ferrosync/__init__.py`` holds SIGINT (``hold_at_start``): a Ctrl-C is noted, never
 acted on, until the command's ``main`` calls ``release``, which restores Python's
 handler and raises the noted one there, where ``main`` says one line and exits 130.
@@ -21,7 +22,8 @@ import sys
 import threading
 
 #: the modules run with ``-m`` (and the script) whose ``main`` calls ``release``
-COMMANDS = ("ferrosync", "ferrosync.train", "ferrosync.train.__main__", "ferrosync.__main__")
+COMMANDS = ("ferrosync", "ferrosync.train", "ferrosync.train.__main__", "ferrosync.__main__",
+            "ferrosync.testing.seaweed")
 
 _held = False
 _pending = False

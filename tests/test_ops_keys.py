@@ -190,3 +190,18 @@ def test_ferrosync_keys_lists_and_prunes_from_the_command_line(where, tmp_path, 
     os.chmod(where, 0o755)  # a key directory others may enter: refused, one line, exit 2
     assert main(["keys", "--prune"]) == 2
     assert "chmod 700" in capsys.readouterr().err
+
+
+def test_ferrosync_keys_never_shows_a_credential_an_old_key_file_holds(where, capsys,
+                                                                      monkeypatch):
+    """Key files written before URLs with credentials were refused may hold one."""
+    from ferrosync.__main__ import main
+
+    monkeypatch.setenv(keys.ENV_KEYS, where)
+    _key(where, "launch-old", "s3://AKIAKEY:s3cr3t@bucket/run", launcher=EXITED)
+    assert main(["keys"]) == 0
+    out = capsys.readouterr().out
+    assert "s3://***@bucket/run" in out and "s3cr3t" not in out and "AKIAKEY" not in out
+    assert main(["keys", "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["entries"]
+    assert entry["url"] == "s3://***@bucket/run"

@@ -1,8 +1,8 @@
 """``python -m ferrosync.train.plot``: the plotting ships in the package (an installed
 ferrosync plots a ``--metrics`` file without a clone), as a process, as users run it:
 a PNG from the metrics file a real run wrote (and then lost its last line's tail, as a
-killed run leaves it); a file that is not a metrics file, or a missing one, is one line
-and exit 2, with nothing written."""
+killed run leaves it); a file that is not a metrics file, a missing one, or an output
+that cannot be written is one line and exit 2, with nothing written."""
 
 from __future__ import annotations
 
@@ -31,9 +31,12 @@ def test_the_package_plots_a_metrics_file_and_refuses_what_is_not_one(tmp_path):
 
     other = tmp_path / "other.jsonl"
     other.write_text('{"a": 1}\n{"a": 2}\n')
-    for bad, says in ((other, "line 1 is not a metrics line"),
-                      (tmp_path / "missing.jsonl", "does not exist")):
-        result = _plot(bad, "-o", tmp_path / "x.png", cwd=tmp_path)
+    nowhere = tmp_path / "no-such-dir" / "x.png"
+    for bad, out, says in ((other, tmp_path / "x.png", "line 1 is not a metrics line"),
+                           (tmp_path / "missing.jsonl", tmp_path / "x.png", "does not exist"),
+                           (tmp_path, tmp_path / "x.png", "is not a file"),
+                           (metrics, nowhere, f"cannot write {nowhere}")):
+        result = _plot(bad, "-o", out, cwd=tmp_path)
         assert result.returncode == 2, result.stderr
         assert says in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
-    assert not (tmp_path / "x.png").exists()
+    assert not (tmp_path / "x.png").exists() and not nowhere.parent.exists()

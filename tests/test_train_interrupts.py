@@ -60,6 +60,17 @@ def test_ctrl_c_while_an_operator_tool_imports_torch(tmp_path):
     assert done.stderr == "ferrosync: interrupted\n" and done.stdout == ""
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/PID/maps")
+def test_ctrl_c_while_the_local_s3_server_command_imports_torch(tmp_path):
+    """``python -m ferrosync.testing.seaweed`` imports ferrosync (and torch) first."""
+    done = _interrupt_when(tmp_path, lambda pid: _mapped(pid, "libtorch_cpu"),
+                           argv=[sys.executable, "-m", "ferrosync.testing.seaweed",
+                                 "--dir", tmp_path / "data"])
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "ferrosync.testing.seaweed: interrupted\n" and done.stdout == ""
+    assert not (tmp_path / "data").exists()  # nothing started, nothing made
+
+
 def test_ctrl_c_names_the_checkpoint_to_resume_from(tmp_path):
     """A rank started by hand (no launcher) with checkpoints: Ctrl-C says where the run
     can continue from, on its one line."""

@@ -11,7 +11,7 @@ import sys
 import pytest
 from train_cli import cli_env, run_forked, run_main
 
-from ferrosync.errors import ConfigError, StorageError, redact, relay_text
+from ferrosync.errors import ConfigError, StorageError, one_line, redact, relay_text
 from ferrosync.storage import split_url
 
 SECRET_URL = "s3://AKIAEXAMPLEKEY:wJalr/K7MDENG+bPxRfi@bucket/run"
@@ -24,9 +24,14 @@ SHOWN = "s3://***@bucket/run"
     ("http://user:pw@127.0.0.1:9000/x", "http://***@127.0.0.1:9000/x"),
     ('cannot reach "gs://u:p@b/p" now', 'cannot reach "gs://***@b/p" now'),
     ("s3://bucket/run", "s3://bucket/run"),
-    ("gs://bucket/obj@v2", "gs://bucket/obj@v2"),  # no user:password: nothing to hide
+    ("gs://bucket/obj@v2", "gs://bucket/obj@v2"),  # an '@' in the path: nothing to hide
+    ("s3://TOKEN@bucket/run", SHOWN),  # a token alone (s3/gs names have no '@')
+    ("HTTPS://ghp_Tok3n@example.com/x", "HTTPS://***@example.com/x"),
     ("abfs://container@account.dfs.core.windows.net/p",
      "abfs://container@account.dfs.core.windows.net/p"),  # adlfs' own spelling
+    ("az://container@account/p", "az://container@account/p"),
+    ("oci://bucket@namespace/p", "oci://bucket@namespace/p"),  # ocifs' own spelling
+    ("abfs://container:AccountKey@account/p", "abfs://***@account/p"),
     ("/a/plain:path@x", "/a/plain:path@x"),
 ])
 def test_redact_hides_user_and_password_of_every_url_in_a_text(text, shown):
@@ -51,12 +56,28 @@ def test_errors_never_carry_a_credential_and_urls_with_them_are_refused():
     assert split_url("s3://bucket/run") == ("s3", "bucket/run")
 
 
+@pytest.mark.unit
+def test_a_token_without_a_colon_is_refused_and_a_container_is_not():
+    with pytest.raises(ConfigError, match=r"credentials in a URL are refused") as info:
+        split_url("s3://TOKEN@bucket/run")
+    assert SHOWN in str(info.value) and "TOKEN" not in str(info.value)
+    assert split_url("abfs://container@account/p") == ("abfs", "container@account/p")
+
+
+@pytest.mark.unit
+def test_one_line_joins_a_drivers_lines_and_hides_credentials():
+    driver = OSError(f"Parameter validation failed:\nInvalid bucket name {SECRET_URL}")
+    assert one_line(driver) == f"Parameter validation failed: Invalid bucket name {SHOWN}"
+
+
 def _clean(text: str) -> bool:
-    return "wJalr" not in text and "AKIAEXAMPLEKEY" not in text and "Traceback" not in text
+    return ("wJalr" not in text and "AKIAEXAMPLEKEY" not in text and "TOKEN" not in text
+            and "Traceback" not in text)
 
 
 @pytest.mark.parametrize("flags", [
     ("--nproc", 2, "--sync", SECRET_URL),
+    ("--nproc", 2, "--sync", "s3://TOKEN@bucket/run"),
     ("--nproc", 1, "--checkpoint-dir", SECRET_URL),
     ("--sync", SECRET_URL),  # a rank started by hand (srun, torchrun)
 ])
@@ -74,9 +95,10 @@ def test_trainer_names_the_lower_case_scheme(tmp_path, monkeypatch, capsys):
     assert code == 2 and "write s3://bucket/run" in err and "regex" not in err, err
 
 
+@pytest.mark.parametrize("url", [SECRET_URL, "s3://TOKEN@bucket/run"])
 @pytest.mark.parametrize("tool", ["inspect", "gc", "doctor"])
-def test_operator_tools_refuse_credentials_in_a_url(tmp_path, tool):
-    proc = run_forked([sys.executable, "-m", "ferrosync", tool, SECRET_URL], cwd=tmp_path,
+def test_operator_tools_refuse_credentials_in_a_url(tmp_path, tool, url):
+    proc = run_forked([sys.executable, "-m", "ferrosync", tool, url], cwd=tmp_path,
                       env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert _clean(proc.stdout + proc.stderr), proc.stdout + proc.stderr

@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 
 from .. import names
-from ..errors import ConfigError, ShardCorrupt, StorageError
+from ..errors import ConfigError, ShardCorrupt, StorageError, one_line
 from ..storage import (
     LOCAL_FILESYSTEMS,
     Backoff,
@@ -124,7 +124,8 @@ class Doctor:
         return f"{self.prefix}/{name}"
 
     def add(self, name: str, status: str, summary: str, **data) -> None:
-        self.checks.append(Check(name, status, summary, data))
+        # a report line each: a driver's message may span lines or quote a URL
+        self.checks.append(Check(name, status, one_line(summary), data))
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> dict:

@@ -2,13 +2,14 @@
 launches that are over. What a key file is, which ones are read and which ones go are
 ``keys.py``'s rules (``entries``, ``KeyEntry.prune_reason``, ``prune``); this module
 only runs them and prints what it found, every name and URL escaped (they come from
-files)."""
+files; a URL redacted as every message's is)."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+from ..errors import redact
 from . import keys
 from .scan import printable
 
@@ -27,7 +28,8 @@ def run(*, prune_them: bool, older_than_days: float, dry_run: bool, as_json: boo
         print(json.dumps({"directory": where, "pruned": bool(prune_them and not dry_run),
                           "entries": [{
                               "name": e.name, "job": e.key.job if e.key else None,
-                              "url": e.key.url if e.key else None, "age_s": round(e.age_s),
+                              "url": redact(e.key.url) if e.key else None,
+                              "age_s": round(e.age_s),
                               "running": e.running, "state": e.state or None,
                               "store_gone": e.store_gone, "problem": e.problem,
                               "removed": gone.get(e.name)} for e in found]}, indent=1))
@@ -40,7 +42,8 @@ def run(*, prune_them: bool, older_than_days: float, dry_run: bool, as_json: boo
         if e.key is None:
             print(f"  {printable(e.name)}  {age}  {printable(e.problem)}")
             continue
-        url = printable(e.key.url or "?") + (" (gone)" if e.store_gone else "")
+        # a key file written before URLs with credentials were refused may hold one
+        url = printable(redact(e.key.url) or "?") + (" (gone)" if e.store_gone else "")
         mark = f"  -> {verb}: {gone[e.name]}" if e.name in gone else ""
         print(f"  {printable(e.key.job)}  {age}  {url}  {printable(e.state)}{mark}")
     if not prune_them and any(e.prune_reason(older_than_days * 86400) for e in found):

@@ -111,10 +111,10 @@ def split_url(url: str) -> tuple[str, str]:
         raise ConfigError(
             f"{redact(url)}: credentials in a URL are refused (a URL is shown in process "
             "lists, logs and messages)",
-            hint="pass them in storage_options (python -m ferrosync.train --sync-option "
-            "'storage_options={\"key\": ..., \"secret\": ...}', the tools' "
-            "--storage-options) or the store's environment variables (AWS_ACCESS_KEY_ID "
-            "and AWS_SECRET_ACCESS_KEY for S3), and write the URL without them")
+            hint="write the URL without them and give them to the store's driver in its "
+            "environment (for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "AWS_PROFILE) or, from Python, in storage_options (on a command line, "
+            "--sync-option or --storage-options, they show in process lists too)")
     if "://" not in url:
         mistyped = _SCHEME_LIKE.fullmatch(url)
         if mistyped is not None:

@@ -264,6 +264,13 @@ def _usage_error(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Start SeaweedFS on 127.0.0.1, print how to reach it, run until Ctrl-C or
     SIGTERM; exit 0 then, 2 on bad usage or a missing binary, 1 if it fails to start."""
+    from .. import interrupts
+
+    try:
+        interrupts.release()  # a Ctrl-C while ferrosync imported torch arrives here
+    except KeyboardInterrupt:
+        print("ferrosync.testing.seaweed: interrupted", file=sys.stderr)
+        return 130
     parser = argparse.ArgumentParser(
         prog="python -m ferrosync.testing.seaweed",
         description="A local S3 server (SeaweedFS, 127.0.0.1 only, telemetry off) to try "

@@ -77,7 +77,7 @@ def _error(exc: BaseException, args) -> None:
     """One line on stderr: ferrosync's own errors (whose messages name the rank, the
     path and what to do) as they are, anything else with its type; the traceback
     before it with ``--verbose``."""
-    from ..errors import ConfigError, FerrosyncError, redact
+    from ..errors import ConfigError, FerrosyncError, one_line
 
     verbose = bool(getattr(args, "verbose", False))
     if verbose:
@@ -85,7 +85,7 @@ def _error(exc: BaseException, args) -> None:
 
         traceback.print_exception(type(exc), exc, exc.__traceback__)
     # one line, whatever the message held; a driver's own error may quote a URL too
-    text = " ".join(redact(exc).split())
+    text = one_line(exc)
     if type(exc) is not ConfigError:  # bad input reads as a sentence; the rest by type
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     if not isinstance(exc, FerrosyncError) and not verbose:

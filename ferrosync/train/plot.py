@@ -65,23 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.smooth < 1:
         parser.error("--smooth must be >= 1")
     if not os.path.isfile(args.metrics):
-        print(f"ferrosync.train.plot: error: {args.metrics} does not exist; give the file "
-              "--metrics wrote", file=sys.stderr)
-        return 2
+        what = "is not a file" if os.path.lexists(args.metrics) else "does not exist"
+        return _usage_error(f"{args.metrics} {what}; give the file --metrics wrote")
     try:
         import matplotlib
 
         matplotlib.use("Agg")  # files only: no display needed
         import matplotlib.pyplot as plt
     except ImportError:
-        print("ferrosync.train.plot: error: matplotlib is not installed; run: pip install "
-              "'ferrosync[plot]'", file=sys.stderr)
-        return 2
+        return _usage_error("matplotlib is not installed; run: pip install "
+                            "'ferrosync[plot]'")
     try:
         records = read_metrics(args.metrics)
     except ValueError as exc:
-        print(f"ferrosync.train.plot: error: {exc}", file=sys.stderr)
-        return 2
+        return _usage_error(str(exc))
+    except OSError as exc:
+        return _usage_error(f"cannot read {args.metrics} ({exc.strerror or exc})")
     steps = [r["step"] for r in records]
     # a rank 0 that joined a time-based sync with nothing to train writes loss null
     trained = [r for r in records if r["loss"] is not None]
@@ -107,10 +106,20 @@ def main(argv: list[str] | None = None) -> int:
     fig.suptitle(os.path.basename(args.metrics))
     fig.tight_layout()
     output = args.output or os.path.splitext(args.metrics)[0] + ".png"
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(output, dpi=100)
+    except OSError as exc:  # a mistyped or read-only -o: bad input, not a crash
+        return _usage_error(f"cannot write {output} ({exc.strerror or exc}); give -o a "
+                            "path in a directory this user can write")
+    finally:
+        plt.close(fig)
     print(f"wrote {output} ({len(records)} steps)")
     return 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"ferrosync.train.plot: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
