@@ -61,8 +61,6 @@ def test_diloco_job_survives_a_kill_and_takes_a_newcomer(tmp_path):
         assert f["accuracy"] >= 0.9, f
         assert f["members"] == 3 and f["membership_changes"] >= 2, f
     assert finals["d"]["joined_at_step"] >= h and finals["d"]["joined_at_step"] % h == 0
-    # a newcomer to a running job, like its founders, resumed nothing
-    assert all(f["resumed_from"] is None for f in finals.values()), finals
     # every member's lines: the global step, one per step, and the member count
     a = metrics(tmp_path, "a")
     assert [r["step"] for r in a] == list(range(a[0]["step"], steps + 1))

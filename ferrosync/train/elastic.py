@@ -307,11 +307,9 @@ class ElasticTrainer(Trainer):
                                    f"admitted in round {sync.round}")
         phase = self._load(state, sync.url, sync.rank) if state is not None else TRAINING
         self.joined_at = self.step
-        if state is not None and phase == TRAINING and founding:
-            # a job that lost every member goes on: FINAL's resumed_from, as for a
-            # fixed-size run resumed from a checkpoint (the published state is the
-            # elastic job's checkpoint). A newcomer to a running job resumed nothing:
-            # FINAL's joined_at_step says where it came in.
+        if state is not None and phase == TRAINING:
+            # FINAL's resumed_from, as for a fixed-size run resumed from a checkpoint:
+            # the published state is the elastic job's checkpoint
             self.resumed_from = self.step
             if self.report:
                 print(f"ferrosync.train: member {sync.member_id}: resuming from the state "
