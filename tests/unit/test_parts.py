@@ -197,7 +197,8 @@ def test_a_reader_fetches_whole_parts_straight_into_a_buffer_with_room():
         reader = PartsReader([10] * 5 + [3], fetch, pool, 2, first=b"\xff" * 10)
         buf = bytearray(48)
         assert reader.readinto(buf) == 48
-        assert bytes(buf) == b"\xff" * 10 + b"".join(bytes([i]) * 10 for i in (1, 2, 3)) + b"\x04" * 8
+        middle = b"".join(bytes([i]) * 10 for i in (1, 2, 3))
+        assert bytes(buf) == b"\xff" * 10 + middle + b"\x04" * 8
         # parts 1-3 landed in the caller's buffer; 4 (cut by its end) and 5 did not
         assert [t is buf for t in targets] == [True, True, True, False, False]
         tail = bytearray(10)
