@@ -17,9 +17,9 @@ from .classify import cut_short, s3_code
 from .fsspec_store import FsspecStorage, build, driver_class
 from .parts import DEFAULT_CONCURRENCY, ViewsBody
 
-#: what to check when an S3 endpoint does not answer
 #: the most of a streamed GET body copied into its destination at once
 _CHUNK = 1 << 20
+#: what to check when an S3 endpoint does not answer
 _ENDPOINT_HINT = ("check the endpoint: storage_options endpoint_url, or $AWS_ENDPOINT_URL / "
                   "$AWS_ENDPOINT_URL_S3 (for a local server such as MinIO or SeaweedFS), "
                   "and that the server is running and reachable from this host")
@@ -113,6 +113,7 @@ class S3Storage(FsspecStorage):
 
     async def _stream_into(self, bucket: str, name: str, start: int, view: memoryview,
                            extra: int) -> int:
+        """The GET itself, on s3fs's event loop: bytes the object had (``_get_into``)."""
         ask = view.nbytes + extra
         reply = await self.fs._call_s3("get_object", Bucket=bucket, Key=name,
                                        Range=f"bytes={start}-{start + ask - 1}")
