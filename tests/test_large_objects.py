@@ -15,7 +15,7 @@ import torch
 
 import ferrosync
 from conftest import s3_storage_options
-from ferrosync.errors import StorageError
+from ferrosync.errors import ShardCorrupt, StorageError
 from ferrosync.storage import open_storage
 from ferrosync.storage.parts import MIN_PART
 from ferrosync.testing.fault_proxy import Fault, FaultProxy
@@ -140,5 +140,45 @@ def test_objects_in_parts_on_every_store(any_object_transport):
         assert len(storage.list("")) == 1 + 4
         storage.delete(["in-parts"])
         assert storage.list("") == []
+    finally:
+        storage.close()
+
+
+def test_a_part_cut_mid_body_is_read_again_into_its_place(limited):
+    """Each part's GET body streams straight into the caller's buffer (S3Storage
+    ``_get_into``); one cut halfway is sent again and refills the same slice: the bytes
+    read back are exact, and the retry is no error and no extra counted request."""
+    url, storage_options, proxy = limited
+    storage = open_storage(url, storage_options, transfer={"max_request_bytes": LIMIT,
+                                                           "concurrency": 2})
+    data = os.urandom(3 * LIMIT + 11)
+    try:
+        storage.put("cut", [data])
+        proxy.add(Fault("cut_body", methods=("GET",), path=r"\.p1(\?|$)", times=1))
+        into = bytearray(len(data))
+        before = storage.counters.snapshot()
+        with storage.open("cut", max_bytes=len(data)) as reader:
+            assert reader.readinto(into) == len(data)
+        after = storage.counters.snapshot()
+        assert proxy.stats()["cut_body"] == 1
+        assert into == data
+        assert after["gets"] - before["gets"] == 1 + 4  # the manifest, then each part once
+        assert after["bytes_read"] - before["bytes_read"] >= len(data)
+    finally:
+        storage.close()
+
+
+def test_a_part_longer_than_its_manifest_says_is_refused(limited):
+    url, storage_options, _ = limited
+    half = LIMIT // 2
+    storage = open_storage(url, storage_options, transfer={"max_request_bytes": LIMIT,
+                                                           "part_bytes": half})
+    data = os.urandom(2 * half + 1)
+    try:
+        storage.put("long", [data])
+        (part,) = [k for k, _ in storage.list("") if k.endswith(".p0")]
+        storage.fs.pipe_file(storage._path(part), os.urandom(half + 1))
+        with pytest.raises(ShardCorrupt, match="more than"):
+            storage.read("long", max_bytes=len(data))
     finally:
         storage.close()

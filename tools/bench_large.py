@@ -19,7 +19,9 @@ and run:
   rank writes its contribution and reads the other's), through ``tools/bench.py``'s
   rank harness: the slowest rank's median seconds, its ratio to the link's ideal
   (2 x payload each way / link rate), rank 0's peak RSS above its baseline (the payload
-  tensor itself included) over the payload, and requests.
+  tensor itself included) over the payload, and requests. ``--reduce gather,sharded``
+  runs it in each mode (sharded: a rank reduces 1/W of the payload, so its accumulator
+  is 1/W of it, where gather's is the whole payload).
 
 Prints one line per measurement, then the command.
 """
@@ -76,16 +78,17 @@ def put_get(url: str, options: dict, nbytes: int, transfer: dict, link_bps: floa
 
 
 def job(url: str, options: dict, nbytes: int, transfer: dict, link_bps: float,
-        runs: int) -> str:
+        runs: int, reduce: str = "gather") -> str:
     spec = {"kind": "s3", "threads": "pinned", "url": url,
-            "options": {"storage_options": options, "reduce": "gather",
+            "options": {"storage_options": options, "reduce": reduce,
                         **{("transfer_concurrency" if k == "concurrency" else k): v
                            for k, v in transfer.items() if v is not None}}}
     (row,) = run_group(spec, 2, [nbytes], 1, runs)
     ideal = 2 * nbytes * 8 / link_bps  # each rank's contribution up, the other's down
     seconds = row["p50_ms"] / 1e3
     rss = row["rank0_rss_above_baseline_mb"]
-    return (f"job  {nbytes / MIB:6.0f} MiB concurrency {transfer['concurrency']:3}: "
+    return (f"job  {nbytes / MIB:6.0f} MiB concurrency {transfer['concurrency']:3} "
+            f"{reduce}: "
             f"{seconds:7.2f} s (median of {runs}), {ideal / seconds:5.0%} of the link, "
             f"{row['requests_rank0'] or 0:6.0f} requests (rank 0), peak RSS "
             f"+{rss:6.1f} MiB ({rss * MIB / nbytes:.2f} x payload, the tensor included)")
@@ -103,6 +106,10 @@ def main() -> int:
     parser.add_argument("--part-mib", type=int, default=None, help="part_bytes in MiB")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--job", action="store_true", help="also a 2-rank average")
+    parser.add_argument("--reduce", default="gather",
+                        help="the job's reduce modes, comma-separated (default gather)")
+    parser.add_argument("--no-put-get", action="store_true",
+                        help="only the job (with --job)")
     args = parser.parse_args()
     tmp: list[str] = []
     server, _ = start_server(tmp)
@@ -116,11 +123,13 @@ def main() -> int:
                     transfer = {"concurrency": concurrency,
                                 "part_bytes": args.part_mib and args.part_mib * MIB}
                     url = f"s3://{SEAWEED_BUCKET}/bench-large-{run}-{concurrency}"
-                    for line in put_get(url, options, args.mib * MIB, transfer, args.link):
-                        print(line, flush=True)
-                    if args.job:
-                        print(job(url, options, args.mib * MIB, transfer, args.link, 2),
-                              flush=True)
+                    if not args.no_put_get:
+                        for line in put_get(url, options, args.mib * MIB, transfer,
+                                            args.link):
+                            print(line, flush=True)
+                    for reduce in args.reduce.split(",") if args.job else ():
+                        print(job(url, options, args.mib * MIB, transfer, args.link, 2,
+                                  reduce), flush=True)
     finally:
         server.stop()
         for path in tmp:

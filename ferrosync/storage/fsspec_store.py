@@ -337,7 +337,7 @@ class FsspecStorage(Storage):
         offsets = range(len(data), size, part)
         sizes = [len(data)] + [min(part, size - o) for o in offsets]
         starts = [0, *offsets]
-        return PartsReader(sizes, lambda i: self._piece(key, starts[i], sizes[i], rank),
+        return PartsReader(sizes, lambda i, view: self._piece_into(key, starts[i], view, rank),
                            self._executor(), self.transfer.concurrency, first=data)
 
     def _get(self, key: str, start: int, end: int | None) -> bytes:
@@ -347,25 +347,47 @@ class FsspecStorage(Storage):
         self.counters.add(read=len(data))
         return data
 
-    def _piece(self, key: str, start: int, nbytes: int, rank: int | None, *,
-                whole: bool = False) -> bytes:
-        """Exactly ``nbytes`` of ``key`` from ``start``: a range of a large object, or
-        with ``whole`` all of a part object (one byte more is asked for: a longer part
-        is refused). It must be there: its manifest or its first bytes were."""
+    def _get_into(self, key: str, start: int, view: memoryview, extra: int) -> int:
+        """One GET of ``key``'s bytes from ``start`` into ``view``, asking for ``extra``
+        bytes more than it holds: how many the object had there (up to
+        ``view.nbytes + extra``; those past ``view`` are not kept). Retried whole: a
+        retry fills ``view`` again from its start. This driver's reply is one ``bytes``
+        (a part's copy, dropped here); an engine that streams a body overrides it."""
+        data = self._retry("reading", key, self._cat, self._path(key),
+                           start + view.nbytes + extra, start)
+        n = min(len(data), view.nbytes)
+        view[:n] = memoryview(data)[:n]
+        return len(data)
+
+    def _piece_into(self, key: str, start: int, view: memoryview, rank: int | None, *,
+                    whole: bool = False) -> None:
+        """Fill ``view`` with exactly its size of ``key``'s bytes from ``start``: a range
+        of a large object, or with ``whole`` all of a part object (one byte more is
+        asked for: a longer part is refused). One counted GET. It must be there: its
+        manifest or its first bytes were."""
+        self.counters.add(gets=1)
         try:
-            data = self._get(key, start, start + nbytes + whole)
+            got = self._get_into(key, start, view, int(whole))
         except FileNotFoundError:
             raise StorageError(
                 "a part of this object vanished while it was read", rank=rank,
                 path=self.path_of(key),
                 hint="something removed it while a rank read it: give every job its own "
                 "location, and run `ferrosync gc` only with its watch window") from None
-        if len(data) != nbytes:
+        self.counters.add(read=got)
+        if got != view.nbytes:
             raise ShardCorrupt(
-                f"object part at byte {start} has {len(data)} bytes, {nbytes} expected "
-                "(changed while read, or not ferrosync's)", rank=rank, path=self.path_of(key),
+                f"object part at byte {start} has {'more than ' if got > view.nbytes else ''}"
+                f"{min(got, view.nbytes)} bytes, {view.nbytes} expected (changed while "
+                "read, or not ferrosync's)", rank=rank, path=self.path_of(key),
                 hint="give every job a location only its own ranks can write")
-        return data
+
+    def _piece(self, key: str, start: int, nbytes: int, rank: int | None, *,
+               whole: bool = False) -> bytearray:
+        """``_piece_into`` a buffer of its own."""
+        buf = bytearray(nbytes)
+        self._piece_into(key, start, memoryview(buf), rank, whole=whole)
+        return buf
 
     def _size_of(self, key: str) -> int | None:
         """The object's size (one HEAD), None when it does not exist."""
@@ -386,8 +408,8 @@ class FsspecStorage(Storage):
         self._remember(key, manifest.token, len(manifest.sizes))
         part_keys = [self._part_key(key, manifest.token, i) for i in range(len(manifest.sizes))]
         return PartsReader(manifest.sizes,
-                           lambda i: self._piece(part_keys[i], 0, manifest.sizes[i], rank,
-                                                     whole=True),
+                           lambda i, view: self._piece_into(part_keys[i], 0, view, rank,
+                                                            whole=True),
                            self._executor(), self.transfer.concurrency)
 
     def _manifest(self, key: str, data: bytes, end: int, rank: int | None) -> Manifest:

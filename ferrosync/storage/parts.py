@@ -21,14 +21,16 @@ A manifest names no key, only its parts' sizes and the token: a planted one can 
 at nothing but part names of its own final name.
 
 Reading: ``PartsReader`` fetches the parts (or byte ranges of one large plain object)
-``concurrency`` at a time, in order, and copies each into the caller's buffer as
-``readinto`` asks: memory held is at most ``concurrency`` parts, never the object.
+``concurrency`` at a time, in order: straight into the caller's buffer where it has
+room for whole parts, else into a part's buffer each, copied out as ``readinto`` asks:
+memory held is at most ``concurrency`` parts, never a copy of the object.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import io
 import itertools
 import json
@@ -252,38 +254,71 @@ def _outcome(future: Future, error: BaseException | None) -> BaseException | Non
 class PartsReader(Reader):
     """A sequential reader over ``segments`` fetched ``window`` at a time on ``pool``.
 
-    ``fetch(i)`` returns segment ``i``'s bytes (exactly ``sizes[i]`` of them, or it
-    raises); ``first``, if given, is segment 0's bytes, held already. Segments are
-    fetched ahead of ``readinto`` in order and dropped once copied out."""
+    ``fetch_into(i, view)`` fills ``view`` (exactly ``sizes[i]`` bytes) with segment
+    ``i``'s bytes, or raises; a retry of it fills the same view again from its start.
+    ``first``, if given, is segment 0's bytes, held already. A ``readinto`` whose buffer
+    has room for whole segments not yet started has them fetched straight into it
+    (``window`` at a time: no copy of the object); others are fetched ahead into
+    buffers of their own, in order, and dropped once copied out."""
 
-    def __init__(self, sizes: Sequence[int], fetch: Callable[[int], bytes],
+    def __init__(self, sizes: Sequence[int],
+                 fetch_into: Callable[[int, memoryview], None],
                  pool: ThreadPoolExecutor, window: int, first: bytes | None = None) -> None:
         self.size = sum(sizes)
         self._sizes = sizes
-        self._fetch = fetch
+        self._fetch_into = fetch_into
         self._pool = pool
         self._window = max(1, window)
         self._next = 0  # the next segment to start fetching
-        self._ahead: collections.deque[Future] = collections.deque()
+        self._ahead: collections.deque[tuple[int, Future]] = collections.deque()
         self._current = memoryview(b"")
         if first is not None:
             self._current = memoryview(first)
             self._next = 1
 
+    def _fetch(self, index: int) -> bytearray:
+        buf = bytearray(self._sizes[index])
+        self._fetch_into(index, memoryview(buf))
+        return buf
+
     def _top_up(self) -> None:
         while len(self._ahead) < self._window and self._next < len(self._sizes):
-            self._ahead.append(self._pool.submit(self._fetch, self._next))
+            self._ahead.append((self._sizes[self._next],
+                                self._pool.submit(self._fetch, self._next)))
             self._next += 1
+
+    def _direct(self, view: memoryview, pos: int) -> int:
+        """Fetch the segments not yet started that fit whole in ``view`` from ``pos``
+        (the end of what is held or fetched ahead) straight into it; where they end."""
+        jobs = []
+        while self._next < len(self._sizes) and pos + self._sizes[self._next] <= view.nbytes:
+            size = self._sizes[self._next]
+            jobs.append(functools.partial(self._fetch_into, self._next, view[pos:pos + size]))
+            pos += size
+            self._next += 1
+        if jobs:
+            run_window(self._pool, jobs, self._window)
+        return pos
 
     def readinto(self, buf) -> int:
         view = memoryview(buf).cast("B")
-        filled = 0
+        # first what is held and fetched ahead, then whole segments straight into view
+        held = self._current.nbytes + sum(size for size, _ in self._ahead)
+        if view.nbytes >= held:
+            filled = self._direct(view, held)
+            self._drain(view[:held], 0)
+        else:
+            filled = 0
+        return self._drain(view, filled)
+
+    def _drain(self, view: memoryview, filled: int) -> int:
+        """Copy held and fetched-ahead segments into ``view`` from ``filled``."""
         while filled < view.nbytes:
             if not self._current.nbytes:
                 self._top_up()
                 if not self._ahead:
                     break
-                self._current = memoryview(self._ahead.popleft().result())
+                self._current = memoryview(self._ahead.popleft()[1].result())
                 self._top_up()
             n = min(view.nbytes - filled, self._current.nbytes)
             view[filled:filled + n] = self._current[:n]
@@ -292,9 +327,8 @@ class PartsReader(Reader):
         return filled
 
     def close(self) -> None:
-        for future in self._ahead:
+        for _, future in self._ahead:
             future.cancel()
         self._ahead.clear()
         self._current = memoryview(b"")
         self._next = len(self._sizes)
-

@@ -17,6 +17,8 @@ from .classify import cut_short, s3_code
 from .fsspec_store import FsspecStorage, build, driver_class
 from .parts import DEFAULT_CONCURRENCY, ViewsBody
 
+#: the most of a streamed GET body copied into its destination at once
+_CHUNK = 1 << 20
 #: what to check when an S3 endpoint does not answer
 _ENDPOINT_HINT = ("check the endpoint: storage_options endpoint_url, or $AWS_ENDPOINT_URL / "
                   "$AWS_ENDPOINT_URL_S3 (for a local server such as MinIO or SeaweedFS), "
@@ -95,6 +97,40 @@ class S3Storage(FsspecStorage):
             self.fs.invalidate_cache(path)
 
         self._retry("writing", key, put)
+
+    def _get_into(self, key: str, start: int, view: memoryview, extra: int) -> int:
+        """One ranged GET whose body is streamed into ``view`` chunk by chunk (at most
+        ``_CHUNK`` bytes at a time on the client's event loop), never held whole: a part
+        in flight costs its destination only. A body cut short is retried here
+        (``_retryable``) and refills ``view`` from its start."""
+        if not self._conditional_put:  # not s3fs: the driver's own read
+            return super()._get_into(key, start, view, extra)
+        from fsspec.asyn import sync
+
+        bucket, name, _ = self.fs.split_path(self._path(key))
+        return self._retry("reading", key, sync, self.fs.loop, self._stream_into,
+                           bucket, name, start, view, extra)
+
+    async def _stream_into(self, bucket: str, name: str, start: int, view: memoryview,
+                           extra: int) -> int:
+        """The GET itself, on s3fs's event loop: bytes the object had (``_get_into``)."""
+        ask = view.nbytes + extra
+        reply = await self.fs._call_s3("get_object", Bucket=bucket, Key=name,
+                                       Range=f"bytes={start}-{start + ask - 1}")
+        body = reply["Body"]
+        try:
+            filled = 0
+            while True:
+                # at most one byte past the view: a longer object is refused, not read
+                chunk = await body.read(max(1, min(_CHUNK, view.nbytes - filled)))
+                if not chunk:
+                    return filled
+                if filled + len(chunk) > view.nbytes:
+                    return filled + len(chunk)
+                view[filled:filled + len(chunk)] = chunk
+                filled += len(chunk)
+        finally:
+            body.close()
 
     def _retryable(self, exc: BaseException) -> bool:
         """botocore is the retry layer for whole requests (connection errors, 5xx,

@@ -166,9 +166,9 @@ def test_a_reader_holds_at_most_its_window():
 
     fetched = []
 
-    def fetch(i):
+    def fetch(i, view):
         fetched.append(i)
-        return bytes([i]) * 10
+        view[:] = bytes([i]) * 10
 
     with ThreadPoolExecutor(2) as pool:
         reader = PartsReader([10] * 8, fetch, pool, 2)
@@ -179,8 +179,31 @@ def test_a_reader_holds_at_most_its_window():
         assert len(fetched) <= 4
         rest = bytearray(100)
         assert reader.readinto(rest) == 65
+        assert bytes(rest[:65]) == b"\x01" * 5 + b"".join(bytes([i]) * 10 for i in range(2, 8))
         reader.close()
     assert sorted(fetched) == list(range(8))
+
+
+def test_a_reader_fetches_whole_parts_straight_into_a_buffer_with_room():
+    from concurrent.futures import ThreadPoolExecutor
+
+    targets = []
+
+    def fetch(i, view):
+        targets.append(view.obj)  # the buffer the bytes land in
+        view[:] = bytes([i]) * view.nbytes
+
+    with ThreadPoolExecutor(2) as pool:
+        reader = PartsReader([10] * 5 + [3], fetch, pool, 2, first=b"\xff" * 10)
+        buf = bytearray(48)
+        assert reader.readinto(buf) == 48
+        middle = b"".join(bytes([i]) * 10 for i in (1, 2, 3))
+        assert bytes(buf) == b"\xff" * 10 + middle + b"\x04" * 8
+        # parts 1-3 landed in the caller's buffer; 4 (cut by its end) and 5 did not
+        assert [t is buf for t in targets] == [True, True, True, False, False]
+        tail = bytearray(10)
+        assert reader.readinto(tail) == 5 and tail[:5] == b"\x04\x04\x05\x05\x05"
+        reader.close()
 
 
 def test_gc_sees_live_parts_in_their_object_and_orphans_as_temps(store):
