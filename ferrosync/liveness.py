@@ -193,10 +193,13 @@ class SilenceClocks:
       stays fresh however often or seldom (within the window) it is read.
     * ``overdue``: a recent read found the counter still for longer than
       ``freeze_bound``: a beat is missing (the peer is probably dead, not yet judged).
-    * ``next_change(now)``: the earliest moment at which a judgement of a recently
-      read peer changes without a new read showing a beat (a fresh peer turns stale,
-      a silent one reaches the timeout), so a reader can look then, not a whole look
-      period later.
+    * ``next_change(since)``: the earliest moment after ``since`` at which a judgement
+      of a recently read peer changes without a new read showing a beat (a fresh peer
+      turns stale, a silent one reaches the timeout), so a reader can look then, not a
+      whole look period later. ``since`` is when the reader's latest look *began*: a
+      look reads its peers one after the other, so a moment that passed during it may
+      have come after that peer's read (silent 29.99 s of 30): it is still due, and
+      dropping it would postpone the judgement by a whole look period.
     """
 
     def __init__(self, timeout: float, interval: float, *,
@@ -239,19 +242,22 @@ class SilenceClocks:
         return (seen is not None and now - seen.read <= self.fresh_window
                 and seen.read - max(seen.since, self.resumed_at) > self.freeze_bound)
 
-    def next_change(self, now: float, fresh_of=()) -> float | None:
-        """The earliest moment after ``now`` at which a peer read within ``fresh_window``
-        reaches the timeout, or one of ``fresh_of`` stops being fresh, unless a read
-        shows it beating (None: no such moment)."""
+    def next_change(self, since: float, fresh_of=()) -> float | None:
+        """The earliest moment after ``since`` (when the latest look began) at which a
+        peer read within ``fresh_window`` reaches the timeout, or one of ``fresh_of``
+        stops being fresh, unless a read shows it beating (None: no such moment). It
+        may be past already: then a look is due now (see the class)."""
         times = []
         for seen in self._seen.values():
-            if now - seen.read <= self.fresh_window:  # watched now
+            if since - seen.read <= self.fresh_window:  # watched now
                 times.append(max(seen.since, self.resumed_at) + self.timeout)
         for peer in fresh_of:
             seen = self._seen.get(peer)
             if seen is not None and seen.moved is not None:
                 times.append(seen.moved + self.freeze_bound)
-        return min((t for t in times if t > now), default=None)
+        # only moments after the look's start: one that passed before it was judged by
+        # that look's read (or is a peer the look no longer reads), not a look per poll
+        return min((t for t in times if t > since), default=None)
 
     def forget(self, peer) -> None:
         """Drop what is known of ``peer`` (judged gone: it is never read again)."""
