@@ -188,9 +188,15 @@ class SilenceClocks:
     without ticking, hence the longest a running peer's beats are apart:
 
     * ``fresh``: the counter was seen moving, by a read at most ``fresh_window`` after
-      the previous one, less than ``freeze_bound`` before the latest read: the peer runs
+      the previous one, less than ``beat_gap`` before the latest read: the peer runs
       now. A first read, or one long after the previous, proves nothing; a live peer
       stays fresh however often or seldom (within the window) it is read.
+      ``beat_gap`` is one interval plus a quarter (at least ``MIN_FREEZE_S``) for the
+      write, not the freeze bound's half: freshness only chooses whose heartbeats to
+      read, so a live peer's late beat costs a few reads, while every second a dead
+      checker stays fresh delays the silence clocks of those who die with it (a
+      member behind it starts reading them when it turns stale: timeout + 1.5
+      intervals after their death was past 1.5 timeouts at the object-store defaults).
     * ``overdue``: a recent read found the counter still for longer than
       ``freeze_bound``: a beat is missing (the peer is probably dead, not yet judged).
     * ``next_change(since)``: the earliest moment after ``since`` at which a judgement
@@ -212,6 +218,8 @@ class SilenceClocks:
         #: a read this soon after the previous one shows whether the counter moved
         #: recently; a peer read this recently is being watched
         self.fresh_window = 2 * interval + self.freeze_bound
+        #: a counter seen moving less than this before the latest read: ``fresh``
+        self.beat_gap = min(self.freeze_bound, interval + max(interval / 4, MIN_FREEZE_S))
         self._seen: dict[object, _Seen] = {}
         (clock or PROCESS_CLOCK).watch(self)
 
@@ -233,7 +241,7 @@ class SilenceClocks:
         seen = self._seen.get(peer)
         return (seen is not None and seen.moved is not None
                 and seen.moved >= self.resumed_at
-                and seen.read - seen.moved < self.freeze_bound)
+                and seen.read - seen.moved < self.beat_gap)
 
     def overdue(self, peer, now: float) -> bool:
         """Whether a read of ``peer`` within ``fresh_window`` of ``now`` found its
@@ -254,7 +262,7 @@ class SilenceClocks:
         for peer in fresh_of:
             seen = self._seen.get(peer)
             if seen is not None and seen.moved is not None:
-                times.append(seen.moved + self.freeze_bound)
+                times.append(seen.moved + self.beat_gap)
         # only moments after the look's start: one that passed before it was judged by
         # that look's read (or is a peer the look no longer reads), not a look per poll
         return min((t for t in times if t > since), default=None)
