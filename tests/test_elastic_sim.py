@@ -34,7 +34,7 @@ def sim(capsys, *argv) -> tuple[int, dict, str]:
 
 def test_fifty_members_with_churn_and_faults_run_clean(capsys):
     code, result, err = sim(capsys, "--members", 50, "--rounds", 5, "--seed", 12,
-                            "--churn", CHURN, "--heartbeat-interval", 5)
+                            "--churn", CHURN)
     assert code == 0, (result["details"], err)
     assert result["violations"] == [] and result["wrong_rounds"] == 0
     assert result["rounds"] == 5 and result["members"] == 50
