@@ -38,6 +38,7 @@ def test_fifty_members_with_churn_and_faults_run_clean(capsys):
     assert code == 0, (result["details"], err)
     assert result["violations"] == [] and result["wrong_rounds"] == 0
     assert result["rounds"] == 5 and result["members"] == 50
+    assert 0 < result["detection_max"] <= 1.5  # members died, and left in time
     for key in ("virtual_s", "wall_s", "round_s_p50", "round_s_p99",
                 "requests_per_member_round", "peak_prefix_put_rate", "slowdowns",
                 "cost_per_hour", "trace_digest", "profile", "seed"):
