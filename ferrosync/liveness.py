@@ -227,7 +227,10 @@ class SilenceClocks:
         """Record a read of ``peer``'s counter at ``now``; seconds it has been silent."""
         last = self._seen.get(peer)
         if last is None or last.beat != beat:
-            recent = last is not None and now - last.read <= self.fresh_window
+            # the change happened after the previous read: only a read within a beat
+            # gap of it dates the beat closely enough to say the peer runs now (one
+            # 35 s after it would call a peer that beat once and died 30 s ago fresh)
+            recent = last is not None and now - last.read <= self.beat_gap
             self._seen[peer] = _Seen(beat, now, now if recent else None)
             return 0.0
         last.read = now
