@@ -187,7 +187,7 @@ class SilenceClocks:
     judgement, measured against ``freeze_bound``, the longest a running process goes
     without ticking, hence the longest a running peer's beats are apart:
 
-    * ``fresh``: the counter was seen moving, by a read at most ``fresh_window`` after
+    * ``fresh``: the counter was seen moving, by a read at most ``beat_gap`` after
       the previous one, less than ``beat_gap`` before the latest read: the peer runs
       now. A first read, or one long after the previous, proves nothing; a live peer
       stays fresh however often or seldom (within the window) it is read.
@@ -215,8 +215,7 @@ class SilenceClocks:
         self.freeze_bound = freeze_bound(interval)
         #: set by the clock to the end of the latest freeze (0: none yet)
         self.resumed_at = 0.0
-        #: a read this soon after the previous one shows whether the counter moved
-        #: recently; a peer read this recently is being watched
+        #: a peer read this recently is being watched
         self.fresh_window = 2 * interval + self.freeze_bound
         #: a counter seen moving less than this before the latest read: ``fresh``
         self.beat_gap = min(self.freeze_bound, interval + max(interval / 4, MIN_FREEZE_S))
