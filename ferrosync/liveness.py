@@ -187,16 +187,25 @@ class SilenceClocks:
     judgement, measured against ``freeze_bound``, the longest a running process goes
     without ticking, hence the longest a running peer's beats are apart:
 
-    * ``fresh``: the counter was seen moving, by a read at most ``fresh_window`` after
-      the previous one, less than ``freeze_bound`` before the latest read: the peer runs
+    * ``fresh``: the counter was seen moving, by a read at most ``beat_gap`` after
+      the previous one, less than ``beat_gap`` before the latest read: the peer runs
       now. A first read, or one long after the previous, proves nothing; a live peer
       stays fresh however often or seldom (within the window) it is read.
+      ``beat_gap`` is one interval plus a quarter (at least ``MIN_FREEZE_S``) for the
+      write, not the freeze bound's half: freshness only chooses whose heartbeats to
+      read, so a live peer's late beat costs a few reads, while every second a dead
+      checker stays fresh delays the silence clocks of those who die with it (a
+      member behind it starts reading them when it turns stale: timeout + 1.5
+      intervals after their death was past 1.5 timeouts at the object-store defaults).
     * ``overdue``: a recent read found the counter still for longer than
       ``freeze_bound``: a beat is missing (the peer is probably dead, not yet judged).
-    * ``next_change(now)``: the earliest moment at which a judgement of a recently
-      read peer changes without a new read showing a beat (a fresh peer turns stale,
-      a silent one reaches the timeout), so a reader can look then, not a whole look
-      period later.
+    * ``next_change(since)``: the earliest moment after ``since`` at which a judgement
+      of a recently read peer changes without a new read showing a beat (a fresh peer
+      turns stale, a silent one reaches the timeout), so a reader can look then, not a
+      whole look period later. ``since`` is when the reader's latest look *began*: a
+      look reads its peers one after the other, so a moment that passed during it may
+      have come after that peer's read (silent 29.99 s of 30): it is still due, and
+      dropping it would postpone the judgement by a whole look period.
     """
 
     def __init__(self, timeout: float, interval: float, *,
@@ -206,9 +215,10 @@ class SilenceClocks:
         self.freeze_bound = freeze_bound(interval)
         #: set by the clock to the end of the latest freeze (0: none yet)
         self.resumed_at = 0.0
-        #: a read this soon after the previous one shows whether the counter moved
-        #: recently; a peer read this recently is being watched
+        #: a peer read this recently is being watched
         self.fresh_window = 2 * interval + self.freeze_bound
+        #: a counter seen moving less than this before the latest read: ``fresh``
+        self.beat_gap = min(self.freeze_bound, interval + max(interval / 4, MIN_FREEZE_S))
         self._seen: dict[object, _Seen] = {}
         (clock or PROCESS_CLOCK).watch(self)
 
@@ -216,7 +226,10 @@ class SilenceClocks:
         """Record a read of ``peer``'s counter at ``now``; seconds it has been silent."""
         last = self._seen.get(peer)
         if last is None or last.beat != beat:
-            recent = last is not None and now - last.read <= self.fresh_window
+            # the change happened after the previous read: only a read within a beat
+            # gap of it dates the beat closely enough to say the peer runs now (one
+            # 35 s after it would call a peer that beat once and died 30 s ago fresh)
+            recent = last is not None and now - last.read <= self.beat_gap
             self._seen[peer] = _Seen(beat, now, now if recent else None)
             return 0.0
         last.read = now
@@ -230,7 +243,7 @@ class SilenceClocks:
         seen = self._seen.get(peer)
         return (seen is not None and seen.moved is not None
                 and seen.moved >= self.resumed_at
-                and seen.read - seen.moved < self.freeze_bound)
+                and seen.read - seen.moved < self.beat_gap)
 
     def overdue(self, peer, now: float) -> bool:
         """Whether a read of ``peer`` within ``fresh_window`` of ``now`` found its
@@ -239,19 +252,22 @@ class SilenceClocks:
         return (seen is not None and now - seen.read <= self.fresh_window
                 and seen.read - max(seen.since, self.resumed_at) > self.freeze_bound)
 
-    def next_change(self, now: float, fresh_of=()) -> float | None:
-        """The earliest moment after ``now`` at which a peer read within ``fresh_window``
-        reaches the timeout, or one of ``fresh_of`` stops being fresh, unless a read
-        shows it beating (None: no such moment)."""
+    def next_change(self, since: float, fresh_of=()) -> float | None:
+        """The earliest moment after ``since`` (when the latest look began) at which a
+        peer read within ``fresh_window`` reaches the timeout, or one of ``fresh_of``
+        stops being fresh, unless a read shows it beating (None: no such moment). It
+        may be past already: then a look is due now (see the class)."""
         times = []
         for seen in self._seen.values():
-            if now - seen.read <= self.fresh_window:  # watched now
+            if since - seen.read <= self.fresh_window:  # watched now
                 times.append(max(seen.since, self.resumed_at) + self.timeout)
         for peer in fresh_of:
             seen = self._seen.get(peer)
             if seen is not None and seen.moved is not None:
-                times.append(seen.moved + self.freeze_bound)
-        return min((t for t in times if t > now), default=None)
+                times.append(seen.moved + self.beat_gap)
+        # only moments after the look's start: one that passed before it was judged by
+        # that look's read (or is a peer the look no longer reads), not a look per poll
+        return min((t for t in times if t > since), default=None)
 
     def forget(self, peer) -> None:
         """Drop what is known of ``peer`` (judged gone: it is never read again)."""

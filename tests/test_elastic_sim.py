@@ -34,10 +34,11 @@ def sim(capsys, *argv) -> tuple[int, dict, str]:
 
 def test_fifty_members_with_churn_and_faults_run_clean(capsys):
     code, result, err = sim(capsys, "--members", 50, "--rounds", 5, "--seed", 12,
-                            "--churn", CHURN, "--heartbeat-interval", 5)
+                            "--churn", CHURN)
     assert code == 0, (result["details"], err)
     assert result["violations"] == [] and result["wrong_rounds"] == 0
     assert result["rounds"] == 5 and result["members"] == 50
+    assert 0 < result["detection_max"] <= 1.5  # members died, and left in time
     for key in ("virtual_s", "wall_s", "round_s_p50", "round_s_p99",
                 "requests_per_member_round", "peak_prefix_put_rate", "slowdowns",
                 "cost_per_hour", "trace_digest", "profile", "seed"):
@@ -146,3 +147,13 @@ def test_a_conditional_create_on_a_taken_name_is_refused():
     sched.run(sched.now + 60)
     assert ran == [b"one"] and not sched.failures
     assert sched.now > 1000.0  # the requests took virtual time
+
+
+def test_members_that_die_with_the_checker_leave_within_the_bound_at_default_liveness(capsys):
+    """Seed 10 broke slow_detection at 1.51 x heartbeat_timeout before the looks were
+    fixed (a timeout that came during a look was judged a period later; a dead checker
+    stayed fresh for 1.5 intervals): docs/elastic.md#simulation."""
+    code, result, err = sim(capsys, "--members", 20, "--rounds", 8, "--seed", 10,
+                            "--churn", "kills=600,stragglers=300")
+    assert code == 0, (result["details"], err)
+    assert result["churn"]["kills"] >= 10 and 1.0 < result["detection_max"] <= 1.5

@@ -23,6 +23,7 @@ from ferrosync.liveness import (
     Heartbeat,
     PeerMonitor,
     ProcessClock,
+    SilenceClocks,
     freeze_bound,
     heartbeat_key,
 )
@@ -108,6 +109,37 @@ def test_beating_peer_is_never_blamed():
     for beat in range(100):
         peer_beats(storage, beat)
         run_for(now, clock, monitor, 0.5)
+
+
+@pytest.mark.unit
+def test_a_timeout_that_came_while_a_look_read_the_others_is_still_due():
+    """A look reads peers one after the other: a peer read just short of its timeout
+    (b: 29.95 s of 30) is judged at the next look at once, not a look period later."""
+    clocks = SilenceClocks(30.0, 10.0, clock=ProcessClock(time_fn=lambda: 0.0))
+    clocks.observe("a", 1, 100.0)
+    clocks.observe("b", 1, 100.3)
+    # the look that begins at a's timeout: a is past it, b not yet when read
+    assert clocks.silent("a", 1, 130.1)
+    clocks.forget("a")  # judged gone
+    assert not clocks.silent("b", 1, 130.25)
+    # after the look (now 130.4): b's moment came during it, so it is due already
+    assert clocks.next_change(130.1) == pytest.approx(130.3)
+    # counted from the look's end it would be lost until the next period
+    assert clocks.next_change(130.4) is None
+    assert clocks.silent("b", 1, 130.45)
+
+
+@pytest.mark.unit
+def test_a_peer_is_fresh_for_an_interval_and_a_quarter_after_its_counter_moved():
+    clocks = SilenceClocks(30.0, 10.0, clock=ProcessClock(time_fn=lambda: 0.0))
+    clocks.observe("p", 1, 100.0)
+    clocks.observe("p", 2, 105.0)  # seen moving: running now
+    assert clocks.fresh("p") and clocks.beat_gap == 12.5
+    clocks.observe("p", 2, 117.4)
+    assert clocks.fresh("p")
+    clocks.observe("p", 2, 117.6)  # a beat is late: stop relying on it
+    assert not clocks.fresh("p") and not clocks.silent("p", 2, 117.7)
+    assert clocks.next_change(105.0, fresh_of=["p"]) == pytest.approx(117.5)
 
 
 @pytest.mark.unit

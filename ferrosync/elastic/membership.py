@@ -124,10 +124,12 @@ class Watch:
         return member_id not in self.gone and \
             self._silence.overdue(member_id, self._clock.now())
 
-    def next_change(self, fresh_of=()) -> float | None:
+    def next_change(self, fresh_of=(), since: float | None = None) -> float | None:
         """When (``time.monotonic``) a watched member can next be judged gone, or one of
-        ``fresh_of`` stop being fresh (``SilenceClocks.next_change``)."""
-        return self._silence.next_change(self._clock.now(), fresh_of)
+        ``fresh_of`` stop being fresh: after ``since``, when the latest look began
+        (default now), so possibly past (``SilenceClocks.next_change``)."""
+        return self._silence.next_change(self._clock.now() if since is None else since,
+                                         fresh_of)
 
 
 @dataclass(frozen=True)

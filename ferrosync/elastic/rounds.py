@@ -271,7 +271,9 @@ class Agreement:
                  "next_full": clock.monotonic() + self._check_interval}
 
         def next_look(now: float) -> float:
-            change = self._watch.next_change(proof)
+            # `now`: when this look began; a member whose timeout came while the look
+            # read the others was read just short of it: look again at once
+            change = self._watch.next_change(proof, since=now)
             return min(now + self._check_interval, change if change is not None else now
                        + self._check_interval)
 

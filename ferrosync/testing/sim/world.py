@@ -191,6 +191,9 @@ class World:
         self.contributions: dict[tuple[str, int], torch.Tensor] = {}
         self.deaths: list[Member] = []
         self.details: list[str] = []  # what each violation saw, in order
+        #: the slowest detection: seconds from the bound's start to the roster that
+        #: dropped the member, over ``heartbeat_timeout`` (the bound is 1.5)
+        self.detection_max = 0.0
         self.running = 0  # member processes whose main thread has not ended
         self.wall_began = wall()
         self.events: dict[str, int] = {}  # churn events that happened, by kind
@@ -405,6 +408,8 @@ class World:
                 # resumed from a pause: then it is waited for alive) before it was
                 # written: the dead leave together, after the last of these events
                 start = max([start] + [t for t in events if t < at])
+                self.detection_max = max(self.detection_max,
+                                         (at - max(died, start)) / self.timing[1])
                 if at > max(died, start) + bound:
                     self.violate("slow_detection", f"{mid} ({member.fate} at "
                                  f"{died - self.start:.3f} s) dropped by roster {r} written "
@@ -438,6 +443,7 @@ class World:
             "trace_digest": self.sched.digest,
             "joined": len(self.everyone), "switches": self.sched.switches,
             "churn": dict(sorted(self.events.items())),
+            "detection_max": round(self.detection_max, 3),
             "faults": {"lost_replies": self.server.lost_replies,
                        "cut_bodies": self.server.cut_bodies},
             "details": self.details[:20],
