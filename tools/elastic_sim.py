@@ -30,11 +30,17 @@ from ferrosync.testing.sim.world import World, parse_churn  # noqa: E402
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elastic_sim.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--members", type=int, required=True)
-    p.add_argument("--rounds", type=int, required=True)
-    p.add_argument("--seed", type=int, required=True)
-    p.add_argument("--profile", choices=sorted(PROFILES), default="s3")
-    p.add_argument("--churn", default="")
+    p.add_argument("--members", type=int, required=True,
+                   help="members at the start (founders)")
+    p.add_argument("--rounds", type=int, required=True,
+                   help="rounds the job averages before it ends")
+    p.add_argument("--seed", type=int, required=True,
+                   help="the seed: the same seed gives the same trace_digest")
+    p.add_argument("--profile", choices=sorted(PROFILES), default="s3",
+                   help="the simulated store's behaviour (docs/elastic.md, Simulation)")
+    p.add_argument("--churn", default="",
+                   help="kind=rate pairs, events per virtual hour across the job "
+                   "(joins, leaves, kills, pauses, total_loss, stragglers)")
     p.add_argument("--payload", type=int, default=1 << 20, help="bytes per member (1 MiB)")
     p.add_argument("--compute-s", type=float, default=1.0,
                    help="virtual seconds of training between rounds")
