@@ -340,8 +340,10 @@ def w_paused(index, _world, url, files):
         while sync.world_size < 2:
             sync.barrier()
         changes = sync.membership_changes
-        with open(f"{files}.id{index}", "w") as f:
+        # whole or absent: the test reads it as soon as the name exists
+        with open(f"{files}.id{index}.tmp", "w") as f:
             f.write(sync.member_id)
+        os.replace(f"{files}.id{index}.tmp", f"{files}.id{index}")
         if index == 1:
             wait_until(lambda: os.path.exists(f"{files}.go"), "go", timeout=TIMEOUT)
         total = sync.average_([torch.full((2,), 10.0 ** index)])
