@@ -316,9 +316,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 1
         _announce(server)
-        while server.proc is not None and server.proc.poll() is None:
-            time.sleep(0.5)
-        if server.proc is not None:  # weed died under us: say so
+        if server.proc is not None:
+            # until weed exits; Ctrl-C and SIGTERM raise KeyboardInterrupt in the wait
+            server.proc.wait()
+            # weed died under us: say so
             print(f"ferrosync.testing.seaweed: error: weed exited with status "
                   f"{server.proc.returncode} (log: {server.log_path})", file=sys.stderr)
             return 1
