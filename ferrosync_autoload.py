@@ -41,7 +41,7 @@ from ferrosync_schemes import BACKEND_NAME, ddp_object_schemes
 
 #: set to 0 to keep ``import torch`` from registering backend "ferrosync"
 ENV_SWITCH = "FERROSYNC_AUTOLOAD"
-#: == ferrosync.env.ENV_URL (a test keeps them equal: that module is inside the package)
+#: == ferrosync.core.env.ENV_URL (a test keeps them equal: that module is inside the package)
 ENV_URL = "FERROSYNC_URL"
 
 #: the exception that stopped the last ``autoload`` (None: it registered, or was off)

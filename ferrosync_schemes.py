@@ -2,20 +2,20 @@
 
 Each scheme says which engine opens it (``opener``, a ``"module:function"`` string
 imported on first use), the fsspec protocol behind it, the ``pip install`` that adds a
-missing driver (``install``), which store it is (``store``: a ``ferrosync.stores.STORES``
+missing driver (``install``), which store it is (``store``: a ``ferrosync.storage.providers.STORES``
 name, for guarantees and prices) and whether the ``"ferrosync"`` torch.distributed
 backend takes it over as an ``init_method`` (``ddp``: ``"object"`` for object-store
 URLs, whose ranks meet in storage only; ``"directory"`` for ``file://`` naming a
-directory, which torch's own handler rejects). Read by ``ferrosync.storage``
-(``open_storage``), ``ferrosync.stores``, the driver hints of
-``ferrosync.storage.fsspec_store`` and the torch hook (``ferrosync_autoload``).
+directory, which torch's own handler rejects). Read by ``ferrosync.storage.engines``
+(``open_storage``), ``ferrosync.storage.providers``, the driver hints of
+``ferrosync.storage.engines.fsspec_store`` and the torch hook (``ferrosync_autoload``).
 
 Beside the schemes, the name the torch backend is registered under (``BACKEND_NAME``):
 the registrar and the package both need it, and this is the module both can import.
 
 A top-level module of its own, importing nothing: the torch hook reads it while
 ``import torch`` runs, where importing the ``ferrosync`` package would load torch-heavy
-modules (and ``ferrosync.storage`` reads it without importing the hook).
+modules (and ``ferrosync.storage.engines`` reads it without importing the hook).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ class Scheme(NamedTuple):
     at_container: bool = False
 
 
-_LOCAL = "ferrosync.storage.local:open_local"
-_S3 = "ferrosync.storage.s3:open_s3"
-_GCS = "ferrosync.storage.fsspec_store:open_gcs"
+_LOCAL = "ferrosync.storage.engines.local:open_local"
+_S3 = "ferrosync.storage.engines.s3:open_s3"
+_GCS = "ferrosync.storage.engines.fsspec_store:open_gcs"
 #: the opener of any fsspec URL without a row here (``memory://``, a registered driver)
-FSSPEC = "ferrosync.storage.fsspec_store:open_fsspec"
+FSSPEC = "ferrosync.storage.engines.fsspec_store:open_fsspec"
 
 SCHEMES: dict[str, Scheme] = {
     "file": Scheme(_LOCAL, "file", store="directory", ddp="directory"),

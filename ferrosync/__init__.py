@@ -11,13 +11,13 @@ Importing this package is cheap: storage drivers and CUDA load on first use.
 
 from __future__ import annotations
 
-from . import interrupts
+from ferrosync.core import interrupts
 
 interrupts.hold_at_start()  # before torch: a command's Ctrl-C waits for its main (see there)
 
-from . import ddp, errors  # noqa: E402
-from .api import GradSync, SyncHandle, connect  # noqa: E402
-from .errors import (  # noqa: E402
+from ferrosync import ddp, errors  # noqa: E402
+from ferrosync.api import GradSync, SyncHandle, connect  # noqa: E402
+from ferrosync.errors import (  # noqa: E402
     ConfigError,
     DuplicateRank,
     FerrosyncError,
@@ -30,7 +30,7 @@ from .errors import (  # noqa: E402
     SyncClosed,
     SyncTimeout,
 )
-from .partition import ShardSampler, shard_indices  # noqa: E402
+from ferrosync.partition import ShardSampler, shard_indices  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -63,7 +63,7 @@ __all__ = [
 def __getattr__(name: str):
     # lazy: the trainer and its CLI modules load only when someone uses them
     if name == "Trainer":
-        from .train.trainer import Trainer
+        from ferrosync.train.trainer import Trainer
 
         return Trainer
     raise AttributeError(f"module 'ferrosync' has no attribute {name!r}")

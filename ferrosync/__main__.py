@@ -24,10 +24,10 @@ import json
 import os
 import sys
 
-from .env import ENV_SECRET
-from .errors import ConfigError, StorageError, one_line
-from .ops.keys import directory as keys_directory
-from .validate import cli_number
+from ferrosync.core.env import ENV_SECRET
+from ferrosync.core.validate import cli_number
+from ferrosync.errors import ConfigError, StorageError, one_line
+from ferrosync.ops.keys import directory as keys_directory
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: seconds the tools give their first contact with an object store (probe_bucket)
@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--strict", action="store_true", help="exit 1 if any check fails")
 
-    from .ops.keys import PRUNE_AFTER_DAYS
+    from ferrosync.ops.keys import PRUNE_AFTER_DAYS
 
     p = subs.add_parser("keys", help="list or prune the key files the launcher keeps",
                         description=f"List the key files in {keys_directory()} (one per "
@@ -130,35 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _keys(args):
     """Each job's key: its launcher's key file, else --secret / $FERROSYNC_SECRET."""
-    from .ops.keys import JobKeys
+    from ferrosync.ops.keys import JobKeys
 
     value = args.secret if args.secret is not None else os.environ.get(ENV_SECRET)
     return JobKeys(value.encode() if value else None)
 
 
 def _dispatch(args) -> int:
-    from .storage import open_storage
+    from ferrosync.storage.engines import open_storage
 
     # the first contact is bounded: a dead endpoint or missing credentials is one line
     storage = open_storage(args.url, args.storage_options, timeout=TOOL_CONTACT_TIMEOUT)
     try:
         if args.command == "doctor":
-            from .ops import doctor
+            from ferrosync.ops import doctor
 
             return doctor.run(storage, args.url, args.storage_options, size_mib=args.size_mib,
                               samples=args.samples, payload_mib=args.payload_mib,
                               world_size=args.world_size, as_json=args.json,
                               strict=args.strict, mode=args.mode)
-        from .ops.watch import default_window
+        from ferrosync.ops.watch import default_window
 
         window = args.watch if args.watch is not None else default_window(storage)
         if args.command == "inspect":
-            from .ops import inspect
+            from ferrosync.ops import inspect
 
             _check_reachable(storage)
             return inspect.run(storage, _keys(args), window, as_json=args.json,
                                objects=args.objects)
-        from .ops import gc
+        from ferrosync.ops import gc
 
         _check_reachable(storage)
         return gc.run(storage, _keys(args), window, keep=args.keep, dry_run=args.dry_run,
@@ -169,7 +169,7 @@ def _dispatch(args) -> int:
 
 def _check_reachable(storage) -> None:
     """A missing bucket is bad usage (exit 2); a missing directory is merely empty."""
-    from .storage import LocalStorage
+    from ferrosync.storage.engines import LocalStorage
 
     storage.probe_bucket()
     if isinstance(storage, LocalStorage) and os.path.exists(storage.url) and not (
@@ -180,7 +180,7 @@ def _check_reachable(storage) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one tool; returns the exit status (argparse exits 2 itself on bad flags)."""
-    from . import interrupts
+    from ferrosync.core import interrupts
 
     try:
         interrupts.release()  # a Ctrl-C while torch was importing arrives here
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "keys":  # the user's own key files: no storage location
-            from .ops import keys_tool
+            from ferrosync.ops import keys_tool
 
             return keys_tool.run(prune_them=args.prune, older_than_days=args.older_than,
                             dry_run=args.dry_run, as_json=args.json)

@@ -5,7 +5,7 @@ buckets, times phases and keeps ``stats``. It is an abstract base: a backend
 (docs/design.md#backend-contract) implements ``check_options`` and the primitives
 that move bytes (``_average_flat``, ``_broadcast_flat``, ``_all_gather_flat``,
 ``_barrier``, ``_shutdown``), may override ``_publish_abort``, and is registered (class,
-options class, URL schemes) in ``registry.py``; ``tests/test_contract.py`` then runs it.
+options class, URL schemes) in ``core/registry.py``; ``tests/test_contract.py`` then runs it.
 
 The collective contract (as with NCCL): every rank calls the same collectives in
 the same order, with tensors of the same dtypes and shapes. A violation is
@@ -16,9 +16,9 @@ and reconnect, which starts a new generation.
 
 **Who may call.** A collective may be called from any thread of the process that
 connected, but two threads' calls must not overlap, and a forked child may not use
-the parent's ``GradSync``: that rule lives in ``guard.py`` (``OwnershipGuard``, which
+the parent's ``GradSync``: that rule lives in ``core/guard.py`` (``OwnershipGuard``, which
 ``GradSync`` inherits). ``async_op=True`` runs collectives on this library's own
-thread (``async_runner.py``).
+thread (``core/async_runner.py``).
 
 **The adapter seam.** Code that builds another interface on a ``GradSync`` (the DDP
 process group in ``ddp/``) runs its own collective bodies through the public
@@ -38,11 +38,10 @@ import sys
 
 import torch
 
-from .async_runner import RUNNER_JOIN_TIMEOUT, SyncHandle
-from .codecs import FLOAT_DTYPES
-from .env import ENV_URL, Identity, discover
-from .errors import ConfigError
-from .flat import (
+from ferrosync.compression.codecs import FLOAT_DTYPES
+from ferrosync.core.async_runner import RUNNER_JOIN_TIMEOUT, SyncHandle
+from ferrosync.core.env import ENV_URL, Identity, discover
+from ferrosync.core.flat import (
     Bucket,
     BufferPool,
     as_tensor_list,
@@ -50,11 +49,12 @@ from .flat import (
     layout_signature,
     plan_buckets,
 )
-from .guard import OwnershipGuard, fail_open_syncs
-from .stats import StatsBook
-from .validate import error as value_error
-from .validate import number
-from .wire import DTYPE_CODES, layout_digest
+from ferrosync.core.guard import OwnershipGuard, fail_open_syncs
+from ferrosync.core.stats import StatsBook
+from ferrosync.core.validate import error as value_error
+from ferrosync.core.validate import number
+from ferrosync.errors import ConfigError
+from ferrosync.storage.wire import DTYPE_CODES, layout_digest
 
 __all__ = ["connect", "GradSync", "SyncHandle", "Receive", "fail_open_syncs"]
 
@@ -68,7 +68,7 @@ class GradSync(OwnershipGuard, abc.ABC):
     Attributes:
         rank, world_size, local_rank: this process's identity.
         url: where the ranks meet.
-        stats: ``{"total": {...}, "last": {...}}`` (see ``ferrosync.stats``).
+        stats: ``{"total": {...}, "last": {...}}`` (see ``ferrosync.core.stats``).
     """
 
     #: per-backend default bucket size; None means one bucket per dtype
@@ -113,7 +113,7 @@ class GradSync(OwnershipGuard, abc.ABC):
     @abc.abstractmethod
     def check_options(cls, options: dict):
         """Validate ``connect``'s keyword options before any I/O and return them typed
-        (``backends/options.py``); a ``ConfigError`` names the first bad one. Called by
+        (``storage/options.py``); a ``ConfigError`` names the first bad one. Called by
         ``connect`` with every option the user passed; the result is handed to
         ``__init__(url, identity, timeout, options)``."""
 
@@ -301,7 +301,7 @@ class GradSync(OwnershipGuard, abc.ABC):
     def recv(self, tensor: torch.Tensor, src: int | None = None, *, tag: int = 0) -> int:
         """Point-to-point: wait for the next message from rank ``src`` with ``tag`` (any
         rank's with ``src=None``: the lowest rank with one waiting, see
-        ``backends/messages.py``) and copy it into ``tensor`` (same dtype and size as
+        ``storage/messages.py``) and copy it into ``tensor`` (same dtype and size as
         sent, else ``LayoutMismatch``). Returns the sender's rank."""
         return self.irecv(tensor, src, tag=tag).wait()
 
@@ -631,7 +631,7 @@ def connect(url: str | None = None, *, rank: int | None = None, world_size: int 
     ``SyncTimeout`` after ``timeout``). Arguments are validated before any I/O. With
     ``elastic=True`` it returns once a roster admits this member.
     """
-    from .registry import registration_for, selected_options
+    from ferrosync.core.registry import registration_for, selected_options
 
     if url is None:
         url = os.environ.get(ENV_URL)

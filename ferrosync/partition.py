@@ -17,7 +17,7 @@ from typing import Iterator, Sized
 
 import torch
 
-from .validate import integer
+from ferrosync.core.validate import integer
 
 __all__ = ["shard_indices", "ShardSampler"]
 
@@ -78,7 +78,7 @@ class ShardSampler(torch.utils.data.Sampler):
 
     Args:
         dataset_or_len: a sized dataset, or its length.
-        rank, world_size: from the environment (``ferrosync.env.discover``) when None.
+        rank, world_size: from the environment (``ferrosync.core.env.discover``) when None.
         shuffle, seed, drop_last: as in ``shard_indices``.
 
     Call ``set_epoch(e)`` at the start of each epoch on every rank (the same ``e``),
@@ -97,7 +97,7 @@ class ShardSampler(torch.utils.data.Sampler):
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
-        from .env import discover
+        from ferrosync.core.env import discover
 
         n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
         identity = discover(rank, world_size)

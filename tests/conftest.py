@@ -282,10 +282,10 @@ def case_transport(backend: str, tmp_path, object_transport) -> Transport:
 
 
 def case_registration(backend: str, tmp_path) -> str:
-    """The registered backend (``ferrosync.registry``) that contract case ``backend``
+    """The registered backend (``ferrosync.core.registry``) that contract case ``backend``
     exercises, found the way ``connect`` finds it; object stores are named by their
     scheme only, so no server starts."""
-    from ferrosync.registry import registration_for
+    from ferrosync.core.registry import registration_for
 
     def object_transport(name):
         return Transport(name, f"{name.split('-')[0]}://{BUCKET}/x")

@@ -402,7 +402,7 @@ def _evaluate_text(example) -> None:
 def _check_layout(sample: str) -> None:
     """README's Layout: every file and directory it lists exists where it is drawn, every
     script or document it names in a description exists, and every module of the
-    package (and of ferrosync/backends and ferrosync/storage) is listed."""
+    package and of its layer packages is listed."""
     parents: dict[int, str] = {}
     listed = set()
     for line in sample.splitlines():
@@ -418,7 +418,8 @@ def _check_layout(sample: str) -> None:
             for cited in re.findall(r"[\w-]+\.(?:py|md)\b", description):
                 assert os.path.exists(os.path.join(ROOT, path, cited)), (
                     f"README Layout: {path}{cited} does not exist")
-    for package in ("ferrosync", "ferrosync/backends", "ferrosync/storage"):
+    for package in ("ferrosync", "ferrosync/core", "ferrosync/compression", "ferrosync/storage",
+                    "ferrosync/storage/engines", "ferrosync/torchdist"):
         for entry in sorted(os.listdir(os.path.join(ROOT, package))):
             full = f"{package}/{entry}"
             if entry.startswith("_") or not (entry.endswith(".py") or os.path.isdir(

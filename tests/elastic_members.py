@@ -12,8 +12,8 @@ import subprocess
 from train_cli import final_of, read_metrics_so_far, start_cli
 from train_models import HOLD, HOLD_AT
 
-from ferrosync import names
-from ferrosync.storage import open_storage
+from ferrosync.storage import names
+from ferrosync.storage.engines import open_storage
 from ranks import wait_until
 
 # short heartbeats: a killed member is dropped within seconds

@@ -7,7 +7,7 @@ reached at a known instant, whatever the machine's speed. Actions scheduled with
 announces after 0.5 s" into a rank's wait loop without a second thread, so no test
 depends on which of two threads runs first.
 
-``MemoryStorage`` is a real ``ferrosync.storage.Storage`` (the interface every
+``MemoryStorage`` is a real ``ferrosync.storage.engines.Storage`` (the interface every
 store implements) holding objects in a dict, with what a test needs to provoke
 trouble: a latency per request on the fake clock, failures injected into the next
 matching requests, hooks run before a request (another process acting "just
@@ -18,7 +18,7 @@ contributions scripted: for the policy layers (strategies) above the transport.
 
 Modules that take their clock from ``time`` and their polling from ``Backoff`` are
 switched to the fake clock with ``clock.install(monkeypatch, module)``, which also
-makes it ``ferrosync.runtime.DEFAULT`` (what the object layer, the elastic layer and
+makes it ``ferrosync.core.runtime.DEFAULT`` (what the object layer, the elastic layer and
 heartbeats run on when nothing is passed in).
 """
 
@@ -31,9 +31,10 @@ import types
 
 import torch
 
-from ferrosync import liveness, runtime
-from ferrosync.storage import Storage
-from ferrosync.storage.base import BytesReader
+from ferrosync.core import runtime
+from ferrosync.storage import liveness
+from ferrosync.storage.engines import Storage
+from ferrosync.storage.engines.base import BytesReader
 
 
 class FakeClock:
@@ -83,13 +84,13 @@ class FakeClock:
         return FakeBackoff(self, initial, cap)
 
     def runtime(self) -> FakeRuntime:
-        """A ``ferrosync.runtime.Runtime`` on this clock (real threads and locks)."""
+        """A ``ferrosync.core.runtime.Runtime`` on this clock (real threads and locks)."""
         return FakeRuntime(self)
 
     def install(self, monkeypatch, *modules) -> FakeClock:
         """Make ``modules`` read time from this clock (their ``time`` name, where they
         import one) and poll with its back-off (their ``Backoff`` name), and make a
-        runtime on it the default one (``ferrosync.runtime.DEFAULT``)."""
+        runtime on it the default one (``ferrosync.core.runtime.DEFAULT``)."""
         shim = types.SimpleNamespace(monotonic=self.monotonic, time=self.time,
                                      sleep=self.sleep, perf_counter=self.perf_counter)
         monkeypatch.setattr(runtime, "DEFAULT", self.runtime())
@@ -112,7 +113,7 @@ def install_elastic_clock(monkeypatch, *modules) -> FakeClock:
 
 
 class FakeRuntime(runtime.Runtime):
-    """``ferrosync.runtime.Runtime`` on a ``FakeClock``: its time, sleeps and back-off,
+    """``ferrosync.core.runtime.Runtime`` on a ``FakeClock``: its time, sleeps and back-off,
     a process clock of its own and no member judged gone; threads and locks are real."""
 
     def __init__(self, clock: FakeClock) -> None:

@@ -43,7 +43,7 @@ def context():
         # pytest: every test module a rank's target lives in imports it.
         # forkserver_ready last: it readies what the others built (see its docstring).
         _CTX.set_forkserver_preload(["torch", "torch._dynamo", "ferrosync",
-                                     "ferrosync.backends.files", "ferrosync.elastic",
+                                     "ferrosync.storage.sync", "ferrosync.elastic",
                                      "pytest", "s3fs", "gcsfs", "adlfs", "ranks",
                                      "train_cli", "forkserver_ready"])
         # Python 3.11's forkserver imports its preloads before it takes the parent's
@@ -224,7 +224,7 @@ def wait_until(predicate, what: str, timeout: float = 60.0):
 def read_heartbeat(gen_dir: str, rank: int) -> dict | None:
     """Rank ``rank``'s heartbeat record in a generation directory, or None while it is
     missing or being replaced (tests only: no secret)."""
-    from ferrosync.wire import decode_record
+    from ferrosync.storage.wire import decode_record
 
     try:
         with open(os.path.join(gen_dir, f"hb.r{rank}"), "rb") as f:

@@ -224,9 +224,9 @@ def test_one_table_of_schemes_one_registrar():
     """The registrar takes its schemes and the backend's name from the table the package
     reads (``ferrosync_schemes``), and its wrappers call handlers init_methods has."""
     import ferrosync_schemes
+    from ferrosync.core.env import ENV_URL
     from ferrosync.ddp import constants
-    from ferrosync.env import ENV_URL
-    from ferrosync.stores import store_of
+    from ferrosync.storage.providers import store_of
 
     assert ferrosync_autoload.BACKEND_NAME == constants.BACKEND_NAME == "ferrosync"
     assert ferrosync_autoload.ENV_URL == ENV_URL

@@ -72,7 +72,7 @@ def test_parameter_residual_never_lands_on_gradients(dir_transport):
 
 @pytest.mark.unit
 def test_error_feedback_memory_is_bounded():
-    from ferrosync.codecs import ErrorFeedback
+    from ferrosync.compression.codecs import ErrorFeedback
 
     ef = ErrorFeedback(max_keys=4)
     x = torch.ones(10)

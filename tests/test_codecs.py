@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrosync.codecs import (
+from ferrosync.compression.codecs import (
     INT8_BLOCK,
     CastCodec,
     ErrorFeedback,

@@ -222,7 +222,7 @@ FORK_SCRIPT = textwrap.dedent("""
     import torch
     import ferrosync
     from ferrosync.errors import ConfigError
-    from ferrosync.wire import decode_record
+    from ferrosync.storage.wire import decode_record
 
     rank, url, mode, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
     # rank 1 beats rarely, so a "closed" beat written by its child would stay visible

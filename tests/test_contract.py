@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import ferrosync
 from conftest import PG_INIT
-from ferrosync.storage import open_storage
+from ferrosync.storage.engines import open_storage
 from ranks import run_ranks, wait_until
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]

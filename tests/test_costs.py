@@ -14,9 +14,9 @@ import sys
 import pytest
 from train_cli import ROOT, cli_env, final_of, run_cli, run_forked
 
-from ferrosync.costs import DEFAULT_PRICES, hourly, is_billed, parse_prices, request_cost
 from ferrosync.errors import ConfigError
-from ferrosync.storage import open_storage
+from ferrosync.storage.costs import DEFAULT_PRICES, hourly, is_billed, parse_prices, request_cost
+from ferrosync.storage.engines import open_storage
 
 
 @pytest.mark.unit

@@ -18,7 +18,7 @@ import torch
 from ddp_workers import FAST, assert_matches_reference, collectives, gloo_reference, train
 
 from ferrosync.errors import PeerFailed
-from ferrosync.wire import decode_record
+from ferrosync.storage.wire import decode_record
 from ranks import RankFailure, run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""Point-to-point and all-to-all through storage (``backends/messages.py``), against gloo.
+"""Point-to-point and all-to-all through storage (``storage/messages.py``), against gloo.
 
 In-process tests connect two or three ranks from threads of this process (each its own
 ``FileSync`` on a temporary directory): message order per (source, destination, tag),
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import ferrosync
-from ferrosync import names
 from ferrosync.errors import LayoutMismatch, ShardCorrupt, SyncTimeout
+from ferrosync.storage import names
 from ranks import run_ranks
 
 

@@ -209,7 +209,7 @@ def test_every_ferrosync_command_the_documents_name_exists():
 def test_every_option_is_documented_and_validated():
     import dataclasses
 
-    from ferrosync.registry import option_tables
+    from ferrosync.core.registry import option_tables
 
     for cls in option_tables().values():
         for f in dataclasses.fields(cls):

@@ -119,8 +119,8 @@ def test_encoded_contributions_average_alike_on_every_member(tmp_path, wire_dtyp
     (no error feedback yet) exactly the weighted average, in roster order, of what the
     codec carries of each member's tensors; later rounds stay close to the exact
     average (error feedback is per member)."""
-    from ferrosync.backends.common import accumulate, divide_into
-    from ferrosync.codecs import accumulator_dtype, codec_for
+    from ferrosync.compression.codecs import accumulator_dtype, codec_for
+    from ferrosync.core.common import accumulate, divide_into
 
     rounds = 3
     got = run_ranks(w_encoded, 3, str(tmp_path), wire_dtype, rounds, timeout=120)

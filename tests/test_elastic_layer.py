@@ -20,9 +20,9 @@ import torch
 
 import ferrosync
 from conftest import free_port
-from ferrosync import names
 from ferrosync.errors import ConfigError, LayoutMismatch, ShardCorrupt, StorageError
-from ferrosync.faults import ENV_FAULTS, _object_kind
+from ferrosync.storage import names
+from ferrosync.storage.faults import ENV_FAULTS, _object_kind
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.5}
 TIMEOUT = 30.0

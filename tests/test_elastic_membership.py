@@ -16,13 +16,13 @@ import json
 import pytest
 
 from fakes import MemoryStorage, install_elastic_clock
-from ferrosync import names
-from ferrosync.backends import objects as objects_module
-from ferrosync.backends.objects import Objects
 from ferrosync.elastic import membership as mb
 from ferrosync.errors import FerrosyncError, ShardCorrupt, SyncTimeout
-from ferrosync.storage import RECORD_LIMIT
-from ferrosync.wire import decode_record, encode_record, job_key, job_tag
+from ferrosync.storage import names
+from ferrosync.storage import objects as objects_module
+from ferrosync.storage.engines import RECORD_LIMIT
+from ferrosync.storage.objects import Objects
+from ferrosync.storage.wire import decode_record, encode_record, job_key, job_tag
 
 NS = names.elastic_namespace("unit")
 SECRET = job_key(b"team secret", NS)
@@ -375,9 +375,9 @@ def test_liveness_defaults_depend_on_the_kind_of_store(tmp_path, s3_transport):
     interval the user sets stretches the default timeout to 3 intervals, a timeout the
     user sets shrinks the default interval to a third of it; a timeout too short for
     an interval the user set is refused, naming both, and closes the storage."""
-    from ferrosync.backends.options import ElasticOptions, StorageOptions
     from ferrosync.errors import ConfigError
-    from ferrosync.storage import open_storage
+    from ferrosync.storage.engines import open_storage
+    from ferrosync.storage.options import ElasticOptions, StorageOptions
 
     def s3():
         return open_storage(s3_transport.url, s3_transport.options["storage_options"])

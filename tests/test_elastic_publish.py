@@ -100,8 +100,8 @@ def test_a_finished_job_reports_without_training(tmp_path):
 @pytest.mark.unit
 def test_read_state_refuses_a_manifest_that_does_not_match(tmp_path):
     import ferrosync
-    from ferrosync import names
-    from ferrosync.wire import decode_record, encode_record
+    from ferrosync.storage import names
+    from ferrosync.storage.wire import decode_record, encode_record
 
     with ferrosync.connect(str(tmp_path), elastic=True, job="st", timeout=20) as sync:
         assert sync.read_state() is None

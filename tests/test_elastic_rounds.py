@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 
 from fakes import MemoryStorage, install_elastic_clock
-from ferrosync import names
-from ferrosync.backends import objects as objects_module
-from ferrosync.backends.objects import Objects
 from ferrosync.elastic import membership as mb
 from ferrosync.elastic import rounds
 from ferrosync.errors import MemberDropped, SyncTimeout
-from ferrosync.wire import job_key, job_tag
+from ferrosync.storage import names
+from ferrosync.storage import objects as objects_module
+from ferrosync.storage.objects import Objects
+from ferrosync.storage.wire import job_key, job_tag
 
 pytestmark = pytest.mark.unit
 

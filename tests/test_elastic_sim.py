@@ -15,7 +15,7 @@ import json
 import pytest
 
 from ferrosync.elastic import sync as sync_module
-from ferrosync.storage.classify import is_transient
+from ferrosync.storage.engines.classify import is_transient
 from ferrosync.testing.sim.scheduler import Process, Scheduler
 from ferrosync.testing.sim.store import PROFILES, SimHTTPError, SimServer, SimStorage
 from ferrosync.testing.sim.world import World, parse_churn
@@ -79,7 +79,7 @@ def test_a_planted_fault_in_the_average_is_caught_and_replayable(capsys, monkeyp
 def test_a_planted_fault_in_the_liveness_rule_is_caught(monkeypatch):
     """Dead members never judged silent (the planted fault): a kill stalls the round
     until the collective timeout, and the run says so."""
-    from ferrosync import liveness
+    from ferrosync.storage import liveness
 
     def never_silent(self, peer, beat, now):
         self.observe(peer, beat, now)

@@ -11,9 +11,9 @@ import torch
 from test_elastic import FAST, TIMEOUT, _values, w_fixed
 
 import ferrosync
-from ferrosync.backends.options import ElasticOptions
 from ferrosync.elastic import tree
 from ferrosync.elastic.tree import TREE_FROM, Plan
+from ferrosync.storage.options import ElasticOptions
 from ranks import collect, run_ranks, start_ranks, wait_until
 
 MIB = 1 << 20

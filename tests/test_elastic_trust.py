@@ -80,13 +80,13 @@ def test_an_object_planted_under_a_members_name_never_enters_an_average(tmp_path
 
 @pytest.mark.unit
 def test_jobs_sharing_a_secret_seal_with_different_keys():
-    from ferrosync.wire import job_key
+    from ferrosync.storage.wire import job_key
 
     a, b = job_key(b"team", "el.A"), job_key(b"team", "el.B")
     assert a != b and len(a) == 32 and job_key(None, "el.A") is None
     assert job_key(b"team", "el.A") == a and job_key(b"other", "el.A") != a
     with pytest.raises(ShardCorrupt):
-        from ferrosync.wire import decode_record, encode_record
+        from ferrosync.storage.wire import decode_record, encode_record
         decode_record(encode_record({"x": 1}, a), b, path="el.B/x")
 
 
@@ -98,7 +98,7 @@ def _one_member(url, job):
 def test_a_manifest_declaring_a_huge_state_is_refused_before_allocating(tmp_path):
     """A state pointer whose manifest declares 2**39 float32 elements (2 TiB) is
     ``ShardCorrupt`` before anything is read or allocated by it."""
-    from ferrosync.wire import encode_record
+    from ferrosync.storage.wire import encode_record
 
     url = str(tmp_path)
     with _one_member(url, "huge") as sync:
@@ -134,7 +134,7 @@ def test_a_sparse_huge_join_entry_is_a_ferrosync_error(tmp_path):
 def test_a_deeply_nested_join_entry_is_a_ferrosync_error(tmp_path):
     import json
 
-    from ferrosync.wire import VERSION
+    from ferrosync.storage.wire import VERSION
 
     url = str(tmp_path)
     with _one_member(url, "nested") as sync:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ferrosync.env import discover
+from ferrosync.core.env import discover
 from ferrosync.errors import ConfigError
 
 

@@ -34,9 +34,9 @@ from test_ops import (
 from train_cli import cli_env, command, run_forked
 
 import ferrosync
-from ferrosync import names
 from ferrosync.__main__ import main
-from ferrosync.storage import open_storage
+from ferrosync.storage import names
+from ferrosync.storage.engines import open_storage
 from ranks import collect, run_ranks
 
 JUNK = ["garbage", "nested", "sparse"]

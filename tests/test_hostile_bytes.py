@@ -25,8 +25,8 @@ import torch
 
 import ferrosync
 from ferrosync.errors import FerrosyncError, PeerFailed, ShardCorrupt, relay_text, relayed
-from ferrosync.storage import RECORD_LIMIT, LocalStorage, open_storage
-from ferrosync.wire import (
+from ferrosync.storage.engines import RECORD_LIMIT, LocalStorage, open_storage
+from ferrosync.storage.wire import (
     JSON_MAX_DEPTH,
     decode_record,
     encode_record,

@@ -1,4 +1,4 @@
-"""``backends/incoming.py`` in one process: the header an object must carry, and
+"""``storage/incoming.py`` in one process: the header an object must carry, and
 reading a payload that is verified as it streams.
 
 ``Expected`` builds the writer's header and checks the reader's, so each field is
@@ -15,14 +15,14 @@ import math
 import pytest
 import torch
 
-from ferrosync.backends.incoming import Expected, Incoming, Part
-from ferrosync.codecs import Int8Codec, RawCodec
+from ferrosync.compression.codecs import Int8Codec, RawCodec
+from ferrosync.core.flat import BufferPool
+from ferrosync.core.stats import StatsBook
 from ferrosync.errors import LayoutMismatch, ShardCorrupt
-from ferrosync.flat import BufferPool
-from ferrosync.stats import StatsBook
-from ferrosync.storage import Counters
-from ferrosync.storage.base import BytesReader
-from ferrosync.wire import (
+from ferrosync.storage.engines import Counters
+from ferrosync.storage.engines.base import BytesReader
+from ferrosync.storage.incoming import Expected, Incoming, Part
+from ferrosync.storage.wire import (
     FLAG_EMPTY,
     FLAG_UNCHANGED,
     KIND_CONTRIB,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ferrosync
-from ferrosync.env import discover_job
+from ferrosync.core.env import discover_job
 from ferrosync.errors import ConfigError, DuplicateRank, FerrosyncError
 from ranks import RankFailure, collect, run_ranks, start_ranks
 

@@ -16,8 +16,8 @@ import torch
 import ferrosync
 from conftest import s3_storage_options
 from ferrosync.errors import ShardCorrupt, StorageError
-from ferrosync.storage import open_storage
-from ferrosync.storage.parts import MIN_PART
+from ferrosync.storage.engines import open_storage
+from ferrosync.storage.engines.parts import MIN_PART
 from ferrosync.testing.fault_proxy import Fault, FaultProxy
 from ranks import run_ranks
 

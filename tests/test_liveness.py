@@ -18,7 +18,8 @@ import torch
 
 import ferrosync
 from ferrosync.errors import PeerFailed, StorageError
-from ferrosync.liveness import (
+from ferrosync.storage.engines import RECORD_LIMIT, Counters, oversized
+from ferrosync.storage.liveness import (
     MIN_FREEZE_S,
     Heartbeat,
     PeerMonitor,
@@ -27,8 +28,7 @@ from ferrosync.liveness import (
     freeze_bound,
     heartbeat_key,
 )
-from ferrosync.storage import RECORD_LIMIT, Counters, oversized
-from ferrosync.wire import encode_record
+from ferrosync.storage.wire import encode_record
 from ranks import collect, read_heartbeat, start_ranks, wait_until
 
 PREFIX = "g0.test"
@@ -189,7 +189,7 @@ def test_failing_own_heartbeat_is_reported_typed():
     storage.fail_puts = StorageError("No space left on device", path="fake://hb.r0")
     # registered as the monitor's own heartbeat (start() also spawns the thread; the
     # test drives the beats itself)
-    from ferrosync import liveness
+    from ferrosync.storage import liveness
     liveness._HEARTBEATS[(id(storage), PREFIX, 0)] = hb
     try:
         for beat in range(2, 9):

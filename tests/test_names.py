@@ -1,4 +1,4 @@
-"""ferrosync.names: every name formats and parses back, and no two kinds are confused."""
+"""ferrosync.storage.names: every name formats and parses back, and no two kinds are confused."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ferrosync import names
+from ferrosync.storage import names
 
 pytestmark = pytest.mark.unit
 

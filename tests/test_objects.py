@@ -1,4 +1,4 @@
-"""``backends/objects.py`` in one process: sealing, waiting for and opening objects.
+"""``storage/objects.py`` in one process: sealing, waiting for and opening objects.
 
 Two ``GenerationObjects`` (rank 0 and its peer) share one ``MemoryStorage`` and a
 ``FakeClock`` (tests/fakes.py); the peer's monitor is the real ``PeerMonitor`` on that
@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from fakes import FakeClock, MemoryStorage
-from ferrosync import names
-from ferrosync.backends import objects as objects_module
-from ferrosync.backends.incoming import Expected, Part
-from ferrosync.backends.objects import GenerationObjects
-from ferrosync.codecs import RawCodec
+from ferrosync.compression.codecs import RawCodec
+from ferrosync.core.stats import StatsBook
 from ferrosync.errors import LayoutMismatch, PeerFailed, ShardCorrupt, SyncClosed, SyncTimeout
-from ferrosync.liveness import PeerMonitor, ProcessClock, publish_abort
-from ferrosync.rendezvous import Generation
-from ferrosync.stats import StatsBook
-from ferrosync.wire import DTYPE_CODES, KIND_CONTRIB, KIND_ERROR, Header, layout_digest
+from ferrosync.storage import names
+from ferrosync.storage import objects as objects_module
+from ferrosync.storage.incoming import Expected, Part
+from ferrosync.storage.liveness import PeerMonitor, ProcessClock, publish_abort
+from ferrosync.storage.objects import GenerationObjects
+from ferrosync.storage.rendezvous import Generation
+from ferrosync.storage.wire import DTYPE_CODES, KIND_CONTRIB, KIND_ERROR, Header, layout_digest
 
 pytestmark = pytest.mark.unit
 

@@ -596,7 +596,7 @@ def test_rename_probe_leaves_nothing_behind(tmp_path):
 @pytest.mark.unit
 def test_doctor_warns_only_when_neither_holds(tmp_path, exclusive, rename, warned):
     from ferrosync.ops.doctor import Doctor
-    from ferrosync.storage import open_storage
+    from ferrosync.storage.engines import open_storage
 
     url = str(tmp_path / "loc")
     doctor = Doctor(open_storage(url), url, None, size_mib=0, samples=3)
@@ -622,7 +622,7 @@ def test_doctor_on_both_s3_servers(any_s3_transport, capsys):
     assert checks["atomic rename"]["status"] == "info"
     assert "publish safety" not in checks
     assert not [c for c in report["checks"] if c["status"] == "fail"], report["checks"]
-    from ferrosync.storage import open_storage
+    from ferrosync.storage.engines import open_storage
 
     assert open_storage(url, opts["storage_options"]).list() == []  # cleaned up
 

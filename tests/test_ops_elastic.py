@@ -21,12 +21,12 @@ def test_inspect_tells_an_elastic_jobs_whole_history_whoever_wrote_it(tmp_path, 
     full (two lost records rebuilt from their rosters by the next writer), the older
     ones counted, and the one change whose writer died before a quiet spell pruned its
     rosters said to be unrecorded; two history records on storage."""
-    from ferrosync import names
-    from ferrosync.backends.objects import Objects
     from ferrosync.elastic import history as hist
     from ferrosync.elastic import membership as mb
-    from ferrosync.storage import open_storage
-    from ferrosync.wire import job_key, job_tag
+    from ferrosync.storage import names
+    from ferrosync.storage.engines import open_storage
+    from ferrosync.storage.objects import Objects
+    from ferrosync.storage.wire import job_key, job_tag
 
     ns = names.elastic_namespace("hist")
     storage = open_storage(str(tmp_path))

@@ -1,6 +1,6 @@
 """``ferrosync doctor``'s recommended settings follow the mode the job runs in, with the
 defaults a job of that mode resolves on the store as their floor
-(``backends/options.py``'s ``timing``): elastic members on an object store beat every
+(``storage/options.py``'s ``timing``): elastic members on an object store beat every
 10 s, fixed-size ranks every 2 s. In-process; no request is made (the measurements are
 a fast store's, as doctor would report them)."""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from ferrosync.backends.options import ElasticOptions, StorageOptions
 from ferrosync.ops.recommend import recommend, render
-from ferrosync.storage import open_storage
+from ferrosync.storage.engines import open_storage
+from ferrosync.storage.options import ElasticOptions, StorageOptions
 
 pytestmark = pytest.mark.unit
 

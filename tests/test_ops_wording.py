@@ -15,7 +15,7 @@ import time
 import pytest
 from train_cli import cli_env, run_forked, start_cli
 
-from ferrosync.liveness import describe_abort
+from ferrosync.storage.liveness import describe_abort
 
 
 def _tool(*args, cwd) -> subprocess.CompletedProcess:

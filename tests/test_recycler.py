@@ -1,4 +1,4 @@
-"""``backends/recycler.py`` in one process: when consumed objects go, and spares.
+"""``storage/recycler.py`` in one process: when consumed objects go, and spares.
 
 The ``Recycler`` over a ``MemoryStorage`` (tests/fakes.py), once as a store that
 cannot recycle (an object store: consumed objects are deleted) and once as one that
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from fakes import MemoryStorage
-from ferrosync.backends.recycler import RECYCLE_MIN_BYTES, Recycler
+from ferrosync.storage.recycler import RECYCLE_MIN_BYTES, Recycler
 
 pytestmark = pytest.mark.unit
 

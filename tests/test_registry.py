@@ -1,4 +1,4 @@
-"""ferrosync/registry.py: one registration per backend, and what is built from it.
+"""ferrosync/core/registry.py: one registration per backend, and what is built from it.
 
 In-process and quick: no rank process starts and no server either (the contract
 cases' object stores are named by their scheme only).
@@ -11,10 +11,10 @@ import os
 import pytest
 
 from conftest import CASES, case_registration
-from ferrosync import registry
 from ferrosync.api import GradSync
-from ferrosync.backends.options import BackendOptions
+from ferrosync.core import registry
 from ferrosync.errors import ConfigError
+from ferrosync.storage.options import BackendOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,8 +42,8 @@ def test_every_registered_backend_is_in_the_contract_matrix(tmp_path):
 @pytest.mark.unit
 def test_a_registration_without_a_contract_case_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
-    registry.register("carrier-pigeon", backend="ferrosync.backends.files:FileSync",
-                      options="ferrosync.backends.options:StorageOptions",
+    registry.register("carrier-pigeon", backend="ferrosync.storage.sync:FileSync",
+                      options="ferrosync.storage.options:StorageOptions",
                       schemes=("pigeon",))
     assert uncovered(tmp_path) == {"carrier-pigeon"}
     assert registry.backend_for("pigeon://loft").__name__ == "FileSync"
@@ -94,7 +94,7 @@ def test_an_option_left_off_selects_nothing_and_is_dropped():
 
 @pytest.mark.unit
 def test_an_option_of_another_backend_says_which_backend_takes_it():
-    from ferrosync.backends.options import StorageOptions
+    from ferrosync.storage.options import StorageOptions
 
     with pytest.raises(ConfigError, match=r"min_ranks apply to an elastic job only "
                                           r"\(elastic=\.\.\.\)"):
@@ -105,7 +105,7 @@ def test_an_option_of_another_backend_says_which_backend_takes_it():
 def test_shared_settings_come_from_the_options_class():
     """One home for "what every rank must pass alike": the fields marked shared, for
     the rendezvous of the storage backend and an elastic job's record alike."""
-    from ferrosync.backends.options import ElasticOptions, StorageOptions
+    from ferrosync.storage.options import ElasticOptions, StorageOptions
 
     assert StorageOptions.shared_names() == ("reduce", "wire_dtype", "topk_density",
                                              "topk_bits", "bucket_bytes",

@@ -1,4 +1,4 @@
-"""``ferrosync.rendezvous`` in one process: generations, claims, objections, windows.
+"""``ferrosync.storage.rendezvous`` in one process: generations, claims, objections, windows.
 
 Every rank runs on one thread over a ``MemoryStorage`` and a ``FakeClock``
 (tests/fakes.py): "rank 0 arrives 0.5 s later" is an action the clock runs inside
@@ -16,9 +16,9 @@ import math
 import pytest
 
 from fakes import FakeClock, MemoryStorage
-from ferrosync import rendezvous as rdzv
 from ferrosync.errors import ConfigError, DuplicateRank, StorageError, SyncTimeout
-from ferrosync.wire import decode_record
+from ferrosync.storage import rendezvous as rdzv
+from ferrosync.storage.wire import decode_record
 
 pytestmark = pytest.mark.unit
 

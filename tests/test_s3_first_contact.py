@@ -28,7 +28,7 @@ import pytest
 import ferrosync
 from conftest import BUCKET, free_port
 from ferrosync.errors import ConfigError
-from ferrosync.storage import LocalStorage, open_storage
+from ferrosync.storage.engines import LocalStorage, open_storage
 from ranks import run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,7 +105,7 @@ DRIVERS = [("gs", "gcsfs", "gcsfs"), ("az", "adlfs", "adlfs"), ("oci", "ocifs", 
 def test_every_missing_fsspec_driver_names_its_package():
     code, out, err = python("""
         import json, sys
-        from ferrosync.storage import open_storage
+        from ferrosync.storage.engines import open_storage
         from ferrosync.errors import ConfigError
         for protocol in json.loads(sys.argv[2]):
             try:

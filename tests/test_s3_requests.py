@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from ferrosync.storage import open_storage
+from ferrosync.storage.engines import open_storage
 
 
 class Recorder:
@@ -257,7 +257,7 @@ def test_over_plain_http_bodies_stay_signed(recorded_s3):
 ])
 @pytest.mark.unit
 def test_which_endpoints_count_as_tls(options, tls, monkeypatch):
-    from ferrosync.storage.s3 import _s3_endpoint_uses_tls
+    from ferrosync.storage.engines.s3 import _s3_endpoint_uses_tls
 
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)

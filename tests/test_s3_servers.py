@@ -15,8 +15,8 @@ import pytest
 
 from conftest import BUCKET, s3_storage_options
 from ferrosync.errors import StorageError
-from ferrosync.storage import open_storage
-from ferrosync.storage.s3 import S3Storage
+from ferrosync.storage.engines import open_storage
+from ferrosync.storage.engines.s3 import S3Storage
 from ranks import context, run_ranks
 
 ROUNDS = 20
@@ -89,7 +89,14 @@ def test_inspect_reads_a_header_not_the_object(seaweed_transport):
     import torch
 
     from ferrosync.ops.inspect import object_report
-    from ferrosync.wire import DTYPE_CODES, HEADER_SIZE, KIND_CONTRIB, MAC_SIZE, Header, seal
+    from ferrosync.storage.wire import (
+        DTYPE_CODES,
+        HEADER_SIZE,
+        KIND_CONTRIB,
+        MAC_SIZE,
+        Header,
+        seal,
+    )
 
     storage = storage_of(seaweed_transport)
     payload = bytes(8 << 20)

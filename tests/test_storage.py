@@ -11,7 +11,7 @@ import uuid
 import pytest
 
 from ferrosync.errors import ConfigError, StorageError
-from ferrosync.storage import LocalStorage, open_storage
+from ferrosync.storage.engines import LocalStorage, open_storage
 from ranks import start_ranks
 
 
@@ -172,7 +172,7 @@ def test_s3_roundtrip_and_single_request_reads(s3_transport):
 def test_transient_errors_are_told_by_type_code_and_status_not_by_text():
     import errno
 
-    from ferrosync.storage.classify import is_transient, storage_error
+    from ferrosync.storage.engines.classify import is_transient, storage_error
 
     botocore = pytest.importorskip("botocore.exceptions")
 
@@ -211,7 +211,7 @@ def test_a_body_cut_short_is_transient_for_every_client():
     import errno
     import http.client
 
-    from ferrosync.storage.classify import cut_short, is_transient
+    from ferrosync.storage.engines.classify import cut_short, is_transient
 
     aiohttp = pytest.importorskip("aiohttp")
     botocore = pytest.importorskip("botocore.exceptions")
@@ -234,7 +234,7 @@ def test_a_body_cut_short_is_transient_for_every_client():
 
 
 def test_mountinfo_lines_are_parsed_with_superblock_options_and_escapes():
-    from ferrosync.storage.mounts import _mountinfo_entry
+    from ferrosync.storage.engines.mounts import _mountinfo_entry
 
     nfs = ("36 25 0:31 / /mnt/my\\040runs rw,relatime shared:1 - nfs4 server:/export "
            "rw,vers=4.2,hard,lookupcache=pos,nocto")
@@ -246,7 +246,7 @@ def test_mountinfo_lines_are_parsed_with_superblock_options_and_escapes():
 
 @pytest.mark.unit
 def test_mount_of_finds_the_longest_mount_point_of_a_path_not_made_yet(tmp_path):
-    from ferrosync.storage import is_local_filesystem, mount_of
+    from ferrosync.storage.engines import is_local_filesystem, mount_of
 
     mount = mount_of(str(tmp_path / "not" / "made" / "yet"))
     if mount is None:
@@ -260,7 +260,7 @@ def test_mount_of_finds_the_longest_mount_point_of_a_path_not_made_yet(tmp_path)
 
 @pytest.mark.unit
 def test_probe_location_names_rank_and_url(tmp_path):
-    from ferrosync.storage import probe_location
+    from ferrosync.storage.engines import probe_location
 
     probe_location(LocalStorage(str(tmp_path / "fine")), 3)
     assert os.listdir(tmp_path / "fine") == []  # the probe object is gone again
@@ -287,8 +287,8 @@ def test_open_storage_picks_the_engine_by_scheme(tmp_path):
     for whole requests: botocore's), any other fsspec driver; a bad URL is a
     ``ConfigError``. No I/O."""
     pytest.importorskip("s3fs")
-    from ferrosync.storage import FsspecStorage
-    from ferrosync.storage.s3 import S3Storage
+    from ferrosync.storage.engines import FsspecStorage
+    from ferrosync.storage.engines.s3 import S3Storage
 
     for url in (str(tmp_path / "a"), f"file://{tmp_path}/b"):
         assert type(open_storage(url)) is LocalStorage, url

@@ -1,6 +1,6 @@
 """Each store's semantics, on its real server, and no store without exclusive create.
 
-What docs/operations.md's store table and ``ferrosync.stores`` say about each object
+What docs/operations.md's store table and ``ferrosync.storage.providers`` say about each object
 store is tried here on the servers of the suite (moto and SeaweedFS for S3,
 fake-gcs-server for GCS, Azurite for Azure Blob) through their real fsspec drivers:
 conditional create (also raced), read-after-write over a new and an overwritten
@@ -25,15 +25,15 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 import ferrosync
-from ferrosync.costs import DEFAULT_PRICES, parse_prices
 from ferrosync.errors import ConfigError, DuplicateRank, FerrosyncError
-from ferrosync.storage import (
+from ferrosync.storage.costs import DEFAULT_PRICES, parse_prices
+from ferrosync.storage.engines import (
     ExclusiveCreateUnsupported,
     gcs_driver,
     open_storage,
     probe_location,
 )
-from ferrosync.stores import STORES, UNKNOWN, store_of
+from ferrosync.storage.providers import STORES, UNKNOWN, store_of
 from ranks import RankFailure, collect, run_ranks, start_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

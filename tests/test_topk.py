@@ -8,11 +8,11 @@ import torch
 
 import ferrosync
 from conftest import free_port
-from ferrosync.backends.encoder import Encoder
-from ferrosync.backends.options import StorageOptions, TorchOptions
-from ferrosync.codecs import TOPK_CHUNK, Int8Codec, TopKCodec, codec_for
+from ferrosync.compression.codecs import TOPK_CHUNK, Int8Codec, TopKCodec, codec_for
+from ferrosync.compression.encoder import Encoder
+from ferrosync.core.flat import BufferPool
 from ferrosync.errors import ConfigError
-from ferrosync.flat import BufferPool
+from ferrosync.storage.options import StorageOptions, TorchOptions
 from ranks import run_ranks
 
 

@@ -28,8 +28,8 @@ from train_cli import run_forked
 
 import ferrosync
 from ferrosync.errors import ConfigError, FerrosyncError, StorageError
-from ferrosync.storage import LocalStorage, object_exists
-from ferrosync.storage.local_tools import LocalTree
+from ferrosync.storage.engines import LocalStorage, object_exists
+from ferrosync.storage.engines.local_tools import LocalTree
 from ranks import RankFailure, collect, run_ranks, start_ranks, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.0}
@@ -452,7 +452,7 @@ def test_emptied_directories_of_any_depth_are_removed(tmp_path):
 @pytest.mark.unit
 def test_the_ddp_init_method_directory_is_owner_and_group_only(tmp_path):
     from ferrosync.ddp.init_methods import STORE_FILE, _directory_store
-    from ferrosync.storage.local import DIR_MODE
+    from ferrosync.storage.engines.local import DIR_MODE
 
     old = os.umask(0)  # so the mode asked for is the mode made
     try:

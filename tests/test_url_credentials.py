@@ -12,7 +12,7 @@ import pytest
 from train_cli import cli_env, run_forked, run_main
 
 from ferrosync.errors import ConfigError, StorageError, one_line, redact, relay_text
-from ferrosync.storage import split_url
+from ferrosync.storage.engines import split_url
 
 SECRET_URL = "s3://AKIAEXAMPLEKEY:wJalr/K7MDENG+bPxRfi@bucket/run"
 SHOWN = "s3://***@bucket/run"

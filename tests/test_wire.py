@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ferrosync.errors import ShardCorrupt
-from ferrosync.wire import (
+from ferrosync.storage.wire import (
     DTYPE_CODES,
     FLAG_AUTH,
     HEADER_SIZE,
@@ -135,7 +135,7 @@ def test_open_record_says_how_far_a_record_can_be_trusted():
     the operator tools show everything with its trust."""
     import json
 
-    from ferrosync.wire import open_record
+    from ferrosync.storage.wire import open_record
 
     record = {"beat": 3}
     plain, signed = encode_record(record, None), encode_record(record, b"k")

@@ -327,7 +327,7 @@ def start_emulator(kind: str, tmp):
 def raw_floor_ms(scheme: str, options: dict, nbytes: int, iters: int) -> float:
     """Median ms of one PUT plus one GET of ``nbytes`` through ferrosync's own client
     for the store (``FsspecStorage``), one process, nothing else running."""
-    from ferrosync.storage import open_storage
+    from ferrosync.storage.engines import open_storage
 
     storage = open_storage(f"{scheme}://{SEAWEED_BUCKET}/floor", options)
     data = os.urandom(nbytes)

@@ -36,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ferrosync.storage import open_storage  # noqa: E402
+from ferrosync.storage.engines import open_storage  # noqa: E402
 from ferrosync.testing.seaweed import s3_storage_options  # noqa: E402
 from ferrosync.testing.wan_proxy import WanProxy, parse_rate  # noqa: E402
 from tools.bench import SEAWEED_BUCKET, peak_rss_mb, reset_peak_rss, rss_mb, run_group  # noqa: E402

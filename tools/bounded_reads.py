@@ -40,7 +40,7 @@ MIB = 1 << 20
 #: the child that measures: runs ``code`` after importing what every case imports
 _CHILD = """
 import sys, json
-import torch, ferrosync, ferrosync.train.checkpoint, ferrosync.storage
+import torch, ferrosync, ferrosync.train.checkpoint, ferrosync.storage.engines
 
 def rss(field):
     with open("/proc/self/status") as f:
@@ -81,9 +81,9 @@ def inspect_case(code_dir: str, object_mib: int) -> None:
     import torch
 
     import ferrosync
-    from ferrosync.storage import open_storage
+    from ferrosync.storage.engines import open_storage
+    from ferrosync.storage.wire import DTYPE_CODES, KIND_CONTRIB, Header, seal
     from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
-    from ferrosync.wire import DTYPE_CODES, KIND_CONTRIB, Header, seal
 
     binary = weed_binary()
     if binary is None:

@@ -22,7 +22,7 @@ Modelled (``--model``): a healthy round (all-read-all below 5 members, the tree 
 from 5: ``ferrosync/elastic/tree.py``'s own plan), per member, for the checker and for
 the busiest member (requests by kind, bytes), the latency model (RTT x sequential
 requests + bytes read / bandwidth), the request cost per hour at W = 10, 100, 1,000
-at S3 list prices (``ferrosync/stores.py``) for ``--round-rate`` rounds per second, and
+at S3 list prices (``ferrosync/storage/providers.py``) for ``--round-rate`` rounds per second, and
 the heartbeat cost per hour at the default ``heartbeat_interval``. With a measurement the model is
 compared with it. The command that produced the output is printed first.
 """
@@ -59,8 +59,8 @@ def model(w: int, payload: int, *, round_s: float, hb_interval: float,
     ``poll_s``: the time a member spends polling for the roster (one GET per poll; the
     polls' count depends on the wait, so it is an input, 0 for the floor).
     """
-    from ferrosync.backends.options import ElasticOptions
     from ferrosync.elastic.tree import TREE_FROM, Plan
+    from ferrosync.storage.options import ElasticOptions
 
     hb = round_s / hb_interval
     polls = 1.0 + (poll_s / 0.2 if poll_s else 0.0)  # at least the roster read
@@ -142,11 +142,11 @@ def job_cost_per_hour(w: int, payload: int, round_rate: float, hb_interval: floa
 
 
 def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -> None:
-    from ferrosync.stores import store_of
+    from ferrosync.storage.providers import store_of
 
     store = store_of("s3://")
     prices = dict(store.prices)
-    from ferrosync.backends.options import ElasticOptions
+    from ferrosync.storage.options import ElasticOptions
 
     hb = ElasticOptions.interval_object_store  # an elastic member's default on S3
     print("model: a healthy round (all-read-all below 5 members, the tree from 5), "
@@ -329,12 +329,7 @@ def _parse_args() -> argparse.Namespace:
 def _metered_seaweed(workdir: str):
     """A SeaweedFS server started under ``workdir`` with its Prometheus metrics on
     loopback too: (the server, its metrics URL, storage_options to reach it)."""
-    from ferrosync.testing.seaweed import (
-        SeaweedServer,
-        free_ports,
-        s3_storage_options,
-        weed_binary,
-    )
+    from ferrosync.testing.seaweed import SeaweedServer, free_ports, s3_storage_options, weed_binary
 
     metrics_port = free_ports(1)[0]
 
@@ -367,7 +362,7 @@ def main() -> int:
         options["storage_options"] = json.loads(args.storage_options)
     server = metrics_url = None
     url = args.url or os.path.join(workdir, "store")
-    from ferrosync.backends.options import ElasticOptions
+    from ferrosync.storage.options import ElasticOptions
 
     # the elastic defaults (ElasticOptions.timing): a directory, an object store
     hb = 1.0 if "://" not in url else ElasticOptions.interval_object_store

@@ -4,7 +4,7 @@
     python tools/options_table.py --check  # exit 1 if docs/reference.md is out of date
 
 Each table sits between ``<!-- options:NAME -->`` and ``<!-- /options:NAME -->``,
-NAME a backend's registration in ``ferrosync/registry.py`` (which names its options
+NAME a backend's registration in ``ferrosync/core/registry.py`` (which names its options
 dataclass). ``tests/test_docs.py`` runs the
 check, so an option added in code without its row there fails the suite.
 """
@@ -15,7 +15,7 @@ import argparse
 import pathlib
 import re
 
-from ferrosync.registry import option_tables
+from ferrosync.core.registry import option_tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: the document holding every option table (the README links to it)

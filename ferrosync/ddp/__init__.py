@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 
 import ferrosync_autoload
-
-from .constants import BACKEND_NAME, ENV_PG_OPTIONS
+from ferrosync.ddp.constants import BACKEND_NAME, ENV_PG_OPTIONS
 
 _LAZY = {
     "hook": "comm_hook",
@@ -52,15 +51,15 @@ def __getattr__(name: str):
 def stats(group=None) -> dict:
     """The ``stats`` of the GradSync behind a ``"ferrosync"`` process group: bytes,
     requests and seconds per phase, ``{"total": {...}, "last": {...}}`` as
-    ``GradSync.stats`` (see ``ferrosync.stats``).
+    ``GradSync.stats`` (see ``ferrosync.core.stats``).
 
     Local (no collective, no I/O): this rank's numbers. ``group``: a process group
     (default: the default group, after ``init_process_group("ferrosync", ...)``) or
     the ``SyncProcessGroup`` that ``wrap`` built. Raises ``ConfigError`` when no group
     is initialised or the group runs another backend.
     """
-    from ..errors import ConfigError
-    from .process_group import sync_of
+    from ferrosync.ddp.process_group import sync_of
+    from ferrosync.errors import ConfigError
 
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.futures import Future
 from torch.nn.parallel import DistributedDataParallel
 
-from ..api import GradSync
-from ..errors import ConfigError, LayoutMismatch
-from .process_group import SyncProcessGroup
+from ferrosync.api import GradSync
+from ferrosync.ddp.process_group import SyncProcessGroup
+from ferrosync.errors import ConfigError, LayoutMismatch
 
 __all__ = ["hook", "wrap"]
 

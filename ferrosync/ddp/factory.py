@@ -16,14 +16,14 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from .. import validate
-from ..api import connect
-from ..env import ENV_URL, discover_job
-from ..errors import ConfigError
-from .constants import BACKEND_NAME, ENV_PG_OPTIONS
-from .init_methods import location_of
-from .job import group_job
-from .process_group import SyncProcessGroup, sync_of
+from ferrosync.api import connect
+from ferrosync.core import validate
+from ferrosync.core.env import ENV_URL, discover_job
+from ferrosync.ddp.constants import BACKEND_NAME, ENV_PG_OPTIONS
+from ferrosync.ddp.init_methods import location_of
+from ferrosync.ddp.job import group_job
+from ferrosync.ddp.process_group import SyncProcessGroup, sync_of
+from ferrosync.errors import ConfigError
 
 __all__ = ["create_backend", "attach_placeholders", "PLACEHOLDER_TESTED_TORCH"]
 

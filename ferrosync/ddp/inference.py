@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .work import Done
+from ferrosync.ddp.work import Done
 
 __all__ = ["StandIns", "inference_safe", "needs_stand_ins"]
 

@@ -31,7 +31,7 @@ URL has no store shared between hosts, so only the ferrosync backend can use it
 
 Rank and world size come from the URL query that torch appends
 (``init_process_group(rank=, world_size=)``), else from the environment
-(torchrun, SLURM; see ``ferrosync.env``). The handlers here do the work; which URLs
+(torchrun, SLURM; see ``ferrosync.core.env``). The handlers here do the work; which URLs
 reach them, and their registration with torch, is the registrar's
 (``ferrosync_autoload``, which loads this module on first use and which this module
 never imports).
@@ -45,9 +45,9 @@ from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
 
-from ..env import ENV_URL, discover
-from ..errors import ConfigError, StorageError
-from ..storage.local import DIR_MODE, file_kind
+from ferrosync.core.env import ENV_URL, discover
+from ferrosync.errors import ConfigError, StorageError
+from ferrosync.storage.engines.local import DIR_MODE, file_kind
 
 #: torch's FileStore inside a directory init_method (ferrosync's own files sit beside it)
 STORE_FILE = "c10d.store"

@@ -2,7 +2,7 @@
 
 Two jobs on one storage URL must never meet. ``connect`` tells them apart by a job id
 (``FERROSYNC_JOB``, SLURM's or torchelastic's); a job without one waits a claim window
-(3 s, ``ferrosync.rendezvous``) so that a second job starting at the same moment is
+(3 s, ``ferrosync.storage.rendezvous``) so that a second job starting at the same moment is
 seen. A job launched through torch needs neither: torch hands the backend factory a
 key-value store (``env://``'s and ``tcp://``'s TCPStore, ``file://``'s FileStore, a
 given ``store=``) that only this job's ranks share, so rank 0 draws a random job id
@@ -31,9 +31,9 @@ from __future__ import annotations
 import secrets
 import time
 
-from ..errors import SyncTimeout
-from ..storage import Backoff
-from .init_methods import is_shared_store
+from ferrosync.ddp.init_methods import is_shared_store
+from ferrosync.errors import SyncTimeout
+from ferrosync.storage.engines import Backoff
 
 #: the store keys, below the group's own prefix that torch adds
 JOB_KEY = "ferrosync/job"

@@ -10,11 +10,11 @@ import sys
 import warnings
 from typing import TYPE_CHECKING
 
-from ..env import ENV_SECRET
-from ..errors import ObjectCollectiveWarning
+from ferrosync.core.env import ENV_SECRET
+from ferrosync.errors import ObjectCollectiveWarning
 
 if TYPE_CHECKING:
-    from ..api import GradSync
+    from ferrosync.api import GradSync
 
 __all__ = ["warn_object_collective"]
 

@@ -74,18 +74,18 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from .. import validate
-from ..api import GradSync
-from ..codecs import FLOAT_DTYPES
-from ..errors import ConfigError, ObjectCollectiveWarning
-from .constants import BACKEND_NAME
-from .inference import StandIns as _StandIns
-from .inference import inference_safe as _inference_safe
-from .inference import needs_stand_ins as _needs_stand_ins
-from .object_warning import warn_object_collective as _warn_object_collective
-from .work import Done as _Done
-from .work import Pending as _Pending
-from .work import Received as _Received
+from ferrosync.api import GradSync
+from ferrosync.compression.codecs import FLOAT_DTYPES
+from ferrosync.core import validate
+from ferrosync.ddp.constants import BACKEND_NAME
+from ferrosync.ddp.inference import StandIns as _StandIns
+from ferrosync.ddp.inference import inference_safe as _inference_safe
+from ferrosync.ddp.inference import needs_stand_ins as _needs_stand_ins
+from ferrosync.ddp.object_warning import warn_object_collective as _warn_object_collective
+from ferrosync.ddp.work import Done as _Done
+from ferrosync.ddp.work import Pending as _Pending
+from ferrosync.ddp.work import Received as _Received
+from ferrosync.errors import ConfigError, ObjectCollectiveWarning
 
 __all__ = ["SyncProcessGroup", "sync_of", "ObjectCollectiveWarning"]
 
@@ -577,7 +577,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         return _Received(self.sync.irecv(tensor, src, tag=tag), list(tensors))
 
     def recv_anysource(self, tensors, tag=0):
-        """A receive from whichever rank has a message first (``backends/messages.py``);
+        """A receive from whichever rank has a message first (``storage/messages.py``);
         the Work's ``_source_rank()`` names it."""
         (tensor,) = tensors
         return _Received(self.sync.irecv(tensor, None, tag=tag), list(tensors))

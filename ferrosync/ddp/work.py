@@ -11,7 +11,7 @@ import threading
 import torch.distributed as dist
 from torch.futures import Future
 
-from ..errors import SyncTimeout
+from ferrosync.errors import SyncTimeout
 
 __all__ = ["Done", "Pending", "Received"]
 

@@ -40,13 +40,13 @@ membership, the collectives, state), ``job.py`` (the job record and admission),
 verified reads), ``rounds.py`` (agreeing on a roster), ``membership.py`` (heartbeats,
 liveness, rosters, the join queue), ``plan.py`` and ``tree.py`` (the tree reduce's plan
 and one tree round), ``state.py`` (state for newcomers). Every object and record goes
-through the storage transport's object layer (``backends/objects.py``).
+through the storage transport's object layer (``storage/objects.py``).
 """
 
 from __future__ import annotations
 
-from ..backends.options import ElasticOptions
-from .state import PublishedState
-from .sync import ElasticSync, peek_state
+from ferrosync.elastic.state import PublishedState
+from ferrosync.elastic.sync import ElasticSync, peek_state
+from ferrosync.storage.options import ElasticOptions
 
 __all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "peek_state"]

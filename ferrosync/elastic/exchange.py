@@ -21,14 +21,14 @@ import warnings
 
 import torch
 
-from .. import names
-from ..backends.common import MISMATCH_HINT, describe_mismatch
-from ..backends.incoming import Expected, Part
-from ..codecs import Codec, RawCodec, as_uint8
-from ..errors import LayoutMismatch, MemberDropped, ShardCorrupt
-from ..wire import FLAG_EMPTY, KIND_CONTRIB, layout_digest
-from .membership import Roster
-from .tree import TreeRound, Units, plan
+from ferrosync.compression.codecs import Codec, RawCodec, as_uint8
+from ferrosync.core.common import MISMATCH_HINT, describe_mismatch
+from ferrosync.elastic.membership import Roster
+from ferrosync.elastic.tree import TreeRound, Units, plan
+from ferrosync.errors import LayoutMismatch, MemberDropped, ShardCorrupt
+from ferrosync.storage import names
+from ferrosync.storage.incoming import Expected, Part
+from ferrosync.storage.wire import FLAG_EMPTY, KIND_CONTRIB, layout_digest
 
 #: contributions carry the bytes of every bucket of a call, so their header says uint8
 _BYTES = RawCodec(torch.uint8)

@@ -32,8 +32,8 @@ the members do.
 
 from __future__ import annotations
 
-from .. import names
-from ..errors import ShardCorrupt
+from ferrosync.errors import ShardCorrupt
+from ferrosync.storage import names
 
 #: changes kept in full in the record (older ones are counted per event)
 KEEP = 64

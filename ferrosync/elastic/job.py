@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 
-from .. import names
-from ..errors import ConfigError, JobEnded, MemberDropped, ShardCorrupt, SyncTimeout
-from ..wire import decode_record, open_record
-from .membership import Roster
+from ferrosync.elastic.membership import Roster
+from ferrosync.errors import ConfigError, JobEnded, MemberDropped, ShardCorrupt, SyncTimeout
+from ferrosync.storage import names
+from ferrosync.storage.wire import decode_record, open_record
 
 
 def check_record(objects, spec: dict | None, settings: dict, defaults: dict,

@@ -28,11 +28,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .. import names
-from ..errors import ShardCorrupt, SyncTimeout
-from ..liveness import PROCESS_CLOCK, Heartbeat, SilenceClocks
-from ..rendezvous import first_missing
-from .history import History
+from ferrosync.elastic.history import History
+from ferrosync.errors import ShardCorrupt, SyncTimeout
+from ferrosync.storage import names
+from ferrosync.storage.liveness import PROCESS_CLOCK, Heartbeat, SilenceClocks
+from ferrosync.storage.rendezvous import first_missing
 
 ALIVE, LEFT, ABORTED = "alive", "left", "aborted"
 _STATES = (ALIVE, LEFT, ABORTED)

@@ -18,7 +18,7 @@ from functools import cached_property, lru_cache
 
 import torch
 
-from ..codecs import Codec, accumulator_dtype
+from ferrosync.compression.codecs import Codec, accumulator_dtype
 
 #: the smallest membership (of the previous roster) whose averages go through the tree
 TREE_FROM = 5

@@ -29,11 +29,11 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from .. import names
-from ..errors import MemberDropped, ShardCorrupt, SyncTimeout
-from ..storage import object_exists
-from .membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
-from .plan import TREE_FROM
+from ferrosync.elastic.membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
+from ferrosync.elastic.plan import TREE_FROM
+from ferrosync.errors import MemberDropped, ShardCorrupt, SyncTimeout
+from ferrosync.storage import names
+from ferrosync.storage.engines import object_exists
 
 #: the most contribution bytes the checker keeps from its existence checks (S3)
 KEEP_BUDGET = 256 << 20

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import names
-from ..codecs import CODEC_RAW, as_uint8
-from ..errors import LayoutMismatch, ShardCorrupt, SyncTimeout
-from ..flat import check_tensors, layout_signature
-from ..wire import DTYPE_CODES, KIND_BROADCAST, Header, layout_digest
+from ferrosync.compression.codecs import CODEC_RAW, as_uint8
+from ferrosync.core.flat import check_tensors, layout_signature
+from ferrosync.errors import LayoutMismatch, ShardCorrupt, SyncTimeout
+from ferrosync.storage import names
+from ferrosync.storage.wire import DTYPE_CODES, KIND_BROADCAST, Header, layout_digest
 
 _UINT8 = DTYPE_CODES[torch.uint8]
 #: the dtypes a manifest may name, by name (a fixed list: nothing else is constructed)

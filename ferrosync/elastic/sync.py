@@ -14,24 +14,25 @@ import time
 
 import torch
 
-from .. import names, validate
-from ..api import GradSync
-from ..backends.common import accumulate, divide_into, total_weight
-from ..backends.encoder import Encoder
-from ..backends.objects import Objects
-from ..backends.options import ElasticOptions
-from ..codecs import Codec, accumulator_dtype
-from ..env import Identity
-from ..errors import ConfigError, PeerFailed
-from ..faults import inject
-from ..storage import open_storage, probe_location
-from ..wire import job_key, job_tag
-from .exchange import Exchange, decode
-from .job import admit, check_ended, check_record, mark_ended
-from .membership import ABORTED, LEFT, Roster, Rosters, Watch, heartbeat
-from .rounds import Agreement
-from .state import DEFAULT_MAX_STATE_BYTES, PublishedState, StateStore
-from .tree import TREE_FROM, TreeRound, Units, plan
+from ferrosync.api import GradSync
+from ferrosync.compression.codecs import Codec, accumulator_dtype
+from ferrosync.compression.encoder import Encoder
+from ferrosync.core import validate
+from ferrosync.core.common import accumulate, divide_into, total_weight
+from ferrosync.core.env import Identity
+from ferrosync.elastic.exchange import Exchange, decode
+from ferrosync.elastic.job import admit, check_ended, check_record, mark_ended
+from ferrosync.elastic.membership import ABORTED, LEFT, Roster, Rosters, Watch, heartbeat
+from ferrosync.elastic.rounds import Agreement
+from ferrosync.elastic.state import DEFAULT_MAX_STATE_BYTES, PublishedState, StateStore
+from ferrosync.elastic.tree import TREE_FROM, TreeRound, Units, plan
+from ferrosync.errors import ConfigError, PeerFailed
+from ferrosync.storage import names
+from ferrosync.storage.engines import open_storage, probe_location
+from ferrosync.storage.faults import inject
+from ferrosync.storage.objects import Objects
+from ferrosync.storage.options import ElasticOptions
+from ferrosync.storage.wire import job_key, job_tag
 
 
 def job_objects(storage, options: ElasticOptions, poll, rank=None, runtime=None) -> Objects:

@@ -14,7 +14,7 @@ and the member at slot ``j`` of a node sums part ``j`` over the node's children.
   per level-1 slot) and then a header-only marker ``r{r}.{id}`` (what the roster's
   checker looks for: it never downloads payloads).
 * The holder of slot ``j`` of a level-l node reads piece ``j`` of each child's
-  output, sums them in child order (``backends/common.accumulate``: float32 for half
+  output, sums them in child order (``core/common.accumulate``: float32 for half
   types) and writes its sum split again into the next level's ``k`` pieces
   (``r{r}.t{l}.{node}.{path}``), carrying the node's total weight.
 * At the root each holder divides its range by the job's total weight and writes it
@@ -51,13 +51,19 @@ from typing import Protocol
 
 import torch
 
-from .. import names
-from ..backends.common import accumulate, divide_into, total_weight
-from ..backends.incoming import Expected, Part
-from ..codecs import RawCodec, accumulator_dtype, as_uint8
-from ..errors import ShardCorrupt, SyncTimeout
-from ..wire import FLAG_EMPTY, FLAG_UNCHANGED, KIND_CONTRIB, KIND_RESULT, layout_digest
-from .plan import TREE_FROM, Plan, Units, itemsize, plan
+from ferrosync.compression.codecs import RawCodec, accumulator_dtype, as_uint8
+from ferrosync.core.common import accumulate, divide_into, total_weight
+from ferrosync.elastic.plan import TREE_FROM, Plan, Units, itemsize, plan
+from ferrosync.errors import ShardCorrupt, SyncTimeout
+from ferrosync.storage import names
+from ferrosync.storage.incoming import Expected, Part
+from ferrosync.storage.wire import (
+    FLAG_EMPTY,
+    FLAG_UNCHANGED,
+    KIND_CONTRIB,
+    KIND_RESULT,
+    layout_digest,
+)
 
 __all__ = ["TREE_FROM", "Plan", "RoundIO", "TreeRound", "Units", "plan"]
 

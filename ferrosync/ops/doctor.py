@@ -15,7 +15,7 @@ Checks (each ok / warn / fail / info; see docs/operations.md):
 * atomic publish: a second handle reads an object while it is being replaced over
   and over: never a torn or missing read (temp file + ``os.replace`` locally, one
   PUT on object stores), and no temp file left behind;
-* store: what the store guarantees and costs (``ferrosync.stores``): its conditional
+* store: what the store guarantees and costs (``ferrosync.storage.providers``): its conditional
   create, read-after-write and delete visibility, list prices per 1,000 requests and
   the driver settings for an emulator; the JSON report's ``store``;
 * exclusive create: a second create-if-absent of one name must fail (``os.link``
@@ -52,9 +52,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from .. import names
-from ..errors import ConfigError, ShardCorrupt, StorageError, one_line
-from ..storage import (
+from ferrosync.errors import ConfigError, ShardCorrupt, StorageError, one_line
+from ferrosync.ops.keys import JobKeys, job_of
+from ferrosync.ops.recommend import recommend
+from ferrosync.ops.recommend import render as render_recommendation
+from ferrosync.ops.scan import human_bytes, top_names
+from ferrosync.storage import names
+from ferrosync.storage.engines import (
     LOCAL_FILESYSTEMS,
     Backoff,
     LocalStorage,
@@ -62,13 +66,9 @@ from ..storage import (
     mount_of,
     open_storage,
 )
-from ..storage.local_tools import LocalTree
-from ..stores import facts, store_of
-from ..wire import encode_record, open_record
-from .keys import JobKeys, job_of
-from .recommend import recommend
-from .recommend import render as render_recommendation
-from .scan import human_bytes, top_names
+from ferrosync.storage.engines.local_tools import LocalTree
+from ferrosync.storage.providers import facts, store_of
+from ferrosync.storage.wire import encode_record, open_record
 
 MiB = 1 << 20
 VISIBILITY_LIMIT = 30.0  # seconds: an object not visible by then fails the check
@@ -623,7 +623,7 @@ def _moved(dfd: int, old: str, new: str, before: os.stat_result, data: bytes,
     return problems
 
 
-# -- mount options (the mount table itself is read by ferrosync.storage.mount_of) ----------
+# -- mount options (the mount table itself is read by ferrosync.storage.engines.mount_of) ----------
 
 def _opt(options: list[str], name: str) -> str | None:
     for opt in options:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import names
-from ..elastic.history import EVENTS, checked, count, departure, unrecorded
-from ..errors import ShardCorrupt
-from ..storage import Storage
-from ..wire import decode_record, job_key
-from .keys import JobKeys
+from ferrosync.elastic.history import EVENTS, checked, count, departure, unrecorded
+from ferrosync.errors import ShardCorrupt
+from ferrosync.ops.keys import JobKeys
+from ferrosync.storage import names
+from ferrosync.storage.engines import Storage
+from ferrosync.storage.wire import decode_record, job_key
 
 #: history records read at most per job (the newest first): two are kept, more only
 #: after a writer died between two requests

@@ -35,7 +35,7 @@ What goes, and why it is safe:
 * A temp file ``.{name}.{pid}.{hex}.tmp`` goes with its generation, or on its own
   when it outlived the watch window and its pid is none of its generation's running
   ranks (and, on a local directory, no live process here). A part ``.{name}.{hex}.p{i}``
-  of an object written in parts (storage/parts.py) whose object ``name`` is missing (an
+  of an object written in parts (storage/engines/parts.py) whose object ``name`` is missing (an
   aborted write's, or one in progress) goes with its generation; outside generations,
   when its object is still missing after the watch window.
 * Records that cannot be read, parsed or verified (junk, a MAC and no ``--secret``, a
@@ -67,14 +67,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .. import names
-from ..errors import StorageError
-from ..storage import LocalStorage, Storage, object_exists
-from ..storage.local_tools import LocalTree
-from .doctor import owned
-from .keys import JobKeys
-from .scan import DOCTOR_PREFIX, GC_LOCK, FoundGeneration, Obj, human_bytes, printable, scan
-from .watch import FINAL_STATES, RankView, generation_status, judge
+from ferrosync.errors import StorageError
+from ferrosync.ops.doctor import owned
+from ferrosync.ops.keys import JobKeys
+from ferrosync.ops.scan import (
+    DOCTOR_PREFIX,
+    GC_LOCK,
+    FoundGeneration,
+    Obj,
+    human_bytes,
+    printable,
+    scan,
+)
+from ferrosync.ops.watch import FINAL_STATES, RankView, generation_status, judge
+from ferrosync.storage import names
+from ferrosync.storage.engines import LocalStorage, Storage, object_exists
+from ferrosync.storage.engines.local_tools import LocalTree
 
 REMOVABLE = ("finished", "dead", "empty", "orphan")
 

@@ -19,16 +19,24 @@ import json
 import os
 import time
 
-from ..costs import hourly, is_billed, request_cost, request_noun
-from ..errors import StorageError
-from ..liveness import describe_abort
-from ..storage import Storage
-from ..wire import KIND_NAMES, head_size, parse_header
-from .elastic_history import elastic_reports
-from .elastic_history import render as render_elastic
-from .keys import JobKeys, KeyFile
-from .scan import FoundGeneration, Namespace, Scan, human_bytes, printable_tree, read_record, scan
-from .watch import RankView, generation_status, judge, progress, stragglers
+from ferrosync.errors import StorageError
+from ferrosync.ops.elastic_history import elastic_reports
+from ferrosync.ops.elastic_history import render as render_elastic
+from ferrosync.ops.keys import JobKeys, KeyFile
+from ferrosync.ops.scan import (
+    FoundGeneration,
+    Namespace,
+    Scan,
+    human_bytes,
+    printable_tree,
+    read_record,
+    scan,
+)
+from ferrosync.ops.watch import RankView, generation_status, judge, progress, stragglers
+from ferrosync.storage.costs import hourly, is_billed, request_cost, request_noun
+from ferrosync.storage.engines import Storage
+from ferrosync.storage.liveness import describe_abort
+from ferrosync.storage.wire import KIND_NAMES, head_size, parse_header
 
 
 def rank_report(view: RankView) -> dict:

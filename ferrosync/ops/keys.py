@@ -54,9 +54,9 @@ import stat
 import time
 from dataclasses import dataclass
 
-from .. import names
-from ..errors import ConfigError
-from ..private import PrivateDir
+from ferrosync.core.private import PrivateDir
+from ferrosync.errors import ConfigError
+from ferrosync.storage import names
 
 #: the directory of key files (default: $XDG_CONFIG_HOME/ferrosync/keys)
 ENV_KEYS = "FERROSYNC_KEYS"
@@ -165,7 +165,7 @@ def _readlink(path: str) -> str | None:
 # -- writing (the launcher) -------------------------------------------------------------
 
 def private_directory(where: str | None = None) -> PrivateDir:
-    """The key directory, created 0700 if missing and verified (``ferrosync.private``:
+    """The key directory, created 0700 if missing and verified (``ferrosync.core.private``:
     this user's, no link on the parts ferrosync makes, no access for group or others);
     ``ConfigError`` otherwise. The default's parts begin below the config directory."""
     if where is None and not os.environ.get(ENV_KEYS):

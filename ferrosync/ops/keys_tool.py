@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import sys
 
-from ..errors import redact
-from . import keys
-from .scan import printable
+from ferrosync.errors import redact
+from ferrosync.ops import keys
+from ferrosync.ops.scan import printable
 
 __all__ = ["run"]
 

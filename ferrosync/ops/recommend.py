@@ -3,7 +3,7 @@ runs in: a fixed-size job (``connect(url)``) or an elastic one (``connect(url,
 elastic=True)``).
 
 The floor of every recommendation is what a job of that mode resolves by itself on this
-store: the options dataclass's ``timing(storage)`` (``backends/options.py``, the one
+store: the options dataclass's ``timing(storage)`` (``storage/options.py``, the one
 place where defaults meet the store; elastic members on an object store beat every
 10 s, not 2 s), so a recommendation is never below the defaults and never a copy of
 them. Above the floor it follows the measurements:
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import math
 
-from ..backends.options import ElasticOptions, StorageOptions
-from ..codecs import Int8Codec, TopKCodec
+from ferrosync.compression.codecs import Int8Codec, TopKCodec
+from ferrosync.storage.options import ElasticOptions, StorageOptions
 
 MiB = 1 << 20
 #: a float32 collective of the payload taking this long at the measured throughput is

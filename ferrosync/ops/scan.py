@@ -1,15 +1,15 @@
 """Scan a ferrosync storage location: what the operator tools see there.
 
-What a job leaves under its URL is laid out in ``ferrosync.names``, which makes and
+What a job leaves under its URL is laid out in ``ferrosync.storage.names``, which makes and
 parses every name (``classify`` asks it what each listed key is):
 
-* per job, a rendezvous namespace (``rdzv`` or ``rdzv.{job}``, ferrosync.rendezvous)
+* per job, a rendezvous namespace (``rdzv`` or ``rdzv.{job}``, ferrosync.storage.rendezvous)
   of JSON records: claims, announcements (each naming its generation's token),
   objections and end markers;
 * per generation, a directory at the root (generation numbers count per namespace,
   the random token tells two jobs' generation 0 apart; an announcement names its
   directory) holding binary data objects (contributions, results and broadcasts,
-  with the 112-byte header of ferrosync.wire) and JSON control records: layout
+  with the 112-byte header of ferrosync.storage.wire) and JSON control records: layout
   descriptions, heartbeats ``{beat, state, collective, op, pid, host, ...}`` and
   abort markers ``{type, message, collective, ...}``;
 * writers' temporary files next to their final names (orphans if a writer was
@@ -38,14 +38,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from .. import names
-from ..errors import ShardCorrupt, StorageError
-from ..storage import FsspecStorage, LocalStorage, Storage
-from ..storage.local_tools import LocalTree
-from ..wire import open_record
-from .keys import JobKeys, job_of
+from ferrosync.errors import ShardCorrupt, StorageError
+from ferrosync.ops.keys import JobKeys, job_of
+from ferrosync.storage import names
+from ferrosync.storage.engines import FsspecStorage, LocalStorage, Storage
+from ferrosync.storage.engines.local_tools import LocalTree
+from ferrosync.storage.wire import open_record
 
-# re-exported for the tools: the names themselves live in ferrosync.names
+# re-exported for the tools: the names themselves live in ferrosync.storage.names
 GC_LOCK = names.GC_LOCK
 DOCTOR_PREFIX = names.DOCTOR_PREFIX
 #: kinds of rendezvous records (kept by gc: they number future generations)
@@ -71,7 +71,7 @@ class Obj:
     pid: int | None = None  # temp files: the writer's process id
     namespace: str | None = None  # rendezvous records: "rdzv" or "rdzv.{job}"
     number: int | None = None  # rendezvous records: the claim's attempt or the generation
-    #: parts of an object written in parts: that object's key (storage/parts.py)
+    #: parts of an object written in parts: that object's key (storage/engines/parts.py)
     target: str | None = None
 
     @property

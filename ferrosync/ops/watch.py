@@ -18,10 +18,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .. import names
-from ..storage import FsspecStorage, LocalStorage, Storage
-from .keys import JobKeys
-from .scan import FoundGeneration, Record, Scan, read_markers, read_record
+from ferrosync.ops.keys import JobKeys
+from ferrosync.ops.scan import FoundGeneration, Record, Scan, read_markers, read_record
+from ferrosync.storage import names
+from ferrosync.storage.engines import FsspecStorage, LocalStorage, Storage
 
 FINAL_STATES = ("closed", "aborted")
 

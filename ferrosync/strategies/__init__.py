@@ -22,12 +22,12 @@ every rank loads them), so anything a strategy must remember across a restart
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-from .base import TELEMETRY_KEYS, GradAveraging, Strategy
-from .diloco import DiLoCo
-from .local_sgd import LocalSGD
-from .periodic import PeriodicStrategy
-from .streaming import StreamingDiLoCo
+from ferrosync.errors import ConfigError
+from ferrosync.strategies.base import TELEMETRY_KEYS, GradAveraging, Strategy
+from ferrosync.strategies.diloco import DiLoCo
+from ferrosync.strategies.local_sgd import LocalSGD
+from ferrosync.strategies.periodic import PeriodicStrategy
+from ferrosync.strategies.streaming import StreamingDiLoCo
 
 __all__ = ["Strategy", "GradAveraging", "PeriodicStrategy", "LocalSGD", "DiLoCo",
            "StreamingDiLoCo", "STRATEGIES", "TELEMETRY_KEYS", "make_strategy",

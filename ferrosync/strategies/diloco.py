@@ -24,10 +24,10 @@ from typing import Callable
 
 import torch
 
-from ..errors import ConfigError
-from ..validate import number
-from .base import float_buffers, norm
-from .periodic import PeriodicStrategy
+from ferrosync.core.validate import number
+from ferrosync.errors import ConfigError
+from ferrosync.strategies.base import float_buffers, norm
+from ferrosync.strategies.periodic import PeriodicStrategy
 
 __all__ = ["DiLoCo", "OUTER_LR", "OUTER_MOMENTUM"]
 

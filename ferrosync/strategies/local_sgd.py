@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError
-from .base import norm
-from .periodic import PeriodicStrategy
+from ferrosync.errors import ConfigError
+from ferrosync.strategies.base import norm
+from ferrosync.strategies.periodic import PeriodicStrategy
 
 __all__ = ["LocalSGD"]
 

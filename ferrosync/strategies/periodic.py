@@ -54,9 +54,9 @@ import time
 
 import torch
 
-from ..errors import ConfigError
-from ..validate import integer, number
-from .base import Strategy, float_buffers, norm
+from ferrosync.core.validate import integer, number
+from ferrosync.errors import ConfigError
+from ferrosync.strategies.base import Strategy, float_buffers, norm
 
 __all__ = ["PeriodicStrategy", "apportion"]
 

@@ -47,10 +47,10 @@ import time
 
 import torch
 
-from ..errors import ConfigError
-from ..validate import integer, number
-from .base import norm
-from .diloco import DiLoCo
+from ferrosync.core.validate import integer, number
+from ferrosync.errors import ConfigError
+from ferrosync.strategies.base import norm
+from ferrosync.strategies.diloco import DiLoCo
 
 __all__ = ["StreamingDiLoCo", "partition", "FRAGMENTS", "OVERLAP_STEPS"]
 

@@ -18,7 +18,7 @@ them for its ``gcs-emulator`` and ``azurite`` rows::
   objects on disk and sets ``STORAGE_EMULATOR_HOST`` for the whole process): the JSON
   API over plain HTTP (``-scheme http``), objects in memory (``-backend memory``),
   bound to 127.0.0.1 on a free port. Reached through gcsfs with ``endpoint_url``;
-  ferrosync then uses gcsfs's HTTP driver (see ``ferrosync.storage.gcs_driver``).
+  ferrosync then uses gcsfs's HTTP driver (see ``ferrosync.storage.engines.gcs_driver``).
 * **Azurite** (Microsoft's emulator, ``npm install -g azurite@3.37.0``), its blob
   service only (``azurite-blob``): 127.0.0.1 on a free port, objects in memory
   (``--inMemoryPersistence``), telemetry off, every API version accepted (adlfs's

@@ -264,7 +264,7 @@ def _usage_error(message: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Start SeaweedFS on 127.0.0.1, print how to reach it, run until Ctrl-C or
     SIGTERM; exit 0 then, 2 on bad usage or a missing binary, 1 if it fails to start."""
-    from .. import interrupts
+    from ferrosync.core import interrupts
 
     try:
         interrupts.release()  # a Ctrl-C while ferrosync imported torch arrives here

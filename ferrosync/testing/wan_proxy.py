@@ -42,7 +42,7 @@ import threading
 import time
 
 if __package__:  # imported from the package, or run by path (standard library only)
-    from .loopback import Lifetime, add_proxy_flags, check_loopback, split_target
+    from ferrosync.testing.loopback import Lifetime, add_proxy_flags, check_loopback, split_target
 else:
     from loopback import Lifetime, add_proxy_flags, check_loopback, split_target
 

@@ -10,6 +10,6 @@ See docs/train.md.
 
 from __future__ import annotations
 
-from .trainer import Trainer
+from ferrosync.train.trainer import Trainer
 
 __all__ = ["Trainer"]

@@ -20,10 +20,10 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .. import interrupts
-    from ..errors import ConfigError
-    from .cli import parse_args
-    from .launcher import ENV_CHILD
+    from ferrosync.core import interrupts
+    from ferrosync.errors import ConfigError
+    from ferrosync.train.cli import parse_args
+    from ferrosync.train.launcher import ENV_CHILD
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = None
@@ -31,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         interrupts.release()  # a Ctrl-C while torch was importing arrives here
         args = parse_args(argv)
         if args.nproc is not None and not os.environ.get(ENV_CHILD):
-            from .launcher import launch
+            from ferrosync.train.launcher import launch
 
             return launch(args, argv)
         os.environ.pop(ENV_CHILD, None)  # a nested launch from a user script is a launcher
-        from .runner import run_rank
+        from ferrosync.train.runner import run_rank
 
         if args.script is None:  # the built-in trainer's warnings read like its errors
             import warnings
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             note = None
             if args is not None:
-                from .runner import resume_note
+                from ferrosync.train.runner import resume_note
 
                 note = resume_note(args)
             print("ferrosync.train: interrupted" + (f"; {note}" if note else ""),
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, previous)
         return 130
     except Exception as exc:  # noqa: BLE001 - a rank's failure, reported as one line
-        from ..api import fail_open_syncs
+        from ferrosync.api import fail_open_syncs
 
         fail_open_syncs(exc)  # peers learn now (what the excepthook would have done)
         _error(exc, args)
@@ -77,7 +77,7 @@ def _error(exc: BaseException, args) -> None:
     """One line on stderr: ferrosync's own errors (whose messages name the rank, the
     path and what to do) as they are, anything else with its type; the traceback
     before it with ``--verbose``."""
-    from ..errors import ConfigError, FerrosyncError, one_line
+    from ferrosync.errors import ConfigError, FerrosyncError, one_line
 
     verbose = bool(getattr(args, "verbose", False))
     if verbose:
@@ -90,7 +90,7 @@ def _error(exc: BaseException, args) -> None:
         text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     if not isinstance(exc, FerrosyncError) and not verbose:
         text += " (--verbose for the traceback)"
-    from .launcher import ERROR_PREFIX
+    from ferrosync.train.launcher import ERROR_PREFIX
 
     print(ERROR_PREFIX + text, file=sys.stderr, flush=True)
 

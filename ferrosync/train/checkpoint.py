@@ -12,7 +12,7 @@ Layout under ``--checkpoint-dir``::
                        "bytes": {"step-00000040.pt": 81234, ...}, ...}, rewritten
                        after each checkpoint; "bytes" declares each file's size
 
-Both go through ``ferrosync.storage``: a local or NFS directory gets a temporary
+Both go through ``ferrosync.storage.engines``: a local or NFS directory gets a temporary
 file in the same directory and ``os.replace``, an object store one PUT, so a
 reader sees a whole checkpoint or none. ``latest.json`` is written only after its
 checkpoint is complete, so a crash at any moment leaves a loadable latest. The
@@ -47,11 +47,11 @@ import warnings
 import numpy
 import torch
 
-from ..errors import ConfigError, ShardCorrupt, StorageError
-from ..storage import Storage, open_storage
-from ..storage import probe_location as probe_storage
-from ..storage.parts import listed_parts
-from ..wire import PayloadDigest, loads_bounded
+from ferrosync.errors import ConfigError, ShardCorrupt, StorageError
+from ferrosync.storage.engines import Storage, open_storage
+from ferrosync.storage.engines import probe_location as probe_storage
+from ferrosync.storage.engines.parts import listed_parts
+from ferrosync.storage.wire import PayloadDigest, loads_bounded
 
 LATEST = "latest.json"
 #: 2: latest.json declares every file's checksum, and one of itself
@@ -105,7 +105,7 @@ def model_signature(model: torch.nn.Module) -> list[list]:
 def probe_location(storage: Storage, what: str, *, exclusive: bool = True) -> None:
     """Fail now, with a ConfigError, if ``storage`` cannot be written and read back.
 
-    ``ferrosync.storage.probe_location`` (the one probe every caller uses), called by
+    ``ferrosync.storage.engines.probe_location`` (the one probe every caller uses), called by
     the launcher or rank 0 before training, with ``what`` naming the location in the
     message ("sync URL", "checkpoint directory").
     """
@@ -301,7 +301,7 @@ class CheckpointStore:
         # files of older steps go, rank files of a step whose main file never
         # appeared (a crash mid-checkpoint) too; never anything newer than this one
         doomed = [name for step, name in files if step <= newest and step not in kept]
-        # with the parts of those written in parts by an earlier run (storage/parts.py)
+        # with the parts of those written in parts by an earlier run (storage/engines/parts.py)
         self.storage.delete(doomed + listed_parts(listing, doomed))
 
 

@@ -14,12 +14,17 @@ import json
 import os
 import sys
 
-from ..errors import ConfigError
-from ..strategies import STRATEGIES, DiLoCo, LocalSGD, known_settings
-from ..strategies.diloco import OUTER_LR, OUTER_MOMENTUM, SPARSE_OUTER_LR, SPARSE_OUTER_MOMENTUM
-from ..strategies.streaming import FRAGMENTS, OVERLAP_STEPS
-from ..validate import cli_number
-from .elastic import PUBLISH_EVERY_SECONDS
+from ferrosync.core.validate import cli_number
+from ferrosync.errors import ConfigError
+from ferrosync.strategies import STRATEGIES, DiLoCo, LocalSGD, known_settings
+from ferrosync.strategies.diloco import (
+    OUTER_LR,
+    OUTER_MOMENTUM,
+    SPARSE_OUTER_LR,
+    SPARSE_OUTER_MOMENTUM,
+)
+from ferrosync.strategies.streaming import FRAGMENTS, OVERLAP_STEPS
+from ferrosync.train.elastic import PUBLISH_EVERY_SECONDS
 
 PROG = "python -m ferrosync.train"
 DEFAULT_EPOCHS = 10
@@ -59,7 +64,7 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message, hint=f"see {PROG} --help")
 
 
-# the same bounds as the Trainer/strategy arguments they feed (ferrosync.validate)
+# the same bounds as the Trainer/strategy arguments they feed (ferrosync.core.validate)
 _positive = cli_number(positive=True)
 _non_negative = cli_number(minimum=0)
 

@@ -55,15 +55,15 @@ import types
 
 import torch
 
-from ..errors import ConfigError, PeerFailed, RejoinNeeded, SyncTimeout
-from ..stats import PHASES
-from ..strategies import DiLoCo, GradAveraging, LocalSGD
-from .batching import batch_of
-from .fingerprint import check_same_data
-from .metrics import final_line, param_digest
-from .state_tree import flatten, unflatten
-from .summary import job_rates, summarise
-from .trainer import Trainer, derived_seed, seed_streams
+from ferrosync.core.stats import PHASES
+from ferrosync.errors import ConfigError, PeerFailed, RejoinNeeded, SyncTimeout
+from ferrosync.strategies import DiLoCo, GradAveraging, LocalSGD
+from ferrosync.train.batching import batch_of
+from ferrosync.train.fingerprint import check_same_data
+from ferrosync.train.metrics import final_line, param_digest
+from ferrosync.train.state_tree import flatten, unflatten
+from ferrosync.train.summary import job_rates, summarise
+from ferrosync.train.trainer import Trainer, derived_seed, seed_streams
 
 __all__ = ["ElasticTrainer", "GlobalBatches", "MemberLeft", "Publishing", "RejoinNeeded",
            "ELASTIC_STRATEGIES", "PUBLISH_EVERY_SECONDS"]

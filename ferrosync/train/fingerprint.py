@@ -22,7 +22,7 @@ import random
 import numpy
 import torch
 
-from ..errors import ConfigError
+from ferrosync.errors import ConfigError
 
 #: items hashed besides the first and the last (a few reads, however large the data)
 SAMPLED_ITEMS = 6

@@ -49,7 +49,7 @@ import threading
 import time
 import uuid
 
-from ..env import (
+from ferrosync.core.env import (
     ENV_JOB,
     ENV_LOCAL_RANK,
     ENV_LOCAL_WORLD_SIZE,
@@ -58,7 +58,7 @@ from ..env import (
     ENV_URL,
     ENV_WORLD_SIZE,
 )
-from ..errors import ConfigError
+from ferrosync.errors import ConfigError
 
 #: set in each rank's environment: "you are a rank, ignore --nproc"
 ENV_CHILD = "FERROSYNC_TRAIN_CHILD"
@@ -81,7 +81,7 @@ _INTERRUPTED, _TERMINATED = 128 + signal.SIGINT, 128 + signal.SIGTERM
 
 def launch(args, argv: list[str]) -> int:
     """Run ``args.nproc`` ranks of ``python -m ferrosync.train argv``; the exit code."""
-    from .runner import check_sync_options, check_sync_url, preflight, resume_note
+    from ferrosync.train.runner import check_sync_options, check_sync_url, preflight, resume_note
 
     # every check that writes nothing, before anything is created or started
     if args.sync is not None:
@@ -120,7 +120,7 @@ def launch(args, argv: list[str]) -> int:
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)
             if kept:  # the job's records went with its temporary directory
-                from ..ops.keys import discard
+                from ferrosync.ops.keys import discard
 
                 discard(job)
 
@@ -132,10 +132,10 @@ def check_url(url: str, options: dict, *, processes: int = 1, flag: str = "--syn
     serves (``driver_class``, with the ``pip install``), a driver that cannot create
     only if absent (``--sync`` only: rendezvous needs it), and a store that is one
     process's own (``memory://``) for more than one process."""
-    from ..registry import TORCH_SCHEMES
-    from ..storage import open_storage, split_url
-    from ..storage.base import EXCLUSIVE_CREATE_HINT
-    from ..storage.fsspec_store import driver_class, generic_create
+    from ferrosync.core.registry import TORCH_SCHEMES
+    from ferrosync.storage.engines import open_storage, split_url
+    from ferrosync.storage.engines.base import EXCLUSIVE_CREATE_HINT
+    from ferrosync.storage.engines.fsspec_store import driver_class, generic_create
 
     protocol, _ = split_url(url)
     if protocol in TORCH_SCHEMES or protocol in ("file", "local"):
@@ -208,7 +208,7 @@ def keep_key(job: str, secret: str | None, url: str) -> str | None:
     ``ConfigError`` (exit 2, before any rank starts) for a key directory others can
     enter; a key that cannot be written (full disk, read-only home) is a warning: the
     job runs, and the tools see it as they would without the file."""
-    from ..ops import keys
+    from ferrosync.ops import keys
 
     try:
         return keys.save(job, secret, url)

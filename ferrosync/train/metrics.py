@@ -31,9 +31,9 @@ import weakref
 
 import torch
 
-from .. import names
-from ..errors import ConfigError
-from ..private import host_dir, host_path
+from ferrosync.core.private import host_dir, host_path
+from ferrosync.errors import ConfigError
+from ferrosync.storage import names
 
 #: keys the FINAL line always carries (docs/design.md#final-line)
 FINAL_KEYS = ("steps", "loss", "accuracy", "param_digest", "ranks_agree", "bytes_written",

@@ -13,7 +13,7 @@ import sys
 import time
 from collections import deque
 
-from .metrics import MetricsWriter, TensorBoardWriter
+from ferrosync.train.metrics import MetricsWriter, TensorBoardWriter
 
 __all__ = ["RunLog", "LOSS_WINDOW"]
 

@@ -18,24 +18,30 @@ import traceback
 
 import torch
 
-from ..api import connect, fail_open_syncs
-from ..elastic import peek_state
-from ..env import ENV_URL
-from ..errors import ConfigError, JobEnded, MemberDropped, SyncTimeout
-from ..strategies import make_strategy
-from . import demo
-from .checkpoint import CheckpointStore, check_compatible, probe_location
-from .cli import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, STRATEGY_FLAGS, resolve
-from .elastic import (
+from ferrosync.api import connect, fail_open_syncs
+from ferrosync.core.env import ENV_URL
+from ferrosync.elastic import peek_state
+from ferrosync.errors import ConfigError, JobEnded, MemberDropped, SyncTimeout
+from ferrosync.strategies import make_strategy
+from ferrosync.train import demo
+from ferrosync.train.checkpoint import CheckpointStore, check_compatible, probe_location
+from ferrosync.train.cli import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_EPOCHS,
+    DEFAULT_LR,
+    STRATEGY_FLAGS,
+    resolve,
+)
+from ferrosync.train.elastic import (
     PUBLISH_EVERY_SECONDS,
     ElasticTrainer,
     MemberLeft,
     RejoinNeeded,
     metrics_path_for,
 )
-from .metrics import probe_output_file, require_tensorboard
-from .threads import share_threads
-from .trainer import Trainer, resolve_device
+from ferrosync.train.metrics import probe_output_file, require_tensorboard
+from ferrosync.train.threads import share_threads
+from ferrosync.train.trainer import Trainer, resolve_device
 
 LOSSES = {
     "cross_entropy": torch.nn.functional.cross_entropy,
@@ -175,7 +181,7 @@ def build_trainer(args) -> Trainer:
 def _checkpoint_options(args) -> dict | None:
     """The sync's fsspec ``storage_options`` (credentials, endpoint) also serve an object
     store checkpoint directory; a local directory takes none."""
-    from ..storage import split_url
+    from ferrosync.storage.engines import split_url
 
     options = args.sync_options.get("storage_options")
     if options and args.checkpoint_dir and split_url(args.checkpoint_dir)[0] not in (
@@ -188,12 +194,12 @@ def _checkpoint_options(args) -> dict | None:
 
 def check_sync_options(url: str, options: dict, *, elastic: bool = False) -> None:
     """``--sync-option``s against the options of the backend that will serve ``url``
-    (``backends/options.py`` through the backend's own ``check_options``, the parser
+    (``storage/options.py`` through the backend's own ``check_options``, the parser
     ``connect`` uses): a ConfigError naming the first bad one, before any rank starts."""
-    from ..registry import backend_for
+    from ferrosync.core.registry import backend_for
 
     if elastic:
-        from ..elastic import ElasticSync
+        from ferrosync.elastic import ElasticSync
 
         ElasticSync.check_options(options)
     else:
@@ -203,8 +209,8 @@ def check_sync_options(url: str, options: dict, *, elastic: bool = False) -> Non
 def check_sync_url(url: str, options: dict) -> None:
     """Reachability of a storage sync URL (torch URLs are checked by ranks); writes a
     probe, so it comes after the read-only checks."""
-    from ..registry import TORCH_SCHEMES
-    from ..storage import open_storage, split_url
+    from ferrosync.core.registry import TORCH_SCHEMES
+    from ferrosync.storage.engines import open_storage, split_url
 
     if split_url(url)[0] in TORCH_SCHEMES:
         return

@@ -13,10 +13,10 @@ from typing import ClassVar
 
 import torch
 
-from ..costs import hourly, is_billed, parse_prices, request_noun
-from ..stats import PHASES
-from ..storage import REQUEST_KINDS
-from .metrics import param_digest
+from ferrosync.core.stats import PHASES
+from ferrosync.storage.costs import hourly, is_billed, parse_prices, request_noun
+from ferrosync.storage.engines import REQUEST_KINDS
+from ferrosync.train.metrics import param_digest
 
 __all__ = ["RankReport", "summarise", "job_rates"]
 

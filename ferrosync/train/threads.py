@@ -10,7 +10,7 @@ cores, and OpenMP's spinning workers make each step many times slower (measured:
 ``ThreadShare`` counts the ``python -m ferrosync.train`` processes of this user on
 this host through a host-local directory (``/dev/shm/ferrosync-<uid>/train-procs``, one
 empty file per process named ``<pid>.<start time>``; files of processes that are gone
-are ignored and removed, through the directory's verified handle: ``ferrosync.private``)
+are ignored and removed, through the directory's verified handle: ``ferrosync.core.private``)
 and sets ``torch.set_num_threads(cores // processes)``
 (at least 1). It re-counts at most once a second from the training loop
 (``adjust``), so a process that started alone gives up threads when a second one
@@ -27,9 +27,9 @@ import warnings
 
 import torch
 
-from .. import private
-from ..errors import ConfigError
-from ..private import PrivateDir
+from ferrosync.core import private
+from ferrosync.core.private import PrivateDir
+from ferrosync.errors import ConfigError
 
 #: re-count the processes at most this often (seconds)
 RECOUNT_S = 1.0

@@ -42,14 +42,14 @@ from typing import Callable
 import numpy
 import torch
 
-from ..costs import parse_prices
-from ..env import discover
-from ..errors import ConfigError
-from ..partition import ShardSampler
-from ..strategies import TELEMETRY_KEYS, GradAveraging, Strategy
-from ..validate import integer
-from .batching import batch_loader
-from .checkpoint import (
+from ferrosync.core.env import discover
+from ferrosync.core.validate import integer
+from ferrosync.errors import ConfigError
+from ferrosync.partition import ShardSampler
+from ferrosync.storage.costs import parse_prices
+from ferrosync.strategies import TELEMETRY_KEYS, GradAveraging, Strategy
+from ferrosync.train.batching import batch_loader
+from ferrosync.train.checkpoint import (
     NEW_RUN,
     CheckpointStore,
     capture_rng,
@@ -57,16 +57,16 @@ from .checkpoint import (
     model_signature,
     restore_rng,
 )
-from .fingerprint import check_same_data, fingerprint
-from .metrics import (
+from ferrosync.train.fingerprint import check_same_data, fingerprint
+from ferrosync.train.metrics import (
     PathClaim,
     final_line,
     format_summary,
     param_digest,
     require_tensorboard,
 )
-from .run_log import LOSS_WINDOW, RunLog
-from .summary import float_or_none, summarise
+from ferrosync.train.run_log import LOSS_WINDOW, RunLog
+from ferrosync.train.summary import float_or_none, summarise
 
 __all__ = ["Trainer", "resolve_device", "LOSS_WINDOW"]
 

@@ -13,7 +13,7 @@ import uuid
 import pytest
 from lossy import lossy_proxy, through
 
-from ferrosync.storage import open_storage
+from ferrosync.storage.engines import open_storage
 from ferrosync.testing.fault_proxy import Fault
 
 

@@ -1,4 +1,4 @@
-"""``async_runner.py``: one thread runs submissions in order; handles carry values and
+"""``core/async_runner.py``: one thread runs submissions in order; handles carry values and
 errors, cannot be cancelled, and time out on their own wait only."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from ferrosync.async_runner import AsyncRunner, SyncHandle
+from ferrosync.core.async_runner import AsyncRunner, SyncHandle
 
 
 @pytest.fixture

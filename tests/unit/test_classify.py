@@ -1,4 +1,4 @@
-"""``storage/classify.py``: transient or not, judged by type, errno, S3 code and HTTP
+"""``storage/engines/classify.py``: transient or not, judged by type, errno, S3 code and HTTP
 status (never by message), and the hint a ``StorageError`` carries."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import errno
 import pytest
 
 from ferrosync.errors import StorageError
-from ferrosync.storage.classify import http_status, is_transient, s3_code, storage_error
+from ferrosync.storage.engines.classify import http_status, is_transient, s3_code, storage_error
 
 
 class ClientError(Exception):

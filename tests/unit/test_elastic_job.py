@@ -16,12 +16,12 @@ import re
 import pytest
 
 from fakes import MemoryStorage
-from ferrosync import names
-from ferrosync.backends.objects import Objects
-from ferrosync.backends.options import ElasticOptions
 from ferrosync.elastic.job import check_ended, check_record, mark_ended
 from ferrosync.errors import ConfigError, JobEnded, ShardCorrupt
-from ferrosync.wire import decode_record, encode_record, job_key, job_tag
+from ferrosync.storage import names
+from ferrosync.storage.objects import Objects
+from ferrosync.storage.options import ElasticOptions
+from ferrosync.storage.wire import decode_record, encode_record, job_key, job_tag
 
 NS = names.elastic_namespace("unit")
 SECRET = job_key(b"team secret", NS)

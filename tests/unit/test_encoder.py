@@ -1,4 +1,4 @@
-"""``backends/encoder.py``: raw CPU payloads travel as views, lossy ones through the
+"""``compression/encoder.py``: raw CPU payloads travel as views, lossy ones through the
 pool, and int8 error feedback is kept per (stream, place), never mixed and never
 applied to exact copies."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from ferrosync.backends.encoder import Encoder
-from ferrosync.codecs import Int8Codec, RawCodec
-from ferrosync.flat import BufferPool
+from ferrosync.compression.codecs import Int8Codec, RawCodec
+from ferrosync.compression.encoder import Encoder
+from ferrosync.core.flat import BufferPool
 
 
 def decode(codec, payload, n):

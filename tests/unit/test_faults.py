@@ -1,4 +1,4 @@
-"""``faults.py`` in one process: which faults a rank loads from ``$FERROSYNC_FAULTS``,
+"""``storage/faults.py`` in one process: which faults a rank loads from ``$FERROSYNC_FAULTS``,
 and ``FaultyStorage`` over the in-memory store (tests/fakes.py) firing each non-fatal
 action at its phase, object kind and collective, and only as often as asked. The
 ``kill`` action is the multi-process suites' (tests/faults/)."""
@@ -10,9 +10,9 @@ import json
 import pytest
 
 from fakes import FakeClock, MemoryStorage
-from ferrosync import faults, names
 from ferrosync.errors import ConfigError, StorageError
-from ferrosync.faults import ENV_FAULTS, FaultyStorage, load_faults
+from ferrosync.storage import faults, names
+from ferrosync.storage.faults import ENV_FAULTS, FaultyStorage, load_faults
 
 C3_R1 = f"g/{names.contribution(3, 1)}"
 C3_OUT = f"g/{names.result(3)}"

@@ -1,4 +1,4 @@
-"""``flat.py``: the bucket plan (the same on every rank for one layout), flattening
+"""``core/flat.py``: the bucket plan (the same on every rank for one layout), flattening
 without a copy where it can and scattering back, pooled buffers, and the tensors a
 collective refuses before any I/O."""
 
@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ferrosync.errors import ConfigError
-from ferrosync.flat import (
+from ferrosync.core.flat import (
     BufferPool,
     as_tensor_list,
     check_tensors,
@@ -16,6 +15,7 @@ from ferrosync.flat import (
     layout_signature,
     plan_buckets,
 )
+from ferrosync.errors import ConfigError
 
 
 def test_buckets_group_by_dtype_in_order_and_fill_up_to_the_size():

@@ -1,5 +1,5 @@
-"""``storage/fsspec_store.py`` in this process, over fsspec's ``memory://`` filesystem and small
-drivers built on it (each standing for a kind of real driver the engine must handle).
+"""``storage/engines/fsspec_store.py`` in this process, over fsspec's ``memory://`` filesystem
+and small drivers built on it (each standing for a kind of real driver the engine must handle).
 
 The engine's rules: a create never degrades to an overwrite (a driver without a create
 mode is refused; a 412 is "exists", and our own earlier create is recognised by its
@@ -20,8 +20,8 @@ from fsspec.registry import known_implementations
 from fsspec.spec import AbstractFileSystem
 
 from ferrosync.errors import ConfigError, ExclusiveCreateUnsupported, ShardCorrupt, StorageError
-from ferrosync.storage import open_storage
-from ferrosync.storage.fsspec_store import FsspecStorage, build, driver_class
+from ferrosync.storage.engines import open_storage
+from ferrosync.storage.engines.fsspec_store import FsspecStorage, build, driver_class
 
 
 @pytest.fixture

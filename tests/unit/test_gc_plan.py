@@ -16,10 +16,10 @@ import json
 import pytest
 
 from fakes import FakeClock, MemoryStorage
-from ferrosync import names
 from ferrosync.ops import gc, watch
 from ferrosync.ops.keys import JobKeys
-from ferrosync.wire import encode_record
+from ferrosync.storage import names
+from ferrosync.storage.wire import encode_record
 
 WINDOW = 3.0  # three heartbeat periods of the store (MemoryStorage: 1 s)
 

@@ -1,4 +1,4 @@
-"""``guard.py``: which process and which thread may run a ``GradSync``'s collective.
+"""``core/guard.py``: which process and which thread may run a ``GradSync``'s collective.
 
 A small host class stands for ``GradSync`` (it records the abort markers it would publish),
 so each rule of the module is checked on its own: one thread inside a collective at a time
@@ -16,9 +16,9 @@ import weakref
 
 import pytest
 
-from ferrosync import guard
+from ferrosync.core import guard
+from ferrosync.core.guard import OwnershipGuard, fail_open_syncs
 from ferrosync.errors import ConfigError, SyncClosed
-from ferrosync.guard import OwnershipGuard, fail_open_syncs
 
 
 class Host(OwnershipGuard):
@@ -93,7 +93,7 @@ def test_a_closed_guard_refuses_collectives():
 
 def test_an_abort_that_cannot_be_published_never_masks_the_error(caplog):
     host = Host(abort_error=OSError("disk full"))
-    with caplog.at_level(logging.WARNING, logger="ferrosync.guard"):
+    with caplog.at_level(logging.WARNING, logger="ferrosync.core.guard"):
         with pytest.raises(ValueError, match="boom"):
             host._collective("average", _boom)
     assert "rank 2: could not tell the peers this rank failed" in caplog.text
@@ -204,6 +204,6 @@ def test_the_exit_hooks_fail_then_close_what_is_open(monkeypatch, live, caplog):
         raise OSError("cannot close")
 
     monkeypatch.setattr(one, "close", broken_close)
-    with caplog.at_level(logging.WARNING, logger="ferrosync.guard"):
+    with caplog.at_level(logging.WARNING, logger="ferrosync.core.guard"):
         guard._close_all()
     assert two.closes == 1 and "could not close" in caplog.text  # one did not stop the other

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fakes import FakeClock, MemoryStorage
-from ferrosync import names
 from ferrosync.ops import inspect, watch
 from ferrosync.ops.keys import JobKeys
-from ferrosync.wire import (
+from ferrosync.storage import names
+from ferrosync.storage.wire import (
     DTYPE_CODES,
     KIND_CONTRIB,
     KIND_NAMES,

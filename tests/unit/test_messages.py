@@ -1,4 +1,4 @@
-"""``backends/messages.py`` in one process: point-to-point messages through a ``Mailbox``.
+"""``storage/messages.py`` in one process: point-to-point messages through a ``Mailbox``.
 
 Every rank's ``Mailbox`` sits on its own ``GenerationObjects`` over one ``MemoryStorage``
 and a ``FakeClock`` (tests/fakes.py); the monitor is the real ``PeerMonitor`` on that
@@ -15,16 +15,22 @@ import pytest
 import torch
 
 from fakes import FakeClock, MemoryStorage
-from ferrosync import names
-from ferrosync.backends import messages as messages_module
-from ferrosync.backends import objects as objects_module
-from ferrosync.backends.messages import Mailbox, message_digest
-from ferrosync.backends.objects import GenerationObjects
+from ferrosync.core.stats import StatsBook
 from ferrosync.errors import LayoutMismatch, PeerFailed, ShardCorrupt, SyncTimeout
-from ferrosync.liveness import PeerMonitor, ProcessClock, abort_key, heartbeat_key, publish_abort
-from ferrosync.rendezvous import Generation
-from ferrosync.stats import StatsBook
-from ferrosync.wire import encode_record
+from ferrosync.storage import messages as messages_module
+from ferrosync.storage import names
+from ferrosync.storage import objects as objects_module
+from ferrosync.storage.liveness import (
+    PeerMonitor,
+    ProcessClock,
+    abort_key,
+    heartbeat_key,
+    publish_abort,
+)
+from ferrosync.storage.messages import Mailbox, message_digest
+from ferrosync.storage.objects import GenerationObjects
+from ferrosync.storage.rendezvous import Generation
+from ferrosync.storage.wire import encode_record
 
 GEN = Generation(2, "0123456789abcdef", "g2.0123456789abcdef", {})
 POLL = (0.001, 0.05)

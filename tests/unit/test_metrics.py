@@ -9,12 +9,7 @@ import os
 
 import torch
 
-from ferrosync.train.metrics import (
-    MetricsWriter,
-    final_line,
-    format_summary,
-    param_digest,
-)
+from ferrosync.train.metrics import MetricsWriter, final_line, format_summary, param_digest
 
 
 def lines(path):

@@ -1,4 +1,4 @@
-"""Objects larger than a part on an object store (ferrosync/storage/parts.py), on
+"""Objects larger than a part on an object store (ferrosync/storage/engines/parts.py), on
 fsspec's in-process ``memory://`` store with small parts: written as part objects and
 a manifest put last, read back whole through concurrent GETs, deleted with their parts,
 refused when too large before a part is read, and seen by gc as parts or orphans.
@@ -11,12 +11,12 @@ import uuid
 
 import pytest
 
-from ferrosync import names
 from ferrosync.errors import ShardCorrupt
 from ferrosync.ops.keys import JobKeys
 from ferrosync.ops.scan import classify, scan
-from ferrosync.storage import open_storage
-from ferrosync.storage.parts import (
+from ferrosync.storage import names
+from ferrosync.storage.engines import open_storage
+from ferrosync.storage.engines.parts import (
     MAGIC,
     MIN_PART,
     PartsReader,

@@ -1,4 +1,4 @@
-"""``ferrosync/private.py``: this user's directories outside the store (host-local memory,
+"""``ferrosync/core/private.py``: this user's directories outside the store (host-local memory,
 the key directory) are created and verified like the store's own files, and used only
 through their verified handle.
 
@@ -14,9 +14,9 @@ import stat
 
 import pytest
 
-from ferrosync import private
+from ferrosync.core import private
+from ferrosync.core.private import PrivateDir
 from ferrosync.errors import ConfigError
-from ferrosync.private import PrivateDir
 from ferrosync.train import threads
 from ferrosync.train.metrics import PathClaim
 from ferrosync.train.threads import ThreadShare
@@ -166,7 +166,7 @@ def test_a_key_directory_under_another_users_directory_is_refused(tmp_path, monk
 
 @needs_root
 def test_the_node_local_default_under_another_users_directory_is_refused(shm):
-    from ferrosync.backends.hierarchical import _default_local_dir
+    from ferrosync.torchdist.hierarchical import _default_local_dir
 
     plant(shm / f"ferrosync-{os.geteuid()}")
     with pytest.raises(ConfigError, match="another user made it first"):

@@ -1,12 +1,12 @@
-"""``stats.py``: a public collective counts once (nested calls included), with the
+"""``core/stats.py``: a public collective counts once (nested calls included), with the
 counter deltas and phase times of that call alone."""
 
 from __future__ import annotations
 
 import pytest
 
-from ferrosync.stats import STAT_KEYS, StatsBook, empty_stats
-from ferrosync.storage.base import Counters
+from ferrosync.core.stats import STAT_KEYS, StatsBook, empty_stats
+from ferrosync.storage.engines.base import Counters
 
 
 def test_empty_stats_have_every_key_as_ints_and_floats():

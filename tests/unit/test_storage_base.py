@@ -1,4 +1,4 @@
-"""``storage/base.py`` over the in-memory store (tests/fakes.py): keys, counters, the
+"""``storage/engines/base.py`` over the in-memory store (tests/fakes.py): keys, counters, the
 size rule, retries of transient failures only, the polling back-off and the location
 probe every job runs before it writes anything."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from fakes import FakeClock, MemoryStorage
 from ferrosync.errors import ConfigError, ExclusiveCreateUnsupported, ShardCorrupt, StorageError
-from ferrosync.storage import base
-from ferrosync.storage.base import (
+from ferrosync.storage.engines import base
+from ferrosync.storage.engines.base import (
     RECORD_LIMIT,
     Backoff,
     Counters,

@@ -16,12 +16,7 @@ import pytest
 import torch
 
 from fakes import FakeSync, PlainSGD
-from ferrosync.strategies.base import (
-    GradAveraging,
-    Strategy,
-    float_buffers,
-    norm,
-)
+from ferrosync.strategies.base import GradAveraging, Strategy, float_buffers, norm
 
 
 def _model(batchnorm: bool = False) -> torch.nn.Module:

@@ -1,4 +1,4 @@
-"""``validate.py``: the one wording of a bad value, and the bounds each check applies."""
+"""``core/validate.py``: the one wording of a bad value, and the bounds each check applies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from ferrosync import validate
+from ferrosync.core import validate
 from ferrosync.errors import ConfigError
 
 

@@ -15,7 +15,6 @@ import types
 import pytest
 
 from fakes import FakeClock, MemoryStorage
-from ferrosync import names
 from ferrosync.ops import watch
 from ferrosync.ops.scan import FoundGeneration, Obj, Record, read_record
 from ferrosync.ops.watch import (
@@ -27,7 +26,8 @@ from ferrosync.ops.watch import (
     progress,
     stragglers,
 )
-from ferrosync.wire import encode_record
+from ferrosync.storage import names
+from ferrosync.storage.wire import encode_record
 
 PREFIX = names.generation_dir(4, "0123456789abcdef")
 POLL = 0.1

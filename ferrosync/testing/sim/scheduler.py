@@ -26,8 +26,8 @@ import itertools
 import threading
 import time
 
-from ...liveness import ProcessClock
-from ...runtime import Runtime
+from ferrosync.core.runtime import Runtime
+from ferrosync.storage.liveness import ProcessClock
 
 #: a simulated thread's OS stack: the production code's call depth is modest, and a
 #: thousand members run two thousand threads

@@ -36,8 +36,8 @@ import re
 from collections import defaultdict, deque
 from dataclasses import dataclass
 
-from ...storage.base import BytesReader, Storage
-from .scheduler import SimKilled
+from ferrosync.storage.engines.base import BytesReader, Storage
+from ferrosync.testing.sim.scheduler import SimKilled
 
 _Z99 = 2.3263478740408408  # the standard normal's 99th percentile
 

@@ -36,12 +36,12 @@ import statistics
 
 import torch
 
-from ... import names
-from ...backends.options import ElasticOptions
-from ...elastic import ElasticSync
-from ...errors import JobEnded, MemberDropped, PeerFailed, SyncTimeout
-from .scheduler import Process, Scheduler, wall
-from .store import PROFILES, SimServer, SimStorage
+from ferrosync.elastic import ElasticSync
+from ferrosync.errors import JobEnded, MemberDropped, PeerFailed, SyncTimeout
+from ferrosync.storage import names
+from ferrosync.storage.options import ElasticOptions
+from ferrosync.testing.sim.scheduler import Process, Scheduler, wall
+from ferrosync.testing.sim.store import PROFILES, SimServer, SimStorage
 
 URL = "s3://sim/job"
 JOB = "sim"

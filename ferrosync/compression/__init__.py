@@ -1,0 +1,1 @@
+"""Wire encodings and their error feedback, shared by every backend."""

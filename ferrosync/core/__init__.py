@@ -1,0 +1,1 @@
+"""The collective runtime every backend and adapter builds on."""

@@ -1,0 +1,72 @@
+"""The one place the elastic layer takes time, waits and threads from.
+
+A ``Runtime`` is what one process offers the code that agrees on membership: its clocks
+(``monotonic``, ``time``), ``sleep``, polling back-off (``Backoff``), events, locks
+that may be held across a storage request, background threads, and the per-process
+state of the liveness rule (``process_clock``, the ``gone`` judgements). ``REAL`` is
+the process's own; ``DEFAULT`` is what a layer uses when nothing is passed in (tests
+swap it for a fake clock).
+
+The elastic simulator (``ferrosync/testing/sim``) passes each simulated member its
+own runtime on a shared virtual clock, so N members of the production code run in one
+process in a deterministic order: every sleep, wait, lock hand-over, thread start and
+storage request is a point where the simulator's scheduler chooses who runs next.
+Nothing here changes what a real run does.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+
+class Runtime:
+    """The real process: ``time``, ``threading`` and the process-wide liveness clock."""
+
+    #: this process's ``liveness.ProcessClock``; None: ``liveness.PROCESS_CLOCK``
+    process_clock = None
+
+    def __init__(self) -> None:
+        #: member ids judged gone, by job namespace (``elastic.membership.Watch``)
+        self.gone: dict[str, set[str]] = {}
+
+    monotonic = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
+    time = staticmethod(time.time)  # last: the class body's ``time`` is this from here
+
+    def Backoff(self, initial: float, cap: float):  # noqa: N802 - builds a Backoff
+        """``storage.Backoff`` sleeping on this runtime."""
+        from ferrosync.storage.engines.base import Backoff
+        return Backoff(initial, cap, clock=self)
+
+    def event(self) -> threading.Event:
+        return threading.Event()
+
+    def lock(self) -> threading.Lock:
+        """A lock that may be held across a storage request (a wait point)."""
+        return threading.Lock()
+
+    def start_thread(self, target, name: str) -> threading.Thread:
+        """Start ``target`` on a daemon thread; the handle has ``join(timeout)``."""
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def current_thread(self):
+        return threading.current_thread()
+
+    def token_hex(self, nbytes: int) -> str:
+        """A random id (a member's): the simulator's comes from its seed."""
+        return secrets.token_hex(nbytes)
+
+
+REAL = Runtime()
+#: the runtime of a layer built without one (``elastic``, ``liveness.Heartbeat``,
+#: ``backends.objects.Objects``); tests that drive a fake clock replace it
+DEFAULT = REAL
+
+
+def default() -> Runtime:
+    """``DEFAULT`` as it is now (read late, so a test's replacement takes effect)."""
+    return DEFAULT

@@ -1,0 +1,216 @@
+"""Point-to-point messages of one generation through storage (``Mailbox``).
+
+A message is one object, ``names.message(src, dst, tag, n)``: the n-th message rank
+``src`` sends rank ``dst`` with ``tag`` (n = 0, 1, ... per (src, dst, tag), counted alike
+by the sender as it sends and by the receiver as it posts receives). It is an exact
+copy of the tensor's bytes with the object header every collective object has (kind
+"broadcast", raw codec), so it gets the same trust: checksum or MAC over header and
+payload, the generation token binding it to this job and generation, ``n`` in the
+header's collective field, and a layout digest over (source, destination, tag) so an
+object moved onto another pair's or tag's name is refused (docs/design.md#point-to-point).
+
+Messages take no collective number: only two ranks take part, and the collective
+sequence must stay the same on every rank. The sender's publish never waits for the
+receiver (storage holds the message until it is read), so sends cannot deadlock; the
+receiver polls the exact name, checks the sender's liveness (abort marker, heartbeat)
+as a collective's waits do, and deletes the message once it has read it.
+
+**Receiving from any source** (``src=None``): each poll looks at every other rank's
+next message on ``tag``, in rank order, and takes the first one there. Among the
+messages present at one poll the lowest rank wins; which ranks' messages have arrived
+by then is up to the timing of the sends, as with MPI's ``MPI_ANY_SOURCE``. Each
+candidate's counter only moves when its message is taken, so a later receive from a
+specific rank gets the next message of that rank, never one skipped.
+
+Used by one ``FileSync`` from the thread inside its call (``GradSync.run_collective``);
+not thread-safe.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ferrosync.compression.codecs import RawCodec, as_uint8
+from ferrosync.errors import LayoutMismatch, PeerFailed, ShardCorrupt, SyncTimeout
+from ferrosync.storage import names
+from ferrosync.storage.engines import RECORD_LIMIT
+from ferrosync.storage.incoming import Expected, Part
+from ferrosync.storage.objects import Objects
+from ferrosync.storage.wire import DTYPE_CODES, DTYPES, KIND_BROADCAST, head_size, layout_digest
+
+
+def message_digest(src: int, dst: int, tag: int) -> bytes:
+    """The layout digest a message between ``src`` and ``dst`` with ``tag`` carries."""
+    return layout_digest(json.dumps({"op": "message", "src": src, "dst": dst, "tag": tag}))
+
+
+class Mailbox:
+    """Send and receive point-to-point messages in one generation (see the module),
+    through the generation's object layer (``objects``: sealing, bounded verified
+    reads, exact-name waits and counters, as every collective object)."""
+
+    def __init__(self, objects, *, world_size: int, monitor, stats, timeout: float,
+                 pool, chunk_bytes: int) -> None:
+        self.objects = objects
+        self.rank, self.world_size = objects.rank, world_size
+        self.timeout = timeout
+        self._monitor = monitor
+        self._stats = stats
+        self._pool = pool
+        self._chunk_bytes = chunk_bytes
+        self._sent: dict[tuple[int, int], int] = {}  # (dst, tag) -> next number
+        self._posted: dict[tuple[int, int], int] = {}  # (src, tag) -> next number
+
+    def _expected(self, src: int, dst: int, tag: int, number: int, flat: torch.Tensor):
+        return Expected(KIND_BROADCAST, flat.dtype, RawCodec(flat.dtype),
+                        message_digest(src, dst, tag), Part.whole(flat.numel()),
+                        self.world_size, self.objects.tag, number)
+
+    # -- sending -----------------------------------------------------------------------------
+    def send(self, flat: torch.Tensor, dst: int, tag: int) -> int:
+        """Publish ``flat`` (contiguous) as the next message to ``dst`` on ``tag``; returns
+        its number. Returns once the object is written: it never waits for ``dst``."""
+        number = self._sent.get((dst, tag), 0)
+        expected = self._expected(self.rank, dst, tag, number, flat)
+        payload = as_uint8(flat).numpy() if flat.numel() else b""
+        header = expected.header(self.rank, weight=1.0, nbytes=len(payload))
+        with self._stats.phase("write_s"):
+            # a message is written once under its own name (no recycled spare: its
+            # reader, not the writer, consumes it)
+            Objects.put(self.objects, names.message(self.rank, dst, tag, number), header,
+                        [payload])
+        self._sent[(dst, tag)] = number + 1
+        return number
+
+    # -- receiving ---------------------------------------------------------------------------
+    def post(self, src: int, tag: int) -> int:
+        """Take the number of the next message from ``src`` on ``tag`` (a receive posted
+        now gets that message, whenever it is read)."""
+        number = self._posted.get((src, tag), 0)
+        self._posted[(src, tag)] = number + 1
+        return number
+
+    def receive(self, flat: torch.Tensor, src: int | None, tag: int,
+                number: int | None = None, *, block: bool = True) -> int | None:
+        """Read a message into ``flat`` (contiguous): message ``number`` of ``src`` (posted
+        with ``post``), the next one of ``src``, or with ``src=None`` the next one of
+        whichever rank has one first (see the module docstring). Returns the source
+        rank, or None when ``block`` is False and nothing is there yet."""
+        if src is not None and number is None:
+            number = self.post(src, tag)
+        candidates = [src] if src is not None else [
+            r for r in range(self.world_size) if r != self.rank]
+        deadline = [time.monotonic() + self.timeout]
+
+        def between():
+            try:
+                self._monitor.maybe_check(candidates, None, None)
+            except PeerFailed:
+                found = self._look(flat, src, tag, number)  # sent, then closed
+                if found is None:
+                    raise
+                return found
+            # time this process spent stopped is nobody's delay (as in a collective)
+            deadline[0] = max(deadline[0], self._monitor.resumed_at + self.timeout)
+            return None
+
+        with self._stats.phase("wait_s"):
+            found = self._look(flat, src, tag, number)
+            if found is None and block:
+                found = self.objects.wait_for(
+                    lambda: self._look(flat, src, tag, number), deadline=lambda: deadline[0],
+                    between=between, expired=lambda: self._timeout(src, tag, number))
+        if found is None:
+            return None
+        source, incoming, number = found
+        self._read(incoming, flat, source, tag, number)
+        if src is None:
+            self._posted[(source, tag)] = number + 1
+        return source
+
+    def _look(self, flat, src, tag, number):
+        """One poll: (source, opened object, number) of the message wanted, or None."""
+        limit = head_size(True) + max(flat.numel() * flat.element_size(), RECORD_LIMIT)
+        sources = [src] if src is not None else [
+            r for r in range(self.world_size) if r != self.rank]
+        for source in sources:
+            n = number if src is not None else self._posted.get((source, tag), 0)
+            # the header is checked there: magic, crc, MAC mode, this generation's tag,
+            # the message number (in the collective field) and the object's size
+            incoming = self.objects.open_object(names.message(source, self.rank, tag, n),
+                                                max_bytes=limit, collective=n)
+            if incoming is not None:
+                return source, incoming, n
+        return None
+
+    def _read(self, incoming, flat: torch.Tensor, src: int, tag: int, number: int) -> None:
+        name = names.message(src, self.rank, tag, number)
+        path, header = incoming.path, incoming.header
+        with incoming:
+            what = f"message {number} from rank {src} (tag {tag})"
+            if (header.dtype, header.count) != (DTYPE_CODES[flat.dtype], flat.numel()):
+                theirs = DTYPES.get(header.dtype, f"dtype code {header.dtype}")
+                raise LayoutMismatch(
+                    f"rank {src} sent {header.count} elements of {theirs} as {what}; this "
+                    f"rank receives {flat.numel()} of {flat.dtype}", rank=self.rank,
+                    path=path, hint="send and receive tensors of the same dtype and size, "
+                    "in the same order on both sides")
+            expected = self._expected(src, self.rank, tag, number, flat)
+            expected.check(header, src, path, self.rank, lambda other, digest: ShardCorrupt(
+                f"{what} carries another pair's or tag's digest (a moved object)",
+                rank=self.rank, path=path, hint="something else writes under this URL"))
+            incoming.read_into(flat, expected.codec, self._chunk_bytes, self._pool,
+                               self._stats)
+        self.objects.storage.delete([self.objects.key_of(name)])  # read by its one reader
+
+    def _timeout(self, src, tag, number) -> SyncTimeout:
+        which = (f"message {number} from rank {src}" if src is not None
+                 else "a message from any rank")
+        return SyncTimeout(
+            f"timed out after {self.timeout:g} s in recv waiting for {which} (tag {tag})",
+            rank=self.rank, path=self.objects.storage.path_of(self.objects.prefix),
+            hint="does the sending rank call send with this rank and tag, as many times?")
+
+
+class Exchanges:
+    """``FileSync``'s point-to-point primitives and ``all_to_all`` (a mixin, so that the
+    class stays one reader's size): messages through its ``Mailbox``, the all-to-all
+    through its exact-copy objects in the collective sequence."""
+
+    point_to_point = True
+
+    def _all_to_all_flat(self, outputs, inputs, digest, layout):
+        """Rank k publishes its chunk for rank j as ``c{s}.r{k}.s{j}`` (raw) and reads
+        ``c{s}.r{j}.s{k}`` from every other rank j; chunks may differ in size (each
+        reader knows what it expects from each rank, and the header says what came)."""
+        s = self._begin("all_to_all")
+        me = self.rank
+        outputs[me].copy_(inputs[me])
+        if self.world_size == 1:
+            return
+        objects = self._objects
+        objects.ensure_layout(digest, layout)
+        mine = []
+        for j in range(self.world_size):
+            if j != me:
+                mine.append(names.contribution(s, me, j))
+                self._publish_copy(mine[-1], inputs[j], digest)
+        for k in range(self.world_size):
+            if k != me:
+                self._receive_copy(names.contribution(s, k, me), k, [k],
+                                   f"the chunk rank {k} sends this rank", outputs[k], digest)
+        # every rank published for s, so every rank finished the collectives before it
+        objects.recycler.gathered([objects.key_of(name) for name in mine])
+
+    # point-to-point (docs/design.md#point-to-point; ``messages.py``) ------------------------
+    def _send_flat(self, flat, dst, tag):
+        self._mailbox.send(flat, dst, tag)
+
+    def _post_recv(self, src, tag):
+        return self._mailbox.post(src, tag)
+
+    def _recv_flat(self, flat, src, tag, number=None, block=True):
+        return self._mailbox.receive(flat, src, tag, number, block=block)
