@@ -226,7 +226,7 @@ def test_one_table_of_schemes_one_registrar():
     import ferrosync_schemes
     from ferrosync.core.env import ENV_URL
     from ferrosync.ddp import constants
-    from ferrosync.storage.providers import store_of
+    from ferrosync.storage.providers import provider_of
 
     assert ferrosync_autoload.BACKEND_NAME == constants.BACKEND_NAME == "ferrosync"
     assert ferrosync_autoload.ENV_URL == ENV_URL
@@ -237,7 +237,7 @@ def test_one_table_of_schemes_one_registrar():
         assert callable(getattr(init_methods, f"{name}_handler")), scheme
     for scheme, row in ferrosync_schemes.SCHEMES.items():
         url = f"{scheme}:///x" if row.protocol == "file" else f"{scheme}://bucket/x"
-        assert store_of(url).name == (row.store or "other fsspec store")
+        assert provider_of(url).name == (row.store or "other fsspec store")
 
 
 @pytest.mark.unit

@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from ferrosync.errors import ConfigError
-from ferrosync.train.checkpoint import LATEST, CheckpointStore
+from ferrosync.train.checkpoint import LATEST, Checkpoints
 
 pytestmark = pytest.mark.unit
 
 
-def _saved(url: str, *, rank_files: bool = False) -> tuple[CheckpointStore, dict]:
-    ckpt = CheckpointStore(url)
+def _saved(url: str, *, rank_files: bool = False) -> tuple[Checkpoints, dict]:
+    ckpt = Checkpoints(url)
     sizes = {}  # what the trainer gathers from its ranks
     if rank_files:
         for rank in range(2):
@@ -99,7 +99,7 @@ def _flip(path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def _refused(ckpt: CheckpointStore, load, what: str, path) -> str:
+def _refused(ckpt: Checkpoints, load, what: str, path) -> str:
     with pytest.raises(ConfigError) as info:
         load()
     text = str(info.value)

@@ -11,7 +11,7 @@ import pytest
 from train_cli import run_forked
 
 from ferrosync.storage.costs import request_cost
-from ferrosync.storage.providers import store_of
+from ferrosync.storage.providers import provider_of
 from tools import elastic_costs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ def test_the_model_adds_up(w):
         assert checker["gets"] > w  # it reads every member's marker
     for d in (member, checker, busiest):
         assert d["requests"] == sum(d[k] for k in elastic_costs.KINDS)
-    prices = dict(store_of("s3://").prices)
+    prices = dict(provider_of("s3://").prices)
     cost = elastic_costs.job_cost_per_hour(w, P, 1.0, 2.0, prices)
     job = {k: (w - 1) * member[k] + checker[k] for k in elastic_costs.KINDS}
     assert cost["requests_per_round"] == pytest.approx(sum(job.values()))
@@ -47,7 +47,7 @@ def test_the_model_adds_up(w):
 def test_the_jobs_requests_grow_about_linearly_with_the_tree():
     """All-read-all makes W^2 requests a round; the tree W x (fan_in x levels): from 100
     to 1,000 members the job's requests grow 10 x (members) x a log factor, not 100 x."""
-    c = [elastic_costs.job_cost_per_hour(w, P, 1.0, 2.0, dict(store_of("s3://").prices))
+    c = [elastic_costs.job_cost_per_hour(w, P, 1.0, 2.0, dict(provider_of("s3://").prices))
          for w in (100, 1000)]
     assert 10 < c[1]["requests_per_round"] / c[0]["requests_per_round"] < 20
     # the issue's $9/hour of PUTs at 1,000 with a 2 s interval (and $0.72 of GETs)
@@ -123,5 +123,5 @@ def test_liveness_at_1000_members_costs_at_most_2_dollars_an_hour_by_default(s3_
     finally:
         storage.close()
     cost = elastic_costs.job_cost_per_hour(1000, P, 1.0, interval,
-                                           dict(store_of("s3://").prices))
+                                           dict(provider_of("s3://").prices))
     assert cost["heartbeats_usd"] <= 2.0, cost

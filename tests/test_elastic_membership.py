@@ -47,7 +47,7 @@ def storage(clock):
 
 
 def watch(storage, secret=SECRET):
-    return mb.Watch(layer(storage, secret), TIMEOUT, INTERVAL)
+    return mb.HeartbeatWatch(layer(storage, secret), TIMEOUT, INTERVAL)
 
 
 def hb_key(member):
@@ -83,7 +83,7 @@ def test_heartbeat_writes_the_member_id_an_increasing_beat_and_its_final_state(s
         record_at(storage, hb_key(A), secret=None)
 
 
-# -- Watch: the silence rule -----------------------------------------------------------------
+# -- HeartbeatWatch: the silence rule ----------------------------------------------------------
 
 @pytest.mark.unit
 def test_a_member_that_keeps_beating_stays_alive(storage, clock):
@@ -134,7 +134,7 @@ def test_a_member_that_says_it_left_or_aborted_is_gone_at_once(storage, clock, f
     hb.stop(final)
     assert w.state(A) == final
     assert A in w.gone
-    # the judgement outlives the Watch that made it (a later Watch of the same job)
+    # the judgement outlives the HeartbeatWatch that made it (a later one of the same job)
     assert watch(storage).state(A) == "gone"
 
 
@@ -173,7 +173,7 @@ def test_fresh_means_the_counter_was_seen_moving_less_than_a_beat_gap_ago(storag
     assert w.alive(A) and not w.fresh(A) and not w.overdue(A)
 
 
-# -- Watch: hostile heartbeats ---------------------------------------------------------------
+# -- HeartbeatWatch: hostile heartbeats --------------------------------------------------------
 
 @pytest.mark.unit
 def test_a_heartbeat_forged_without_the_job_key_is_refused(storage, clock):

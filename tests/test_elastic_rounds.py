@@ -54,7 +54,7 @@ class Member:
     def __init__(self, storage, *, min_ranks=1, max_ranks=None):
         self.storage = storage
         self.rosters = mb.Rosters(layer(storage, SECRET))
-        self.watch = mb.Watch(layer(storage, SECRET), TIMEOUT, INTERVAL)
+        self.watch = mb.HeartbeatWatch(layer(storage, SECRET), TIMEOUT, INTERVAL)
         self.agreement = rounds.Agreement(layer(storage), self.rosters, self.watch,
                                           min_ranks=min_ranks, max_ranks=max_ranks,
                                           check_interval=CHECK)

@@ -12,7 +12,7 @@ from test_elastic import FAST, TIMEOUT, _values, w_fixed
 
 import ferrosync
 from ferrosync.elastic import tree
-from ferrosync.elastic.tree import TREE_FROM, Plan
+from ferrosync.elastic.tree import TREE_FROM, TreePlan
 from ferrosync.storage.options import ElasticOptions
 from ranks import collect, run_ranks, start_ranks, wait_until
 
@@ -25,7 +25,7 @@ MIB = 1 << 20
 @pytest.mark.parametrize("members", [5, 6, 7, 8, 9, 16, 17, 31, 64, 65, 100, 257])
 @pytest.mark.unit
 def test_the_plan_splits_every_range_and_gives_each_member_one_part_per_level(members, fan_in):
-    plan = Plan(members, fan_in)
+    plan = TreePlan(members, fan_in)
     units = 10_007
     for length in range(1, plan.depth + 1):
         spans = [plan.span(p, units) for p in plan.paths(length)]
@@ -51,7 +51,7 @@ def test_no_member_reads_more_than_two_and_a_half_payloads_at_any_size():
     fan_in = ElasticOptions.parse({}).fan_in
     worst = {}
     for members in [*range(TREE_FROM, 80), 100, 128, 129, 500, 512, 513, 1000, 1024]:
-        t = Plan(members, fan_in).traffic()
+        t = TreePlan(members, fan_in).traffic()
         busiest = max(x["read"] for x in t)
         assert busiest < 2.5, (members, busiest)
         assert 1.5 <= sum(x["read"] for x in t) / members <= 2.05
@@ -110,7 +110,7 @@ def test_a_deep_tree_averages_alike_on_every_member(tmp_path, wire_dtype):
     with weight 0 counting for nothing."""
     options = {"fan_in": 2, "wire_dtype": wire_dtype}
     got = run_ranks(w_tree, 5, str(tmp_path / "el"), "deep", 5, 3, options, timeout=120)
-    assert Plan(5, 2).depth == 2
+    assert TreePlan(5, 2).depth == 2
     for k in range(3):
         reference = got[0]["out"][k]
         for g in got[1:]:

@@ -33,7 +33,7 @@ from ferrosync.storage.engines import (
     open_storage,
     probe_location,
 )
-from ferrosync.storage.providers import STORES, UNKNOWN, store_of
+from ferrosync.storage.providers import PROVIDERS, UNKNOWN, provider_of
 from ranks import RankFailure, collect, run_ranks, start_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,7 +108,7 @@ def test_connect_probe_passes_and_doctor_names_the_store(emulator_transport, cap
     report = json.loads(capsys.readouterr().out)
     assert code == 0
     checks = {c["name"]: c for c in report["checks"]}
-    store = store_of(url)
+    store = provider_of(url)
     assert report["capabilities"]["exclusive_create"] is True
     assert checks["exclusive create"]["status"] == "ok", checks["exclusive create"]
     assert store.create_request in checks["exclusive create"]["summary"]
@@ -315,14 +315,14 @@ def test_gcs_emulator_storage_uses_the_json_api_driver(gcs_server):
 
 @pytest.mark.unit
 def test_default_prices_follow_the_store():
-    for store in STORES:
+    for store in PROVIDERS:
         for scheme in store.schemes:
             want = store.prices or DEFAULT_PRICES
             # a file:// URL names no host (another host is a ConfigError): its path only
             url = f"{scheme}:///run" if scheme in ("file", "local") else f"{scheme}://bucket/run"
             assert parse_prices(None, url) == want, scheme
     assert parse_prices(None, "fs-unknown://x") == DEFAULT_PRICES
-    assert parse_prices("get=0.001", "gs://b/x") == {**store_of("gs://").prices, "get": 0.001}
+    assert parse_prices("get=0.001", "gs://b/x") == {**provider_of("gs://").prices, "get": 0.001}
 
 
 def _store_table() -> dict[str, list[str]]:
@@ -341,7 +341,7 @@ def _store_table() -> dict[str, list[str]]:
 @pytest.mark.unit
 def test_docs_store_table_says_what_the_code_knows():
     rows = _store_table()
-    for store in STORES:
+    for store in PROVIDERS:
         if not store.prices:
             continue
         cells = rows[store.name]

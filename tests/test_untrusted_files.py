@@ -341,7 +341,7 @@ def test_a_run_directory_replaced_by_a_file_is_named(tmp_path):
 
 @pytest.mark.unit
 def test_checkpoints_never_follow_links(tmp_path):
-    from ferrosync.train.checkpoint import CheckpointStore
+    from ferrosync.train.checkpoint import Checkpoints
 
     directory = tmp_path / "ckpt"
     directory.mkdir()
@@ -349,7 +349,7 @@ def test_checkpoints_never_follow_links(tmp_path):
     os.symlink(victim, directory / "latest.json")
     os.symlink(victim, directory / "step-00000001.pt")
     os.mkfifo(directory / "step-00000002.pt")
-    ckpt = CheckpointStore(str(directory))
+    ckpt = Checkpoints(str(directory))
     with pytest.raises(ConfigError) as info:
         bounded(ckpt.latest)
     assert "symbolic link" in str(info.value) and "latest.json" in str(info.value)

@@ -13,7 +13,7 @@ the read, so the difference is what the read cost:
 * inspect: a SeaweedFS server on loopback (ferrosync/testing/seaweed.py) gets a one-rank job's
   generation and, in it, a contribution object of ``--object-mib`` MiB (a valid
   header, zeros after it); then ``python -m ferrosync inspect URL --objects --json``;
-* checkpoint: ``CheckpointStore.save`` of a ``--state-mib`` MiB state in a temporary
+* checkpoint: ``Checkpoints.save`` of a ``--state-mib`` MiB state in a temporary
   directory, loaded back (the whole file must be read: about twice its size, the bytes
   and the tensors made of them); then the step file is grown to ``--grown-gib`` GiB
   with ``truncate`` (sparse) and loaded again: refused unread (an index without
@@ -118,11 +118,11 @@ def inspect_case(code_dir: str, object_mib: int) -> None:
 def checkpoint_case(code_dir: str, state_mib: int, grown_gib: float) -> None:
     import torch
 
-    from ferrosync.train.checkpoint import LATEST, CheckpointStore
+    from ferrosync.train.checkpoint import LATEST, Checkpoints
 
     with tempfile.TemporaryDirectory() as tmp:
-        CheckpointStore(tmp).save({"w": torch.zeros(state_mib * MIB // 4)}, {"step": 1})
-        load = (f"from ferrosync.train.checkpoint import CheckpointStore as C; "
+        Checkpoints(tmp).save({"w": torch.zeros(state_mib * MIB // 4)}, {"step": 1})
+        load = (f"from ferrosync.train.checkpoint import Checkpoints as C; "
                 f"c = C({tmp!r}); c.load(c.latest())")
         size = os.path.getsize(os.path.join(tmp, "step-00000001.pt"))
         report("checkpoint load (a real checkpoint)", size, measure(code_dir, load))

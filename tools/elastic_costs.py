@@ -53,13 +53,13 @@ def model(w: int, payload: int, *, round_s: float, hb_interval: float,
     """Requests and bytes of one healthy round, per ordinary member (the mean), for the
     checker (member 0) and for the busiest member, as docs/elastic.md#rounds describes
     the protocol: all-read-all below ``TREE_FROM`` members, the tree reduce from there
-    (``Plan.traffic``: the code's own plan, at the default ``fan_in``).
+    (``TreePlan.traffic``: the code's own plan, at the default ``fan_in``).
 
     ``round_s``: the round's wall time (heartbeats: one PUT per ``hb_interval``);
     ``poll_s``: the time a member spends polling for the roster (one GET per poll; the
     polls' count depends on the wait, so it is an input, 0 for the floor).
     """
-    from ferrosync.elastic.tree import TREE_FROM, Plan
+    from ferrosync.elastic.tree import TREE_FROM, TreePlan
     from ferrosync.storage.options import ElasticOptions
 
     hb = round_s / hb_interval
@@ -78,7 +78,7 @@ def model(w: int, payload: int, *, round_s: float, hb_interval: float,
         checker["bytes_read"] += payload      # it reads all W contributions (measured: W x P)
         busiest = checker
     else:
-        plan = Plan(w, fan_in or ElasticOptions.parse({}).fan_in)
+        plan = TreePlan(w, fan_in or ElasticOptions.parse({}).fan_in)
         per = [{"puts": t["puts"] + hb, "gets": t["gets"] + polls, "lists": 0.0,
                 # every object a member wrote is deleted by it two rounds later, in
                 # one request (a batch delete)
@@ -142,9 +142,9 @@ def job_cost_per_hour(w: int, payload: int, round_rate: float, hb_interval: floa
 
 
 def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -> None:
-    from ferrosync.storage.providers import store_of
+    from ferrosync.storage.providers import provider_of
 
-    store = store_of("s3://")
+    store = provider_of("s3://")
     prices = dict(store.prices)
     from ferrosync.storage.options import ElasticOptions
 

@@ -28,7 +28,7 @@ class Runtime:
     process_clock = None
 
     def __init__(self) -> None:
-        #: member ids judged gone, by job namespace (``elastic.membership.Watch``)
+        #: member ids judged gone, by job namespace (``elastic.membership.HeartbeatWatch``)
         self.gone: dict[str, set[str]] = {}
 
     monotonic = staticmethod(time.monotonic)

@@ -6,7 +6,7 @@ Pieces:
   ``hb.{id}`` with an increasing ``beat`` and a ``state`` (``alive``, then ``left`` on a
   graceful close or ``aborted`` on a failure, written at once so the others need not
   wait out the heartbeat timeout).
-* ``Watch``: tells whether another member is alive. A member is gone when its
+* ``HeartbeatWatch``: tells whether another member is alive. A member is gone when its
   heartbeat says ``left``/``aborted``, or when its ``beat`` has not changed for
   ``timeout`` seconds of *this* process's monotonic clock (another host's clock is
   never compared) while this process ran: time this process was frozen (SIGSTOP, a
@@ -52,7 +52,7 @@ def heartbeat(objects, member_id: str, interval: float) -> Heartbeat:
                      running=ALIVE, clock=runtime.process_clock, runtime=runtime)
 
 
-class Watch:
+class HeartbeatWatch:
     """Whether other members are alive, judged from their heartbeats with the one
     liveness rule (``liveness.SilenceClocks``).
 
@@ -77,7 +77,7 @@ class Watch:
         # job's old members are gone)
         self.gone = objects.runtime.gone.setdefault(
             objects.storage.path_of(objects.prefix), set())
-        self._how: dict[str, str] = {}  # member -> the state this Watch judged it gone in
+        self._how: dict[str, str] = {}  # member -> the state this HeartbeatWatch judged it gone in
 
     def state(self, member_id: str) -> str:
         """``alive``, or ``left``/``aborted`` (said so), or ``silent`` (timed out);

@@ -38,11 +38,11 @@ def _groups(count: int, fan_in: int) -> tuple[tuple[int, int], ...]:
 
 
 @lru_cache(maxsize=64)
-def plan(members: int, fan_in: int) -> Plan:
-    return Plan(members, fan_in)
+def plan(members: int, fan_in: int) -> TreePlan:
+    return TreePlan(members, fan_in)
 
 
-class Plan:
+class TreePlan:
     """The tree over ``members`` roster positions: the same on every member.
 
     ``levels[l-1]`` holds level l's groups (each a contiguous (start, size) run of

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ferrosync.elastic.membership import ALIVE, ROSTER_RETENTION, Roster, Rosters, Watch
+from ferrosync.elastic.membership import ALIVE, ROSTER_RETENTION, HeartbeatWatch, Roster, Rosters
 from ferrosync.elastic.plan import TREE_FROM
 from ferrosync.errors import MemberDropped, ShardCorrupt, SyncTimeout
 from ferrosync.storage import names
@@ -67,7 +67,7 @@ class Progress:
 class Agreement:
     """Waits for the roster of a round and writes it when this member is the checker."""
 
-    def __init__(self, objects, rosters: Rosters, watch: Watch, *, min_ranks: int,
+    def __init__(self, objects, rosters: Rosters, watch: HeartbeatWatch, *, min_ranks: int,
                  max_ranks: int | None, check_interval: float) -> None:
         self._objects = objects
         self._rosters = rosters
@@ -224,7 +224,7 @@ class Agreement:
         On the way it reads the heartbeats of the members whose death this member
         would have to act on, so that members that die together start their silence
         clocks together: the predecessors in order up to the first one seen running
-        now (``Watch.fresh``), and at least the first two (the checker and the next in
+        now (``HeartbeatWatch.fresh``), and at least the first two (the checker and the next in
         line: when both die, the member after them has both clocks running); then, if
         none was seen running now (this member may be the checker within a timeout),
         the members ``after`` it too, whose contributions it will then judge. With
@@ -255,7 +255,7 @@ class Agreement:
 
         Looks (``is_checker``) come once per check interval of waiting, counted across
         rounds (a healthy job's short waits cost no more than one long one), and
-        sooner when a judgement can change (``Watch.next_change``): the moment a
+        sooner when a judgement can change (``HeartbeatWatch.next_change``): the moment a
         watched member reaches the timeout, or the member this one would take over
         from stops being seen running."""
         self.sizes = sizes

@@ -91,7 +91,7 @@ def _named(tensors) -> tuple[list[str], list[torch.Tensor]]:
     return [str(i) for i in range(len(tensors))], tensors
 
 
-class StateStore:
+class StatePublisher:
     """Publishes and reads the job's state objects through the job's object layer."""
 
     def __init__(self, objects) -> None:

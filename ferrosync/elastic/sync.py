@@ -22,9 +22,9 @@ from ferrosync.core.common import accumulate, divide_into, total_weight
 from ferrosync.core.env import Identity
 from ferrosync.elastic.exchange import Exchange, decode
 from ferrosync.elastic.job import admit, check_ended, check_record, mark_ended
-from ferrosync.elastic.membership import ABORTED, LEFT, Roster, Rosters, Watch, heartbeat
+from ferrosync.elastic.membership import ABORTED, LEFT, HeartbeatWatch, Roster, Rosters, heartbeat
 from ferrosync.elastic.rounds import Agreement
-from ferrosync.elastic.state import DEFAULT_MAX_STATE_BYTES, PublishedState, StateStore
+from ferrosync.elastic.state import DEFAULT_MAX_STATE_BYTES, PublishedState, StatePublisher
 from ferrosync.elastic.tree import TREE_FROM, TreeRound, Units, plan
 from ferrosync.errors import ConfigError, PeerFailed
 from ferrosync.storage import names
@@ -55,7 +55,7 @@ def peek_state(url: str, options: dict, timeout: float = 300.0) -> PublishedStat
                            transfer=checked.transfer())
     try:
         objects = job_objects(storage, checked, (storage.poll_initial, storage.poll_max))
-        return StateStore(objects).read(time.monotonic() + timeout, None, None)
+        return StatePublisher(objects).read(time.monotonic() + timeout, None, None)
     finally:
         storage.close()
 
@@ -112,11 +112,11 @@ class ElasticSync(GradSync):
         objects.before_put = self._raise_if_failed
         self._secret = objects.key  # whether objects are authenticated (ddp's warning)
         self._rosters = Rosters(objects)
-        self._watch = Watch(objects, timing.heartbeat_timeout, timing.heartbeat_interval)
+        self._watch = HeartbeatWatch(objects, timing.heartbeat_timeout, timing.heartbeat_interval)
         self._agreement = Agreement(objects, self._rosters, self._watch,
                                     min_ranks=options.min_ranks, max_ranks=options.max_ranks,
                                     check_interval=timing.heartbeat_interval)
-        self._state = StateStore(objects)
+        self._state = StatePublisher(objects)
         self._fan_in = options.fan_in
         self._exchange = Exchange(
             objects, self._rosters, self._agreement, self._watch,

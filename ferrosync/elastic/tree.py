@@ -5,7 +5,7 @@ for one round.
 
 Below ``TREE_FROM`` members every member reads every contribution (``(W-1)·P`` bytes,
 few requests). From ``TREE_FROM`` on, the positions of roster r-1 are grouped
-(``Plan``): level 1 groups the positions into groups of about ``fan_in``, level 2
+(``TreePlan``): level 1 groups the positions into groups of about ``fan_in``, level 2
 groups those groups, and so on up to one root. Each level has ``k`` slots: the range
 of the payload a node covers is split into ``k`` equal parts (in whole codec frames),
 and the member at slot ``j`` of a node sums part ``j`` over the node's children.
@@ -53,7 +53,7 @@ import torch
 
 from ferrosync.compression.codecs import RawCodec, accumulator_dtype, as_uint8
 from ferrosync.core.common import accumulate, divide_into, total_weight
-from ferrosync.elastic.plan import TREE_FROM, Plan, Units, itemsize, plan
+from ferrosync.elastic.plan import TREE_FROM, TreePlan, Units, itemsize, plan
 from ferrosync.errors import ShardCorrupt, SyncTimeout
 from ferrosync.storage import names
 from ferrosync.storage.incoming import Expected, Part
@@ -65,7 +65,7 @@ from ferrosync.storage.wire import (
     layout_digest,
 )
 
-__all__ = ["TREE_FROM", "Plan", "RoundIO", "TreeRound", "Units", "plan"]
+__all__ = ["TREE_FROM", "TreePlan", "RoundIO", "TreeRound", "Units", "plan"]
 
 _BYTES = RawCodec(torch.uint8)
 
@@ -121,7 +121,7 @@ class TreeRound:
     positions the tree groups, ``roster`` the round's agreement (whose contributions
     count, who takes part in the reduce)."""
 
-    def __init__(self, io: RoundIO, plan_: Plan, prev, roster, units: Units, digest: bytes,
+    def __init__(self, io: RoundIO, plan_: TreePlan, prev, roster, units: Units, digest: bytes,
                  own_wire: list, own_weight: float, deadline: float) -> None:
         self.io = io
         self.plan = plan_

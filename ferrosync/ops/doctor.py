@@ -67,7 +67,7 @@ from ferrosync.storage.engines import (
     open_storage,
 )
 from ferrosync.storage.engines.local_tools import LocalTree
-from ferrosync.storage.providers import facts, store_of
+from ferrosync.storage.providers import facts, provider_of
 from ferrosync.storage.wire import encode_record, open_record
 
 MiB = 1 << 20
@@ -118,7 +118,7 @@ class Doctor:
         #: what the probes found: True / False, None where not applicable or not run
         self.capabilities: dict[str, bool | None] = {"exclusive_create": None,
                                                      "atomic_rename": None}
-        self.store = store_of(url)
+        self.store = provider_of(url)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}"

@@ -5,7 +5,7 @@ On an object store the request bill can exceed the compute bill (a heartbeat eve
 so the trainer's summary, its ``FINAL`` line and ``ferrosync inspect`` show requests
 per hour and their cost. Prices are USD per 1,000 requests of each billed kind
 (``storage.REQUEST_KINDS``); the defaults are each store's list prices
-(``stores.STORES``: S3 Standard in us-east-1, GCS Standard in one region, Azure
+(``providers.PROVIDERS``: S3 Standard in us-east-1, GCS Standard in one region, Azure
 block blobs in the Hot tier with LRS, as published in 2026), S3's for a URL of no
 known store. Other classes and regions differ: pass yours, e.g.
 ``--storage-prices put=0.0065,get=0.00052``.
@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from ferrosync.core.validate import choice, number
 from ferrosync.storage.engines import split_url
-from ferrosync.storage.providers import store_of
+from ferrosync.storage.providers import provider_of
 from ferrosync_schemes import scheme
 
 #: USD per 1,000 requests, by kind (S3 Standard list prices, us-east-1)
-DEFAULT_PRICES = dict(store_of("s3://").prices)
+DEFAULT_PRICES = dict(provider_of("s3://").prices)
 _COUNTER_OF = {"put": "puts", "get": "gets", "delete": "deletes", "list": "lists"}
 
 
 def default_prices(url: str | None) -> dict[str, float]:
-    """The list prices of the store ``url`` names (``stores.STORES``); S3's where it
+    """The list prices of the store ``url`` names (``providers.PROVIDERS``); S3's where it
     names none with prices (no URL, an unknown scheme, a directory)."""
-    prices = store_of(url).prices if url else None
+    prices = provider_of(url).prices if url else None
     return dict(prices or DEFAULT_PRICES)
 
 

@@ -182,7 +182,7 @@ class SilenceClocks:
 
     ``observe(peer, beat, now)`` records one read of ``peer``'s counter and returns
     how long it has been silent. The fixed-size backend's ``PeerMonitor`` and an
-    elastic job's ``Watch`` both judge with it. The elastic job also asks, to choose
+    elastic job's ``HeartbeatWatch`` both judge with it. The elastic job also asks, to choose
     whose heartbeats to read (never to judge a death), what the reads say short of a
     judgement, measured against ``freeze_bound``, the longest a running process goes
     without ticking, hence the longest a running peer's beats are apart:

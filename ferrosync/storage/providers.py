@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from ferrosync.storage.engines import split_url
 from ferrosync_schemes import SCHEMES, scheme
 
-__all__ = ["Store", "STORES", "UNKNOWN", "facts", "store_of"]
+__all__ = ["Provider", "PROVIDERS", "UNKNOWN", "facts", "provider_of"]
 
 
 @dataclass(frozen=True)
-class Store:
+class Provider:
     """One kind of store: its name, the driver, and what it guarantees."""
 
     name: str
@@ -51,8 +51,8 @@ class Store:
         return tuple(name for name, row in SCHEMES.items() if row.store == self.name)
 
 
-STORES: tuple[Store, ...] = (
-    Store(
+PROVIDERS: tuple[Provider, ...] = (
+    Provider(
         name="directory", driver="ferrosync (os calls)",
         create_request="os.link",
         conditional_create="`os.link` of a written temp file: EEXIST when the name exists",
@@ -60,7 +60,7 @@ STORES: tuple[Store, ...] = (
         "with `lookupcache=positive`)",
         delete_visibility="local: immediate; NFS: with `lookupcache=positive`",
     ),
-    Store(
+    Provider(
         name="Amazon S3", driver="s3fs",
         create_request="conditional PUT (If-None-Match: *)",
         conditional_create="PUT with `If-None-Match: *`: 412 when the key exists (AWS "
@@ -71,7 +71,7 @@ STORES: tuple[Store, ...] = (
         price_basis="S3 Standard, us-east-1",
         emulator="`client_kwargs={\"endpoint_url\": URL}` (moto, SeaweedFS, MinIO)",
     ),
-    Store(
+    Provider(
         name="Google Cloud Storage", driver="gcsfs",
         create_request="insert with ifGenerationMatch=0",
         conditional_create="insert with `ifGenerationMatch=0`: 412 when the object exists",
@@ -86,7 +86,7 @@ STORES: tuple[Store, ...] = (
         "each upload a minute or more against an HTTP endpoint (`GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
         "=false` before gcsfs is imported does the same)",
     ),
-    Store(
+    Provider(
         name="Azure Blob Storage", driver="adlfs",
         create_request="Put Blob with If-None-Match: * (overwrite=False)",
         conditional_create="Put Blob with `If-None-Match: *` (adlfs: `overwrite=False`): "
@@ -98,7 +98,7 @@ STORES: tuple[Store, ...] = (
         "10,000)",
         emulator="`connection_string=...;BlobEndpoint=URL/ACCOUNT;` (Azurite)",
     ),
-    Store(
+    Provider(
         name="memory", driver="fsspec MemoryFileSystem",
         create_request="open(mode='xb')",
         conditional_create="`open(mode=\"xb\")` in this process",
@@ -108,7 +108,7 @@ STORES: tuple[Store, ...] = (
 )
 
 #: any other fsspec store: nothing is known until tried
-UNKNOWN = Store(
+UNKNOWN = Provider(
     name="other fsspec store", driver="its fsspec driver",
     create_request="pipe_file(mode='create')",
     conditional_create="`pipe_file(mode=\"create\")`; connect refuses the store unless a "
@@ -118,7 +118,7 @@ UNKNOWN = Store(
 )
 
 
-def facts(store: Store) -> dict:
+def facts(store: Provider) -> dict:
     """``store`` as JSON (``ferrosync doctor --json``'s ``store``)."""
     return {"name": store.name, "driver": store.driver,
             "conditional_create": store.conditional_create,
@@ -129,9 +129,9 @@ def facts(store: Store) -> dict:
             "emulator_settings": store.emulator or None}
 
 
-def store_of(url: str) -> Store:
-    """The ``Store`` a URL names (``UNKNOWN`` for a scheme the table of schemes gives
+def provider_of(url: str) -> Provider:
+    """The ``Provider`` a URL names (``UNKNOWN`` for a scheme the table of schemes gives
     no store)."""
     protocol, _ = split_url(url)
     name = scheme(protocol).store
-    return next((store for store in STORES if store.name == name), UNKNOWN)
+    return next((store for store in PROVIDERS if store.name == name), UNKNOWN)

@@ -112,7 +112,7 @@ def probe_location(storage: Storage, what: str, *, exclusive: bool = True) -> No
     probe_storage(storage, None, what=what, exclusive=exclusive)
 
 
-class CheckpointStore:
+class Checkpoints:
     """Reads and writes checkpoints under one URL.
 
     Args:

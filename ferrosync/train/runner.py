@@ -24,7 +24,7 @@ from ferrosync.elastic import peek_state
 from ferrosync.errors import ConfigError, JobEnded, MemberDropped, SyncTimeout
 from ferrosync.strategies import make_strategy
 from ferrosync.train import demo
-from ferrosync.train.checkpoint import CheckpointStore, check_compatible, probe_location
+from ferrosync.train.checkpoint import Checkpoints, check_compatible, probe_location
 from ferrosync.train.cli import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EPOCHS,
@@ -234,7 +234,7 @@ def preflight(args, world_size: int) -> None:
     if args.loss:
         _loss(args, None)  # resolves MODULE:FUNCTION, rejects unknown names
     if args.checkpoint_dir:
-        store = CheckpointStore(args.checkpoint_dir, _checkpoint_options(args))
+        store = Checkpoints(args.checkpoint_dir, _checkpoint_options(args))
         if args.resume:
             meta = store.require_latest()
             torch.manual_seed(args.seed or 0)
@@ -246,7 +246,7 @@ def preflight(args, world_size: int) -> None:
         store.probe()
 
 
-def refuse_used_checkpoint_dir(store: CheckpointStore) -> None:
+def refuse_used_checkpoint_dir(store: Checkpoints) -> None:
     """Without ``--resume``, a ``--checkpoint-dir`` that holds a run's checkpoints is
     bad input (``ConfigError``, exit 2): a new run would point its ``latest.json`` at
     its own first checkpoint and prune the old run's, and rewrite ``--metrics`` from
@@ -273,7 +273,7 @@ def resume_note(args) -> str | None:
     if not args.checkpoint_dir or args.elastic:
         return None
     try:
-        meta = CheckpointStore(args.checkpoint_dir, _checkpoint_options(args)).latest()
+        meta = Checkpoints(args.checkpoint_dir, _checkpoint_options(args)).latest()
     except (ConfigError, OSError):  # nothing to add to the stop: say nothing
         return None
     if meta is None:
@@ -401,7 +401,7 @@ def _run_rank(args) -> int:
     if args.checkpoint_dir and not args.resume and args.nproc is None and not _restarted():
         # a rank started without the launcher (srun, torchrun), before it connects: every
         # rank reads the same latest.json, so all refuse alike
-        refuse_used_checkpoint_dir(CheckpointStore(args.checkpoint_dir,
+        refuse_used_checkpoint_dir(Checkpoints(args.checkpoint_dir,
                                                    _checkpoint_options(args)))
     trainer = build_trainer(args)
     if share is not None:

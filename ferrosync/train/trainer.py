@@ -51,7 +51,7 @@ from ferrosync.strategies import TELEMETRY_KEYS, GradAveraging, Strategy
 from ferrosync.train.batching import batch_loader
 from ferrosync.train.checkpoint import (
     NEW_RUN,
-    CheckpointStore,
+    Checkpoints,
     capture_rng,
     check_compatible,
     model_signature,
@@ -196,7 +196,7 @@ class Trainer:
         self.data_fingerprint = fingerprint(dataset, n)
         self.step, self.epoch, self.consumed = 0, 0, 0
         self.resumed_from = None
-        self.checkpoints = (CheckpointStore(checkpoint_dir, storage_options)
+        self.checkpoints = (Checkpoints(checkpoint_dir, storage_options)
                             if checkpoint_dir else None)
         if resume:
             self._resume()

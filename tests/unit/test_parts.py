@@ -237,10 +237,10 @@ def test_checkpoints_in_parts_load_and_go_with_their_parts_in_a_later_run(store)
     which never wrote or read it, removes its parts too."""
     import torch
 
-    from ferrosync.train.checkpoint import CheckpointStore
+    from ferrosync.train.checkpoint import Checkpoints
 
     def checkpoints():
-        ckpt = CheckpointStore(store.url)
+        ckpt = Checkpoints(store.url)
         ckpt.storage.set_transfer(max_request_bytes=2 * PART, part_bytes=PART)
         return ckpt
 
