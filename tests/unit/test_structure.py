@@ -222,3 +222,56 @@ def test_tests_import_nothing_from_tools():
                 line = text.count("\n", 0, match.start()) + 1
                 found.append(f"{os.path.relpath(path, ROOT)}:{line}")
     assert not found, "\n".join(found)
+
+
+#: who may import whom (docs/design.md#layers): a layer imports itself, the layers it
+#: names here, and what they may import; ``train``, ``ops``, ``testing`` and the
+#: package's ``__init__``/``__main__`` sit on top and may import any layer
+LAYERS = {
+    "errors": set(),
+    "core": {"errors"},
+    "compression": {"core"},
+    "api": {"core", "compression"},
+    "partition": {"core"},
+    "storage": {"api"},
+    "torchdist": {"ddp"},
+    "elastic": {"storage"},
+    "ddp": {"storage"},
+    "strategies": {"api"},
+}
+
+
+def _reach(layer: str) -> set[str]:
+    out, todo = {layer}, [layer]
+    while todo:
+        for below in LAYERS.get(todo.pop(), ()):
+            if below not in out:
+                out.add(below)
+                todo.append(below)
+    return out
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+@pytest.mark.xfail(strict=True, reason="Structure IV in progress: layers")
+def test_layers_import_only_what_they_stand_on():
+    found = []
+    for path, tree in sorted(sources().items()):
+        module = path[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        layer = _layer(module)
+        if layer not in LAYERS:
+            continue
+        allowed = _reach(layer)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for target in targets:
+                if target.startswith("ferrosync.") and _layer(target) not in allowed:
+                    found.append(f"{path}:{node.lineno}: {layer} imports {target}")
+    assert not found, "\n".join(found)
