@@ -74,7 +74,8 @@ class GradSync(OwnershipGuard, abc.ABC):
     #: per-backend default bucket size; None means one bucket per dtype
     default_bucket_bytes: int | None = None
     #: True for an elastic job's member, whose rank and world size may change after
-    #: any collective (``ferrosync.elastic``); strategies and loops check it
+    #: any collective (``ferrosync.elastic``); loops check it, strategies subscribe to
+    #: ``on_membership`` instead
     elastic = False
     #: the ``wire_dtype`` option this backend averages with (None: native). With
     #: ``"topk"`` an average carries only each chunk's largest values: average changes
@@ -116,6 +117,13 @@ class GradSync(OwnershipGuard, abc.ABC):
         (``storage/options.py``); a ``ConfigError`` names the first bad one. Called by
         ``connect`` with every option the user passed; the result is handed to
         ``__init__(url, identity, timeout, options)``."""
+
+    def on_membership(self, callback) -> None:
+        """Subscribe ``callback(change)`` to this sync's membership: a backend whose
+        members change (an elastic job's) calls it at once with the current members,
+        then after every collective that changed them, before that collective returns
+        (``ferrosync.elastic.events.MembershipChange``). A fixed-size sync's members
+        never change: it never calls ``callback``."""
 
     # -- public collectives ------------------------------------------------------------
     def average_(self, tensors, *, weight: float = 1.0, async_op: bool = False):

@@ -32,6 +32,7 @@ import types
 import torch
 
 from ferrosync.core import runtime
+from ferrosync.elastic.events import MembershipChange
 from ferrosync.storage import liveness
 from ferrosync.storage.engines import Storage
 from ferrosync.storage.engines.base import BytesReader
@@ -250,6 +251,8 @@ class FakeSync:
         peer_parts: ``(n, tensors) -> [(weight, tensors), ...]``, the other ranks'
             contributions to this rank's ``n``-th ``average_`` (0-based; default none).
         moved: bytes written and read per collective, in ``stats["total"]``.
+        elastic: the members may change, as an elastic job's: ``on_membership`` tells a
+            subscriber who they are at once (``change`` plays a change).
     """
 
     def __init__(self, rank: int = 0, world_size: int = 2, *, timeout: float = 60.0,
@@ -265,6 +268,7 @@ class FakeSync:
         self.moved = moved
         self.calls: list[tuple[str, object]] = []
         self.averages = 0
+        self.subscribers: list = []
 
     @property
     def stats(self) -> dict:
@@ -277,6 +281,20 @@ class FakeSync:
     def weights(self) -> list[float]:
         """The weight this rank gave each of its averages, in order."""
         return [detail[0] for op, detail in self.calls if op.startswith("average")]
+
+    def on_membership(self, callback) -> None:
+        if self.elastic:
+            self.subscribers.append(callback)
+            members = tuple(f"m{r}" for r in range(self.world_size))
+            callback(MembershipChange(0, self.rank, self.world_size, members, members, ()))
+
+    def change(self, round: int, rank: int, members: tuple[str, ...], joined=(), left=()):
+        """Play a membership change to the subscribers (an elastic sync's round)."""
+        self.rank, self.world_size = rank, len(members)
+        self.contributors = list(members)
+        for callback in self.subscribers:
+            callback(MembershipChange(round, rank, len(members), tuple(members),
+                                      tuple(joined), tuple(left)))
 
     def all_gather(self, tensor):
         scripted = self.peer_records.pop(0) if self.peer_records else {}

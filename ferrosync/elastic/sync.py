@@ -20,6 +20,7 @@ from ferrosync.compression.encoder import Encoder
 from ferrosync.core import validate
 from ferrosync.core.common import accumulate, divide_into, total_weight
 from ferrosync.core.env import Identity
+from ferrosync.elastic.events import Subscribers
 from ferrosync.elastic.exchange import Exchange, decode
 from ferrosync.elastic.job import admit, check_ended, check_record, mark_ended
 from ferrosync.elastic.membership import ABORTED, LEFT, HeartbeatWatch, Roster, Rosters, heartbeat
@@ -126,6 +127,7 @@ class ElasticSync(GradSync):
         self._heartbeat = heartbeat(objects, self.member_id, timing.heartbeat_interval)
         self.membership: list[str] = []
         self._roster: Roster | None = None
+        self._subscribers = Subscribers()
         self._connect(options, timeout)
 
     def _connect(self, options: ElasticOptions, timeout: float) -> None:
@@ -196,6 +198,13 @@ class ElasticSync(GradSync):
         self._roster = roster
         self.rank = self._objects.rank = members.index(self.member_id)
         self.world_size = len(members)
+        self._subscribers.adopt(roster.round, self.rank, roster.members)
+
+    def on_membership(self, callback) -> None:
+        """``GradSync.on_membership``: ``callback`` gets the current members now, then a
+        ``MembershipChange`` after every round that changed them."""
+        self._subscribers.subscribe(callback, self._roster.round, self.rank,
+                                    tuple(self._roster.members))
 
     def end_job(self) -> None:
         """Mark the job as ended (not a collective; any member, typically every member

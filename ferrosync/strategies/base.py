@@ -41,9 +41,14 @@ class Strategy:
     taken from a local clock is first agreed through the sync). Each call blocks
     until its collectives are done. ``keep_going``, ``wants_batch`` and
     ``progress`` are local and cheap; their answers only change at a sync, from
-    values every rank received, so all ranks see the same loop. In an elastic job a
-    strategy's one collective per sync also carries ``_ballot`` (then ``_count``):
-    the members' votes to leave (``ElasticTrainer.request_leave``).
+    values every rank received, so all ranks see the same loop.
+
+    Membership: ``attach`` subscribes ``membership_changed`` to the sync
+    (``GradSync.on_membership``); a sync whose members change (an elastic job's) tells
+    it who they are at once and after every change, and ``membership`` holds the latest
+    event (None with a fixed membership). Riders: a component given to ``carry`` (an
+    elastic member's ``LeaveBallot``) rides in the strategy's one collective per sync
+    (``riding``, then ``arrived``).
     """
 
     #: the ``--strategy`` value that selects this class
@@ -65,13 +70,14 @@ class Strategy:
     def __init__(self) -> None:
         self.sync = None
         self._restored = False
-        self._syncs = 0
+        #: the syncs (collective merges) this rank joined
+        self.syncs = 0
         self._sync_bytes = 0
-        #: an elastic member's vote to leave the job, cast in its next sync (``_ballot``);
-        #: after each sync ``voted`` says whether this member's vote was in it and
-        #: ``voters`` how many of the sync's members voted to leave (the same everywhere)
-        self.vote, self.voted, self.voters = False, False, 0
-        self._box: torch.Tensor | None = None
+        #: the sync's latest membership event (``MembershipChange``); None while the
+        #: members are fixed
+        self.membership = None
+        #: what rides in every sync's collective (``carry``)
+        self.riders: list = []
 
     # -- the loop's hooks -----------------------------------------------------------
     def check_model(self, model: torch.nn.Module, rank: int | None = None) -> None:
@@ -87,11 +93,13 @@ class Strategy:
         ``load_state_dict`` (a resumed run) every rank already holds its own
         checkpointed state and nothing is broadcast. Subclasses that keep extra
         state (a copy of the parameters, an outer optimizer) create it here, after
-        calling ``super().attach``. An elastic job's members agree on their start
-        through the store instead (``ferrosync.train.elastic``): nothing is broadcast.
+        calling ``super().attach``. Members that change (a membership event came) agree
+        on their start through the store instead (``ferrosync.train.elastic``): nothing
+        is broadcast.
         """
         self.sync = sync
-        if self._restored or sync.elastic:
+        sync.on_membership(self.membership_changed)
+        if self._restored or self.membership is not None:
             return
         tensors = [t.detach() for t in (*model.parameters(), *model.buffers())]
         if tensors:
@@ -153,7 +161,7 @@ class Strategy:
     def stats(self) -> dict:
         """This rank's running totals: ``syncs`` and ``sync_bytes`` (bytes this rank
         wrote plus read in the strategy's collectives)."""
-        return {"syncs": self._syncs, "sync_bytes": self._sync_bytes}
+        return {"syncs": self.syncs, "sync_bytes": self._sync_bytes}
 
     def summary(self) -> dict:
         """Keys for the trainer's summary and FINAL line, the same set for every
@@ -163,36 +171,38 @@ class Strategy:
         (all ranks idle), the last sync's ``divergence``/``pre_norm``/``post_norm``
         and the mean ``divergence_mean`` (this rank's), and ``masses``: batches each
         rank trained in total (identical on every rank)."""
-        return {"syncs": self._syncs, "sync_bytes": self._sync_bytes, "sync_every": None,
+        return {"syncs": self.syncs, "sync_bytes": self._sync_bytes, "sync_every": None,
                 "sync_every_seconds": None, "gamma": None, "skipped_syncs": 0,
                 "divergence": None, "divergence_mean": None, "pre_norm": None,
                 "post_norm": None, "masses": None}
 
-    # -- an elastic member's ballot --------------------------------------------------
-    def _ballot(self, beside: list[torch.Tensor]) -> list[torch.Tensor]:
-        """In an elastic job, ``[vote]``: one float64 element that the sync's collective
-        carries besides the tensors ``beside`` (on their device, in a dtype bucket of
-        its own, so a lossy wire codes it apart from them), so after every sync every
-        member knows how many of its members voted to leave (``_count``), at no extra
-        round. ``[]`` in a fixed-size job."""
-        if not self.sync.elastic:
-            return []
-        device = beside[0].device if beside else torch.device("cpu")
-        if self._box is None or self._box.device != device:
-            self._box = torch.zeros(1, dtype=torch.float64, device=device)
-        self.voted = bool(self.vote)
-        self._box.fill_(1.0 if self.voted else 0.0)
-        return [self._box]
+    # -- membership and riders --------------------------------------------------------
+    def membership_changed(self, change) -> None:
+        """The sync's membership event (``ferrosync.elastic.events.MembershipChange``):
+        the members at ``attach``, then after every collective that changed them (inside
+        it). Kept in ``membership``; a subclass whose state depends on the members
+        updates it here. Never called with a fixed membership."""
+        self.membership = change
 
-    def _count(self) -> None:
-        """After the sync that carried the ballot: ``voters``, the members that voted to
-        leave (the average of the votes times the contributors, rounded: a lossy wire's
-        error is far below a half vote)."""
-        if self.sync.elastic and self._box is not None:
-            self.voters = round(float(self._box[0]) * len(self.sync.contributors))
+    def carry(self, rider) -> None:
+        """Carry ``rider`` in every sync's one collective from now on: its
+        ``tensors(beside)`` are averaged with the strategy's own (``riding``), and its
+        ``arrived(sync)`` runs once they are (``arrived``). An elastic member's vote to
+        leave rides so (``ferrosync.elastic.ballot.LeaveBallot``), at no extra round."""
+        self.riders.append(rider)
+
+    def riding(self, beside: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Subclasses, in the collective of a sync: the riders' tensors, to average
+        with ``beside`` (at the sync's weight)."""
+        return [t for rider in self.riders for t in rider.tensors(beside)]
+
+    def arrived(self) -> None:
+        """Subclasses, after the collective that carried ``riding``'s tensors."""
+        for rider in self.riders:
+            rider.arrived(self.sync)
 
     @contextmanager
-    def _measured(self, telemetry: dict):
+    def measured(self, telemetry: dict):
         """Times a block of collectives into ``telemetry`` (``sync_s``, ``sync_bytes``)."""
         start = time.perf_counter()
         before = self.sync.stats["total"]
@@ -204,7 +214,12 @@ class Strategy:
                      + after["bytes_read"] - before["bytes_read"])
             telemetry["sync_s"] = time.perf_counter() - start
             telemetry["sync_bytes"] = moved
-            self._sync_bytes += moved
+            self.count_bytes(moved)
+
+    def count_bytes(self, moved: int) -> None:
+        """Add ``moved`` to ``stats["sync_bytes"]``: ``measured`` does for its block;
+        a subclass does for bytes moved outside one (an overlapped exchange's)."""
+        self._sync_bytes += moved
 
 
 class GradAveraging(Strategy):
@@ -228,27 +243,28 @@ class GradAveraging(Strategy):
         self.replicated = not float_buffers(model)
 
     def step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        with self._measured({"synced": True}) as telemetry:
-            if self.sync.elastic:  # the ballot rides along as one more "gradient"
+        with self.measured({"synced": True}) as telemetry:
+            if self.riders:  # they ride along as more "gradients"
                 params = list(model.parameters())
-                self.sync.average_gradients([*params, self._ballot_param(params)])
-                self._count()
+                self.sync.average_gradients([*params, *self._holders(self.riding(params))])
+                self.arrived()
             else:
                 self.sync.average_gradients(model)
-        self._syncs += 1
+        self.syncs += 1
         optimizer.step()
         return telemetry
 
-    def _ballot_param(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """A stand-in parameter whose ``grad`` is the ballot (``average_gradients``
-        keeps a lossy codec's state per parameter list, so the list must be stable)."""
-        (box,) = self._ballot(params)
-        holder = getattr(self, "_ballot_holder", None)
-        if holder is None or holder.grad is not box:
-            holder = self._ballot_holder = torch.zeros(1, dtype=torch.float64,
-                                                       device=box.device, requires_grad=True)
-            holder.grad = box
-        return holder
+    def _holders(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Stand-in parameters whose ``grad`` are the riders' ``tensors``, the same
+        ones while the tensors are (``average_gradients`` keeps a lossy codec's state
+        per parameter list, so the list must be stable)."""
+        held = getattr(self, "_held", [])
+        if len(held) != len(tensors) or any(h.grad is not t for h, t in zip(held, tensors)):
+            held = self._held = [torch.zeros(t.shape, dtype=t.dtype, device=t.device,
+                                             requires_grad=True) for t in tensors]
+            for h, t in zip(held, tensors):
+                h.grad = t
+        return held
 
     def summary(self) -> dict:
         return {**super().summary(), "sync_every": 1}
@@ -256,7 +272,7 @@ class GradAveraging(Strategy):
     def finish(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         buffers = float_buffers(model)
         if buffers:
-            with self._measured({}):
+            with self.measured({}):
                 self.sync.average_(buffers)
 
 

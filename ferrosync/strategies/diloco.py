@@ -29,7 +29,7 @@ from ferrosync.errors import ConfigError
 from ferrosync.strategies.base import float_buffers, norm
 from ferrosync.strategies.periodic import PeriodicStrategy
 
-__all__ = ["DiLoCo", "OUTER_LR", "OUTER_MOMENTUM"]
+__all__ = ["DiLoCo", "GlobalCopy", "OUTER_LR", "OUTER_MOMENTUM"]
 
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
@@ -38,6 +38,38 @@ OUTER_MOMENTUM = 0.9
 #: H = 30, held-out accuracy 0.62 with (0.7, 0.9) and 0.76 with (1, 0); docs/topk.md)
 SPARSE_OUTER_LR = 1.0
 SPARSE_OUTER_MOMENTUM = 0.0
+
+
+class GlobalCopy:
+    """θ_g, the global parameters every rank holds identically, the outer optimizer that
+    steps them, and what a merge sends: ``delta`` (Δ per parameter) and ``stage`` (a copy
+    of the floating-point buffers), all on one device. ``part``: a slice of the
+    parameters (a streaming fragment), all of them by default."""
+
+    def __init__(self, params: list[torch.Tensor], buffers: list[torch.Tensor], device,
+                 make_outer: Callable) -> None:
+        place = (lambda t: t.to(device)) if device else (lambda t: t)
+        self.params = [place(p).clone() for p in params]
+        self.delta = [torch.empty_like(g) for g in self.params]
+        self.stage = [place(b).clone() for b in buffers]
+        self.outer = make_outer(self.params)
+
+    def pseudo_gradient(self, local: list[torch.Tensor], part: slice = slice(None)) -> None:
+        """``delta`` := θ_g - θ_r over ``part``, from this rank's parameters ``local``
+        (all of them, indexed by ``part`` too)."""
+        for d, g, p in zip(self.delta[part], self.params[part], local[part]):
+            d.copy_(p)              # to the outer device
+            torch.sub(g, d, out=d)  # Δ_r = θ_g - θ_r
+
+    def step(self, part: slice = slice(None)) -> None:
+        """The outer optimizer's step on ``part`` of θ_g with the averaged ``delta`` as
+        its gradient (only tensors with a gradient move)."""
+        glob = self.params[part]
+        for g, d in zip(glob, self.delta[part]):
+            g.grad = d
+        self.outer.step()
+        for g in glob:
+            g.grad = None
 
 
 class DiLoCo(PeriodicStrategy):
@@ -88,7 +120,8 @@ class DiLoCo(PeriodicStrategy):
         self.outer_device = outer_device
         self._outer_factory = outer_optimizer
         self._pending: dict | None = None
-        self._global: list[torch.Tensor] = []
+        #: θ_g and the outer optimizer (``GlobalCopy``), from ``attach``
+        self.global_copy: GlobalCopy | None = None
 
     def attach(self, model, optimizer, sync) -> None:
         sparse = getattr(sync, "wire_dtype", None) == "topk"
@@ -105,53 +138,51 @@ class DiLoCo(PeriodicStrategy):
             self.outer_momentum = SPARSE_OUTER_MOMENTUM if sparse else OUTER_MOMENTUM
         super().attach(model, optimizer, sync)
         params = [p.detach() for p in model.parameters()]
-        place = (lambda t: t.to(self.outer_device)) if self.outer_device else (lambda t: t)
-        self._global = [place(p).clone() for p in params]
-        self._delta = [torch.empty_like(g) for g in self._global]
-        self._stage = [place(b).clone() for b in self._buffers]
-        if self._outer_factory is not None:
-            self.outer = self._outer_factory(self._global)
-        else:
-            self.outer = torch.optim.SGD(self._global, lr=self.outer_lr,
-                                         momentum=self.outer_momentum,
-                                         nesterov=self.outer_momentum > 0)
+        copy = self.global_copy = GlobalCopy(params, self.buffers, self.outer_device,
+                                             self._make_outer)
         if self._pending is not None:  # resumed: the checkpoint's θ_g and outer state
-            if len(self._pending["global"]) != len(self._global):
+            if len(self._pending["global"]) != len(copy.params):
                 raise ConfigError(
                     f"the checkpoint's DiLoCo state has {len(self._pending['global'])} "
-                    f"global tensors, this model {len(self._global)}", rank=sync.rank,
+                    f"global tensors, this model {len(copy.params)}", rank=sync.rank,
                     hint="resume with the model that wrote the checkpoint")
             with torch.no_grad():
-                for g, saved in zip(self._global, self._pending["global"]):
+                for g, saved in zip(copy.params, self._pending["global"]):
                     g.copy_(saved)
-            self.outer.load_state_dict(self._pending["outer"])
+            copy.outer.load_state_dict(self._pending["outer"])
             self._pending = None
 
+    def _make_outer(self, tensors: list[torch.Tensor]) -> torch.optim.Optimizer:
+        if self._outer_factory is not None:
+            return self._outer_factory(tensors)
+        return torch.optim.SGD(tensors, lr=self.outer_lr, momentum=self.outer_momentum,
+                               nesterov=self.outer_momentum > 0)
+
+    @property
+    def outer(self) -> torch.optim.Optimizer:
+        """The outer optimizer (over θ_g), from ``attach``."""
+        return self.global_copy.outer
+
     def _merge(self, params, weight):
+        copy = self.global_copy
         with torch.no_grad():
-            for d, g, p in zip(self._delta, self._global, params):
-                d.copy_(p)              # to the outer device
-                torch.sub(g, d, out=d)  # Δ_r = θ_g - θ_r
-            for s, b in zip(self._stage, self._buffers):
+            copy.pseudo_gradient(params)
+            for s, b in zip(copy.stage, self.buffers):
                 s.copy_(b)
-            tensors = [*self._delta, *self._stage]
-            self.sync.average_([*tensors, *self._ballot(tensors)], weight=weight)
-            for g, d in zip(self._global, self._delta):
-                g.grad = d
-            self.outer.step()
-            for g in self._global:
-                g.grad = None
-            distance = norm(p - g.to(p.device) for p, g in zip(params, self._global))
-            post_norm = norm(self._global)
-            for p, g in zip(params, self._global):
+            tensors = [*copy.delta, *copy.stage]
+            self.sync.average_([*tensors, *self.riding(tensors)], weight=weight)
+            copy.step()
+            distance = norm(p - g.to(p.device) for p, g in zip(params, copy.params))
+            post_norm = norm(copy.params)
+            for p, g in zip(params, copy.params):
                 p.copy_(g)
-            for b, s in zip(self._buffers, self._stage):
+            for b, s in zip(self.buffers, copy.stage):
                 b.copy_(s)
         return distance, post_norm
 
     def state_dict(self) -> dict:
         return {**super().state_dict(),
-                "global": [g.detach().to("cpu").clone() for g in self._global],
+                "global": [g.detach().to("cpu").clone() for g in self.global_copy.params],
                 "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

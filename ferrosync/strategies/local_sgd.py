@@ -39,14 +39,14 @@ class LocalSGD(PeriodicStrategy):
                 hint="use --strategy diloco --outer-lr 1 --outer-momentum 0 (local SGD "
                 "on pseudo-gradients, which topk sends), or wire_dtype='int8'")
         super().attach(model, optimizer, sync)
-        self._stage = [t.detach().clone() for t in (*model.parameters(), *self._buffers)]
+        self._stage = [t.detach().clone() for t in (*model.parameters(), *self.buffers)]
 
     def _merge(self, params, weight):
-        local = [*params, *self._buffers]
+        local = [*params, *self.buffers]
         with torch.no_grad():
             for s, t in zip(self._stage, local):
                 s.copy_(t)
-            self.sync.average_([*self._stage, *self._ballot(self._stage)], weight=weight)
+            self.sync.average_([*self._stage, *self.riding(self._stage)], weight=weight)
             merged = self._stage[: len(params)]
             distance = norm(p - m for p, m in zip(params, merged))
             post_norm = norm(merged)

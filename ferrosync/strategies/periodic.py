@@ -111,7 +111,8 @@ class PeriodicStrategy(Strategy):
         self._budget: int | None = None         # time-based with begin(): global batches
         self._quota: int | None = None          # time-based: batches left in this window
         self._deadline = 0.0
-        self._buffers: list[torch.Tensor] = []       # floating-point: merged
+        #: the model's floating-point buffers (running statistics): merged at every sync
+        self.buffers: list[torch.Tensor] = []
         self._int_buffers: list[torch.Tensor] = []   # integer: never merged
 
     @property
@@ -130,18 +131,17 @@ class PeriodicStrategy(Strategy):
                 f"sync timeout ({sync.timeout:g} s): a rank that reaches a sync early "
                 "waits up to a whole window there", rank=sync.rank,
                 hint="raise --timeout to more than twice the window, or sync more often")
-        if sync.elastic:
+        if self.membership is not None:  # the members change (membership_changed)
             if not self.lockstep:
                 raise ConfigError("sync_every_seconds needs a fixed membership: an elastic "
                                   "job merges every sync_every steps", rank=sync.rank,
                                   hint="use sync_every H")
-            self._masses = None  # per-rank totals mean nothing when the ranks change
         elif self._masses is None:
             self._masses = [0] * sync.world_size
         if self._masses is not None and len(self._masses) != sync.world_size:
             raise ConfigError(f"the strategy state is for {len(self._masses)} ranks, this "
                               f"run has {sync.world_size}", rank=sync.rank)
-        self._buffers = float_buffers(model)
+        self.buffers = float_buffers(model)
         self._int_buffers = [b.detach() for b in model.buffers() if not b.is_floating_point()]
         self._deadline = self._next_deadline()
 
@@ -180,7 +180,7 @@ class PeriodicStrategy(Strategy):
         if self._steps_left is not None and self._steps_left <= 0:
             return True  # the last step: merge the remainder window
         if self.lockstep:
-            return self._window >= self.sync_every
+            return self._window >= self._period()
         if self._quota is not None and self._window >= self._quota:
             return True
         return time.monotonic() >= self._deadline
@@ -196,9 +196,9 @@ class PeriodicStrategy(Strategy):
         sync's telemetry (see ``TELEMETRY_KEYS``).
         """
         done = done or (self._steps_left is not None and self._steps_left <= 0)
-        if self.sync.elastic:
-            return self._merge_elastic(model, done)
-        with self._measured({"synced": True}) as telemetry:
+        if self.membership is not None:
+            return self._merge_own_window(model, done)
+        with self.measured({"synced": True}) as telemetry:
             record = torch.tensor(self._record(done), dtype=torch.float64)
             gathered = ([record] * self.sync.world_size if self._records_known()
                         else self.sync.all_gather(record))
@@ -211,7 +211,7 @@ class PeriodicStrategy(Strategy):
                 telemetry.update(divergence=0.0, pre_norm=None, post_norm=None)
             else:
                 self._merge_measured(model, weights[self.sync.rank], telemetry)
-        self._syncs += 1
+        self.syncs += 1
         self._window = 0
         self._masses = [a + m for a, m in zip(self._masses, masses)]
         self._global_batches += sum(masses)
@@ -231,15 +231,16 @@ class PeriodicStrategy(Strategy):
         for numbers every rank has."""
         return self.lockstep and self._steps_left is not None
 
-    def _merge_elastic(self, model, done: bool) -> dict:
-        """An elastic job's sync: the merge alone, never a gather (a membership change
-        between two collectives would split one sync; every member trains every step
-        of the round, so its weight is its own window's)."""
-        with self._measured({"synced": True, "skipped": False}) as telemetry:
+    def _merge_own_window(self, model, done: bool) -> dict:
+        """A sync while the members change (an elastic job's): the merge alone, never a
+        gather (a membership change between two collectives would split one sync;
+        every member trains every step of the round, so its weight is its own
+        window's)."""
+        with self.measured({"synced": True, "skipped": False}) as telemetry:
             weight = float(self._window) ** self.gamma if self._window > 0 else 0.0
-            self._merge_measured(model, weight, telemetry)  # the ballot rides along
-            self._count()
-        self._syncs += 1
+            self._merge_measured(model, weight, telemetry)
+            self.arrived()  # the riders rode in the merge
+        self.syncs += 1
         self._window = 0
         self._all_done = done
         self._last = dict(telemetry)
@@ -263,7 +264,16 @@ class PeriodicStrategy(Strategy):
             # ranks that took different numbers of steps end with rank 0's
             self.sync.broadcast_(self._int_buffers, src=0)
 
+    def membership_changed(self, change) -> None:
+        super().membership_changed(change)
+        self._masses = None  # per-rank totals mean nothing when the ranks change
+
     # -- merging (subclasses) -------------------------------------------------------
+    def _period(self) -> int:
+        """Lockstep: the batches that close the current window (``sync_every``; a
+        subclass may stagger its syncs inside it)."""
+        return self.sync_every
+
     def _after_inner_step(self) -> None:
         """Called by ``step`` after the optimizer step and the window count, before
         the cadence check: a subclass with work in flight (an overlapped exchange)
@@ -284,7 +294,8 @@ class PeriodicStrategy(Strategy):
 
     def _merge(self, params: list[torch.Tensor], weight: float) -> tuple[float, float]:
         """Collective: average this rank's contribution with weight ``weight`` and
-        apply the result to ``params`` and ``self._buffers``.
+        apply the result to ``params`` and ``self.buffers``; ``riding``'s tensors ride
+        in that average.
 
         Returns ``(||pre - post||, ||post||)`` over the parameters, where pre is
         this rank's parameters before the merge.
@@ -315,7 +326,7 @@ class PeriodicStrategy(Strategy):
             "window": self._window,
             "masses": list(self._masses or []),
             "global_batches": self._global_batches,
-            "syncs": self._syncs,
+            "syncs": self.syncs,
             "skipped": self._skipped,
             "divergence_sum": self._div_sum,
         }
@@ -329,7 +340,7 @@ class PeriodicStrategy(Strategy):
         self._window = int(state["window"])
         self._masses = [int(m) for m in state["masses"]] or None
         self._global_batches = int(state["global_batches"])
-        self._syncs = int(state["syncs"])
+        self.syncs = int(state["syncs"])
         self._skipped = int(state["skipped"])
         self._div_sum = float(state["divergence_sum"])
 
@@ -341,7 +352,7 @@ class PeriodicStrategy(Strategy):
                 "masses": list(self._masses or []), "last": dict(self._last)}
 
     def summary(self) -> dict:
-        merged = self._syncs - self._skipped
+        merged = self.syncs - self._skipped
         return {
             **super().summary(),
             "sync_every": self.sync_every,

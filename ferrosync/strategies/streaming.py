@@ -161,9 +161,9 @@ class StreamingDiLoCo(DiLoCo):
         """What fragment ``f``'s exchange averages (the same tensor objects every time,
         so a lossy codec's per-stream state stays with its fragment): its Δ slice, and
         the buffers' staging copies for the last fragment."""
-        part = self._parts[f]
-        tensors = self._delta[part.start:part.stop]
-        return [*tensors, *self._stage] if f == self.fragments - 1 else tensors
+        copy = self.global_copy
+        tensors = copy.delta[self._parts[f]]
+        return [*tensors, *copy.stage] if f == self.fragments - 1 else tensors
 
     # -- the schedule (every decision from gathered numbers or step counts) ----------
     def _after_inner_step(self) -> None:
@@ -174,10 +174,10 @@ class StreamingDiLoCo(DiLoCo):
             if self._inflight["left"] <= 0:
                 self._landed = self._land()
 
-    def _due(self) -> bool:
-        if self._steps_left is not None and self._steps_left <= 0:
-            return True  # the last step: the final merge of every fragment
-        return self._window >= self._gaps[self._next]
+    def _period(self) -> int:
+        # the steps from the previous fragment's sync to the next one's (the last step
+        # of a run merges every fragment: PeriodicStrategy._due)
+        return self._gaps[self._next]
 
     def _record(self, done: bool) -> list[float]:
         return [*super()._record(done), *(float(w) for w in self._frag_window)]
@@ -239,9 +239,9 @@ class StreamingDiLoCo(DiLoCo):
                     for f in fragments:
                         distance, _ = self._apply(f, replace=self._final)
                         squares += distance ** 2
-                        post.extend(self._global[self._parts[f]])
+                        post.extend(self.global_copy.params[self._parts[f]])
                 if self._final:  # every rank ends on θ_g, whatever alpha kept before
-                    for p, g in zip(self._params, self._global):
+                    for p, g in zip(self._params, self.global_copy.params):
                         p.copy_(g)
                 return squares ** 0.5, norm(post)
             ([f], w), = self._plan_now
@@ -249,7 +249,7 @@ class StreamingDiLoCo(DiLoCo):
             self._start([f], w, async_op=True)
             # measured now (the merge lands later): how far this rank drifted from the
             # fragment's global copy, relative to that copy
-            glob = self._global[part.start:part.stop]
+            glob = self.global_copy.params[part]
             return (norm(g.to(p.device) - p for g, p in zip(glob, params[part])),
                     norm(glob))
 
@@ -257,13 +257,11 @@ class StreamingDiLoCo(DiLoCo):
         """Collective: Δ of ``fragments`` (and the buffers with the last fragment)
         averaged with this rank's ``weight``; in the background with ``async_op`` (one
         fragment; lands in ``overlap_steps`` steps), else in place before returning."""
+        copy = self.global_copy
         for f in fragments:
-            part = self._parts[f]
-            for d, g, p in zip(self._delta[part], self._global[part], self._params[part]):
-                d.copy_(p)              # to the outer device
-                torch.sub(g, d, out=d)  # Δ_r = θ_g - θ_r
+            copy.pseudo_gradient(self._params, self._parts[f])
         if self.fragments - 1 in fragments:
-            for s, b in zip(self._stage, self._buffers):
+            for s, b in zip(copy.stage, self.buffers):
                 s.copy_(b)
         tensors = [t for f in fragments for t in self._tensors(f)]
         handle = self.sync.average_(tensors, weight=weight, async_op=async_op)
@@ -283,7 +281,7 @@ class StreamingDiLoCo(DiLoCo):
         with torch.no_grad():
             self._apply(flight["fragment"], replace=False)
         moved = self._moved() - flight["mark"] if "mark" in flight else 0
-        self._sync_bytes += moved
+        self.count_bytes(moved)
         self._exchanges.append({"fragment": flight["fragment"], "started": flight["started"],
                                 "landed": self._t, "ready": ready})
         return {"sync_s": time.perf_counter() - start, "sync_bytes": moved}
@@ -293,13 +291,9 @@ class StreamingDiLoCo(DiLoCo):
         then the local fragment := α·local + (1 - α)·global (just the global copy when
         α = 0 or ``replace``) and the buffers := their average. Returns ``(||pre -
         post||, ||post||)`` over the fragment."""
-        part = self._parts[f]
-        glob, params = self._global[part], self._params[part]
-        for g, d in zip(glob, self._delta[part]):
-            g.grad = d
-        self.outer.step()  # only tensors with a grad move: this fragment's
-        for g in glob:
-            g.grad = None
+        part, copy = self._parts[f], self.global_copy
+        glob, params = copy.params[part], self._params[part]
+        copy.step(part)  # only tensors with a grad move: this fragment's
         distance = norm(p - g.to(p.device) for p, g in zip(params, glob))
         for p, g in zip(params, glob):
             if self.alpha == 0 or replace:
@@ -307,7 +301,7 @@ class StreamingDiLoCo(DiLoCo):
             else:
                 p.mul_(self.alpha).add_(g.to(p.device), alpha=1 - self.alpha)
         if f == self.fragments - 1:
-            for b, s in zip(self._buffers, self._stage):
+            for b, s in zip(self.buffers, copy.stage):
                 b.copy_(s)
         return distance, norm(glob)
 
@@ -319,7 +313,7 @@ class StreamingDiLoCo(DiLoCo):
         if self._inflight is not None:
             self._land()
         with torch.no_grad():
-            for p, g in zip(self._params, self._global):
+            for p, g in zip(self._params, self.global_copy.params):
                 p.copy_(g)
 
     def _moved(self) -> int:

@@ -30,8 +30,8 @@ leave whenever they do. What keeps them one model:
   model in one round: a broadcast, an exact copy whatever the ``wire_dtype``.
 * **Leaving.** A member asked to leave (``request_leave``: SIGTERM on the command
   line) votes in its next round: the strategy's collective carries one float64
-  ballot element per member (``Strategy._ballot``), so after that round every
-  member knows how many of it leave. The voters leave there (``fit`` raises
+  ballot element per member (``LeaveBallot``, carried by ``Strategy.carry``), so after
+  that round every member knows how many of it leave. The voters leave there (``fit`` raises
   ``MemberLeft``; closing the sync tells the others), and rank 0 publishes the
   state after any round with a voter, so members asked at about the same time
   never strand the publisher in a round that cannot complete.
@@ -56,6 +56,7 @@ import types
 import torch
 
 from ferrosync.core.stats import PHASES
+from ferrosync.elastic.ballot import LeaveBallot
 from ferrosync.errors import ConfigError, PeerFailed, RejoinNeeded, SyncTimeout
 from ferrosync.strategies import DiLoCo, GradAveraging, LocalSGD
 from ferrosync.train.batching import batch_of
@@ -191,6 +192,9 @@ class ElasticTrainer(Trainer):
         self.joined_at: int | None = None
         self._phase = TRAINING
         self._leave_asked = self._stalled = False
+        #: this member's vote to leave, riding in the strategy's syncs
+        self.ballot = LeaveBallot()
+        self.strategy.carry(self.ballot)
         self._resumed: str | None = None  # the digest the first line after joining carries
         self._published = [0, 0.0]  # states this member published, and their seconds
 
@@ -351,7 +355,7 @@ class ElasticTrainer(Trainer):
         finish (``fit`` is joining or not running, or the job waits below
         ``min_ranks`` because others left, with the state published): leave at once
         then. Safe to call from a signal handler."""
-        self._leave_asked = self.strategy.vote = True
+        self._leave_asked = self.ballot.vote = True
         log = getattr(self, "_log", None)  # open from the first step to the summary
         return log is not None and log.open and not self._stalled
 
@@ -371,7 +375,7 @@ class ElasticTrainer(Trainer):
             return self._report_ended(self._ended_summary(sync.url))
         self._resumed = param_digest(self.model).hex() if self.metrics_digest else None
         self.rank, self.world_size = sync.rank, sync.world_size
-        self._attach(sync)  # elastic: the strategy broadcasts nothing
+        self.attach_strategy(sync)  # members change: the strategy broadcasts nothing
         self.publishing.done(self.step, time.monotonic())
         if founding:
             # after attach: a strategy's state (DiLoCo's global copy and outer
@@ -404,9 +408,9 @@ class ElasticTrainer(Trainer):
         leaves or a publish is due (``_publish``). Publishes are counted in ``_end``."""
         if not record["synced"]:
             return None
-        voters = self.strategy.voters  # the same on every member of the round
+        voters = self.ballot.voters  # the same on every member of the round
         self._stalled = voters > 0 and sync.world_size - voters < self.min_ranks
-        leaving = (self.strategy.voted or (self._leave_asked and self._stalled)) and (
+        leaving = (self.ballot.voted or (self._leave_asked and self._stalled)) and (
             self.step < self.total_steps)
         published = self._publish(sync, TRAINING, now=voters > 0 or leaving)
         if leaving:

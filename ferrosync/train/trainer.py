@@ -360,12 +360,14 @@ class Trainer:
         mine = torch.frombuffer(bytearray(self.data_fingerprint), dtype=torch.uint8)
         check_same_data([bytes(t.tolist()) for t in sync.all_gather(mine)], rank=sync.rank,
                         path=sync.url)
-        self._attach(sync)
+        self.attach_strategy(sync)
         self._stream = self._batches()
         self._saved_at = self.strategy.progress(self.step)  # the last checkpoint's progress
         return None
 
-    def _attach(self, sync) -> None:
+    def attach_strategy(self, sync) -> None:
+        """Every rank, before the first step: the strategy attached to ``sync`` and told
+        the run's length (a hook's step, ``ElasticTrainer`` calls it too)."""
         self.strategy.attach(self.model, self.optimizer, sync)
         self.strategy.begin(self.total_steps, self.step)
 

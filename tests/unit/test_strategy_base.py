@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fakes import FakeSync, PlainSGD
+from ferrosync.elastic.ballot import LeaveBallot
 from ferrosync.strategies.base import GradAveraging, Strategy, float_buffers, norm
 
 
@@ -119,28 +120,29 @@ def test_an_elastic_members_vote_rides_with_the_gradients_and_is_counted():
                 for v in (vote, 1.0, 0.0)]
 
     sync = FakeSync(elastic=True, world_size=4, peer_parts=peers)
-    strategy, optimizer = GradAveraging(), PlainSGD(params, lr=0.1)
+    strategy, optimizer, ballot = GradAveraging(), PlainSGD(params, lr=0.1), LeaveBallot()
+    strategy.carry(ballot)
     strategy.attach(model, optimizer, sync)
     assert sync.calls == []  # elastic members agree on their start through the store
-    strategy.vote = True
+    ballot.vote = True
     _grads(model, 1.0)
     strategy.step(model, optimizer)
-    assert strategy.voted and strategy.voters == 3  # this member, and two of the others
-    holder = strategy._ballot_holder
-    strategy.vote = False
+    assert ballot.voted and ballot.voters == 3  # this member, and two of the others
+    (holder,) = strategy._held
+    ballot.vote = False
     _grads(model, 1.0)
     strategy.step(model, optimizer)
-    assert not strategy.voted and strategy.voters == 1
-    assert strategy._ballot_holder is holder  # a stable list: a codec's state is per list
+    assert not ballot.voted and ballot.voters == 1
+    assert strategy._held == [holder]  # a stable list: a codec's state is per list
 
 
 def test_a_fixed_size_job_casts_no_ballot():
-    strategy = Strategy()
+    strategy, ballot = Strategy(), LeaveBallot()
     strategy.sync = FakeSync()
-    strategy.vote = True
-    assert strategy._ballot([torch.zeros(2)]) == []
-    strategy._count()
-    assert strategy.voters == 0
+    ballot.vote = True  # a fixed-size job's trainer carries no ballot
+    assert strategy.riding([torch.zeros(2)]) == []
+    strategy.arrived()
+    assert ballot.voters == 0
 
 
 def test_norm_is_one_vector_accumulated_in_float64():
