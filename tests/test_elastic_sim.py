@@ -92,6 +92,23 @@ def test_a_planted_fault_in_the_liveness_rule_is_caught(monkeypatch):
     assert "member_error:SyncTimeout" in result["violations"], result["details"]
 
 
+def test_a_planted_fault_in_the_membership_event_is_caught(monkeypatch):
+    """The membership event (``ElasticSync.on_membership``) tells every member its
+    members after each round that changed them; an event that never comes (the
+    planted fault) is caught under churn by the event invariants."""
+    from ferrosync.elastic import events
+
+    def first_only(self, round, rank, members):  # the planted fault: no event after
+        self._members = members                  # the subscription's first one
+
+    churn = parse_churn("joins=600,leaves=300,kills=300")
+    clean = World(8, 4, 3, churn=churn, member_options={"heartbeat_interval": 5.0}).run()
+    assert clean["violations"] == [] and clean["joined"] > 8, clean["details"]
+    monkeypatch.setattr(events.Subscribers, "adopt", first_only)
+    result = World(8, 4, 3, churn=churn, member_options={"heartbeat_interval": 5.0}).run()
+    assert "stale_membership_event" in result["violations"], result["details"]
+
+
 def test_bad_churn_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         elastic_sim.main(["--members", "2", "--rounds", "1", "--seed", "0",

@@ -91,6 +91,7 @@ class Member:
         self.back_at = float("inf")  # when a paused member runs again
         self.slow = 1.0  # a straggler's compute factor for its next round
         self.done = False
+        self.heard: list = []  # the membership events of its sync (on_membership)
 
     def main(self) -> None:
         """Connect; a newcomer whose state's publisher died connects again, as
@@ -222,6 +223,7 @@ class World:
                           f"s, {wall() - self.wall_began:.1f} s wall, {sync.world_size} members")
         self.ends[round_] = self.sched.now
         contributors = self._saw(round_, sync)
+        self._check_events(member, sync)
         if self.models.setdefault(round_, model.numpy().tobytes()) != model.numpy().tobytes():
             self.violate("divergent_model", str(round_))
         # the reference: the mean of the contributors' draws, summed in float64 (every
@@ -243,8 +245,24 @@ class World:
             self.violate("split_roster", str(round_))
         return view[0]
 
+    def _check_events(self, member: Member, sync) -> None:
+        """The membership events a member heard tell its sync's members after every
+        round, one event per change, each naming who joined and who left."""
+        heard = member.heard
+        last = heard[-1] if heard else None
+        if last is None or (last.rank, last.world_size, last.members) != (
+                sync.rank, sync.world_size, tuple(sync.membership)):
+            self.violate("stale_membership_event", f"{sync.member_id} round {sync.round}")
+        if len(heard) >= 2:
+            before, after = set(heard[-2].members), set(last.members)
+            if (before == after or set(last.joined) != after - before
+                    or set(last.left) != before - after):
+                self.violate("wrong_membership_event", f"{sync.member_id} round {last.round}")
+
     def admitted(self, member: Member, sync) -> None:
         self.sched.note("admitted", member.proc.name, sync.member_id, sync.round)
+        member.heard = []
+        sync.on_membership(member.heard.append)
         self._saw(sync.round, sync)
         if sync.founding:
             return  # founding or refounding: no roster to be admitted by
