@@ -94,7 +94,6 @@ def test_no_module_uses_another_modules_private_names():
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: membership event")
 def test_strategies_do_not_branch_on_elastic_membership():
     """Membership changes reach a strategy as the elastic layer's event, never as a test
     of ``sync.elastic`` (or any name with ``elastic`` in it) inside the strategy."""
