@@ -39,14 +39,19 @@ membership, the collectives, state), ``job.py`` (the job record and admission),
 ``exchange.py`` (one member's side of a round: its contribution, the agreement,
 verified reads), ``rounds.py`` (agreeing on a roster), ``membership.py`` (heartbeats,
 liveness, rosters, the join queue), ``plan.py`` and ``tree.py`` (the tree reduce's plan
-and one tree round), ``state.py`` (state for newcomers). Every object and record goes
+and one tree round), ``state.py`` (state for newcomers), ``events.py`` (the membership
+event, ``on_membership``), ``ballot.py`` (a member's vote to leave, carried by its
+strategy). Every object and record goes
 through the storage transport's object layer (``storage/objects.py``).
 """
 
 from __future__ import annotations
 
+from ferrosync.elastic.ballot import LeaveBallot
+from ferrosync.elastic.events import MembershipChange
 from ferrosync.elastic.state import PublishedState
 from ferrosync.elastic.sync import ElasticSync, peek_state
 from ferrosync.storage.options import ElasticOptions
 
-__all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "peek_state"]
+__all__ = ["ElasticSync", "ElasticOptions", "MembershipChange", "LeaveBallot",
+           "PublishedState", "peek_state"]
