@@ -195,6 +195,7 @@ class ElasticTrainer(Trainer):
         #: this member's vote to leave, riding in the strategy's syncs
         self.ballot = LeaveBallot()
         self.strategy.carry(self.ballot)
+        self._members = None  # the sync's latest MembershipChange (on_membership)
         self._resumed: str | None = None  # the digest the first line after joining carries
         self._published = [0, 0.0]  # states this member published, and their seconds
 
@@ -366,6 +367,7 @@ class ElasticTrainer(Trainer):
         publishes at once: the state of the new roster, with the strategy's)."""
         if not getattr(sync, "elastic", False):
             raise ConfigError("ElasticTrainer.fit needs connect(..., elastic=True)")
+        sync.on_membership(self._members_changed)
         # training randomness (dropout, augmentation) differs per member
         seed_streams(derived_seed(self.seed, sync.member_id))
         founding = sync.founding  # before the bootstrap's round changes it
@@ -374,7 +376,7 @@ class ElasticTrainer(Trainer):
         if self._phase == SUMMARISED:  # the job had ended before this member came
             return self._report_ended(self._ended_summary(sync.url))
         self._resumed = param_digest(self.model).hex() if self.metrics_digest else None
-        self.rank, self.world_size = sync.rank, sync.world_size
+        self._follow_members()
         self.attach_strategy(sync)  # members change: the strategy broadcasts nothing
         self.publishing.done(self.step, time.monotonic())
         if founding:
@@ -383,12 +385,21 @@ class ElasticTrainer(Trainer):
             self._publish(sync, TRAINING, now=True)
         return None
 
+    def _members_changed(self, change) -> None:
+        # the elastic layer's event (inside a collective): taken up by _follow_members,
+        # so a step's shards and metrics line keep the members it started with
+        self._members = change
+
+    def _follow_members(self) -> None:
+        """``rank``/``world_size`` := the members after the latest collective."""
+        self.rank, self.world_size = self._members.rank, self._members.world_size
+
     def _keep_going(self) -> bool:
         return self._phase == TRAINING and super()._keep_going()
 
     def _next_batch(self, sync):
         """This member's slice of the job's next global batch, for the current roster."""
-        self.rank, self.world_size = sync.rank, sync.world_size  # this step's shards
+        self._follow_members()  # this step's shards
         batch = self.data.take(self.rank, self.world_size)
         self.epoch = self.data.epoch  # the step's epoch, also for a newcomer's first line
         return batch
@@ -448,7 +459,7 @@ class ElasticTrainer(Trainer):
                                  self.storage_prices_given, sync.url), job_wall_s=job_wall)
         self._publish(sync, SUMMARISED)
         sync.end_job()  # later comers report instead of waiting for a round
-        self.rank, self.world_size = sync.rank, sync.world_size
+        self._follow_members()
         summary.update(epochs=self.data.epoch + self.data.position / self.data.n,
                        membership_changes=sync.membership_changes, members=sync.world_size,
                        joined_at_step=self.joined_at, elastic=True,
