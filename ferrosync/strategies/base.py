@@ -188,7 +188,8 @@ class Strategy:
         """Carry ``rider`` in every sync's one collective from now on: its
         ``tensors(beside)`` are averaged with the strategy's own (``riding``), and its
         ``arrived(sync)`` runs once they are (``arrived``). An elastic member's vote to
-        leave rides so (``ferrosync.elastic.ballot.LeaveBallot``), at no extra round."""
+        leave rides so (``ferrosync.elastic.ballot.LeaveBallot``), at no extra round.
+        ``ConfigError`` from a strategy with no one collective per sync."""
         self.riders.append(rider)
 
     def riding(self, beside: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -137,6 +137,13 @@ class StreamingDiLoCo(DiLoCo):
                 f"overlap {self.overlap_steps}")
 
     # -- setup ----------------------------------------------------------------------
+    def carry(self, rider) -> None:
+        """Refused: a window's syncs are several overlapped exchanges, not one
+        collective a rider could count on (``Strategy.carry``)."""
+        raise ConfigError(f"--strategy {self.name} cannot carry {type(rider).__name__}: "
+                          "its fragments sync in several overlapped exchanges",
+                          hint="use --strategy diloco (one merge per sync)")
+
     def check_model(self, model, rank: int | None = None) -> None:
         tensors = sum(1 for _ in model.parameters())
         if tensors < self.fragments:

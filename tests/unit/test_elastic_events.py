@@ -12,8 +12,10 @@ import torch
 
 from fakes import FakeSync, PlainSGD
 from ferrosync.api import GradSync
+from ferrosync.elastic.ballot import LeaveBallot
 from ferrosync.elastic.events import MembershipChange, Subscribers
-from ferrosync.strategies import GradAveraging, LocalSGD
+from ferrosync.errors import ConfigError
+from ferrosync.strategies import GradAveraging, LocalSGD, StreamingDiLoCo
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +62,9 @@ def test_with_a_fixed_membership_a_strategy_hears_nothing_and_broadcasts_the_sta
     strategy, sync = GradAveraging(), FakeSync()
     strategy.attach(torch.nn.Linear(2, 1), None, sync)
     assert strategy.membership is None and sync.ops() == ["broadcast_"]
+
+
+def test_streaming_diloco_refuses_a_rider_it_could_not_carry():
+    with pytest.raises(ConfigError, match="cannot carry LeaveBallot: its fragments sync in "
+                                          "several overlapped exchanges"):
+        StreamingDiLoCo(sync_every=8, fragments=2).carry(LeaveBallot())
