@@ -209,7 +209,7 @@ class MemoryStorage(Storage):
         data = self.objects.get(key)
         if data is None:
             return None
-        self._check_size(key, len(data), max_bytes, rank)  # Storage's one size rule
+        self.check_size(key, len(data), max_bytes, rank)  # Storage's one size rule
         self.counters.add(read=len(data))
         return BytesReader(data)  # what an object store's GET gives
 

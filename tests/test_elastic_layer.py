@@ -22,7 +22,8 @@ import ferrosync
 from conftest import free_port
 from ferrosync.errors import ConfigError, LayoutMismatch, ShardCorrupt, StorageError
 from ferrosync.storage import names
-from ferrosync.storage.faults import ENV_FAULTS, _object_kind
+from ferrosync.storage.engines import ENV_FAULTS
+from ferrosync.testing.faults import _object_kind
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.5}
 TIMEOUT = 30.0

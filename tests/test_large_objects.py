@@ -177,7 +177,7 @@ def test_a_part_longer_than_its_manifest_says_is_refused(limited):
     try:
         storage.put("long", [data])
         (part,) = [k for k, _ in storage.list("") if k.endswith(".p0")]
-        storage.fs.pipe_file(storage._path(part), os.urandom(half + 1))
+        storage.fs.pipe_file(storage.fs_path(part), os.urandom(half + 1))
         with pytest.raises(ShardCorrupt, match="more than"):
             storage.read("long", max_bytes=len(data))
     finally:

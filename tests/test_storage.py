@@ -55,7 +55,7 @@ def test_exclusive_put_refuses_an_existing_name(tmp_path):
 @pytest.mark.unit
 @pytest.mark.parametrize("url", ["dir", "memory://"])
 def test_a_create_finding_its_own_bytes_is_ours(tmp_path, url):
-    """Storage._create, on every engine: an "exists" answer over exactly our bytes is our
+    """Storage.exclusive_create, on every engine: an "exists" answer over exactly our bytes is our
     own create that landed before (a lost reply, sent again); anything else is not."""
     st = open_storage(str(tmp_path) if url == "dir" else f"memory://own-{uuid.uuid4().hex}")
     st.put("claim", [b"member ", memoryview(b"a1b2")], exclusive=True)

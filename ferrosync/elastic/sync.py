@@ -30,7 +30,6 @@ from ferrosync.elastic.tree import TREE_FROM, TreeRound, Units, plan
 from ferrosync.errors import ConfigError, PeerFailed
 from ferrosync.storage import names
 from ferrosync.storage.engines import open_storage, probe_location
-from ferrosync.storage.faults import inject
 from ferrosync.storage.objects import Objects
 from ferrosync.storage.options import ElasticOptions
 from ferrosync.storage.wire import job_key, job_tag
@@ -93,11 +92,9 @@ class ElasticSync(GradSync):
         elastic simulator (``ferrosync/testing/sim``); a real member opens ``url`` and
         runs on the process's own time."""
         if storage is None:
-            # $FERROSYNC_FAULTS (tests and drills only): matched against the member's
-            # rank of the moment
-            storage = inject(open_storage(url, options.storage_options, timeout=timeout,
-                                            transfer=options.transfer()),
-                             lambda: self.rank)
+            # a member's rank changes: faults match its rank of the moment
+            storage = open_storage(url, options.storage_options, timeout=timeout,
+                                   transfer=options.transfer(), rank=lambda: self.rank)
         timing = options.timing(storage)
         super().__init__(url, identity, timeout, storage.counters)
         self._storage = storage

@@ -21,7 +21,7 @@ below) and for elastic jobs (``ferrosync/elastic``) alike:
 * **waiting**: ``wait_for`` polls one exact name with back-off, runs a look between
   polls (the peers' liveness: heartbeats and abort markers), and ends at a deadline.
 * **faults**: ``FERROSYNC_FAULTS`` wraps the storage every backend opens
-  (``faults.inject``), so injected faults reach whatever uses this layer.
+  (``open_storage``'s hook), so injected faults reach whatever uses this layer.
 
 ``GenerationObjects`` adds what one generation of a fixed-size job needs on top: the
 collective sequence and its deadline, reuse of consumed files (``Recycler``), the

@@ -43,7 +43,6 @@ from ferrosync.core.common import accumulate, divide_into, total_weight
 from ferrosync.errors import ShardCorrupt
 from ferrosync.storage import names
 from ferrosync.storage.engines import open_storage, probe_location
-from ferrosync.storage.faults import inject
 from ferrosync.storage.incoming import Expected, Part
 from ferrosync.storage.liveness import Heartbeat, PeerMonitor, publish_abort
 from ferrosync.storage.messages import Exchanges, Mailbox
@@ -70,10 +69,8 @@ class FileSync(Exchanges, GradSync):
         return StorageOptions.parse(options)
 
     def __init__(self, url: str, identity, timeout: float, options: StorageOptions) -> None:
-        # $FERROSYNC_FAULTS (tests and drills only) wraps the storage here
-        storage = inject(open_storage(url, options.storage_options, timeout=timeout,
-                                        transfer=options.transfer()),
-                         identity.rank)
+        storage = open_storage(url, options.storage_options, timeout=timeout,
+                               transfer=options.transfer(), rank=identity.rank)
         timing = options.timing(storage)
         super().__init__(url, identity, timeout, storage.counters, options.bucket_bytes)
         self._storage = storage

@@ -1,4 +1,4 @@
-"""``storage/faults.py`` in one process: which faults a rank loads from ``$FERROSYNC_FAULTS``,
+"""``testing/faults.py`` in one process: which faults a rank loads from ``$FERROSYNC_FAULTS``,
 and ``FaultyStorage`` over the in-memory store (tests/fakes.py) firing each non-fatal
 action at its phase, object kind and collective, and only as often as asked. The
 ``kill`` action is the multi-process suites' (tests/faults/)."""
@@ -6,13 +6,16 @@ action at its phase, object kind and collective, and only as often as asked. The
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from fakes import FakeClock, MemoryStorage
 from ferrosync.errors import ConfigError, StorageError
-from ferrosync.storage import faults, names
-from ferrosync.storage.faults import ENV_FAULTS, FaultyStorage, load_faults
+from ferrosync.storage import names
+from ferrosync.storage.engines import ENV_FAULTS, LocalStorage, open_storage
+from ferrosync.testing import faults
+from ferrosync.testing.faults import FaultyStorage, load_faults
 
 C3_R1 = f"g/{names.contribution(3, 1)}"
 C3_OUT = f"g/{names.result(3)}"
@@ -20,12 +23,29 @@ C3_OUT = f"g/{names.result(3)}"
 
 def loaded(monkeypatch, value, rank=1):
     monkeypatch.setenv(ENV_FAULTS, value if isinstance(value, str) else json.dumps(value))
-    return load_faults(rank)
+    return load_faults(rank, os.environ.get(ENV_FAULTS))
 
 
 def test_no_variable_no_faults(monkeypatch):
     monkeypatch.delenv(ENV_FAULTS, raising=False)
-    assert load_faults(0) == []
+    assert load_faults(0, os.environ.get(ENV_FAULTS)) == []
+
+
+def test_opening_a_ranks_storage_is_the_one_hook(monkeypatch, tmp_path):
+    """``open_storage`` wraps a rank's storage where ``$FERROSYNC_FAULTS`` names faults for
+    it (an elastic member's: any rank's, matched later); a tool's, a checkpoint's or
+    another rank's storage stays the engine's own."""
+    monkeypatch.delenv(ENV_FAULTS, raising=False)
+    assert type(open_storage(str(tmp_path), rank=1)) is LocalStorage
+    monkeypatch.setenv(ENV_FAULTS, json.dumps([{"rank": 1}]))
+    wrapped = open_storage(str(tmp_path), rank=1)
+    assert type(wrapped) is FaultyStorage and wrapped.url == str(tmp_path)
+    assert type(open_storage(str(tmp_path), rank=lambda: 0)) is FaultyStorage
+    assert type(open_storage(str(tmp_path), rank=0)) is LocalStorage
+    assert type(open_storage(str(tmp_path))) is LocalStorage
+    monkeypatch.setenv(ENV_FAULTS, "not json")
+    with pytest.raises(ConfigError, match="is not JSON"):
+        open_storage(str(tmp_path), rank=0)
 
 
 def test_a_rank_loads_its_own_faults_with_the_defaults(monkeypatch):

@@ -65,7 +65,7 @@ def test_each_part_and_get_is_a_counted_request(store):
     store.put("obj", [data])
     after_put = store.counters.snapshot()
     assert after_put["puts"] - before["puts"] == 6  # 5 parts and the manifest
-    manifest = store.fs.cat_file(store._path("obj"))
+    manifest = store.fs.cat_file(store.fs_path("obj"))
     assert after_put["bytes_written"] - before["bytes_written"] == len(data) + len(manifest)
     assert store.read("obj", max_bytes=None) == data
     after_read = store.counters.snapshot()
@@ -130,7 +130,7 @@ def test_bytes_that_look_like_a_manifest_are_stored_as_data(store):
     MAGIC + b"\xff\xff\xff\x7f",
 ])
 def test_a_planted_manifest_is_refused(store, raw):
-    store.fs.pipe_file(store._path("planted"), raw)
+    store.fs.pipe_file(store.fs_path("planted"), raw)
     with pytest.raises(ShardCorrupt):
         store.read("planted", max_bytes=None)
 
@@ -146,7 +146,7 @@ def test_a_manifest_names_only_its_own_parts():
 def test_a_missing_part_is_a_clear_error(store):
     store.put("holes", [os.urandom(3 * PART)])
     part = next(k for k in _keys(store) if k.endswith(".p1"))
-    store.fs.rm_file(store._path(part))
+    store.fs.rm_file(store.fs_path(part))
     with pytest.raises(Exception, match="vanished while it was read"):
         store.read("holes", max_bytes=None)
 
@@ -210,7 +210,7 @@ def test_gc_sees_live_parts_in_their_object_and_orphans_as_temps(store):
     gen = names.generation_dir(1, "0123456789abcdef")
     store.put(f"{gen}/c0.r0", [os.urandom(3 * PART)])
     orphan = f"{gen}/" + names.part("c0.r1", "fedcba9876543210", 0)
-    store.fs.pipe_file(store._path(orphan), b"x" * 10)
+    store.fs.pipe_file(store.fs_path(orphan), b"x" * 10)
     assert classify(orphan, 10).kind == "part"
     found = scan(store, JobKeys())
     generation = found.generations[gen]

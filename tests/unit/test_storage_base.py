@@ -68,7 +68,7 @@ def test_object_exists_opens_the_exact_name():
 
 
 class _Flaky(MemoryStorage):
-    """A store whose ``put`` goes through ``Storage._retry``, as the engines' do."""
+    """A store whose ``put`` goes through ``Storage.retry``, as the engines' do."""
 
     retries = 3
 
@@ -83,7 +83,7 @@ class _Flaky(MemoryStorage):
                 raise self.errors.pop(0)
             return super(_Flaky, self).put(key, parts, **kwargs)
 
-        return self._retry("put", key, attempt)
+        return self.retry("put", key, attempt)
 
     def _recover(self):
         self.recovered += 1

@@ -1,8 +1,8 @@
 """The storage interface every engine implements, and what all callers share.
 
 ``Storage`` (put / open / read / read_head / delete / park / makedirs / list, counted in
-``Counters``, transient failures retried by ``_retry``, an exclusive create whose reply
-was lost recognised as ours by ``_create``), ``Reader``, the size rule (``RECORD_LIMIT``,
+``Counters``, transient failures retried by ``retry``, an exclusive create whose reply
+was lost recognised as ours by ``exclusive_create``), ``Reader``, the size rule (``RECORD_LIMIT``,
 ``oversized``), key validation (``check_key``), ``Backoff`` for polling one exact name,
 ``object_exists`` and ``probe_location``, the one probe every caller runs before a job
 writes anything. The engines live beside it: ``local`` (directories), ``fsspec_store``
@@ -165,7 +165,7 @@ class Storage:
     #: seconds one call may spend retrying (``open_storage``'s timeout); None: no bound
     #: but ``retries``
     retry_s: float | None = None
-    #: where ``_retry`` reads time and sleeps (a ``runtime.Runtime``; None: the ``time``
+    #: where ``retry`` reads time and sleeps (a ``runtime.Runtime``; None: the ``time``
     #: module): the elastic simulator's storage runs on virtual time
     runtime = None
 
@@ -246,12 +246,6 @@ class Storage:
             n = reader.readinto(buf)
             return bytes(buf[:n])
 
-    def _check_size(self, key: str, size: int, max_bytes: int | None,
-                    rank: int | None) -> None:
-        """Refuse an object larger than the largest legal one of its kind."""
-        if max_bytes is not None and size > max_bytes:
-            raise oversized(self.path_of(key), size, max_bytes, rank)
-
     def delete(self, keys: Iterable[str]) -> None:
         raise NotImplementedError
 
@@ -276,8 +270,14 @@ class Storage:
     def close(self) -> None:
         pass
 
-    # -- shared helpers ------------------------------------------------------------
-    def _retry(self, what: str, key: str, fn, *args, **kwargs):
+    # -- what every engine shares (called by engines, not by the object layer) --------
+    def check_size(self, key: str, size: int, max_bytes: int | None,
+                   rank: int | None) -> None:
+        """Refuse an object larger than the largest legal one of its kind."""
+        if max_bytes is not None and size > max_bytes:
+            raise oversized(self.path_of(key), size, max_bytes, rank)
+
+    def retry(self, what: str, key: str, fn, *args, **kwargs):
         """Run ``fn``; retry the failures ``_retryable`` admits with bounded exponential
         back-off: at most ``retries`` times, and never past ``retry_s`` seconds from the
         first try (``open_storage``'s timeout), so a call fails within its deadline.
@@ -287,7 +287,7 @@ class Storage:
         and a hint so the caller can say what to do (a StorageError ``fn`` raised
         itself already says it). Every request ferrosync makes may be sent again: reads,
         lists and deletes are idempotent, a put rewrites the same bytes, and an exclusive
-        create that finds its own bytes is recognised as ours (``_create``).
+        create that finds its own bytes is recognised as ours (``exclusive_create``).
         """
         delay, clock = 0.05, self.runtime or time
         give_up = None if self.retry_s is None else clock.monotonic() + self.retry_s
@@ -307,12 +307,13 @@ class Storage:
         raise AssertionError("unreachable")
 
     def _retryable(self, exc: BaseException) -> bool:
-        """Whether ``_retry`` tries again after ``exc``: any transient failure
+        """Hook: whether ``retry`` tries again after ``exc``: any transient failure
         (``classify.is_transient``), unless the engine's client retried it already."""
         return is_transient(exc)
 
-    def _create(self, key: str, parts: Sequence, create) -> bool:
-        """Run ``create()``, the engine's create-if-absent of ``parts`` at ``key``. An
+    def exclusive_create(self, key: str, parts: Sequence, create) -> bool:
+        """Run ``create()``, the engine's create-if-absent of ``parts`` at ``key`` (its
+        ``put(exclusive=True)`` calls this; callers above the engines call that ``put``). An
         "exists" answer (FileExistsError) over exactly our bytes is our own create:
         whoever sent it again. The one home of own-write recognition, for every engine.
         Returns True where the create was recognised so (an earlier attempt landed).
@@ -320,7 +321,7 @@ class Storage:
         A create whose reply is lost lands all the same, and is then sent again, by the
         client library underneath (aiohttp resends an idempotent PUT once; botocore,
         gcsfs and azure retry a reset connection; NFS retransmits a LINK), or by
-        ``_retry``: the second attempt finds the object and answers 412, 409 or EEXIST,
+        ``retry``: the second attempt finds the object and answers 412, 409 or EEXIST,
         with nothing to say who made it. So on every "exists" the object is read back,
         bounded to ``len(parts) + 1`` bytes (one ranged GET: a larger object is not
         ours, and costs no more), and compared.
@@ -359,7 +360,7 @@ class Storage:
         return True
 
     def _raw_head(self, key: str, nbytes: int) -> bytes | None:
-        """The stored object's own first ``nbytes`` bytes, as ``_holds`` compares them
+        """Hook: the stored object's own first ``nbytes`` bytes, as ``_holds`` compares them
         (an engine that stores large objects as a manifest and parts: the manifest)."""
         return self.read_head(key, nbytes)
 
@@ -370,7 +371,7 @@ class Storage:
         has no request to bound: ignored."""
 
     def _recover(self) -> None:
-        """Before retrying a transient failure: drop state the failure may have made
+        """Hook: before retrying a transient failure: drop state the failure may have made
         stale (LocalStorage: directory handles of removed directories)."""
 
 

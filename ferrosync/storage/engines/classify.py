@@ -2,7 +2,7 @@
 again, and the ``StorageError`` (with a hint saying what to do) for one that failed.
 
 Judged by exception type, errno, S3 error code and HTTP status only, for every client
-under fsspec (botocore, aiohttp, azure, gcsfs); ``Storage._retry`` and the engines ask
+under fsspec (botocore, aiohttp, azure, gcsfs); ``Storage.retry`` and the engines ask
 here (``is_transient``; ``cut_short`` for a body cut mid-transfer, which no client
 retries under ``S3Storage``). Named ``classify`` so it never shadows ``ferrosync.errors``.
 """

@@ -106,6 +106,14 @@ def gcs_driver(cls, storage_options: dict):
     return cls
 
 
+def precondition_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is an HTTP 412 (PreconditionFailed) from a conditional write
+    (or the driver's own ``FileExistsError`` for it)."""
+    if s3_response(exc) is not None:
+        return http_status(exc) == 412 or s3_code(exc) == "PreconditionFailed"
+    return isinstance(exc, FileExistsError) or http_status(exc) == 412
+
+
 class FsspecStorage(Storage):
     """Any fsspec filesystem that is not local: s3://, gs://, memory://, ..."""
 
@@ -141,7 +149,9 @@ class FsspecStorage(Storage):
         #: objects written or read in parts here: key -> (write token, parts)
         self._manifests: dict[str, tuple[str, int]] = {}
 
-    def _path(self, key: str) -> str:
+    def fs_path(self, key: str) -> str:
+        """``key``'s path as the fsspec driver names it (no scheme): what this engine
+        and its subclasses hand ``self.fs``."""
         return f"{self.root}/{check_key(key)}" if key else self.root
 
     def set_transfer(self, *, max_request_bytes: int | None = None,
@@ -180,15 +190,15 @@ class FsspecStorage(Storage):
 
     def _put_one(self, key: str, data: bytes, exclusive: bool) -> None:
         """One PUT of ``data`` at ``key`` (a create only if absent with ``exclusive``)."""
-        path = self._path(key)
+        path = self.fs_path(key)
         if exclusive and self._conditional_put:
-            self._create(key, [data], lambda: self._retry(
+            self.exclusive_create(key, [data], lambda: self.retry(
                 "creating", key, self._create_if_absent, key, path, data))
         elif exclusive and self._no_create:
             raise ExclusiveCreateUnsupported(self._no_create, path=self.path_of(key),
                                              hint=EXCLUSIVE_CREATE_HINT)
         elif exclusive:
-            self._create(key, [data], lambda: self._write(key, path, data, "create"))
+            self.exclusive_create(key, [data], lambda: self._write(key, path, data, "create"))
         else:
             self._write(key, path, data, "overwrite")
         self.counters.add(puts=1, written=len(data))
@@ -232,7 +242,7 @@ class FsspecStorage(Storage):
     def _write_part(self, key: str, pieces: list) -> None:
         """One part's PUT. fsspec's drivers take ``bytes``: one part's copy (an engine
         whose client streams a file-like body overrides it)."""
-        self._write(key, self._path(key), body_of(pieces), "overwrite")
+        self._write(key, self.fs_path(key), body_of(pieces), "overwrite")
 
     @staticmethod
     def _part_key(key: str, token: str, index: int) -> str:
@@ -262,13 +272,13 @@ class FsspecStorage(Storage):
     def _write(self, key: str, path: str, data: bytes, mode: str) -> None:
         """``pipe_file`` in ``mode`` (retried), making the parent where a driver needs it."""
         try:
-            self._retry("writing", key, self._pipe, key, path, data, mode)
+            self.retry("writing", key, self._pipe, key, path, data, mode)
         except FileNotFoundError:
             # a driver with real directories and no auto-mkdir (sftp, a local
             # filesystem class): its parent is made on demand, then once more
             self._make_parent(key, path)
             try:
-                self._retry("writing", key, self._pipe, key, path, data, mode)
+                self.retry("writing", key, self._pipe, key, path, data, mode)
             except FileNotFoundError as exc:
                 raise StorageError(
                     f"cannot write: its directory does not exist ({exc})",
@@ -280,7 +290,7 @@ class FsspecStorage(Storage):
         if parent:
             self.counters.add(requests=1)
             try:
-                self._retry("creating the directory", key, self.fs.makedirs, parent,
+                self.retry("creating the directory", key, self.fs.makedirs, parent,
                             exist_ok=True)
             except FileExistsError:
                 pass  # made meanwhile by another rank (a driver that ignores exist_ok)
@@ -298,18 +308,10 @@ class FsspecStorage(Storage):
                     hint=EXCLUSIVE_CREATE_HINT) from None
             self.fs.pipe_file(path, data)
         except Exception as exc:  # any driver's error: only a 412 is translated, all re-raise
-            if mode == "create" and self._precondition_failed(exc):
+            if mode == "create" and precondition_failed(exc):
                 raise FileExistsError(errno.EEXIST, "the object exists already",
                                       self.path_of(key)) from exc
             raise
-
-    @staticmethod
-    def _precondition_failed(exc: BaseException) -> bool:
-        """Whether ``exc`` is an HTTP 412 (PreconditionFailed) from a conditional write
-        (or the driver's own ``FileExistsError`` for it)."""
-        if s3_response(exc) is not None:
-            return http_status(exc) == 412 or s3_code(exc) == "PreconditionFailed"
-        return isinstance(exc, FileExistsError) or http_status(exc) == 412
 
     def _create_if_absent(self, key: str, path: str, data: bytes) -> None:
         """Create ``path`` only if absent, in one conditional request (``FileExistsError``
@@ -337,7 +339,7 @@ class FsspecStorage(Storage):
         size = self._size_of(key)
         if size is None:  # removed since the GET
             return None
-        self._check_size(key, size, max_bytes, rank)
+        self.check_size(key, size, max_bytes, rank)
         if size <= len(data):
             return BytesReader(data)
         offsets = range(len(data), size, part)
@@ -349,7 +351,7 @@ class FsspecStorage(Storage):
     def _get(self, key: str, start: int, end: int | None) -> bytes:
         """One counted GET of ``key``'s bytes ``[start, end)`` (all from ``start``: None)."""
         self.counters.add(gets=1)
-        data = self._retry("reading", key, self._cat, self._path(key), end, start)
+        data = self.retry("reading", key, self._cat, self.fs_path(key), end, start)
         self.counters.add(read=len(data))
         return data
 
@@ -359,7 +361,7 @@ class FsspecStorage(Storage):
         ``view.nbytes + extra``; those past ``view`` are not kept). Retried whole: a
         retry fills ``view`` again from its start. This driver's reply is one ``bytes``
         (a part's copy, dropped here); an engine that streams a body overrides it."""
-        data = self._retry("reading", key, self._cat, self._path(key),
+        data = self.retry("reading", key, self._cat, self.fs_path(key),
                            start + view.nbytes + extra, start)
         n = min(len(data), view.nbytes)
         view[:n] = memoryview(data)[:n]
@@ -397,11 +399,11 @@ class FsspecStorage(Storage):
 
     def _size_of(self, key: str) -> int | None:
         """The object's size (one HEAD), None when it does not exist."""
-        path = self._path(key)
+        path = self.fs_path(key)
         self.counters.add(gets=1)
         self.fs.invalidate_cache(path)
         try:
-            info = self._retry("reading", key, self.fs.info, path)
+            info = self.retry("reading", key, self.fs.info, path)
         except FileNotFoundError:
             return None
         return int(info.get("size") or 0)
@@ -410,7 +412,7 @@ class FsspecStorage(Storage):
                     rank: int | None) -> Reader:
         """The reader of the object whose manifest starts with ``data``."""
         manifest = self._manifest(key, data, end, rank)
-        self._check_size(key, manifest.size, max_bytes, rank)
+        self.check_size(key, manifest.size, max_bytes, rank)
         self._remember(key, manifest.token, len(manifest.sizes))
         part_keys = [self._part_key(key, manifest.token, i) for i in range(len(manifest.sizes))]
         return PartsReader(manifest.sizes,
@@ -470,25 +472,25 @@ class FsspecStorage(Storage):
                 keys.extend(self._part_key(key, found[0], i) for i in range(found[1]))
         if not keys:
             return
-        paths = [self._path(k) for k in keys]
+        paths = [self.fs_path(k) for k in keys]
         self.counters.add(deletes=1 + len(paths) // 1000)  # one DeleteObjects per 1000
-        # errors name the key (``_retry`` makes the full URL of it), never the fs path
+        # errors name the key (``retry`` makes the full URL of it), never the fs path
         what = "deleting" if len(keys) == 1 else f"deleting {len(keys)} objects"
         try:
-            self._retry(what, keys[0], self.fs.rm, paths)
+            self.retry(what, keys[0], self.fs.rm, paths)
         except FileNotFoundError:
             for key, path in zip(keys, paths):  # some backends stop at the first missing one
                 try:
-                    self._retry("deleting", key, self.fs.rm_file, path)
+                    self.retry("deleting", key, self.fs.rm_file, path)
                 except FileNotFoundError:
                     pass
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
-        base = self._path(prefix)
+        base = self.fs_path(prefix)
         self.fs.invalidate_cache()
         self.counters.add(lists=1)  # at least one: a LIST page holds up to 1000 keys
         try:
-            found = self._retry("listing", prefix, self.fs.find, base, detail=True)
+            found = self.retry("listing", prefix, self.fs.find, base, detail=True)
         except FileNotFoundError:
             return []
         strip = len(self.root) + 1

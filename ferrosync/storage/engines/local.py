@@ -21,6 +21,15 @@ from ferrosync.errors import ConfigError, StorageError
 from ferrosync.storage import names
 from ferrosync.storage.engines.base import Counters, Reader, Storage, check_key
 from ferrosync.storage.engines.classify import is_transient, storage_error
+from ferrosync.storage.engines.dirfd import (
+    CREATE_FLAGS,
+    DIR_FLAGS,
+    LIST_FLAGS,
+    READ_FLAGS,
+    REUSE_FLAGS,
+    ROOT_FLAGS,
+    DirHandle,
+)
 from ferrosync.storage.engines.mounts import is_local_filesystem
 
 # File and directory modes: owner and group only, never world-accessible (the
@@ -87,55 +96,8 @@ class _FdReader(Reader):
 #: buffer instead
 _MAX_READ = 0x7FFFF000
 
-# How LocalStorage opens names below its root (see "The directory is untrusted input").
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-#: a directory handle used only as ``dir_fd``: O_PATH (Linux) needs search permission
-#: only, as the path lookups it replaces did, not read permission
-_HANDLE = getattr(os, "O_PATH", os.O_RDONLY)
-#: the root itself: links on the user's path to it are followed
-_ROOT_FLAGS = _HANDLE | _O_DIRECTORY | _CLOEXEC
-#: a directory below the root: a link there is refused (ENOTDIR)
-_DIR_FLAGS = _HANDLE | _O_DIRECTORY | _NOFOLLOW | _CLOEXEC
-#: a directory to list (scandir reads it), below or at the root: no link either
-_LIST_FLAGS = os.O_RDONLY | _O_DIRECTORY | _NOFOLLOW | _CLOEXEC
-#: an object to read: no link, and no waiting in open() for a FIFO's writer; fstat
-#: then refuses whatever is not a regular file
-_READ_FLAGS = os.O_RDONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
-#: a temporary file: created now, so never an existing name or a link's target
-_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
-#: a parked spare to rewrite, and the gc lock: checked with fstat once open
-_REUSE_FLAGS = os.O_WRONLY | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
 #: how often (s) a miss checks whether a cached directory was removed meanwhile
 _GONE_CHECK_PERIOD = 1.0
-
-
-class _Dir:
-    """An open directory below (or at) the root.
-
-    The descriptor closes when the last user lets go of this object, so a handle one
-    thread drops from the cache is never closed (and its number reused for another
-    file) under an operation another thread is running with it.
-    """
-
-    __slots__ = ("fd",)
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def gone(self) -> bool:
-        """True once the directory was removed (or its NFS handle went stale)."""
-        try:
-            return os.fstat(self.fd).st_nlink == 0
-        except OSError:
-            return True
-
-    def __del__(self) -> None:
-        try:
-            os.close(self.fd)
-        except Exception:  # noqa: BLE001 - at interpreter exit even ``os`` may be gone
-            pass
 
 
 class LocalStorage(Storage):
@@ -145,6 +107,8 @@ class LocalStorage(Storage):
     (``dir_fd``), opened once without following links and then kept: a link planted
     in place of ``rdzv`` or a generation directory is refused, and the data path
     makes no more system calls than plain paths would (fewer lookups, in fact).
+    ``dir_handle``, ``forget_removed``, ``open_regular`` and ``entries`` are public for
+    the operator tools' directory work (``local_tools``), which shares these handles.
     """
 
     poll_initial = 20e-6
@@ -157,7 +121,7 @@ class LocalStorage(Storage):
         super().__init__(root)
         self.root = root
         self._made: set[str] = set()
-        self._dirs: dict[str, _Dir] = {}
+        self._dirs: dict[str, DirHandle] = {}
         self._dirs_lock = threading.Lock()
         self._next_gone_check = 0.0
         # Rewriting a consumed file in place skips the kernel zeroing fresh page-cache
@@ -169,7 +133,7 @@ class LocalStorage(Storage):
         return os.path.join(self.root, check_key(key)) if key else self.root
 
     # -- directory handles ---------------------------------------------------------------
-    def _dir(self, directory: str) -> _Dir:
+    def dir_handle(self, directory: str) -> DirHandle:
         """The handle of ``directory`` ("" is the root), opened on first use.
 
         FileNotFoundError when it does not exist (yet); StorageError when a link, a
@@ -180,7 +144,7 @@ class LocalStorage(Storage):
             handle = self._open_dir(directory)
         return handle
 
-    def _open_dir(self, directory: str) -> _Dir:
+    def _open_dir(self, directory: str) -> DirHandle:
         if directory:
             parent, _, name = directory.rpartition("/")
             if parent not in self._dirs:
@@ -191,9 +155,9 @@ class LocalStorage(Storage):
                     ancestor = "/".join(parts[:depth])
                     if ancestor not in self._dirs:
                         self._open_dir(ancestor)
-            parent_fd = self._dir(parent).fd
+            parent_fd = self.dir_handle(parent).fd
             try:
-                fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+                fd = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
             except OSError as exc:
                 if exc.errno in _OCCUPIED_ERRNOS:
                     raise _occupied(self._path(directory), parent_fd, name,
@@ -201,22 +165,22 @@ class LocalStorage(Storage):
                 raise
         else:
             try:
-                fd = os.open(self.root, _ROOT_FLAGS)
+                fd = os.open(self.root, ROOT_FLAGS)
             except NotADirectoryError:
                 raise StorageError("the storage location is not a directory", path=self.root,
                                    hint="pass a directory (or a path to create) as the URL"
                                    ) from None
-        handle = _Dir(fd)
+        handle = DirHandle(fd)
         with self._dirs_lock:
             # a racing thread's handle wins; ours closes when dropped
             return self._dirs.setdefault(directory, handle)
 
-    def _locate(self, key: str) -> tuple[_Dir, str]:
+    def _locate(self, key: str) -> tuple[DirHandle, str]:
         """(handle of ``key``'s directory, the last part of ``key``)."""
         directory, _, name = check_key(key).rpartition("/")
-        return self._dir(directory), name
+        return self.dir_handle(directory), name
 
-    def _forget_gone(self, force: bool = True) -> bool:
+    def forget_removed(self, force: bool = True) -> bool:
         """Drop the handles of directories removed since they were opened (deleted,
         or deleted and made again: the next use then opens the new one by name).
         Returns whether any was dropped. Unforced, it runs at most once a period: a
@@ -234,7 +198,7 @@ class LocalStorage(Storage):
         return bool(gone)
 
     def _recover(self) -> None:
-        self._forget_gone()
+        self.forget_removed()
 
     def close(self) -> None:
         with self._dirs_lock:
@@ -247,19 +211,20 @@ class LocalStorage(Storage):
         if "" not in self._made:
             # the root and its parents by path: links on the way there are the user's
             try:
-                self._retry("creating the directory", "", os.makedirs, self.root, DIR_MODE,
+                self.retry("creating the directory", "", os.makedirs, self.root, DIR_MODE,
                             True)
             except FileExistsError:
                 raise StorageError("the storage location is not a directory", path=self.root,
                                    hint="pass a directory (or a path to create) as the URL"
                                    ) from None
-            self._dir("")
+            self.dir_handle("")
             self._made.add("")
         parent = ""
         for part in check_key(prefix).split("/") if prefix else ():
             here = f"{parent}/{part}" if parent else part
-            self._retry("creating the directory", here, _mkdir_at, part, self._dir(parent).fd)
-            self._dir(here)  # refuses a link or a file found at the name
+            self.retry("creating the directory", here, _mkdir_at, part,
+                       self.dir_handle(parent).fd)
+            self.dir_handle(here)  # refuses a link or a file found at the name
             parent = here
         self._made.add(prefix)
 
@@ -268,7 +233,7 @@ class LocalStorage(Storage):
         try:
             return self._put(key, parts, exclusive, reuse)
         except FileNotFoundError as exc:
-            if not self._forget_gone():
+            if not self.forget_removed():
                 raise self._vanished(key) from exc
         try:  # the directory was removed, and perhaps made again: once more, by name
             return self._put(key, parts, exclusive, reuse)
@@ -290,15 +255,15 @@ class LocalStorage(Storage):
             fd, spare[0] = spare[0], None  # a retry after a failure writes a fresh file
             return write_file(tmp, parts, dir_fd=handle.fd, fd=fd)
 
-        nbytes = self._retry("writing", key, write)
+        nbytes = self.retry("writing", key, write)
         try:
             if exclusive:
                 # an NFS LINK whose reply was lost is retransmitted and answered EEXIST
-                if self._create(key, parts, lambda: self._retry(
+                if self.exclusive_create(key, parts, lambda: self.retry(
                         "publishing", key, self._publish, handle, tmp, name, key, True)):
                     _unlink_quietly(tmp, handle.fd)  # the link landed before: tmp is left
             else:
-                self._retry("publishing", key, self._publish, handle, tmp, name, key, False)
+                self.retry("publishing", key, self._publish, handle, tmp, name, key, False)
         except BaseException:
             _unlink_quietly(tmp, handle.fd)
             raise
@@ -306,7 +271,7 @@ class LocalStorage(Storage):
         self.counters.add(puts=1, written=nbytes)
         return nbytes
 
-    def _adopt_spare(self, handle: _Dir, key: str, reuse: str, tmp: str) -> int | None:
+    def _adopt_spare(self, handle: DirHandle, key: str, reuse: str, tmp: str) -> int | None:
         """Rename the parked spare ``reuse`` to ``tmp`` and open it for rewriting; None
         means "write a fresh file instead".
 
@@ -326,7 +291,7 @@ class LocalStorage(Storage):
         try:
             # lstat first: a planted device is never even opened
             if stat.S_ISREG(os.stat(tmp, dir_fd=handle.fd, follow_symlinks=False).st_mode):
-                fd = os.open(tmp, _REUSE_FLAGS, dir_fd=handle.fd)
+                fd = os.open(tmp, REUSE_FLAGS, dir_fd=handle.fd)
                 if _is_own_plain_file(os.fstat(fd)):
                     return fd
                 os.close(fd)
@@ -335,7 +300,7 @@ class LocalStorage(Storage):
         _unlink_quietly(tmp, handle.fd)
         return None
 
-    def _publish(self, handle: _Dir, tmp: str, name: str, key: str, exclusive: bool) -> None:
+    def _publish(self, handle: DirHandle, tmp: str, name: str, key: str, exclusive: bool) -> None:
         """Give the written temp file its final name: atomically replacing what is there,
         or (``exclusive``) only if nothing is. A link at the name is replaced or
         refused, never followed."""
@@ -371,23 +336,23 @@ class LocalStorage(Storage):
              rank: int | None = None) -> Reader | None:
         self.counters.add(gets=1)
         try:
-            fd, size = self._retry("opening", key, self._open_regular, key)
+            fd, size = self.retry("opening", key, self.open_regular, key)
         except FileNotFoundError:
             # "not yet", unless a cached directory was removed (and made again) meanwhile
-            if not self._forget_gone(force=False):
+            if not self.forget_removed(force=False):
                 return None
             try:
-                fd, size = self._retry("opening", key, self._open_regular, key)
+                fd, size = self.retry("opening", key, self.open_regular, key)
             except FileNotFoundError:
                 return None
         try:
-            self._check_size(key, size, max_bytes, rank)  # by fstat: nothing read yet
+            self.check_size(key, size, max_bytes, rank)  # by fstat: nothing read yet
         except BaseException:
             os.close(fd)
             raise
         return _FdReader(fd, f"{self.root}/{key}", self.counters, size)
 
-    def _open_regular(self, key: str, flags: int = _READ_FLAGS) -> tuple[int, int]:
+    def open_regular(self, key: str, flags: int = READ_FLAGS) -> tuple[int, int]:
         """(fd, size) of ``key`` opened with ``flags``: never through a link, never
         waiting for a FIFO's writer, and only when it is a regular file."""
         handle, name = self._locate(key)
@@ -410,7 +375,7 @@ class LocalStorage(Storage):
         self.counters.add(requests=1)
         try:
             handle, name = self._locate(key)
-            self._retry("parking", key, os.rename, name, spare, src_dir_fd=handle.fd,
+            self.retry("parking", key, os.rename, name, spare, src_dir_fd=handle.fd,
                         dst_dir_fd=handle.fd)
         except FileNotFoundError:
             return None
@@ -421,11 +386,11 @@ class LocalStorage(Storage):
             self.counters.add(deletes=1)
             try:
                 handle, name = self._locate(key)
-                self._retry("deleting", key, self._unlink, handle, name, key)
+                self.retry("deleting", key, self._unlink, handle, name, key)
             except FileNotFoundError:
                 pass
 
-    def _unlink(self, handle: _Dir, name: str, key: str) -> None:
+    def _unlink(self, handle: DirHandle, name: str, key: str) -> None:
         """unlink() removes a link itself, never its target; a directory is refused."""
         try:
             os.unlink(name, dir_fd=handle.fd)
@@ -434,16 +399,16 @@ class LocalStorage(Storage):
 
     def list(self, prefix: str = "") -> list[tuple[str, int]]:
         """Regular files only: a link, FIFO or socket is no object (see ``local_tools``)."""
-        return sorted((key, size) for key, mode, size in self._entries(prefix)
+        return sorted((key, size) for key, mode, size in self.entries(prefix)
                       if stat.S_ISREG(mode))
 
-    def _entries(self, prefix: str) -> list[tuple[str, int, int]]:
+    def entries(self, prefix: str) -> list[tuple[str, int, int]]:
         """(key, mode, size) of everything below ``prefix``, from lstat: links are
         listed, never followed, and a directory is entered only through a handle
         opened without following links."""
         try:
-            top = self._dir(check_key(prefix) if prefix else "")
-            fd = os.open(".", _LIST_FLAGS, dir_fd=top.fd)  # readable, and scandir's own
+            top = self.dir_handle(check_key(prefix) if prefix else "")
+            fd = os.open(".", LIST_FLAGS, dir_fd=top.fd)  # readable, and scandir's own
         except FileNotFoundError:
             return []
         out: list[tuple[str, int, int]] = []
@@ -522,7 +487,7 @@ def _walk(fd: int, base: str, out: list) -> None:
             if not frame[2]:  # its last subdirectory: the parent's handle is done
                 frame[0] = None
             try:
-                sub = os.open(name, _LIST_FLAGS, dir_fd=parent_fd)
+                sub = os.open(name, LIST_FLAGS, dir_fd=parent_fd)
             except OSError:
                 sub = None  # removed, or replaced by a link since: not entered
             finally:
@@ -566,7 +531,7 @@ def write_file(path: str, parts: Sequence, *, dir_fd: int | None = None,
     """
     existing = fd is not None
     if fd is None:
-        fd = os.open(path, _CREATE_FLAGS, FILE_MODE, dir_fd=dir_fd)
+        fd = os.open(path, CREATE_FLAGS, FILE_MODE, dir_fd=dir_fd)
     try:
         try:
             views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]

@@ -12,17 +12,8 @@ import stat
 
 from ferrosync.errors import StorageError
 from ferrosync.storage.engines.base import check_key
-from ferrosync.storage.engines.local import (
-    _CLOEXEC,
-    _LIST_FLAGS,
-    _NOFOLLOW,
-    LocalStorage,
-    file_kind,
-)
-
-#: the gc lock: created if missing, never through a link, never waiting on a FIFO;
-#: checked with fstat once open
-_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | _NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+from ferrosync.storage.engines.dirfd import LIST_FLAGS, LOCK_FLAGS
+from ferrosync.storage.engines.local import LocalStorage, file_kind
 
 
 class LocalTree:
@@ -35,7 +26,7 @@ class LocalTree:
         """(key, what it is) of every entry below ``prefix`` that is neither a regular
         file nor a directory: links, FIFOs, sockets, devices. ferrosync never writes
         them; the operator tools report them and leave them alone."""
-        return sorted((key, file_kind(mode)) for key, mode, _ in self.storage._entries(prefix)
+        return sorted((key, file_kind(mode)) for key, mode, _ in self.storage.entries(prefix)
                       if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)))
 
     def remove_empty_dirs(self, prefix: str) -> None:
@@ -44,8 +35,8 @@ class LocalTree:
         so is a directory something new appeared in."""
         directory, _, name = check_key(prefix).rpartition("/")
         try:
-            parent = self.storage._dir(directory)
-            fd = os.open(name, _LIST_FLAGS, dir_fd=parent.fd)
+            parent = self.storage.dir_handle(directory)
+            fd = os.open(name, LIST_FLAGS, dir_fd=parent.fd)
         except (OSError, StorageError):
             return  # gone, or not a directory (a link): nothing of ours to remove
         _remove_empty_below(fd)
@@ -53,7 +44,7 @@ class LocalTree:
             os.rmdir(name, dir_fd=parent.fd)  # rmdir() of a link fails: never followed
         except OSError:
             pass
-        self.storage._forget_gone()
+        self.storage.forget_removed()
 
     def open_lock(self, key: str) -> int:
         """A read-write descriptor of ``key`` (created if missing) to hold an fcntl
@@ -61,8 +52,8 @@ class LocalTree:
         O_TRUNC through a planted link would empty the link's target)."""
         storage = self.storage
         storage.counters.add(requests=1)
-        return storage._retry("opening the lock file", key, storage._open_regular, key,
-                              _LOCK_FLAGS)[0]
+        return storage.retry("opening the lock file", key, storage.open_regular, key,
+                             LOCK_FLAGS)[0]
 
 
 def _remove_empty_below(fd: int) -> None:
@@ -83,7 +74,7 @@ def _remove_empty_below(fd: int) -> None:
                 continue
             frame[2] = frame[1].pop()
             try:
-                sub = os.open(frame[2], _LIST_FLAGS, dir_fd=frame[0])
+                sub = os.open(frame[2], LIST_FLAGS, dir_fd=frame[0])
             except OSError:
                 frame[2] = None
                 continue

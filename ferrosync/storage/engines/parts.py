@@ -9,7 +9,7 @@ final name, as the last step, and exclusively where the caller asked for a creat
 * nobody sees the object half-written: until the manifest exists the name is absent,
   and the manifest names parts that all exist already;
 * a create whose reply was lost is recognised as ours: the manifest names this write's
-  random token, so its bytes are ours alone (``Storage._create``);
+  random token, so its bytes are ours alone (``Storage.exclusive_create``);
 * the payload's checksum or MAC (``wire``) covers the whole object, parts together, as
   before: a part replaced or replayed fails it;
 * an aborted write leaves parts whose manifest does not exist: ``ferrosync inspect``

@@ -14,7 +14,12 @@ import time
 from ferrosync.errors import ConfigError
 from ferrosync.storage.engines.base import ExclusiveCreateUnsupported
 from ferrosync.storage.engines.classify import cut_short, s3_code
-from ferrosync.storage.engines.fsspec_store import FsspecStorage, build, driver_class
+from ferrosync.storage.engines.fsspec_store import (
+    FsspecStorage,
+    build,
+    driver_class,
+    precondition_failed,
+)
 from ferrosync.storage.engines.parts import DEFAULT_CONCURRENCY, ViewsBody
 
 #: the most of a streamed GET body copied into its destination at once
@@ -47,7 +52,7 @@ class S3Storage(FsspecStorage):
 
         The server answers 412 Precondition Failed when the key exists (AWS S3 since
         2024-08, MinIO, SeaweedFS, moto); that is ``FileExistsError`` (which
-        ``Storage._create`` checks for our own bytes: a PUT that landed and whose reply
+        ``Storage.exclusive_create`` checks for our own bytes: a PUT that landed and whose reply
         was lost is resent by aiohttp or botocore, and answered 412). AWS answers 409
         ConditionalRequestConflict while a concurrent conditional write of the key is
         in flight: retried here, a few times.
@@ -69,7 +74,7 @@ class S3Storage(FsspecStorage):
                                 IfNoneMatch="*")
                 return
             except Exception as exc:  # s3fs translates ClientError: look at the cause; re-raised
-                if self._precondition_failed(exc):
+                if precondition_failed(exc):
                     raise FileExistsError(errno.EEXIST, "the object exists already",
                                           self.path_of(key)) from None
                 if s3_code(exc) != "ConditionalRequestConflict" or (
@@ -88,7 +93,7 @@ class S3Storage(FsspecStorage):
         if not self._conditional_put:  # not s3fs: the driver's own write
             super()._write_part(key, pieces)
             return
-        path = self._path(key)
+        path = self.fs_path(key)
         bucket, name, _ = self.fs.split_path(path)
 
         def put() -> None:
@@ -96,7 +101,7 @@ class S3Storage(FsspecStorage):
                 self.fs.call_s3("put_object", Bucket=bucket, Key=name, Body=body)
             self.fs.invalidate_cache(path)
 
-        self._retry("writing", key, put)
+        self.retry("writing", key, put)
 
     def _get_into(self, key: str, start: int, view: memoryview, extra: int) -> int:
         """One ranged GET whose body is streamed into ``view`` chunk by chunk (at most
@@ -107,8 +112,8 @@ class S3Storage(FsspecStorage):
             return super()._get_into(key, start, view, extra)
         from fsspec.asyn import sync
 
-        bucket, name, _ = self.fs.split_path(self._path(key))
-        return self._retry("reading", key, sync, self.fs.loop, self._stream_into,
+        bucket, name, _ = self.fs.split_path(self.fs_path(key))
+        return self.retry("reading", key, sync, self.fs.loop, self._stream_into,
                            bucket, name, start, view, extra)
 
     async def _stream_into(self, bucket: str, name: str, start: int, view: memoryview,

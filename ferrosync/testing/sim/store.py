@@ -7,7 +7,7 @@ named ``Profile`` (``PROFILES``; sources in docs/elastic.md#simulation):
 * **conditional create**: ``If-None-Match: *`` on a name that exists is 412; two
   creates of one name in flight at once: the later one gets 409 (S3's
   ``ConditionalRequestConflict``); both reach the client as ``FileExistsError``, as
-  the real engine's do, and ``Storage._create`` reads back to recognise its own;
+  the real engine's do, and ``Storage.exclusive_create`` reads back to recognise its own;
 * **latency**: each request's first byte after a lognormal draw (the profile's median
   and p99), then its modelled bytes at the per-connection bandwidth; a PUT acts at the
   server once its body arrived, a GET reads the object when the request arrives;
@@ -227,7 +227,7 @@ class SimStorage(Storage):
     Every request takes virtual time (the server's model) and is a point where the
     scheduler lets another member run; a request of a killed member raises
     ``SimKilled`` before it reaches the server. Retries are the storage layer's own
-    (``Storage._retry``), on the member's virtual clock.
+    (``Storage.retry``), on the member's virtual clock.
     """
 
     poll_initial = 0.005
@@ -263,10 +263,10 @@ class SimStorage(Storage):
     def put(self, key, parts, *, exclusive=False, reuse=None) -> int:
         data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
         if exclusive:
-            self._create(key, [data], lambda: self._retry(
+            self.exclusive_create(key, [data], lambda: self.retry(
                 "creating", key, self._put_once, key, data, True))
         else:
-            self._retry("writing", key, self._put_once, key, data, False)
+            self.retry("writing", key, self._put_once, key, data, False)
         self.counters.add(puts=1, written=len(data))
         return len(data)
 
@@ -289,16 +289,16 @@ class SimStorage(Storage):
             raise LostReply(key)
 
     def open(self, key, *, max_bytes=None, rank=None):
-        data = self._retry("reading", key, self._get_once, key, None)
+        data = self.retry("reading", key, self._get_once, key, None)
         self.counters.add(gets=1)
         if data is None:
             return None
-        self._check_size(key, len(data), max_bytes, rank)
+        self.check_size(key, len(data), max_bytes, rank)
         self.counters.add(read=len(data))
         return BytesReader(data)
 
     def read_head(self, key, nbytes, *, rank=None):
-        data = self._retry("reading", key, self._get_once, key, nbytes)
+        data = self.retry("reading", key, self._get_once, key, nbytes)
         self.counters.add(gets=1)
         if data is not None:
             self.counters.add(read=len(data))
@@ -318,7 +318,7 @@ class SimStorage(Storage):
 
     def delete(self, keys) -> None:
         for key in list(keys):
-            self._retry("deleting", key, self._delete_once, key)
+            self.retry("deleting", key, self._delete_once, key)
             self.counters.add(deletes=1)
 
     def _delete_once(self, key: str) -> None:

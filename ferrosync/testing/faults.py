@@ -1,8 +1,9 @@
 """Fault injection for tests and drills: make one rank fail at a chosen point.
 
-Set ``FERROSYNC_FAULTS`` to a JSON list of faults before a rank connects; the
-storage backend then wraps its storage in ``FaultyStorage``. Nothing else changes:
-the production path pays one environment lookup at connect.
+Set ``FERROSYNC_FAULTS`` to a JSON list of faults before a rank connects; opening a
+rank's storage (``ferrosync.storage.engines.open_storage``, the one hook) then wraps it
+in ``FaultyStorage``, the storage-level fault layer. Nothing else changes: the
+production path pays one environment lookup per storage it opens.
 
 A fault is a dict::
 
@@ -49,36 +50,35 @@ import time
 from ferrosync.core import validate
 from ferrosync.errors import ConfigError
 from ferrosync.storage import names
-from ferrosync.storage.engines import RECORD_LIMIT, Reader, Storage
+from ferrosync.storage.engines import ENV_FAULTS, RECORD_LIMIT, LocalStorage, Reader, Storage
+from ferrosync.storage.engines.base import check_key
 from ferrosync.storage.engines.classify import storage_error
 from ferrosync.storage.engines.local import write_file
 
-ENV_FAULTS = "FERROSYNC_FAULTS"
 PHASES = ("write", "publish", "read", "reduce")
 ACTIONS = ("kill", "raise", "delay", "corrupt", "truncate", "delete", "replay")
 _REPLAY_WAIT_S = 60.0  # the copied object is another rank's: bounded wait for it
 
 
-def inject(storage: Storage, rank) -> Storage:
-    """``storage``, wrapped in ``FaultyStorage`` when ``$FERROSYNC_FAULTS`` names faults
-    for this process: every backend opens its storage through here. ``rank`` is this
-    rank (a fixed-size job), or a function returning the member's current rank (an
-    elastic job, whose ranks change)."""
+def inject(storage: Storage, rank, spec: str) -> Storage:
+    """``storage``, wrapped in ``FaultyStorage`` when ``spec`` (``$FERROSYNC_FAULTS``, as
+    ``open_storage`` read it) names faults for this process. ``rank`` is this rank (a
+    fixed-size job), or a function returning the member's current rank (an elastic
+    job, whose ranks change)."""
     if callable(rank):
-        faults = load_faults(None)
+        faults = load_faults(None, spec)
         return FaultyStorage(storage, faults, rank=rank) if faults else storage
-    faults = load_faults(rank)
+    faults = load_faults(rank, spec)
     return FaultyStorage(storage, faults) if faults else storage
 
 
-def load_faults(rank: int | None) -> list[dict]:
-    """This rank's faults from ``$FERROSYNC_FAULTS`` (validated), or [] (``rank``
-    None: every rank's, matched later against the rank of the moment)."""
-    raw = os.environ.get(ENV_FAULTS)
-    if not raw:
+def load_faults(rank: int | None, spec: str | None) -> list[dict]:
+    """This rank's faults from ``spec``, the JSON of ``$FERROSYNC_FAULTS`` (validated),
+    or [] (``rank`` None: every rank's, matched later against the rank of the moment)."""
+    if not spec:
         return []
     try:
-        faults = json.loads(raw)
+        faults = json.loads(spec)
     except ValueError as exc:
         raise ConfigError(f"{ENV_FAULTS} is not JSON ({exc})") from None
     if isinstance(faults, dict):
@@ -226,11 +226,10 @@ class FaultyStorage(Storage):
             copy = self._copy_of(key, int(fault.get("from_rank", 0)))
             parts, fault = ([copy] if copy is not None else parts), None
         if fault is not None:
-            if fault["action"] == "kill" and hasattr(self._inner, "_path"):
+            if fault["action"] == "kill" and isinstance(self._inner, LocalStorage):
                 # leave half of the bytes in a temporary file, as a real crash would
                 data = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
-                final = self._inner._path(key)
-                head, name = os.path.split(final)
+                head, name = os.path.split(os.path.join(self._inner.root, check_key(key)))
                 write_file(os.path.join(head, names.temp(name, token="dead0000")),
                             [data[: len(data) // 2]])
             self._act(fault, key)
