@@ -286,26 +286,14 @@ class Objects:
         miss ``between()`` runs (the liveness looks; it may raise a peer's error, or
         return a value that ends the wait), then the deadline (a number, or a function
         for a deadline that moves) is judged: past it, ``expired()`` is raised.
-        ``sleeping()``, if given, is a context around each sleep (a stats phase)."""
-        backoff, clock = None, self.runtime
-        while True:
-            found = attempt()
-            if found is not None:
-                return found
-            if between is not None:
-                found = between()
-                if found is not None:
-                    return found
-            end = deadline() if callable(deadline) else deadline
-            if clock.monotonic() >= end:
-                raise expired()
-            if backoff is None:
-                backoff = clock.Backoff(*(poll or self.poll))
-            if sleeping is None:
-                backoff.sleep(end)
-            else:
-                with sleeping():
-                    backoff.sleep(end)
+        ``sleeping()``, if given, is a context around each sleep (a stats phase).
+        The loop and the deadline rule are ``runtime.wait``'s."""
+        def fail():
+            raise expired()
+
+        return runtimes.wait(attempt, deadline=deadline, expired=fail, between=between,
+                             poll=poll or self.poll, sleeping=sleeping,
+                             runtime=self.runtime)
 
 
 class GenerationObjects(Objects):

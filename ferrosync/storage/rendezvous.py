@@ -55,9 +55,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ferrosync.core import runtime
 from ferrosync.errors import ConfigError, DuplicateRank, ShardCorrupt, SyncTimeout
 from ferrosync.storage import names
-from ferrosync.storage.engines import Backoff, Storage, object_exists
+from ferrosync.storage.engines import Storage, object_exists
 from ferrosync.storage.liveness import publish_abort
 from ferrosync.storage.wire import decode_record, encode_record
 
@@ -357,20 +358,21 @@ def _settle(plan: _Plan, claim: Claim, deadline: float) -> None:
     if not claim.previous_ended():
         window = max(window, plan.objection_window)
     until = claim.written_at + window
-    backoff = Backoff(*plan.poll)
-    while True:
+
+    def settled():
         claim.check()
-        if time.monotonic() >= until:
-            return
-        if time.monotonic() >= deadline:
-            raise SyncTimeout(
-                f"timed out after {plan.timeout:g} s in the claim window: a job without an "
-                f"id waits {window:g} s before its first collective (so that a second job "
-                "on this URL is seen)", rank=plan.rank, path=plan.url,
-                hint="give the job an id (connect(job=...) or FERROSYNC_JOB; "
-                "init_process_group('ferrosync') finds one in torch's store), or a timeout "
-                f"longer than {window:g} s")
-        backoff.sleep(min(until, deadline))
+        return True if runtime.passed(until) else None
+
+    def expired():
+        raise SyncTimeout(
+            f"timed out after {plan.timeout:g} s in the claim window: a job without an "
+            f"id waits {window:g} s before its first collective (so that a second job "
+            "on this URL is seen)", rank=plan.rank, path=plan.url,
+            hint="give the job an id (connect(job=...) or FERROSYNC_JOB; "
+            "init_process_group('ferrosync') finds one in torch's store), or a timeout "
+            f"longer than {window:g} s")
+
+    runtime.wait(settled, deadline=deadline, expired=expired, poll=plan.poll, wake=until)
 
 
 def _read_announcement(plan: _Plan, g: int) -> dict | None:
@@ -413,8 +415,12 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
     joins: dict[str, list] = {"0": [claim.attempt, claim.token]}
     problems: list[str] = []
     pending = list(range(1, plan.world_size))
-    backoff = Backoff(*plan.poll)
-    while pending and not problems:
+    looks = []
+
+    def look():
+        if looks:  # between two looks: is this claim still uncontested?
+            claim.check()
+        looks.append(None)
         for r in list(pending):
             start = consumed.get(str(r), [-1])[0] + 1
             if not object_exists(storage, join_key(plan.ns, r, start)):
@@ -432,17 +438,19 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
             if record:
                 problems.extend(_mismatches(plan, r, record))
             pending.remove(r)
-        if not pending or problems:
-            break  # a disagreement is announced at once: nobody waits for the rest
-        if time.monotonic() >= deadline:
-            raise SyncTimeout(
-                f"timed out after {plan.timeout:g} s waiting for ranks {pending} to join",
-                rank=0, path=plan.url,
-                hint="start every rank with the same URL, job id and WORLD_SIZE "
-                f"({plan.world_size}); check their logs",
-            )
-        claim.check()
-        backoff.sleep(deadline)
+        # a disagreement is announced at once: nobody waits for the rest
+        return True if not pending or problems else None
+
+    def expired():
+        raise SyncTimeout(
+            f"timed out after {plan.timeout:g} s waiting for ranks {pending} to join",
+            rank=0, path=plan.url,
+            hint="start every rank with the same URL, job id and WORLD_SIZE "
+            f"({plan.world_size}); check their logs",
+        )
+
+    if pending:
+        runtime.wait(look, deadline=deadline, expired=expired, poll=plan.poll)
     token = secrets.token_hex(8)
     record = {
         "job": plan.ns, "generation": g, "token": token, "world_size": plan.world_size,
@@ -468,10 +476,14 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
 
 def _await_announcement(plan: _Plan, claim: Claim, g: int, deadline: float) -> Generation:
     storage = plan.storage
-    backoff = Backoff(*plan.poll)
-    while True:
-        announced = _read_announcement(plan, g)
-        if announced is not None:
+    looks = []
+
+    def look() -> Generation | None:
+        nonlocal g
+        if looks:  # between two looks: is this claim still uncontested?
+            claim.check()
+        looks.append(None)
+        while (announced := _read_announcement(plan, g)) is not None:
             path = storage.path_of(gen_key(plan.ns, g))
             mine = announced.get("joins", {}).get(str(plan.rank))
             if mine == [claim.attempt, claim.token]:
@@ -496,14 +508,15 @@ def _await_announcement(plan: _Plan, claim: Claim, g: int, deadline: float) -> G
                     path=path, hint="start every rank with the same WORLD_SIZE (or give "
                     "each job its own URL or job id)")
             g += 1  # announced before our claim became visible: not ours, look further
-            continue
-        if time.monotonic() >= deadline:
-            raise SyncTimeout(
-                f"timed out after {plan.timeout:g} s waiting for rank 0 to announce "
-                f"generation {g}",
-                rank=plan.rank, path=plan.url,
-                hint="is rank 0 running, with the same URL and job id? (rank 0 waits for "
-                f"every rank of WORLD_SIZE={plan.world_size} to join)",
-            )
-        claim.check()
-        backoff.sleep(deadline)
+        return None
+
+    def expired():
+        raise SyncTimeout(
+            f"timed out after {plan.timeout:g} s waiting for rank 0 to announce "
+            f"generation {g}",
+            rank=plan.rank, path=plan.url,
+            hint="is rank 0 running, with the same URL and job id? (rank 0 waits for "
+            f"every rank of WORLD_SIZE={plan.world_size} to join)",
+        )
+
+    return runtime.wait(look, deadline=deadline, expired=expired, poll=plan.poll)
