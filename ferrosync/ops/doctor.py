@@ -52,6 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ferrosync.core import runtime
 from ferrosync.errors import ConfigError, ShardCorrupt, StorageError, one_line
 from ferrosync.ops.keys import JobKeys, job_of
 from ferrosync.ops.recommend import recommend
@@ -60,7 +61,6 @@ from ferrosync.ops.scan import human_bytes, top_names
 from ferrosync.storage import names
 from ferrosync.storage.engines import (
     LOCAL_FILESYSTEMS,
-    Backoff,
     LocalStorage,
     Storage,
     mount_of,
@@ -411,13 +411,9 @@ class Doctor:
 
     def _until_seen(self, key: str, want: bytes) -> float:
         start = time.monotonic()
-        deadline = start + VISIBILITY_LIMIT
-        backoff = Backoff(1e-4, 0.01)
-        while self.second.read(key) != want:
-            if time.monotonic() >= deadline:
-                return math.inf
-            backoff.sleep(deadline)
-        return time.monotonic() - start
+        return runtime.wait(
+            lambda: time.monotonic() - start if self.second.read(key) == want else None,
+            deadline=start + VISIBILITY_LIMIT, expired=lambda: math.inf, poll=(1e-4, 0.01))
 
     def check_permissions(self) -> None:
         if not self.local:

@@ -163,6 +163,11 @@ class Storage:
     poll_max: float = 0.02
     #: heartbeat period that keeps request counts sane on this kind of store
     heartbeat_interval: float = 1.0
+    #: how long the operator tools watch heartbeats by default, in heartbeat periods
+    #: (two beats seen, short enough for an interactive tool), and how often they read
+    #: them (``ops/watch.py``)
+    watch_periods: float = 2.5
+    watch_poll: float = 0.1
     retries: int = 4
     #: seconds one call may spend retrying (``open_storage``'s timeout); None: no bound
     #: but ``retries``
