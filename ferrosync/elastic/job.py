@@ -22,7 +22,6 @@ from ferrosync.core import runtime
 from ferrosync.elastic.membership import Roster
 from ferrosync.errors import ConfigError, JobEnded, MemberDropped, ShardCorrupt
 from ferrosync.storage import names
-from ferrosync.storage.wire import decode_record, open_record
 
 
 def check_record(objects, spec: dict | None, settings: dict, defaults: dict,
@@ -44,7 +43,7 @@ def check_record(objects, spec: dict | None, settings: dict, defaults: dict,
         if objects.put_record(name, {"spec": mine, **settings}, exclusive=True):
             return
         raw = objects.storage.read(objects.key_of(name))  # another member was first
-    opened = open_record(raw, objects.key)
+    opened = objects.opened_record(raw)
     if opened.auth in ("forged", "unsigned", "unverifiable"):
         raise ConfigError(
             "the elastic job's record is sealed with another key: this member's "
@@ -52,7 +51,7 @@ def check_record(objects, spec: dict | None, settings: dict, defaults: dict,
             "the elastic job's record is sealed with a secret and this member has none",
             path=path, hint="start every member of a job with the job's secret "
             "(FERROSYNC_SECRET), or use another job id")
-    record = decode_record(raw, objects.key, path=path)
+    record = objects.record_of(raw, name)
     theirs = record.get("spec")
     if not isinstance(theirs, dict):
         raise ShardCorrupt("the elastic job's record holds no spec", path=path,
