@@ -49,7 +49,7 @@ from ferrosync.errors import (
     relayed,
 )
 from ferrosync.storage import names
-from ferrosync.storage.engines import RECORD_LIMIT, BytesReader, object_exists
+from ferrosync.storage.engines import RECORD_LIMIT, BytesReader, Storage, object_exists
 from ferrosync.storage.incoming import Expected, Incoming, read_header
 from ferrosync.storage.recycler import Recycler
 from ferrosync.storage.wire import (
@@ -104,8 +104,9 @@ class Objects:
         """An object layer for control records and exclusive creates only (a job's
         rendezvous, heartbeats and abort markers; the operator tools): it writes no
         collective object, so its tag is 0, and it polls at the store's pace."""
-        return cls(storage, prefix, key=key, tag=0, rank=rank,
-                   poll=(storage.poll_initial, storage.poll_max))
+        poll = (getattr(storage, "poll_initial", Storage.poll_initial),
+                getattr(storage, "poll_max", Storage.poll_max))  # a test's bare store
+        return cls(storage, prefix, key=key, tag=0, rank=rank, poll=poll)
 
     @property
     def runtime(self):
