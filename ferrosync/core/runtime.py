@@ -1,4 +1,4 @@
-"""The one place the elastic layer takes time, waits and threads from.
+"""Where the elastic layer takes time and threads from; the package's one bounded ``wait``.
 
 A ``Runtime`` is what one process offers the code that agrees on membership: its clocks
 (``monotonic``, ``time``), ``sleep``, polling back-off (``Backoff``), events, locks
