@@ -37,6 +37,7 @@ import ferrosync
 from ferrosync.__main__ import main
 from ferrosync.storage import names
 from ferrosync.storage.engines import open_storage
+from ferrosync.storage.wire import encode_record
 from ranks import collect, run_ranks
 
 JUNK = ["garbage", "nested", "sparse"]
@@ -222,7 +223,7 @@ def _plant_doctor_dir(storage, marked: str | None) -> tuple[str, list[str], list
         doctors = [names.within(directory, n) for n in
                    (names.DOCTOR_MARK, "atomic", "lat.0", names.temp("visible.1",
                                                                      pid=DEAD_PID))]
-        storage.put(doctors[0], [mark(marked)])
+        storage.put(doctors[0], [encode_record(mark(marked), None)])
         for key in doctors[1:]:
             storage.put(key, [b"probe bytes"])
     return directory, doctors, users

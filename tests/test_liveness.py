@@ -343,7 +343,8 @@ def w_heartbeat_fails(rank, world, url, files):
             # blocked outside any collective (so it blames nobody) until rank 1 failed
             wait_until(lambda: os.path.exists(f"{files}.done"), "rank 1 failed")
         else:
-            sync._heartbeat._storage = FailingHeartbeatWrites(sync._heartbeat._storage)
+            records = sync._heartbeat._records  # where the heartbeat writes
+            records.storage = FailingHeartbeatWrites(records.storage)
         try:
             # rank 0 may complete this one (rank 1's contribution is valid), not the next
             sync.average_(torch.ones(4))

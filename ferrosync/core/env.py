@@ -17,7 +17,6 @@ from typing import Mapping
 from ferrosync.core.validate import error as value_error
 from ferrosync.core.validate import integer
 from ferrosync.errors import ConfigError
-from ferrosync.storage.names import JOB_ID
 
 ENV_URL = "FERROSYNC_URL"
 ENV_SECRET = "FERROSYNC_SECRET"
@@ -33,8 +32,10 @@ ENV_JOB = "FERROSYNC_JOB"
 ENV_SLURM_JOB = "SLURM_JOB_ID"
 ENV_TORCHELASTIC_RUN = "TORCHELASTIC_RUN_ID"
 
-#: how a job id may be spelled: it names a folder/prefix on the shared storage
-_JOB_ALPHABET = re.compile(JOB_ID)  # job ids name a rendezvous namespace (storage/names.py)
+#: how a job id may be spelled: it names a folder/prefix on the shared storage (a
+#: rendezvous namespace: ``storage/names.py`` builds and parses those names with it)
+JOB_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+_JOB_ALPHABET = re.compile(JOB_ID)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The one place the elastic layer takes time, waits and threads from.
+"""Where the elastic layer takes time and threads from; the package's one bounded ``wait``.
 
 A ``Runtime`` is what one process offers the code that agrees on membership: its clocks
 (``monotonic``, ``time``), ``sleep``, polling back-off (``Backoff``), events, locks
@@ -16,6 +16,7 @@ Nothing here changes what a real run does.
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -36,8 +37,7 @@ class Runtime:
     time = staticmethod(time.time)  # last: the class body's ``time`` is this from here
 
     def Backoff(self, initial: float, cap: float):  # noqa: N802 - builds a Backoff
-        """``storage.Backoff`` sleeping on this runtime."""
-        from ferrosync.storage.engines.base import Backoff
+        """A ``Backoff`` sleeping on this runtime."""
         return Backoff(initial, cap, clock=self)
 
     def event(self) -> threading.Event:
@@ -61,6 +61,28 @@ class Runtime:
         return secrets.token_hex(nbytes)
 
 
+class Backoff:
+    """Sleep schedule for polling one exact name: doubling from ``initial`` to ``cap``.
+
+    Starting well under a millisecond keeps small collectives fast on local disks;
+    the cap bounds the request rate on billed object stores.
+    """
+
+    __slots__ = ("_delay", "_cap", "_clock")
+
+    def __init__(self, initial: float, cap: float, *, clock=None) -> None:
+        """``clock``: what has ``monotonic`` and ``sleep`` (a ``Runtime``; default the
+        ``time`` module)."""
+        self._delay = initial
+        self._cap = cap
+        self._clock = clock or time
+
+    def sleep(self, deadline: float) -> None:
+        remaining = deadline - self._clock.monotonic()
+        self._clock.sleep(max(0.0, min(self._delay, remaining)))
+        self._delay = min(self._delay * 2, self._cap)
+
+
 REAL = Runtime()
 #: the runtime of a layer built without one (``elastic``, ``liveness.Heartbeat``,
 #: ``backends.objects.Objects``); tests that drive a fake clock replace it
@@ -70,3 +92,54 @@ DEFAULT = REAL
 def default() -> Runtime:
     """``DEFAULT`` as it is now (read late, so a test's replacement takes effect)."""
     return DEFAULT
+
+
+def passed(deadline: float, runtime: Runtime | None = None) -> bool:
+    """The one rule for a deadline (``runtime.monotonic`` seconds): it has passed once
+    the clock reads it or later (``>=``), so a zero timeout fails at the first look."""
+    return (runtime or DEFAULT).monotonic() >= deadline
+
+
+def wait(attempt, *, deadline, poll: tuple[float, float] | None, expired=None,
+         between=None, wake: float | None = None, sleeping=None,
+         runtime: Runtime | None = None):
+    """The package's one bounded wait: ``attempt()`` until it returns something other
+    than None, which is returned.
+
+    After each miss ``between()`` runs, if given (it may raise, or return a value that
+    ends the wait), then ``deadline`` is judged by ``passed`` (a number, ``math.inf``
+    for none, or a function for a deadline that moves): past it the wait ends with
+    ``expired()``, which raises the caller's error or returns the caller's result
+    (None without ``expired``). Otherwise it sleeps by ``poll`` = (first sleep, cap),
+    doubling (``Backoff``), never past the deadline nor ``wake``; ``poll`` None: no
+    sleep (each attempt blocks on its own, bounded by the deadline). ``sleeping()``,
+    if given, is a context around each sleep (a stats phase). Time and sleeps come
+    from ``runtime`` (default ``DEFAULT``, read now: a test's fake clock applies).
+    """
+    clock = runtime or DEFAULT
+    backoff = None
+    while True:
+        found = attempt()
+        if found is not None:
+            return found
+        if between is not None:
+            found = between()
+            if found is not None:
+                return found
+        end = deadline() if callable(deadline) else deadline
+        if passed(end, clock):
+            return None if expired is None else expired()
+        if poll is None:
+            continue
+        if backoff is None:
+            backoff = clock.Backoff(*poll)
+        until = end if wake is None else min(end, wake)
+        if sleeping is None:
+            backoff.sleep(until)
+        else:
+            with sleeping():
+                backoff.sleep(until)
+
+
+#: a wait without a deadline of its own (a launcher waiting on its children)
+FOREVER = math.inf

@@ -31,9 +31,9 @@ from __future__ import annotations
 import secrets
 import time
 
+from ferrosync.core import runtime
 from ferrosync.ddp.init_methods import is_shared_store
 from ferrosync.errors import SyncTimeout
-from ferrosync.storage.engines import Backoff
 
 #: the store keys, below the group's own prefix that torch adds
 JOB_KEY = "ferrosync/job"
@@ -53,17 +53,16 @@ def _await_key(store, key: str, deadline: float, what: str, rank: int, *,
                give_up: float | None = None) -> bool:
     """Poll ``store.check([key])`` until it holds (True), ``give_up`` passes (False) or
     ``deadline`` passes (``SyncTimeout``)."""
-    backoff = Backoff(0.0005, 0.05)
-    while not store.check([key]):
-        now = time.monotonic()
-        if now >= deadline:
+    def expired() -> bool:
+        if runtime.passed(deadline):
             raise SyncTimeout(f"timed out waiting for {what} in torch's store", rank=rank,
                               hint="start every rank of the group with the same "
                               "init_method, world size and timeout")
-        if give_up is not None and now >= give_up:
-            return False
-        backoff.sleep(min(deadline, give_up) if give_up is not None else deadline)
-    return True
+        return False  # ``give_up`` passed first
+
+    return runtime.wait(lambda: True if store.check([key]) else None,
+                        deadline=deadline if give_up is None else min(deadline, give_up),
+                        expired=expired, poll=(0.0005, 0.05))
 
 
 def job_from_store(store, rank: int, world_size: int, timeout: float) -> str:

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 
+from ferrosync.core import runtime
 from ferrosync.elastic.membership import Roster
-from ferrosync.errors import ConfigError, JobEnded, MemberDropped, ShardCorrupt, SyncTimeout
+from ferrosync.errors import ConfigError, JobEnded, MemberDropped, ShardCorrupt
 from ferrosync.storage import names
-from ferrosync.storage.wire import decode_record, open_record
 
 
 def check_record(objects, spec: dict | None, settings: dict, defaults: dict,
@@ -43,7 +43,7 @@ def check_record(objects, spec: dict | None, settings: dict, defaults: dict,
         if objects.put_record(name, {"spec": mine, **settings}, exclusive=True):
             return
         raw = objects.storage.read(objects.key_of(name))  # another member was first
-    opened = open_record(raw, objects.key)
+    opened = objects.opened_record(raw)
     if opened.auth in ("forged", "unsigned", "unverifiable"):
         raise ConfigError(
             "the elastic job's record is sealed with another key: this member's "
@@ -51,7 +51,7 @@ def check_record(objects, spec: dict | None, settings: dict, defaults: dict,
             "the elastic job's record is sealed with a secret and this member has none",
             path=path, hint="start every member of a job with the job's secret "
             "(FERROSYNC_SECRET), or use another job id")
-    record = decode_record(raw, objects.key, path=path)
+    record = objects.record_of(raw, name)
     theirs = record.get("spec")
     if not isinstance(theirs, dict):
         raise ShardCorrupt("the elastic job's record holds no spec", path=path,
@@ -96,19 +96,11 @@ def admit(objects, rosters, agreement, member_id: str, deadline: float) -> Roste
     check_ended(objects)
     prev = rosters.newest(deadline)
     entry = rosters.claim(member_id, prev.join_next, deadline)
-    while True:
-        ahead = []
-        for k in range(prev.join_next, entry):
-            if objects.runtime.monotonic() > deadline:
-                raise SyncTimeout(
-                    f"reading the {entry - prev.join_next} join entries ahead of this "
-                    "member took longer than its timeout",
-                    path=objects.path_of(names.elastic_join(k)),
-                    hint="let nothing else write under this URL, or raise timeout")
-            member = rosters.join_entry(k)
-            if member is not None:
-                ahead.append(member)
-        predecessors = list(prev.members) + ahead
+
+    def next_round() -> Roster | None:
+        """The next roster if it admits this member; None: wait for the one after."""
+        nonlocal prev
+        predecessors = list(prev.members) + rosters.entries(prev.join_next, entry, deadline)
         roster = agreement.wait(prev.round + 1, prev, predecessors, deadline,
                                 on_look=lambda: check_ended(objects),
                                 queued=len(predecessors) + 1)
@@ -121,3 +113,8 @@ def admit(objects, rosters, agreement, member_id: str, deadline: float) -> Roste
                 path=objects.path_of(names.elastic_join(entry)),
                 hint="check that the heartbeat can be written, then connect again")
         prev = roster
+        return None
+
+    # each round's wait ends by ``deadline`` on its own: no sleep between rounds
+    return runtime.wait(next_round, deadline=runtime.FOREVER, poll=None,
+                        runtime=objects.runtime)

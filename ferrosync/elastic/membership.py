@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ferrosync.core import runtime as runtimes
 from ferrosync.elastic.history import History
 from ferrosync.errors import ShardCorrupt, SyncTimeout
 from ferrosync.storage import names
@@ -329,6 +330,22 @@ class Rosters:
         self._joins[n] = member
         return member
 
+    def entries(self, start: int, end: int, deadline: float) -> list[str]:
+        """The member ids of the claimed join entries ``start`` to ``end - 1``, in order
+        (``SyncTimeout`` once past ``deadline``)."""
+        ahead = []
+        for k in range(start, end):
+            if runtimes.passed(deadline, self._objects.runtime):
+                raise SyncTimeout(
+                    f"reading the {end - start} join entries ahead of this "
+                    "member took longer than its timeout",
+                    path=self._objects.path_of(names.elastic_join(k)),
+                    hint="let nothing else write under this URL, or raise timeout")
+            member = self.join_entry(k)
+            if member is not None:
+                ahead.append(member)
+        return ahead
+
     def claim(self, member_id: str, start: int, deadline: float) -> int:
         """Append ``member_id`` to the join queue: the first free entry from ``start``,
         found by galloping probes and bisection (entries are never removed, so the
@@ -344,7 +361,7 @@ class Rosters:
                 self._joins[n] = member_id
                 return n
             n += 1
-            if objects.runtime.monotonic() > deadline:
+            if runtimes.passed(deadline, objects.runtime):
                 raise SyncTimeout(
                     f"no free entry of the join queue found in time (the last tried: {n})",
                     path=objects.path_of(names.elastic_join(n)),

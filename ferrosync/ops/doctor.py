@@ -52,6 +52,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from ferrosync.core import runtime
 from ferrosync.errors import ConfigError, ShardCorrupt, StorageError, one_line
 from ferrosync.ops.keys import JobKeys, job_of
 from ferrosync.ops.recommend import recommend
@@ -60,15 +61,14 @@ from ferrosync.ops.scan import human_bytes, top_names
 from ferrosync.storage import names
 from ferrosync.storage.engines import (
     LOCAL_FILESYSTEMS,
-    Backoff,
     LocalStorage,
     Storage,
     mount_of,
     open_storage,
 )
 from ferrosync.storage.engines.local_tools import LocalTree
+from ferrosync.storage.objects import Objects
 from ferrosync.storage.providers import facts, provider_of
-from ferrosync.storage.wire import encode_record, open_record
 
 MiB = 1 << 20
 VISIBILITY_LIMIT = 30.0  # seconds: an object not visible by then fails the check
@@ -112,6 +112,8 @@ class Doctor:
         self.mode = mode
         self.local = isinstance(storage, LocalStorage)
         self.prefix = names.doctor_dir()
+        #: doctor's scratch directory, through the object layer (plain records: no key)
+        self.scratch = Objects.for_records(storage, self.prefix, key=None)
         self.checks: list[Check] = []
         self.measured: dict = {}
         self.mount: dict | None = None
@@ -143,7 +145,7 @@ class Doctor:
                 # a finding, reported as the failed check, not an abort of the whole run
                 try:
                     self.storage.makedirs(self.prefix)
-                    self.storage.put(self.key(names.DOCTOR_MARK), [mark(self.prefix)])
+                    self.scratch.put_record(names.DOCTOR_MARK, mark(self.prefix))
                     writable = True
                 except (StorageError, OSError) as exc:
                     self.add("writable", "fail", f"cannot create the scratch directory "
@@ -324,16 +326,15 @@ class Doctor:
                      "versions, all whole; no temp file left", reads=reads)
 
     def check_exclusive(self) -> None:
-        key = self.key("exclusive")
+        name = "exclusive"
         how = "os.link" if self.local else self.store.create_request
         self.capabilities["exclusive_create"] = False
         try:
-            self.storage.put(key, [b"first"], exclusive=True)
-            self.storage.put(key, [b"second"], exclusive=True)
-        except FileExistsError:
-            self.capabilities["exclusive_create"] = True
-            self.add("exclusive create", "ok", f"{how}: a second create of one name fails")
-            return
+            if not (self.scratch.create_bytes(name, [b"first"])
+                    and self.scratch.create_bytes(name, [b"second"])):
+                self.capabilities["exclusive_create"] = True
+                self.add("exclusive create", "ok", f"{how}: a second create of one name fails")
+                return
         except StorageError as exc:
             self.add("exclusive create", "fail", f"{how} is not supported here ({exc}); "
                      "connect refuses this location: rendezvous needs it to keep two jobs "
@@ -411,13 +412,9 @@ class Doctor:
 
     def _until_seen(self, key: str, want: bytes) -> float:
         start = time.monotonic()
-        deadline = start + VISIBILITY_LIMIT
-        backoff = Backoff(1e-4, 0.01)
-        while self.second.read(key) != want:
-            if time.monotonic() >= deadline:
-                return math.inf
-            backoff.sleep(deadline)
-        return time.monotonic() - start
+        return runtime.wait(
+            lambda: time.monotonic() - start if self.second.read(key) == want else None,
+            deadline=start + VISIBILITY_LIMIT, expired=lambda: math.inf, poll=(1e-4, 0.01))
 
     def check_permissions(self) -> None:
         if not self.local:
@@ -516,9 +513,9 @@ class Doctor:
                          nfs=bool(self.mount and self.mount["fstype"].startswith("nfs")))
 
 
-def mark(directory: str) -> bytes:
+def mark(directory: str) -> dict:
     """The mark doctor writes first in ``directory``: a plain control record naming it."""
-    return encode_record({"kind": "ferrosync doctor", "dir": directory}, None)
+    return {"kind": "ferrosync doctor", "dir": directory}
 
 
 def owned(storage: Storage, directory: str, keys: list[str]) -> list[str]:
@@ -527,11 +524,11 @@ def owned(storage: Storage, directory: str, keys: list[str]) -> list[str]:
     directory's mark names that one), then the names doctor writes, directly inside it.
     Anything else there is someone else's and never removed."""
     try:
-        raw = storage.read(names.within(directory, names.DOCTOR_MARK))
+        found = Objects.for_records(storage, directory, key=None).inspect_record(
+            names.DOCTOR_MARK)
     except (StorageError, ShardCorrupt):  # a link, a FIFO, larger than any record
         return []
-    if raw is None or open_record(raw, None).body != {"kind": "ferrosync doctor",
-                                                         "dir": directory}:
+    if found is None or found.body != mark(directory):
         return []
     return [k for k in keys if k.rpartition("/")[0] == directory
             and names.doctor_object(k.rpartition("/")[2])]

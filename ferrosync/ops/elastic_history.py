@@ -23,7 +23,8 @@ from ferrosync.errors import ShardCorrupt
 from ferrosync.ops.keys import JobKeys
 from ferrosync.storage import names
 from ferrosync.storage.engines import Storage
-from ferrosync.storage.wire import decode_record, job_key
+from ferrosync.storage.objects import Objects
+from ferrosync.storage.wire import job_key
 
 #: history records read at most per job (the newest first): two are kept, more only
 #: after a writer died between two requests
@@ -66,10 +67,8 @@ def find_jobs(keys) -> dict[str, ElasticJob]:
 
 def _read(storage: Storage, key: str, secret: bytes | None, problems: list[str]) -> dict | None:
     try:
-        raw = storage.read(key)  # ShardCorrupt when larger than any record
-        if raw is None:
-            return None  # deleted since the listing
-        return decode_record(raw, secret, path=storage.path_of(key))
+        # ShardCorrupt when larger than any record; None: deleted since the listing
+        return Objects.for_records(storage, key=secret).read_record(key)
     except ShardCorrupt as exc:
         problems.append(f"{key}: {exc.what}")
         return None

@@ -43,7 +43,8 @@ from ferrosync.ops.keys import JobKeys, job_of
 from ferrosync.storage import names
 from ferrosync.storage.engines import FsspecStorage, LocalStorage, Storage
 from ferrosync.storage.engines.local_tools import LocalTree
-from ferrosync.storage.wire import open_record
+from ferrosync.storage.objects import Objects
+from ferrosync.storage.wire import OpenedRecord
 
 # re-exported for the tools: the names themselves live in ferrosync.storage.names
 GC_LOCK = names.GC_LOCK
@@ -281,13 +282,12 @@ _DISTRUST = {
 }
 
 
-def decode_lenient(raw: bytes, key: str, secret: bytes | None) -> Record:
-    """A control record (see ``wire.open_record``) and how far to trust it.
+def lenient(opened: OpenedRecord, key: str) -> Record:
+    """The control record at ``key`` (see ``wire.open_record``) and how far to trust it.
 
     Unlike ``wire.decode_record`` this never raises: an operator wants to *see* a
     record even when it cannot be verified. The JSON body is data only.
     """
-    opened = open_record(raw, secret)
     if opened.body is None and opened.auth in ("unsigned", "forged"):  # left unparsed
         trust, problem = _DISTRUST[opened.auth]
         return Record(key, None, trust, problem)
@@ -306,12 +306,10 @@ def read_record(storage: Storage, key: str, secret: bytes | None) -> Record | No
     gives a "bad" record: the tool shows it and goes on, and nothing acts on it.
     """
     try:
-        raw = storage.read(key)
+        opened = Objects.for_records(storage, key=secret).inspect_record(key)
     except (StorageError, ShardCorrupt) as exc:  # ShardCorrupt: larger than any record
         return Record(key, None, "bad", f"unreadable: {exc}")
-    if raw is None:
-        return None
-    return decode_lenient(raw, key, secret)
+    return None if opened is None else lenient(opened, key)
 
 
 def classify(key: str, size: int) -> Obj:

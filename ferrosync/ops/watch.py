@@ -18,10 +18,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ferrosync.core import runtime
 from ferrosync.ops.keys import JobKeys
 from ferrosync.ops.scan import FoundGeneration, Record, Scan, read_markers, read_record
 from ferrosync.storage import names
-from ferrosync.storage.engines import FsspecStorage, LocalStorage, Storage
+from ferrosync.storage.engines import Storage
 
 FINAL_STATES = ("closed", "aborted")
 
@@ -33,14 +34,14 @@ def default_interval(storage: Storage) -> float:
 
 
 def default_window(storage: Storage) -> float:
-    """Long enough to see two heartbeats at the store's default period (1 s local,
-    2 s object stores), short enough for an interactive tool."""
-    return 3.0 if isinstance(storage, LocalStorage) else 2.5 * storage.heartbeat_interval
+    """Long enough to see two heartbeats at the store's default period, short enough
+    for an interactive tool (the engine's ``watch_periods`` of them)."""
+    return storage.watch_periods * storage.heartbeat_interval
 
 
 def poll_period(storage: Storage) -> float:
-    # each poll of an object store is a billed GET per rank: keep it to ~2 per second
-    return 0.5 if isinstance(storage, FsspecStorage) else 0.1
+    """How often the tools read heartbeats on this store (the engine's ``watch_poll``)."""
+    return storage.watch_poll
 
 
 @dataclass
@@ -83,18 +84,23 @@ def observe(storage: Storage, keys: dict[str, Record | None], window: float,
     last = dict(keys)
     changed = {k: False for k in keys}
     watching = [k for k, rec in keys.items() if _undecided(rec)]
-    deadline = start + window
-    while watching and time.monotonic() < deadline:
-        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
-        for key in list(watching):
-            record = read_record(storage, key, secrets[key])
-            if record is None:
-                continue
-            before = _beat(keys[key])
-            if (keys[key] is None or before != _beat(record)) and record.usable:
-                changed[key] = True
-                watching.remove(key)
-            last[key] = record
+    looks = []
+
+    def look():
+        if looks:  # the first look is the caller's: ``keys`` holds its reads
+            for key in list(watching):
+                record = read_record(storage, key, secrets[key])
+                if record is None:
+                    continue
+                before = _beat(keys[key])
+                if (keys[key] is None or before != _beat(record)) and record.usable:
+                    changed[key] = True
+                    watching.remove(key)
+                last[key] = record
+        looks.append(None)
+        return None if watching else True
+
+    runtime.wait(look, deadline=start + window, poll=(poll, poll))
     for key in keys:
         if changed[key]:
             # a fresh read: positions and ages as of the end of the watch, not the change

@@ -87,7 +87,7 @@ from ferrosync.errors import (
 )
 from ferrosync.storage import names
 from ferrosync.storage.engines import REQUEST_KINDS, Storage
-from ferrosync.storage.wire import decode_record, encode_record
+from ferrosync.storage.objects import Objects
 
 #: the shortest gap in the process's timeline that counts as a freeze: scheduling
 #: jitter on a loaded machine reaches tens of milliseconds, and re-arming on jitter
@@ -318,7 +318,7 @@ class Heartbeat:
         self._storage = storage
         self._prefix = prefix
         self._key = names.within(prefix, name) if name else heartbeat_key(prefix, rank)
-        self._secret = key
+        self._records = Objects.for_records(storage, key=key)
         self._interval = interval
         self._clock = clock or PROCESS_CLOCK
         self._lock = threading.Lock()
@@ -401,9 +401,9 @@ class Heartbeat:
                                                                        *REQUEST_KINDS)}
             if state is not None:
                 self._record["state"] = state
-            data = encode_record(self._record, self._secret)
+            record = dict(self._record)  # this beat's: later beats change the live one
         try:
-            self._storage.put(self._key, [data])
+            self._records.put_record(self._key, record)
         # broad on purpose: this runs on the heartbeat thread, which must outlive any
         # failure (a dead thread would make peers declare this rank dead); the error is
         # kept in last_error and PeerMonitor raises it once it lasts
@@ -469,9 +469,9 @@ def publish_abort(storage: Storage, prefix: str, rank: int, exc: BaseException,
         "host": socket.gethostname(),
     }
     try:
-        storage.put(abort_key(prefix, rank), [encode_record(record, key)], exclusive=True)
-    except FileExistsError:
-        return None  # published already (the exception handler and atexit both try)
+        # False: published already (the exception handler and atexit both try)
+        Objects.for_records(storage, prefix, key=key).put_record(
+            names.abort(rank), record, exclusive=True)
     # broad on purpose: called while an error unwinds, whatever the storage raises must
     # not replace it; peers then learn of the failure from the silence instead
     except Exception as write_error:  # noqa: BLE001
@@ -500,7 +500,7 @@ class PeerMonitor:
         self._rank = rank
         self._interval = interval
         self._timeout = timeout
-        self._key = key
+        self._records = Objects.for_records(storage, key=key, rank=rank)
         self._url = url
         self._clock = clock or PROCESS_CLOCK
         self._silence = SilenceClocks(timeout, interval, clock=self._clock)
@@ -538,8 +538,7 @@ class PeerMonitor:
             beat = None
             if raw is not None:
                 try:
-                    record = decode_record(raw, self._key, path=self._storage.path_of(hb_path),
-                                           rank=self._rank)
+                    record = self._records.record_of(raw, hb_path)
                 except ShardCorrupt:
                     record = {}
                 beat = record.get("beat")
@@ -611,8 +610,7 @@ class PeerMonitor:
     def _peer_error(self, peer: int, path: str, data: bytes, collective: int, now: float):
         cls = PeerFailed
         try:
-            record = decode_record(data, self._key, path=self._storage.path_of(path),
-                                   rank=self._rank)
+            record = self._records.record_of(data, path)
             what = describe_abort(record.get("type"), relayed(record.get("message")))
             where = record.get("collective")
             cls = error_class(str(record.get("type")))

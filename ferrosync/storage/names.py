@@ -39,6 +39,8 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from ferrosync.core.env import JOB_ID  # how a job id is spelled: the env check's rule
+
 #: the rendezvous namespace of a job without an id
 RDZV = "rdzv"
 #: the file one ``ferrosync gc`` at a time holds an ``flock`` on (local stores)
@@ -52,8 +54,6 @@ DOCTOR_MARK = "doctor.json"
 _DOCTOR_PROBE = re.compile(r"atomic|exclusive|mode|throughput|rename\.[abc]"
                            r"|(?:visible|lat)\.[0-9]+")
 _GENERATION_TOKEN = re.compile(r"[0-9a-f]{16}")
-#: a job id as ``ferrosync.core.env`` accepts it (kept in step with its check)
-JOB_ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
 
 # -- collective data (inside a generation directory) ------------------------------------

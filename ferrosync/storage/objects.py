@@ -49,18 +49,20 @@ from ferrosync.errors import (
     relayed,
 )
 from ferrosync.storage import names
-from ferrosync.storage.engines import RECORD_LIMIT, BytesReader, object_exists
+from ferrosync.storage.engines import RECORD_LIMIT, BytesReader, Storage, object_exists
 from ferrosync.storage.incoming import Expected, Incoming, read_header
 from ferrosync.storage.recycler import Recycler
 from ferrosync.storage.wire import (
     DTYPE_CODES,
     KIND_ERROR,
     Header,
+    OpenedRecord,
     PayloadCheck,
     decode_record,
     encode_record,
     head_size,
     loads_bounded,
+    open_record,
     parse_header,
     seal,
 )
@@ -95,6 +97,16 @@ class Objects:
         self.tag_name = tag_name
         self.op = ""
         self.before_put = lambda op: None
+
+    @classmethod
+    def for_records(cls, storage, prefix: str = "", *, key: bytes | None,
+                    rank: int | None = None) -> Objects:
+        """An object layer for control records and exclusive creates only (a job's
+        rendezvous, heartbeats and abort markers; the operator tools): it writes no
+        collective object, so its tag is 0, and it polls at the store's pace."""
+        poll = (getattr(storage, "poll_initial", Storage.poll_initial),
+                getattr(storage, "poll_max", Storage.poll_max))  # a test's bare store
+        return cls(storage, prefix, key=key, tag=0, rank=rank, poll=poll)
 
     @property
     def runtime(self):
@@ -142,6 +154,11 @@ class Objects:
         self.storage.put(self.key_of(name), data)
         return True
 
+    def create_bytes(self, name: str, parts: list) -> bool:
+        """Create ``name`` holding ``parts`` as they are (not sealed: ``doctor``'s probe
+        of the store's exclusive create), only if the name is free; False when taken."""
+        return self._create(self.key_of(name), parts)
+
     def _create(self, key: str, parts: list) -> bool:
         """The one exclusive put. A create whose reply was lost and that the HTTP client
         sent again finds this writer's own object: the engine recognises it by its bytes
@@ -156,11 +173,27 @@ class Objects:
     # -- reading -------------------------------------------------------------------------------
     def read_record(self, name: str) -> dict | None:
         """The verified control record at ``name`` (bounded, MAC before parse), or None."""
-        key = self.key_of(name)
-        raw = self.storage.read(key, rank=self.rank)
+        raw = self.storage.read(self.key_of(name), rank=self.rank)
         if raw is None:
             return None
-        return decode_record(raw, self.key, path=self.storage.path_of(key), rank=self.rank)
+        return self.record_of(raw, name)
+
+    def record_of(self, raw: bytes, name: str) -> dict:
+        """The verified control record in ``raw``, bytes already read from ``name``
+        (``ShardCorrupt`` naming it when it is malformed or its MAC does not match)."""
+        return decode_record(raw, self.key, path=self.path_of(name), rank=self.rank)
+
+    def opened_record(self, raw: bytes) -> OpenedRecord:
+        """The control record in ``raw`` and how far it can be trusted with this
+        layer's key (``wire.open_record``; never raises): for a reader that reports a
+        foreign record rather than failing on it (the operator tools, a job's record)."""
+        return open_record(raw, self.key)
+
+    def inspect_record(self, name: str) -> OpenedRecord | None:
+        """``opened_record`` of the record at ``name``, or None when it is absent; a
+        name the store refuses to read raises the store's error."""
+        raw = self.storage.read(self.key_of(name), rank=self.rank)
+        return None if raw is None else self.opened_record(raw)
 
     def open_object(self, name: str, *, max_bytes: int, collective: int,
                     tag: int | None = None) -> Incoming | None:
@@ -286,26 +319,14 @@ class Objects:
         miss ``between()`` runs (the liveness looks; it may raise a peer's error, or
         return a value that ends the wait), then the deadline (a number, or a function
         for a deadline that moves) is judged: past it, ``expired()`` is raised.
-        ``sleeping()``, if given, is a context around each sleep (a stats phase)."""
-        backoff, clock = None, self.runtime
-        while True:
-            found = attempt()
-            if found is not None:
-                return found
-            if between is not None:
-                found = between()
-                if found is not None:
-                    return found
-            end = deadline() if callable(deadline) else deadline
-            if clock.monotonic() >= end:
-                raise expired()
-            if backoff is None:
-                backoff = clock.Backoff(*(poll or self.poll))
-            if sleeping is None:
-                backoff.sleep(end)
-            else:
-                with sleeping():
-                    backoff.sleep(end)
+        ``sleeping()``, if given, is a context around each sleep (a stats phase).
+        The loop and the deadline rule are ``runtime.wait``'s."""
+        def fail():
+            raise expired()
+
+        return runtimes.wait(attempt, deadline=deadline, expired=fail, between=between,
+                             poll=poll or self.poll, sleeping=sleeping,
+                             runtime=self.runtime)
 
 
 class GenerationObjects(Objects):

@@ -55,11 +55,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ferrosync.core import runtime
 from ferrosync.errors import ConfigError, DuplicateRank, ShardCorrupt, SyncTimeout
 from ferrosync.storage import names
-from ferrosync.storage.engines import Backoff, Storage, object_exists
+from ferrosync.storage.engines import Storage, object_exists
 from ferrosync.storage.liveness import publish_abort
-from ferrosync.storage.wire import decode_record, encode_record
+from ferrosync.storage.objects import Objects
 
 #: default claim window of a job without an id, seconds (see the module docstring)
 ANONYMOUS_CLAIM_WINDOW = 3.0
@@ -145,6 +146,8 @@ class Claim:
         self.rank = rank
         self.key = key
         self.record = record
+        #: the rendezvous records of the job's namespace (``ns``)
+        self.records = Objects.for_records(storage, ns, key=key, rank=rank)
         self.attempt = -1
         self.token = record["token"]
         self.written_at = 0.0
@@ -162,10 +165,8 @@ class Claim:
         storage = self.storage
         attempt = first_missing(storage, lambda n: join_key(self.ns, self.rank, n))
         for _ in range(_MAX_CLAIM_RACES):
-            try:
-                storage.put(join_key(self.ns, self.rank, attempt),
-                            [encode_record(self.record, self.key)], exclusive=True)
-            except FileExistsError:
+            if not self.records.put_record(names.join(self.rank, attempt), self.record,
+                                           exclusive=True):
                 attempt += 1  # another process claimed this attempt: we come after it
                 continue
             self.attempt = attempt
@@ -206,13 +207,13 @@ class Claim:
             )
 
     def check_objection(self) -> None:
-        key = objection_key(self.ns, self.rank, self.attempt)
-        raw = self.storage.read(key, rank=self.rank)
+        name = names.objection(self.rank, self.attempt)
+        raw = self.storage.read(self.records.key_of(name), rank=self.rank)
         if raw is None:
             return
-        path = self.storage.path_of(key)
+        path = self.records.path_of(name)
         try:
-            record = decode_record(raw, self.key, path=path, rank=self.rank)
+            record = self.records.record_of(raw, name)
         except ShardCorrupt:
             record = {}
         raise DuplicateRank(
@@ -229,11 +230,8 @@ class Claim:
         self._objected.add(attempt)
         record = {"attempt": self.attempt, "objects_to": attempt, "pid": os.getpid(),
                   "host": socket.gethostname()}
-        try:
-            self.storage.put(objection_key(self.ns, self.rank, attempt),
-                             [encode_record(record, self.key)], exclusive=True)
-        except FileExistsError:
-            pass  # someone objected already: the newcomer will see it
+        # False: someone objected already, and the newcomer will see it
+        self.records.put_record(names.objection(self.rank, attempt), record, exclusive=True)
 
     def guard_once(self) -> None:
         """While running: object to every later claim of this rank, and carry on."""
@@ -269,10 +267,9 @@ class Claim:
         if self.attempt < 0:
             return
         try:
-            self.storage.put(end_key(self.ns, self.rank, self.attempt),
-                             [encode_record({"pid": os.getpid()}, self.key)], exclusive=True)
-        except FileExistsError:
-            pass  # written already: the claim is ended either way
+            # False: written already, and the claim is ended either way
+            self.records.put_record(names.end(self.rank, self.attempt),
+                                    {"pid": os.getpid()}, exclusive=True)
         # broad on purpose: release runs while closing or while an error unwinds, and a
         # missing end marker only makes a restart wait one objection window
         except Exception as exc:  # noqa: BLE001
@@ -299,6 +296,7 @@ class _Plan:
     interval: float
     claim_window: float
     url: str
+    records: Objects
 
     @property
     def objection_window(self) -> float:
@@ -320,8 +318,10 @@ def rendezvous(storage: Storage, rank: int, world_size: int, settings: dict, *,
     if claim_window is None:
         # a world of one has no peers to mix with: only a shared anonymous job waits
         claim_window = ANONYMOUS_CLAIM_WINDOW if job is None and world_size > 1 else 0.0
-    plan = _Plan(storage, namespace(job), rank, world_size, settings, key, timeout, poll,
-                 heartbeat_interval, claim_window, url)
+    ns = namespace(job)
+    plan = _Plan(storage, ns, rank, world_size, settings, key, timeout, poll,
+                 heartbeat_interval, claim_window, url,
+                 Objects.for_records(storage, ns, key=key, rank=rank))
     storage.makedirs(plan.ns)
     deadline = time.monotonic() + timeout
     claim = Claim(storage, plan.ns, rank, key, {
@@ -357,32 +357,33 @@ def _settle(plan: _Plan, claim: Claim, deadline: float) -> None:
     if not claim.previous_ended():
         window = max(window, plan.objection_window)
     until = claim.written_at + window
-    backoff = Backoff(*plan.poll)
-    while True:
+
+    def settled():
         claim.check()
-        if time.monotonic() >= until:
-            return
-        if time.monotonic() >= deadline:
-            raise SyncTimeout(
-                f"timed out after {plan.timeout:g} s in the claim window: a job without an "
-                f"id waits {window:g} s before its first collective (so that a second job "
-                "on this URL is seen)", rank=plan.rank, path=plan.url,
-                hint="give the job an id (connect(job=...) or FERROSYNC_JOB; "
-                "init_process_group('ferrosync') finds one in torch's store), or a timeout "
-                f"longer than {window:g} s")
-        backoff.sleep(min(until, deadline))
+        return True if runtime.passed(until) else None
+
+    def expired():
+        raise SyncTimeout(
+            f"timed out after {plan.timeout:g} s in the claim window: a job without an "
+            f"id waits {window:g} s before its first collective (so that a second job "
+            "on this URL is seen)", rank=plan.rank, path=plan.url,
+            hint="give the job an id (connect(job=...) or FERROSYNC_JOB; "
+            "init_process_group('ferrosync') finds one in torch's store), or a timeout "
+            f"longer than {window:g} s")
+
+    runtime.wait(settled, deadline=deadline, expired=expired, poll=plan.poll, wake=until)
 
 
 def _read_announcement(plan: _Plan, g: int) -> dict | None:
     if g < 0:
         return None
-    key = gen_key(plan.ns, g)
-    raw = plan.storage.read(key, rank=plan.rank)
+    name = names.announcement(g)
+    raw = plan.storage.read(plan.records.key_of(name), rank=plan.rank)
     if raw is None:
         return None
-    path = plan.storage.path_of(key)
+    path = plan.records.path_of(name)
     try:
-        return decode_record(raw, plan.key, path=path, rank=plan.rank)
+        return plan.records.record_of(raw, name)
     except ShardCorrupt as exc:
         raise ConfigError(
             f"cannot read rank 0's announcement of generation {g} ({exc.what})",
@@ -413,17 +414,21 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
     joins: dict[str, list] = {"0": [claim.attempt, claim.token]}
     problems: list[str] = []
     pending = list(range(1, plan.world_size))
-    backoff = Backoff(*plan.poll)
-    while pending and not problems:
+    looks = []
+
+    def look():
+        if looks:  # between two looks: is this claim still uncontested?
+            claim.check()
+        looks.append(None)
         for r in list(pending):
             start = consumed.get(str(r), [-1])[0] + 1
             if not object_exists(storage, join_key(plan.ns, r, start)):
                 continue
             latest = first_missing(storage, lambda n, r=r: join_key(plan.ns, r, n), start) - 1
-            path = join_key(plan.ns, r, latest)
+            name = names.join(r, latest)
             try:
-                record = decode_record(storage.read(path, rank=0) or b"", plan.key,
-                                       path=storage.path_of(path), rank=0)
+                raw = storage.read(plan.records.key_of(name), rank=0)
+                record = plan.records.record_of(raw or b"", name)
             except ShardCorrupt as exc:
                 record = {}
                 problems.append(f"rank {r}'s join record is unreadable here ({exc.what}): "
@@ -432,17 +437,19 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
             if record:
                 problems.extend(_mismatches(plan, r, record))
             pending.remove(r)
-        if not pending or problems:
-            break  # a disagreement is announced at once: nobody waits for the rest
-        if time.monotonic() >= deadline:
-            raise SyncTimeout(
-                f"timed out after {plan.timeout:g} s waiting for ranks {pending} to join",
-                rank=0, path=plan.url,
-                hint="start every rank with the same URL, job id and WORLD_SIZE "
-                f"({plan.world_size}); check their logs",
-            )
-        claim.check()
-        backoff.sleep(deadline)
+        # a disagreement is announced at once: nobody waits for the rest
+        return True if not pending or problems else None
+
+    def expired():
+        raise SyncTimeout(
+            f"timed out after {plan.timeout:g} s waiting for ranks {pending} to join",
+            rank=0, path=plan.url,
+            hint="start every rank with the same URL, job id and WORLD_SIZE "
+            f"({plan.world_size}); check their logs",
+        )
+
+    if pending:
+        runtime.wait(look, deadline=deadline, expired=expired, poll=plan.poll)
     token = secrets.token_hex(8)
     record = {
         "job": plan.ns, "generation": g, "token": token, "world_size": plan.world_size,
@@ -450,14 +457,12 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
         "host": socket.gethostname(), "pid": os.getpid(), "wall_time": time.time(),
     }
     storage.makedirs(gen_prefix(g, token))
-    try:
-        storage.put(gen_key(plan.ns, g), [encode_record(record, plan.key)], exclusive=True)
-    except FileExistsError:
+    if not plan.records.put_record(names.announcement(g), record, exclusive=True):
         raise DuplicateRank(
             f"another rank 0 announced generation {g} at the same moment", rank=0,
             path=storage.path_of(gen_key(plan.ns, g)),
             hint="two jobs share this URL: stop one, or give each its own URL or job id",
-        ) from None
+        )
     if problems:
         raise ConfigError("ranks disagree at rendezvous: " + record["error"], rank=0,
                           path=plan.url,
@@ -468,10 +473,14 @@ def _announce(plan: _Plan, claim: Claim, deadline: float) -> Generation:
 
 def _await_announcement(plan: _Plan, claim: Claim, g: int, deadline: float) -> Generation:
     storage = plan.storage
-    backoff = Backoff(*plan.poll)
-    while True:
-        announced = _read_announcement(plan, g)
-        if announced is not None:
+    looks = []
+
+    def look() -> Generation | None:
+        nonlocal g
+        if looks:  # between two looks: is this claim still uncontested?
+            claim.check()
+        looks.append(None)
+        while (announced := _read_announcement(plan, g)) is not None:
             path = storage.path_of(gen_key(plan.ns, g))
             mine = announced.get("joins", {}).get(str(plan.rank))
             if mine == [claim.attempt, claim.token]:
@@ -496,14 +505,15 @@ def _await_announcement(plan: _Plan, claim: Claim, g: int, deadline: float) -> G
                     path=path, hint="start every rank with the same WORLD_SIZE (or give "
                     "each job its own URL or job id)")
             g += 1  # announced before our claim became visible: not ours, look further
-            continue
-        if time.monotonic() >= deadline:
-            raise SyncTimeout(
-                f"timed out after {plan.timeout:g} s waiting for rank 0 to announce "
-                f"generation {g}",
-                rank=plan.rank, path=plan.url,
-                hint="is rank 0 running, with the same URL and job id? (rank 0 waits for "
-                f"every rank of WORLD_SIZE={plan.world_size} to join)",
-            )
-        claim.check()
-        backoff.sleep(deadline)
+        return None
+
+    def expired():
+        raise SyncTimeout(
+            f"timed out after {plan.timeout:g} s waiting for rank 0 to announce "
+            f"generation {g}",
+            rank=plan.rank, path=plan.url,
+            hint="is rank 0 running, with the same URL and job id? (rank 0 waits for "
+            f"every rank of WORLD_SIZE={plan.world_size} to join)",
+        )
+
+    return runtime.wait(look, deadline=deadline, expired=expired, poll=plan.poll)

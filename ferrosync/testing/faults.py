@@ -47,7 +47,7 @@ import os
 import signal
 import time
 
-from ferrosync.core import validate
+from ferrosync.core import runtime, validate
 from ferrosync.errors import ConfigError
 from ferrosync.storage import names
 from ferrosync.storage.engines import ENV_FAULTS, RECORD_LIMIT, LocalStorage, Reader, Storage
@@ -201,13 +201,14 @@ class FaultyStorage(Storage):
                 return None
             name = names.contribution(found.collective, rank, found.slice)
         source = names.within(directory, name)
-        deadline = time.monotonic() + _REPLAY_WAIT_S
-        while (data := self._inner.read(source, max_bytes=None)) is None:
-            if time.monotonic() > deadline:
-                raise ConfigError(f"replay fault: {source} never appeared",
-                                  path=self.path_of(source))
-            time.sleep(0.005)  # polling another process's file: there is nothing to wait on
-        return data
+        def expired():
+            raise ConfigError(f"replay fault: {source} never appeared",
+                              path=self.path_of(source))
+
+        # polling another process's file: there is nothing to wait on
+        return runtime.wait(lambda: self._inner.read(source, max_bytes=None),
+                            deadline=time.monotonic() + _REPLAY_WAIT_S, expired=expired,
+                            poll=(0.005, 0.005))
 
     # -- the interface -----------------------------------------------------------------------
     def put(self, key, parts, *, exclusive=False, reuse=None):

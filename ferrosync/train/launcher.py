@@ -49,6 +49,7 @@ import threading
 import time
 import uuid
 
+from ferrosync.core import runtime
 from ferrosync.core.env import (
     ENV_JOB,
     ENV_LOCAL_RANK,
@@ -446,14 +447,17 @@ class Supervisor:
     def _wait(self) -> list[int]:
         """Block until every rank exited 0 (returns []) or until ranks failed on their
         own (returns them; none has been stopped by the launcher yet)."""
-        while True:
+        def ended() -> list[int] | None:
             codes = [p.poll() for p in self.procs]
             failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
             if self.elastic and all(code is not None for code in codes):
                 return failed  # members outlive a failed sibling: wait for everyone
             if (failed and not self.elastic) or all(code == 0 for code in codes):
                 return failed
-            time.sleep(POLL_S)
+            return None
+
+        # a training run takes what it takes: the children bound themselves
+        return runtime.wait(ended, deadline=runtime.FOREVER, poll=(POLL_S, POLL_S))
 
     def _stop_all(self) -> None:
         alive = [p for p in self.procs if p.poll() is None]

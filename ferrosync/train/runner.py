@@ -19,6 +19,7 @@ import traceback
 import torch
 
 from ferrosync.api import connect, fail_open_syncs
+from ferrosync.core import runtime
 from ferrosync.core.env import ENV_URL
 from ferrosync.elastic import peek_state
 from ferrosync.errors import ConfigError, JobEnded, MemberDropped, SyncTimeout
@@ -451,7 +452,7 @@ def _membership(trainer: ElasticTrainer, args, url: str) -> int:
             except (RejoinNeeded, MemberDropped) as exc:
                 if trainer.joined_at is not None and trainer.step > trainer.joined_at:
                     deadline = time.monotonic() + timeout  # it trained: a fresh bound
-                if time.monotonic() > deadline:
+                if runtime.passed(deadline):
                     raise SyncTimeout(f"could not stay in the elastic job: {exc}", path=url,
                                       hint="check that its members are running") from exc
                 print(f"ferrosync.train: member {sync.member_id}: {exc}; joining again",

@@ -10,11 +10,12 @@ import threading
 import pytest
 
 from fakes import FakeClock, MemoryStorage
+from ferrosync.core import runtime
+from ferrosync.core.runtime import Backoff
 from ferrosync.errors import ConfigError, ExclusiveCreateUnsupported, ShardCorrupt, StorageError
 from ferrosync.storage.engines import base
 from ferrosync.storage.engines.base import (
     RECORD_LIMIT,
-    Backoff,
     Counters,
     check_key,
     object_exists,
@@ -129,7 +130,7 @@ def test_a_permanent_failure_is_not_retried_and_says_what_to_do(no_sleep):
 
 def test_backoff_doubles_to_its_cap_and_never_sleeps_past_the_deadline(monkeypatch):
     clock = FakeClock()
-    monkeypatch.setattr(base, "time", clock)
+    monkeypatch.setattr(runtime, "time", clock)
     backoff = Backoff(0.001, 0.004)
     sleeps = []
     for _ in range(5):

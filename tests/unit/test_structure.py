@@ -115,7 +115,6 @@ def test_strategies_do_not_branch_on_elastic_membership():
 OBJECT_LAYER = os.path.join("ferrosync", "storage", "objects.py")
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: records")
 def test_records_and_exclusive_creates_go_through_the_object_layer():
     """``put(..., exclusive=...)``, ``encode_record`` and ``decode_record``/``open_record``
     are called only by the object layer (and the engines and wire format they belong to)."""
@@ -126,8 +125,15 @@ def test_records_and_exclusive_creates_go_through_the_object_layer():
     for path, tree in sorted(sources().items()):
         if path.startswith(allowed):
             continue
+        # a storage that wraps another implements ``put`` by passing its caller's
+        # ``exclusive`` on: it is the engine interface, not a caller of it
+        forwards = {id(call) for fn in ast.walk(tree)
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "put"
+                    for call in ast.walk(fn) if isinstance(call, ast.Call)
+                    and any(k.arg == "exclusive" and isinstance(k.value, ast.Name)
+                            and k.value.id == "exclusive" for k in call.keywords)}
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Call):
+            if not isinstance(node, ast.Call) or id(node) in forwards:
                 continue
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
@@ -150,7 +156,6 @@ def _reads_a_clock(node: ast.AST) -> bool:
     return False
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: waits")
 def test_deadline_loops_have_one_home():
     """A loop that waits until a deadline (a ``while`` whose test or body reads a clock
     and sleeps) is written once, in the runtime's wait primitive; every other wait calls

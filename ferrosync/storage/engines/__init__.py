@@ -49,10 +49,8 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
-from urllib.parse import urlsplit
 
-from ferrosync.errors import ConfigError, redact
+from ferrosync.core.registry import split_url
 from ferrosync.storage.engines.base import (
     RECORD_LIMIT,
     REQUEST_KINDS,
@@ -85,64 +83,6 @@ def opener_of(protocol: str):
     any scheme without a row is an fsspec driver's)."""
     module, _, name = scheme(protocol).opener.partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-#: a relative path whose first part starts like a URL scheme: ``s3:/bucket/run``,
-#: ``s3:bucket``, ``file:/tmp/x`` (a mistyped URL, not a directory named "s3:")
-_SCHEME_LIKE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(/*)(.*)", re.S)
-
-
-def split_url(url: str) -> tuple[str, str]:
-    """(protocol, rest). A bare path, or ``file://``, is protocol "file".
-
-    For ``file://`` the rest is the path (RFC 8089): ``file:///p`` and
-    ``file://localhost/p`` are both ``/p``; any other host is a ``ConfigError`` (ranks
-    started in different directories must never read a host name as a relative path).
-    A relative path that starts like a URL without its ``//`` (``s3:/bucket/run7``) is
-    a ``ConfigError``: read as a directory it would quietly become ``./s3:/bucket/run7``
-    (``./s3:/...`` says a directory is meant).
-
-    Credentials written into the URL (``s3://KEY:SECRET@bucket``, found by the one
-    redaction rule, ``errors.redact``) are a ``ConfigError`` that shows the URL without
-    them: a URL is echoed in process lists, logs, messages and records, so credentials
-    belong in ``storage_options`` or the environment. So is a scheme in upper case
-    (``S3://``), which fsspec's drivers do not recognise.
-    """
-    if redact(url) != url:
-        raise ConfigError(
-            f"{redact(url)}: credentials in a URL are refused (a URL is shown in process "
-            "lists, logs and messages)",
-            hint="write the URL without them and give them to the store's driver in its "
-            "environment (for s3://: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
-            "AWS_PROFILE) or, from Python, in storage_options (on a command line, "
-            "--sync-option or --storage-options, they show in process lists too)")
-    if "://" not in url:
-        mistyped = _SCHEME_LIKE.fullmatch(url)
-        if mistyped is not None:
-            name, _, rest = mistyped.groups()
-            name = name.lower()
-            local = scheme(name).protocol == "file"  # file:///abs/path
-            fixed = f"{name}://{'/' if local else ''}{rest}"
-            raise ConfigError(f"{url!r} looks like a URL without the '//' after its scheme",
-                              hint=f"write {fixed} (or ./{url} for a local directory of "
-                              "that name)")
-        return "file", url
-    parts = urlsplit(url)
-    written, rest = url.split("://", 1)
-    protocol = parts.scheme.lower()
-    if written != protocol and written.lower() == protocol:
-        raise ConfigError(f"{url!r}: URL schemes are lower case",
-                          hint=f"write {protocol}://{rest}")
-    if protocol == "file" and not rest.startswith("/"):
-        host, slash, path = rest.partition("/")
-        if host.lower() != "localhost":
-            raise ConfigError(
-                f"file:// URL {url!r} names the host {host!r}", path=url,
-                hint="ferrosync reads local paths only: write file:///abs/path (or "
-                "file://localhost/abs/path), or mount the remote directory and use its "
-                "local path")
-        rest = slash + path
-    return protocol, rest
 
 
 def open_storage(url: str, storage_options: dict | None = None, *,

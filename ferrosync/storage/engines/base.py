@@ -2,11 +2,12 @@
 
 ``Storage`` (put / open / read / read_head / delete / park / makedirs / list, counted in
 ``Counters``, transient failures retried by ``retry``, an exclusive create whose reply
-was lost recognised as ours by ``exclusive_create``), ``Reader``, the size rule (``RECORD_LIMIT``,
-``oversized``), key validation (``check_key``), ``Backoff`` for polling one exact name,
-``object_exists`` and ``probe_location``, the one probe every caller runs before a job
-writes anything. The engines live beside it: ``local`` (directories), ``fsspec_store``
-(object stores) and ``s3``; ``ferrosync.storage.engines.open_storage`` picks one for a URL.
+was lost recognised as ours by ``exclusive_create``), ``Reader``, the size rule
+(``RECORD_LIMIT``, ``oversized``), key validation (``check_key``), ``Backoff`` for polling
+one exact name (from ``ferrosync.core.runtime``), ``object_exists`` and ``probe_location``,
+the one probe every caller runs before a job writes anything. The engines live beside it:
+``local`` (directories), ``fsspec_store`` (object stores) and ``s3``;
+``ferrosync.storage.engines.open_storage`` picks one for a URL.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import threading
 import time
 from typing import Iterable, Sequence
 
+from ferrosync.core.runtime import Backoff  # noqa: F401 - re-exported: the engines' poll
 from ferrosync.errors import ConfigError, ExclusiveCreateUnsupported, ShardCorrupt, StorageError
 from ferrosync.storage import names
 from ferrosync.storage.engines.classify import is_transient, storage_error
@@ -161,6 +163,11 @@ class Storage:
     poll_max: float = 0.02
     #: heartbeat period that keeps request counts sane on this kind of store
     heartbeat_interval: float = 1.0
+    #: how long the operator tools watch heartbeats by default, in heartbeat periods
+    #: (two beats seen, short enough for an interactive tool), and how often they read
+    #: them (``ops/watch.py``)
+    watch_periods: float = 2.5
+    watch_poll: float = 0.1
     retries: int = 4
     #: seconds one call may spend retrying (``open_storage``'s timeout); None: no bound
     #: but ``retries``
@@ -380,28 +387,6 @@ EXCLUSIVE_CREATE_HINT = (
     "use a driver that creates only if absent (s3fs with botocore >= 1.35.20, gcsfs, "
     "adlfs: docs/operations.md#object-stores), and run `ferrosync doctor URL` to see "
     "what this store supports")
-
-
-class Backoff:
-    """Sleep schedule for polling one exact name: doubling from ``initial`` to ``cap``.
-
-    Starting well under a millisecond keeps small collectives fast on local disks;
-    the cap bounds the request rate on billed object stores.
-    """
-
-    __slots__ = ("_delay", "_cap", "_clock")
-
-    def __init__(self, initial: float, cap: float, *, clock=None) -> None:
-        """``clock``: what has ``monotonic`` and ``sleep`` (a ``runtime.Runtime``;
-        default the ``time`` module)."""
-        self._delay = initial
-        self._cap = cap
-        self._clock = clock or time
-
-    def sleep(self, deadline: float) -> None:
-        remaining = deadline - self._clock.monotonic()
-        self._clock.sleep(max(0.0, min(self._delay, remaining)))
-        self._delay = min(self._delay * 2, self._cap)
 
 
 def probe_location(storage: Storage, rank: int | None = None, *,

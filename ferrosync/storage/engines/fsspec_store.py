@@ -120,6 +120,8 @@ class FsspecStorage(Storage):
     poll_initial = 5e-3
     poll_max = 0.2
     heartbeat_interval = 2.0
+    #: each read of an object store is a billed GET per rank: about 2 per second
+    watch_poll = 0.5
     round_trips_dominate = True
     #: how one object moves: the largest request, the part size, parts in flight
     #: (``parts.Transfer``; ``set_transfer`` changes them for one store)

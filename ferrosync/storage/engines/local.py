@@ -114,6 +114,7 @@ class LocalStorage(Storage):
     poll_initial = 20e-6
     poll_max = 0.01
     heartbeat_interval = 1.0
+    watch_periods = 3.0
     cheap_deletes = True
 
     def __init__(self, root: str, *, recycle: bool | None = None) -> None:
