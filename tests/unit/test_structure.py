@@ -198,7 +198,6 @@ def test_no_option_field_is_declared_twice():
 DOCSTRING_LINES = 12
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: docstrings")
 def test_module_docstrings_are_short():
     found = []
     for path, tree in sorted(sources().items()):
