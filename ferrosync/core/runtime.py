@@ -55,7 +55,7 @@ class Runtime:
 
 REAL = Runtime()
 #: the runtime of a layer built without one (``elastic``, ``liveness.Heartbeat``,
-#: ``backends.objects.Objects``); tests that drive a fake clock replace it
+#: ``storage.objects.Objects``); tests that drive a fake clock replace it
 DEFAULT = REAL
 
 
