@@ -2,12 +2,11 @@
 store alone, without a coordinator (docs/elastic.md).
 
 ``connect(url, elastic=True, ...)`` returns an ``ElasticSync``: ``GradSync``'s contract
-among the members of each round, one round per collective. ``rank`` and
-``world_size`` are the latest roster's and may change after any collective; a member
-dropped from a roster raises ``PeerFailed`` and may connect again. Rounds, the tree
-reduce, joining and state: docs/elastic.md#rounds and the sections after it. Every
-object and record goes through the storage backend's object layer
-(``storage/objects.py``).
+among the members of each round, one round per collective; ``rank`` and ``world_size``
+are the latest roster's and may change after any collective, and a member dropped from
+a roster raises ``MemberDropped`` (a ``PeerFailed``). Rounds, the tree reduce, joining
+and state: docs/elastic.md#rounds and after. Every object and record goes through the
+storage backend's object layer (``storage/objects.py``).
 """
 
 from __future__ import annotations
