@@ -279,11 +279,9 @@ def test_layers_import_only_what_they_stand_on():
 
 
 DESIGN = os.path.join(ROOT, "docs", "design.md")
-#: names design.md quotes that are not ferrosync's (torch's, fsspec's, botocore's, the
-#: suite's fakes' are looked up in tests/fakes.py) or that are store names, not code
-FOREIGN = {"Sampler", "DistributedSampler", "GradScaler", "Work", "FakeProcessGroup",
-           "DeviceMesh", "TCPStore", "FileStore", "ProcessGroup", "CompleteMultipartUpload",
-           "ListMultipartUploads", "NoSuchUpload", "SlowDown", "If-None-Match",
+#: names design.md quotes that are not ferrosync's (torch's, fsspec's, S3's, botocore's) or
+#: that are store names, not code
+FOREIGN = {"GradScaler", "CompleteMultipartUpload", "ListMultipartUploads", "NoSuchUpload",
            "s3.payload_signing_enabled", "pipe_file", "exists", "rdzv/"}
 _TICKED = re.compile(r"`([^`\n]+)`")
 _PATH = re.compile(r"[\w*][\w./*-]*(?:\.py|/)")
@@ -366,11 +364,10 @@ def _member(top: set[str], module: str, rest: list[str]) -> bool:
     return len(rest) == 1 or _in_class(rest[0], rest[1])
 
 
-def _design_names() -> list[tuple[int, str]]:
-    with open(DESIGN, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+def _ticked(text: str) -> list[tuple[int, str]]:
+    """(line, backticked text) outside fenced blocks."""
     out, fenced = [], False
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.lstrip().startswith("```"):
             fenced = not fenced
         if not fenced:
@@ -378,24 +375,26 @@ def _design_names() -> list[tuple[int, str]]:
     return out
 
 
-def test_every_name_design_md_gives_exists():
-    """Every module, class and function docs/design.md names in backticks exists.
+def stale_names(markdown: str) -> list[str]:
+    """What of the modules, classes and functions a Markdown text names in backticks
+    does not exist, as ``line: what``.
 
     Recognised forms (anything else in backticks — commands, options, record and object
     names, values — is prose): a path ending in ``.py`` or ``/`` (globs allowed), relative
     to the repository or to ``ferrosync/`` (a bare file name: anywhere in the package),
-    optionally followed by ``.Name``
-    (``storage/objects.Objects``); a dotted name whose head is one of our modules, by its
-    full or its last dotted name (``wire.seal``, ``ferrosync.ddp.register``) or one of our
-    classes (``Storage.read``, methods and attributes of its bases count); a bare class
-    name (a capitalised word with a lower-case letter: ``GradSync``); a bare private name
-    (``_create``) or a bare call (``shard_indices(...)``), defined anywhere. A trailing
-    ``(...)`` is ignored; ``FOREIGN`` lists names that are not ours.
+    optionally followed by ``.Name`` (``storage/objects.Objects``); a dotted name whose
+    head is one of our modules, by its full or its last dotted name (``wire.seal``,
+    ``ferrosync.ddp.register``) or one of our classes (``Storage.read``, methods and
+    attributes of its bases count); a bare class name (a capitalised word with a
+    lower-case letter: ``GradSync``); a bare private name (``_create``) or a bare call
+    (``shard_indices(...)``), defined anywhere. A trailing ``(...)`` is ignored; builtins
+    and ``FOREIGN`` are not ours. "Ours" is the package, the two top-level modules and
+    ``tests/fakes.py``.
     """
     modules, classes = _definitions()
     everything = set().union(*modules.values(), *(n for n, _b in classes.values()))
     found = []
-    for line, text in _design_names():
+    for line, text in _ticked(markdown):
         if text in FOREIGN or " " in text.split("(")[0] or hasattr(builtins, text):
             continue
         name = text.split("(")[0].rstrip("/") + ("/" if text.endswith("/") else "")
@@ -418,15 +417,40 @@ def test_every_name_design_md_gives_exists():
             if "/" not in file:  # a file of the package named in its folder's row
                 hits += glob.glob(os.path.join(PACKAGE, "**", file), recursive=True)
             if not hits:
-                found.append(f"docs/design.md:{line}: no file {file}")
+                found.append(f"{line}: no file {file}")
             elif member:
                 module = os.path.relpath(hits[0], ROOT)[:-3].replace(os.sep, ".")
                 if member not in modules.get(module.removesuffix(".__init__"), ()):
-                    found.append(f"docs/design.md:{line}: {file} has no {member}")
+                    found.append(f"{line}: {file} has no {member}")
         elif _DOTTED.fullmatch(name):
             if _resolves(name) is False:
-                found.append(f"docs/design.md:{line}: no {name}")
+                found.append(f"{line}: no {name}")
         elif _BARE.fullmatch(name) or ("(" in text and name.isidentifier()):
             if name not in everything and name not in classes:
-                found.append(f"docs/design.md:{line}: no {name}")
-    assert not found, "\n".join(found)
+                found.append(f"{line}: no {name}")
+    return found
+
+
+def test_every_name_design_md_gives_exists():
+    """Every module, class and function docs/design.md names in backticks exists (the
+    forms ``stale_names`` recognises)."""
+    with open(DESIGN, encoding="utf-8") as f:
+        found = stale_names(f.read())
+    assert not found, "\n".join(f"docs/design.md:{line}" for line in found)
+
+
+def test_stale_names_finds_every_form_it_recognises():
+    """The check can fail: one stale name of each recognised form is reported, and the
+    same forms naming what exists, prose and fenced code are not."""
+    real = ("`core/guard.py` `storage/objects.Objects` `wire.seal` `ferrosync.ddp.register` "
+            "`Storage.read` `GradSync` `_create` `shard_indices(n, 0, 2)` `process_group.py` "
+            "`tests/fakes.py` `FakeClock` `torch.load(weights_only=True)` `poll_initial` "
+            "`c{s}.r{k}` `rdzv.{job}/` `python -m ferrosync.train`\n"
+            "```python\n`storage/gone.py` `NoSuchClass`\n```\n")
+    assert stale_names(real) == []
+    stale = ("`storage/gone.py` `storage/objects.Gone` `wire.gone` `ferrosync.ddp.gone` "
+             "`Storage.gone` `GoneSync` `_gone_private` `gone_function(x)`\n")
+    assert stale_names(stale) == [
+        "1: no file storage/gone.py", "1: storage/objects.py has no Gone", "1: no wire.gone",
+        "1: no ferrosync.ddp.gone", "1: no Storage.gone", "1: no GoneSync",
+        "1: no _gone_private", "1: no gone_function"]
