@@ -1,20 +1,9 @@
-"""The ``ferrosync`` console script: operator tools for a storage location.
+"""The ``ferrosync`` console script (and ``python -m ferrosync``): ``inspect``, ``gc``,
+``doctor`` and ``keys`` over a storage location.
 
-    ferrosync inspect URL [--json] [--watch S] [--objects]
-    ferrosync gc URL [--keep N] [--dry-run] [--watch S] [--json]
-    ferrosync doctor URL [--json] [--size-mib N] [--samples N] [--strict] [--mode M]
-    ferrosync keys [--prune] [--older-than DAYS] [--dry-run] [--json]   # the key files
-    python -m ferrosync SUB ...            # the same, without the installed script
-
-Every tool takes ``--storage-options JSON`` (passed to the fsspec filesystem, e.g.
-``'{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}'``). ``inspect`` and
-``gc`` verify each job's control records with its key: the key file the launcher
-left for the job (``ferrosync/ops/keys.py``: ``~/.config/ferrosync/keys/JOB.key``, or
-``$FERROSYNC_KEYS``), else ``--secret`` (default ``$FERROSYNC_SECRET``).
-
-Exit status: 0 when the tool ran, whatever it found (``doctor --strict``: 1 if a
-check failed); 1 when storage failed underneath it; 2 on bad usage (unknown flag,
-bad URL or option). The tools live in ``ferrosync.ops`` and are imported only here.
+Usage, flags and exit status (0 ran, 1 storage failed, 2 bad usage):
+docs/operations.md and docs/design.md#operator-tools. The tools live in
+``ferrosync.ops`` and are imported only here.
 """
 
 from __future__ import annotations

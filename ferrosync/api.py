@@ -1,30 +1,10 @@
 """``connect`` and ``GradSync``: the public collectives, written once for every backend.
 
-``GradSync`` validates arguments, groups tensors into flat dtype-homogeneous
-buckets, times phases and keeps ``stats``. It is an abstract base: a backend
-(docs/design.md#backend-contract) implements ``check_options`` and the primitives
-that move bytes (``_average_flat``, ``_broadcast_flat``, ``_all_gather_flat``,
-``_barrier``, ``_shutdown``), may override ``_publish_abort``, and is registered (class,
-options class, URL schemes) in ``core/registry.py``; ``tests/test_contract.py`` then runs it.
-
-The collective contract (as with NCCL): every rank calls the same collectives in
-the same order, with tensors of the same dtypes and shapes. A violation is
-detected (each object carries a layout digest) and raised as ``LayoutMismatch``
-on every rank, never silently averaged. A collective that raises leaves this
-``GradSync`` unusable (the ranks no longer agree on where they are): close it
-and reconnect, which starts a new generation.
-
-**Who may call.** A collective may be called from any thread of the process that
-connected, but two threads' calls must not overlap, and a forked child may not use
-the parent's ``GradSync``: that rule lives in ``core/guard.py`` (``OwnershipGuard``, which
-``GradSync`` inherits). ``async_op=True`` runs collectives on this library's own
-thread (``core/async_runner.py``).
-
-**The adapter seam.** Code that builds another interface on a ``GradSync`` (the DDP
-process group in ``ddp/``) runs its own collective bodies through the public
-``run_collective`` (on the calling thread) and ``submit`` (on the async thread), so
-they keep the ownership rule, the call order, failure and ``stats`` exactly as the
-built-in collectives do; it never calls private methods.
+``GradSync`` validates arguments, cuts buckets, keeps ``stats`` and runs every
+collective through the adapter seam (``run_collective``, ``submit``); a backend
+implements the abstract primitives and is registered in ``core/registry.py``.
+Contracts: docs/design.md#backend-contract, docs/design.md#collective-order,
+docs/design.md#adapter-seam.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Deterministic, equal-sized data partitions: ``shard_indices`` and ``ShardSampler``.
 
-Every rank must run the same number of steps, or the collectives deadlock: a rank
-with one batch more waits forever for peers that have finished. So every rank gets
-exactly ``ceil(n / world_size)`` indices (padding by wrapping around the index list)
-or, with ``drop_last``, ``floor(n / world_size)`` (the tail is dropped).
-
-The order matches ``torch.utils.data.DistributedSampler`` for the same
-``(seed, epoch)``: a ``torch.randperm`` drawn from a generator seeded with
-``seed + epoch``, then a round-robin deal (rank r takes positions r, r+W, r+2W, ...).
-A script can therefore swap one sampler for the other and see the same batches.
+Every rank gets the same number of indices (padded by wrapping, or the tail dropped), so
+no rank runs an extra step and deadlocks the others; the order is
+``DistributedSampler``'s for the same ``(seed, epoch)`` (a ``torch.randperm`` seeded with
+``seed + epoch``, dealt round-robin), so either sampler gives the same batches
+(docs/design.md#gradsync-collectives).
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ def test_a_manifest_declaring_a_huge_state_is_refused_before_allocating(tmp_path
             sync.read_state(max_bytes=1 << 20)
 
 
-# The two below need issue 22's bounded reads (Storage.read refuses objects over the
+# The two below need the bounded reads (Storage.read refuses objects over the
 # record limit; wire's record decoding is depth-bounded): elastic routes every record
 # through them and has no size or JSON checks of its own.
 

@@ -3,7 +3,7 @@
 ``SyncProcessGroup`` registers torch's ``FakeProcessGroup`` (``error_on_collective``) as
 a placeholder backend so that torch sees device types and a name
 (``ddp/factory.py``); a collective method it did not override would reach that
-placeholder (issue 33: ``allgather_coalesced`` did). So: every public method of
+placeholder (``allgather_coalesced`` once did). So: every public method of
 ``dist.ProcessGroup`` that is not an accessor must be a Python method of
 ``SyncProcessGroup`` (statically, so a collective a new torch adds fails here), and
 calling each one on a real 2-rank group gives ferrosync's result or its one-line

@@ -1,5 +1,5 @@
 """The "ferrosync" backend as a real torch group: DeviceMesh, functional collectives,
-DTensor, FSDP2, DCP async_save, integer AVG (issue 13).
+DTensor, FSDP2, DCP async_save, integer AVG.
 
 Every feature runs on real processes twice, on stock gloo and on the ferrosync
 backend over a directory, and every rank's results are compared (exactly where

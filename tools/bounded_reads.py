@@ -1,4 +1,4 @@
-"""Peak memory of the reads that are bounded by what they expect (issue 30, deliverable 6):
+"""Peak memory of the reads that are bounded by what they expect:
 ``ferrosync inspect --objects`` over S3 with a large data object, and checkpoint loads
 (``--resume``'s read path) of a real checkpoint and of a step file grown sparse.
 

@@ -1,34 +1,10 @@
-"""Payload encodings ("wire dtypes"): raw, 16-bit casts, int8 with block scales, and
-sparse low-bit top-k.
+"""Payload encodings ("wire dtypes"): raw, 16-bit casts, int8 with block scales, sparse
+low-bit top-k, and their error feedback.
 
-A codec turns a 1-D float tensor into payload bytes and back. Every codec is a
-sequence of fixed-size *frames* (``frame_elems`` elements in ``frame_bytes``
-bytes), so a reader can stream any object in chunks of whole frames, and a
-collective can be cut into slices on frame boundaries, without codec-specific
-code in the transport.
-
-* ``raw``: the tensors' own bytes. On the CPU the payload *is* the tensor memory
-  (written and read with zero copies).
-* ``bfloat16`` / ``float16`` / ``float32``: a cast on write; the reducer
-  accumulates in float32 (float64 for float64 tensors) and the result is cast
-  back to the wire dtype, so every rank decodes the very same bytes.
-* ``int8``: frames of 256 values and one float32 scale (absmax / 127), 260 bytes
-  for 1 KiB of float32: 25.4 % of the float32 bytes. Quantisation error is
-  carried to the next call by *error feedback* (``ErrorFeedback``), kept by the
-  caller per tensor layout.
-
-* ``topk``: frames of ``TOPK_CHUNK`` (4096) values; each carries the ``k`` values
-  of largest magnitude (``k = round(topk_density * 4096)``, default 64) as
-  ``topk_bits``-bit codes (default 2) against the chunk's float32 scale, and their
-  chunk-local uint16 indices: 148 bytes for 16 KiB of float32 by default (110x
-  fewer). What is not sent, and the quantisation error, go to error feedback
-  (SparseLoCo, arXiv 2508.15706; DGC, Lin et al. 2018). The sum of such payloads is
-  not sparse, so it is never re-encoded: backends average them by gathering every
-  rank's contribution (``lossy_result = False``).
-
-Non-finite values keep their meaning: a float cast keeps inf/NaN as they are; an
-int8 or topk frame holding inf or NaN decodes to all-NaN, so AMP's ``GradScaler``
-sees ``found_inf`` on every rank alike.
+A codec turns a 1-D float tensor into a sequence of fixed-size frames and back, so a
+reader streams and a collective slices any payload on frame boundaries without
+codec-specific code in the transport. What each codec sends and how non-finite values
+survive: docs/design.md#codecs; top-k: docs/topk.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Code every backend shares: layout checks and their messages, the weighted
 accumulate, and the translation of torch.distributed failures into ferrosync errors.
 
-Backends import this module and ``ferrosync.api``, never each other (a new transport
-is one module plus one ``register(...)`` in ``ferrosync/core/registry.py``).
+A backend never imports another backend's module (docs/design.md#backend-contract): a new
+transport is one module plus one ``register(...)`` in ``ferrosync/core/registry.py``.
 """
 
 from __future__ import annotations

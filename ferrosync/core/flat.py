@@ -1,23 +1,9 @@
-"""Many tensors as a few flat vectors, and reusable buffers.
+"""Many tensors as a few flat, dtype-homogeneous vectors (buckets), and reusable buffers.
 
-A collective moves one flat, dtype-homogeneous vector per *bucket*: a model with
-hundreds of parameters costs a few storage objects, not hundreds. A single
-contiguous tensor is used in place (no copy); several tensors are gathered into
-a pooled buffer and scattered back afterwards.
-
-``BufferPool`` keeps one buffer per role and grows it only when a larger one is
-needed, so steady-state training allocates nothing payload-sized per call and
-peak memory does not depend on the number of ranks.
-
-``check_tensors`` rejects, before any I/O, what cannot travel this way: torch
-would otherwise raise its own error halfway through a collective, after this rank
-had published data or consumed a sequence number, failing the whole job for a
-local mistake. Memory layout is otherwise free: a non-contiguous tensor (a
-transpose, a strided slice) goes through the pooled buffer, and so does a
-conjugate or negative view (whose memory does not hold its values). Tensors of
-one call may share memory with each other: the result written back is then the
-same through every alias, since each element's average only depends on the
-element.
+``check_tensors`` refuses, before any I/O, what cannot travel this way; ``BufferPool``
+keeps one growing buffer per role, so peak memory depends neither on the number of
+ranks nor on the number of calls (docs/design.md#data-path-of-one-average,
+docs/design.md#bounded-memory).
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
 """The ownership guard: which process and which thread may run a ``GradSync``'s collective.
 
-This module is the one home of the thread rule and the fork rule (docs/design.md#threads,
-docs/design.md#forked-children). ``GradSync`` (``api.py``) inherits ``OwnershipGuard``;
-every collective runs through ``_collective`` (public as ``GradSync.run_collective``).
-
-**Threads.** A collective may be called from any thread (torch DCP's ``async_save``
-calls from a worker thread), but two threads' calls on one ``GradSync`` must not
-*overlap*. A collective is identified across ranks by its position in this
-GradSync's sequence only, so when two threads call at once, which call is
-collective *n* depends on the scheduler of each rank: a lock would serialise them,
-in one order on one rank and in the other order on another, and the ranks would
-silently average one thread's tensors with the other thread's (layouts being
-equal, nothing could tell). So a thread that calls while another thread is inside
-a collective on the same GradSync gets ``ConfigError`` before any I/O, and the
-GradSync is failed: its abort marker gives the peers a typed error instead of a
-crossed result, and the thread that was inside raises ``ConfigError`` too when its
-collective ends (even if it completed: the ranks may have paired it with the other
-thread's call, and its tensors hold whatever arrived); a backend stops publishing
-as soon as it asks ``_raise_if_failed``. What cannot be detected are calls that do
-not overlap on a rank but come in a different order on different ranks (one thread's
-call ended before the other's began), including on a peer whose threads happened not
-to overlap: order such calls yourself (join the thread, ``handle.wait()``). The
-async runner (``async_op=True``, ``core/async_runner.py``) is this library's own thread:
-a call from another thread first waits for the submitted collectives.
-
-**Processes.** A GradSync belongs to the process that connected. A forked child
-inherits the object but not its threads, and its storage handles and files are the
-parent's: in the child every collective raises ``ConfigError`` without any I/O,
-``close()`` only marks the child's copy closed (``_close_forked_copy``), and the exit
-and exception hooks below ignore it, so a child that exits (or dies) never tells the
-parent's peers that the parent's rank closed or failed.
-
-**Failure.** A collective that raises fails the GradSync (``_fail``: the first
-failure is kept and the peers are told through ``_publish_abort``); every later call
-raises ``SyncClosed``.
-
-What the host class provides: ``rank``, ``url``, ``_publish_abort(exc)`` (best
-effort, must not raise) and ``close()``.
+The one home of the thread rule and the fork rule (docs/design.md#threads,
+docs/design.md#forked-children) and of failing a ``GradSync``: the first failure is
+kept, the peers are told through ``_publish_abort``, and every later call raises
+``SyncClosed``. The host class provides ``rank``, ``url``, ``_publish_abort(exc)``
+(best effort, never raises) and ``close()``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Ctrl-C while a ferrosync command starts: held until its ``main`` can act on it.
 
-Importing torch takes seconds. A ``KeyboardInterrupt`` raised in the middle of it
-prints the import machinery's traceback, leaves half-loaded extension modules behind
-(the next import of them fails with "cannot load module more than once per process"),
-and can be swallowed by import-time code that catches everything, so the job runs on.
-So when this process is one of ferrosync's commands (``python -m ferrosync.train``,
-``python -m ferrosync``, the ``ferrosync`` script, ``python -m
-ferrosync.testing.seaweed``), the first line of
-``ferrosync/__init__.py`` holds SIGINT (``hold_at_start``): a Ctrl-C is noted, never
-acted on, until the command's ``main`` calls ``release``, which restores Python's
-handler and raises the noted one there, where ``main`` says one line and exits 130.
-A program that only imports ferrosync keeps its own Ctrl-C as it was. Standard library
-only: it runs before anything else is imported.
+``hold_at_start`` (the first line of ``ferrosync/__init__.py``, for ferrosync's own
+commands only) notes a SIGINT instead of raising it in the middle of importing torch;
+``release``, called by the command's ``main``, restores Python's handler and raises
+the noted interrupt there (docs/design.md#launcher). Standard library only.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""This user's own directories outside the store: ``/dev/shm/ferrosync-<uid>/...`` (or
-the temporary directory), the key directory (``~/.config/ferrosync/keys``).
+"""This user's own directories outside the store (``/dev/shm/ferrosync-<uid>/...``, the
+key directory): created and verified here only.
 
-The one home that creates and verifies them, as the store's own files are verified
-(docs/design.md#security-model): below a trusted base (``/dev/shm``, ``$TMPDIR``, the
-config directory: links on the way there are the system's or the user's), every part
-is created 0700 if missing, then opened through its parent's handle with
-``O_NOFOLLOW|O_DIRECTORY`` and checked with ``fstat``: a directory of this user, never a
-link, and writable by no one else (a ``secret`` one, the key directory: no access for
-group or others at all). Anything else (a directory another local user made first,
-mode 0777, a link) is a ``ConfigError`` naming the path and what to do. Every later
-use goes through the verified handle (``dir_fd``), so swapping a name for a link
-afterwards redirects nothing: an entry is created, listed and deleted in the verified
-directory only.
+Every part below a trusted base is made 0700, opened through its parent's handle
+without following a link and checked with ``fstat``; anything else is a
+``ConfigError`` naming the path, and every later use goes through the verified handle
+(docs/design.md#security-model).
 """
 
 from __future__ import annotations

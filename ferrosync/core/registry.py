@@ -1,26 +1,10 @@
-"""Where a backend declares itself (docs/design.md#registry): one ``register(...)`` per
-backend, imported lazily.
+"""Where a backend declares itself: one ``register(...)`` per backend, imported lazily
+(docs/design.md#registry).
 
-A registration names, in one place, everything the rest of the code and the docs
-need to know about a backend (as fsspec's ``register_implementation`` does for a
-filesystem): the ``GradSync`` class, its options dataclass, and how ``connect``
-chooses it (URL schemes, or an option that selects it on a storage URL: ``local=``
-for the two-level sync, ``elastic=True`` for an elastic job). From the registrations:
-
-* ``connect`` picks the class (``registration_for``, ``backend_for``) and constructs
-  every backend alike: its ``check_options`` validates the options (the selecting one
-  included), its ``identity`` says who this process is, then the class is called;
-* ``tools/options_table.py`` writes docs/reference.md's option table of each one (between
-  ``<!-- options:NAME -->`` markers; ``tests/test_docs.py`` checks they match);
-* ``tests/test_registry.py`` checks that the contract matrix (``tests/conftest.py``)
-  exercises every registered backend, so a registration without contract coverage
-  fails the suite.
-
-Classes are named as ``"module:Class"`` strings and imported on first use:
-``import ferrosync`` stays cheap (no fsspec, s3fs or CUDA initialisation until a URL
-needs them), and this module imports no backend, so backends may import it (the
-two-level sync gets the storage backend from ``storage_backend()``). A missing driver
-is reported with the command that installs it (see ``storage.open_storage``).
+A registration names the ``GradSync`` class, its options dataclass and how ``connect``
+chooses it (URL schemes, or a selecting option); ``connect``, docs/reference.md's
+option tables and ``tests/test_registry.py`` all read them from here. Classes are
+``"module:Class"`` strings, so this module imports no backend.
 """
 
 from __future__ import annotations

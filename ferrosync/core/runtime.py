@@ -1,17 +1,9 @@
 """Where the elastic layer takes time and threads from; the package's one bounded ``wait``.
 
-A ``Runtime`` is what one process offers the code that agrees on membership: its clocks
-(``monotonic``, ``time``), ``sleep``, polling back-off (``Backoff``), events, locks
-that may be held across a storage request, background threads, and the per-process
-state of the liveness rule (``process_clock``, the ``gone`` judgements). ``REAL`` is
-the process's own; ``DEFAULT`` is what a layer uses when nothing is passed in (tests
-swap it for a fake clock).
-
-The elastic simulator (``ferrosync/testing/sim``) passes each simulated member its
-own runtime on a shared virtual clock, so N members of the production code run in one
-process in a deterministic order: every sleep, wait, lock hand-over, thread start and
-storage request is a point where the simulator's scheduler chooses who runs next.
-Nothing here changes what a real run does.
+A ``Runtime`` is one process's clocks, ``sleep``, back-off, events, locks, background
+threads and liveness state; ``REAL`` is the process's own, ``DEFAULT`` what a layer
+uses when none is passed. The elastic simulator gives each simulated member its own
+(docs/elastic.md#simulation); a real run is unchanged.
 """
 
 from __future__ import annotations
@@ -85,7 +77,7 @@ class Backoff:
 
 REAL = Runtime()
 #: the runtime of a layer built without one (``elastic``, ``liveness.Heartbeat``,
-#: ``backends.objects.Objects``); tests that drive a fake clock replace it
+#: ``storage.objects.Objects``); tests that drive a fake clock replace it
 DEFAULT = REAL
 
 

@@ -1,24 +1,10 @@
-"""DistributedDataParallel over a shared directory or an object store.
+"""DistributedDataParallel over a shared directory or an object store (docs/ddp.md).
 
-Two routes, both over the same storage layer and wire format as ``ferrosync.connect``:
-
-1. The ``"ferrosync"`` torch.distributed backend, registered on ``import torch`` by the
-   ``torch.backends`` entry point (``ferrosync_autoload``; off with
-   ``FERROSYNC_AUTOLOAD=0``) and again, idempotently, by ``import ferrosync``::
-
-       dist.init_process_group("ferrosync", init_method="/shared/run", rank=r, world_size=w)
-       model = DistributedDataParallel(model)           # unchanged from here on
-
-2. A DDP communication hook over any ``GradSync``, no process group needed::
-
-       sync = ferrosync.connect("s3://bucket/run", rank=r, world_size=w)
-       model = ferrosync.ddp.wrap(model, sync)
-
-See ``docs/ddp.md``. Modules: ``init_methods`` (init_method URLs), ``process_group``
-(``SyncProcessGroup``), ``factory`` (what torch calls to make a group), ``job`` (a
-group's job id through torch's store), ``comm_hook`` (``hook``, ``wrap``). Registering
-with torch is ``ferrosync_autoload``'s alone (``register`` here calls it); only that
-runs at ``import ferrosync``, the rest loads on first use.
+Two routes over the storage backend: the ``"ferrosync"`` torch.distributed backend
+(``init_process_group("ferrosync", init_method=URL)``), and ``wrap``/``hook``, a DDP
+communication hook over any ``GradSync``. Registering with torch is
+``ferrosync_autoload``'s alone (docs/design.md#registering-with-torch); only that runs
+at ``import ferrosync``, the rest loads on first use.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """DDP's bucketed gradient reduction through any GradSync: ``hook`` and ``wrap``.
 
-``wrap(model, sync)`` is ``DistributedDataParallel(model)`` whose process group is
-a ``SyncProcessGroup`` over ``sync`` (DDP's start-of-training broadcast, buffer
-broadcasts and bucket rebuilds go through ``sync``) and whose gradient buckets are
-averaged by ``hook``. Nothing else connects the ranks: a directory or a bucket
-shared by every rank is enough, without ``init_process_group``.
-
-``hook`` can also be registered on a DDP model built any other way
-(``ddp.register_comm_hook(sync, ferrosync.ddp.hook)``), for instance DDP over a
-per-process world-size-1 gloo group while ``sync`` does the real averaging.
+``wrap(model, sync)`` is ``DistributedDataParallel`` over a ``SyncProcessGroup(sync)``
+with ``hook`` averaging its gradient buckets: a location every rank shares is enough,
+without ``init_process_group``. ``hook`` also fits a DDP built any other way
+(docs/ddp.md#the-comm-hook).
 """
 
 # no ``from __future__ import annotations`` here: DDP compares ``hook``'s annotations

@@ -1,40 +1,11 @@
-"""``init_method`` URLs for ``init_process_group("ferrosync", ...)``: where the ranks meet.
+"""The ``init_method`` handlers of ``init_process_group("ferrosync", ...)``: where the
+ranks meet.
 
-torch turns ``init_method`` into a key-value store (a "rendezvous"), then hands the
-backend factory a chain of ``PrefixStore``s around it. The ferrosync backend needs
-no key-value store at all (its own rendezvous runs in storage), only the storage
-*location*, which it reads back from the innermost store (``location_of``):
-
-* ``/dir`` (bare path, existing or not), or ``file:///dir`` naming an existing
-  directory or ending in ``/``: torch gets ``FileStore("/dir/c10d.store")``;
-  ferrosync's data lives in ``/dir``.
-* ``file:///path/f`` naming anything else keeps torch's own meaning (a store file,
-  made by torch's handler): ``FileStore("/path/f")``; data in ``/path/f.ferrosync``.
-* ``s3://bucket/run`` (any scheme ``ferrosync_schemes`` marks for the backend, or
-  added with ``register_scheme``): a process-local ``UrlStore`` that carries the URL;
-  data in ``s3://bucket/run``.
-* ``env://`` (torch's default when no init_method is given): torch's own handler
-  (a TCPStore at ``MASTER_ADDR:MASTER_PORT``, as torchrun and ``python -m
-  ferrosync.train`` set them). Only when ``MASTER_ADDR`` is unset, where torch
-  would fail, and ``FERROSYNC_URL`` is set: a process-local ``EnvStore`` naming no
-  location, so the backend takes its location from ``pg_options["url"]`` or
-  ``$FERROSYNC_URL`` as for any store without one. No TCP port is needed; gloo and
-  nccl cannot use it (they need a shared store) and get a ``ConfigError`` saying so.
-
-Only cases torch itself rejects are taken over: a bare path has no handler in
-torch, ``file://`` naming a directory fails there ("Is a directory"), and so does
-``env://`` without ``MASTER_ADDR``. A ``file://`` URL naming a file, and ``env://``
-with ``MASTER_ADDR``, keep torch's behaviour exactly. Local stores are
-real ``FileStore``s, so ``backend="gloo"`` works with the same URLs; an object-store
-URL has no store shared between hosts, so only the ferrosync backend can use it
-(anything that asks its ``UrlStore`` for a peer's key gets a ``ConfigError``).
-
-Rank and world size come from the URL query that torch appends
-(``init_process_group(rank=, world_size=)``), else from the environment
-(torchrun, SLURM; see ``ferrosync.core.env``). The handlers here do the work; which URLs
-reach them, and their registration with torch, is the registrar's
-(``ferrosync_autoload``, which loads this module on first use and which this module
-never imports).
+A bare path, a ``file://`` directory, an object-store URL and ``env://`` without
+``MASTER_ADDR`` are taken over (the cases torch itself rejects); everything else keeps
+torch's meaning. ``location_of`` reads the storage location back from torch's store.
+URLs and what each gives: docs/ddp.md#init_method. Which URLs reach these handlers is
+the registrar's (``ferrosync_autoload``), which this module never imports.
 """
 
 from __future__ import annotations

@@ -1,29 +1,9 @@
 """Which job a ``"ferrosync"`` process group belongs to, told through torch's store.
 
-Two jobs on one storage URL must never meet. ``connect`` tells them apart by a job id
-(``FERROSYNC_JOB``, SLURM's or torchelastic's); a job without one waits a claim window
-(3 s, ``ferrosync.storage.rendezvous``) so that a second job starting at the same moment is
-seen. A job launched through torch needs neither: torch hands the backend factory a
-key-value store (``env://``'s and ``tcp://``'s TCPStore, ``file://``'s FileStore, a
-given ``store=``) that only this job's ranks share, so rank 0 draws a random job id
-and the others read it there (``job_from_store``). The storage rendezvous then runs in
-that job's own namespace (``rdzv.torch-<16 hex>/``), without a claim window.
-
-A store can outlive its job (a FileStore file left by a killed run, which torch
-itself asks users to delete): a rank must not take a stale id for this run's. So
-every rank r > 0 answers the id it read with a token of its own
-(``ferrosync/ack/<id>/<r>``), and only rank 0 of this run, which drew that id, answers
-that token (``ferrosync/go/<token>``, naming the id); a rank that read a stale id gets
-no answer, reads the id again and answers the fresh one, with the same token, once
-rank 0 has written it. Every wait
-polls ``check`` (which never blocks) within the group's timeout.
-
-Subgroups (``new_group``) inherit the id of the default group when it is a
-``"ferrosync"`` group (their files live in ``<location>/group.<name>``, a namespace
-of their own), so they cost what gloo's do; any other group draws its own.
-Process-local stores (``init_methods.UrlStore``, ``EnvStore``: an object-store URL, or
-``env://`` without ``MASTER_ADDR``) are shared with no other rank: there the job id
-comes from the environment or the claim window applies, as for ``ferrosync.connect``.
+Rank 0 draws a random job id and the other ranks read it from the key-value store
+torch hands the backend, with a token handshake so a stale id left by a killed run is
+never taken (``job_from_store``); subgroups inherit the default group's id. Why, and
+where no shared store exists: docs/design.md#claim-window.
 """
 
 from __future__ import annotations

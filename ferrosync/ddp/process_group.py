@@ -1,67 +1,12 @@
-"""``SyncProcessGroup``: a ``torch.distributed`` process group whose collectives run on a GradSync.
+"""``SyncProcessGroup``: a ``torch.distributed`` process group whose collectives run on a
+``GradSync``.
 
-``init_process_group("ferrosync", ...)`` builds one over a storage ``GradSync``
-(``create_backend``); ``ferrosync.ddp.wrap`` builds one over any ``GradSync`` it is
-given. Either way DDP and ``torch.distributed`` calls map onto four GradSync
-collectives: ``average_``, ``broadcast_``, ``all_gather`` and ``barrier``.
-
-Contract: the same as every ``torch.distributed`` backend. Every rank of the group
-calls the same collectives in the same order with tensors of the same dtypes and
-shapes; a violation is detected (layout digests) and raised as ``LayoutMismatch``.
-
-``allreduce`` runs **asynchronously** (``overlap=True``, the default): it returns
-at once with a ``Work`` while the GradSync's async thread (the one behind
-``average_(..., async_op=True)``) reduces the tensors, so DDP overlaps each gradient
-bucket's storage round trip with the rest of the backward pass. Collectives still
-run in call order: every other collective first waits for the allreduces before it
-(``_settle``), and the async thread runs them one at a time in submission order.
-Every other collective is synchronous: when the call returns, the result is in place
-and the returned ``Work`` is already complete.
-
-Errors stay typed and never crash the process (``_Pending``):
-
-* ``Work.wait()`` raises the GradSync's typed exception (``PeerFailed``,
-  ``SyncTimeout``, ``LayoutMismatch``, ...), and so does ``get_future().wait()`` /
-  ``.value()`` from Python.
-* The future always completes *successfully* as torch's C++ sees it. torch's own
-  ``Future.set_exception`` stores the exception object as the future's value, and
-  DDP's built-in reducer, which reads that value as tensors, then crashes the process
-  (SIGSEGV on torch 2.13). Here the error is raised by the future's Python unwrap
-  function instead (``Future._set_unwrap_func``, the private hook ``set_exception``
-  itself uses), so C++ sees the bucket's tensors and Python sees the exception.
-* An allreduce started inside a backward pass (DDP's reducer, or a comm hook) queues
-  one autograd final callback per backward (``_settle``): it waits for every pending
-  allreduce and raises the first failure, typed, from ``backward()``. It runs before
-  DDP's reducer finishes the backward, so a failed bucket never reaches the gradients
-  (except where DDP itself starts the allreduces from a final callback, as in a
-  ``static_graph`` model's first step: then it runs after, and ``backward()`` still
-  raises before the optimizer can step).
-* A failure that is known when the next collective is called is raised by that call.
-
-With ``overlap=False`` (``pg_options={"overlap": False}``) allreduce is synchronous too:
-failures are raised by the call itself and the Work is complete when returned. An
-allreduce of CUDA tensors is synchronous either way: the async thread's CUDA streams
-and current device have not been tested against the reducer's.
-
-Reductions:
-
-* ``AVG`` on float16/bfloat16/float32/float64: ``GradSync.average_``, i.e. Σx/W
-  summed in rank order (half types accumulate in float32), bit-identical on every rank.
-* ``SUM`` on the same dtypes: that average times W (half types are averaged as
-  float32 copies so only one rounding to half happens). Exact when W is a power of
-  two; otherwise within about one ulp (of the accumulation dtype) of the rank-ordered
-  sum. DDP's gradient SUM is of gradients already divided by W.
-* everything else (``SUM`` on integers and bool, ``MIN``, ``MAX``, ``PRODUCT``,
-  ``BAND``, ``BOR``, ``BXOR``): ``all_gather`` and a local reduce in rank order,
-  identical on every rank. It reads every rank's tensor, so it suits the small
-  tensors (flags, counters, metrics) these ops are used for.
-* ``AVG`` on integers: NCCL's meaning, the rank-ordered sum divided by W with
-  truncation toward zero (``torch.div(..., rounding_mode="trunc")``); Lightning's
-  ``sync_dist=True`` sends it for counters. ``AVG`` on bool is a ``ConfigError``.
-
-To torch the group looks like a built-in one (``_device_types``, ``group_name``), so
-DeviceMesh, DTensor, functional collectives, FSDP2 and DCP accept it: see
-``factory.attach_placeholders``.
+Built by ``init_process_group("ferrosync", ...)`` over a storage ``GradSync``
+(``create_backend``) or by ``ferrosync.ddp.wrap`` over any one. It keeps every torch
+backend's contract; ``allreduce`` overlaps with the backward pass (``overlap``), and a
+failure reaches Python typed without crashing DDP's reducer (``_Pending``). Reductions,
+overlap and errors: docs/ddp.md#what-the-backend-implements and
+docs/design.md#ddp-process-group; how torch sees the group: ``factory``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""One member's side of every round: writing its contribution, agreeing on the roster,
-and reading the others' contributions, verified (docs/elastic.md#rounds).
+"""One member's side of every round: writing its contribution, agreeing on the roster, and
+reading the others' contributions, verified (docs/elastic.md#rounds).
 
-Each collective call is one round r. The member writes ``r{r}.{id}`` (in a tree round
-its slices first, then a header-only marker: ``tree.py``), waits for the roster of r
-(``rounds.Agreement``), and is told there whether it was refused or dropped. Every
-object goes through the job's object layer (``backends.objects.Objects``): sealed,
-created exclusively, read bounded and verified against an ``Expected`` header. The
-member publishes a description of each layout it calls with once (``layout.{digest}``,
-content-addressed), so that any member finding another layout names the first
-difference.
-
-``Exchange`` is also the ``RoundIO`` a ``TreeRound`` uses (``tree.py``): its writes,
-verified reads, the error for a missing slice, liveness and waits.
+Every object goes through the job's object layer (``storage/objects.py``): sealed,
+created exclusively, read bounded and checked against an ``Expected`` header; each
+layout is described once (``layout.{digest}``) so a mismatch names the first difference.
+``Exchange`` is also the ``RoundIO`` a ``TreeRound`` uses (``tree.py``).
 """
 
 from __future__ import annotations

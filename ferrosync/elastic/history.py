@@ -1,33 +1,9 @@
-"""The membership history of an elastic job, kept for its whole life and bounded in
-size (docs/elastic.md#inspecting-an-elastic-job).
+"""The membership history of an elastic job, kept for its whole life and bounded in size.
 
-Rosters are deleted ``ROSTER_RETENTION`` rounds after they are written, so they tell
-only the last rounds' story. The history outlives them: the writer of a roster that
-changes the membership (someone joined, left, was dropped or refused) folds that
-change into the job's compacted history record ``history.{round}`` and creates it
-(an exclusive create: sealed, MAC before parse, bounded like every record). A round
-without a change costs nothing; a change costs one GET (the previous record), one
-PUT and one batch DELETE (the record before the previous one: two are kept, so a
-reader racing the delete still finds one), plus one heartbeat GET per departed
-member this writer did not judge itself (to say how it went).
-
-**The record**: the last ``KEEP`` changes in full (``recent``: the round, the change's
-effect on the job's count, and per event the member ids, at most ``IDS`` of each,
-then a count), the older ones as counts per event (``older``), and ``changes``, the
-job's count as the roster says it. Whatever the record does not hold (see below) is
-``changes`` minus what it accounts for: a reader shows it as unrecorded.
-
-**Writers change and die.** Each roster names the round of the latest change
-(``last_change``) and of the one before (``change_before``), so the writer of the
-next change finds the record to fold without listing, whoever wrote it. A writer that
-dies between its roster and its record leaves no record for its change: the next
-change's writer rebuilds that change from its two rosters (if they are still kept;
-else the change goes unrecorded) and folds it into the record before it, found
-through the rosters' chain (up to ``WALK`` records back, several writers having died
-in a row; past that, or where the chain is pruned, it starts a new record). What a
-record lacks shows as its count minus what it accounts for: the roster's count itself
-is never lost (rosters are written first), so ``ferrosync inspect`` counts changes as
-the members do.
+The writer of a roster that changes the membership folds the change into the compacted
+record ``history.{round}`` (the last ``KEEP`` changes in full, older ones counted); a
+change whose writer died is rebuilt by the next one from the rosters' chain. The
+record, its cost and what a reader shows: docs/elastic.md#inspecting-an-elastic-job.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
-"""The job record and admission: what a member checks before it writes anything, and
-how it gets into a roster (docs/elastic.md#joining).
+"""The job record and admission: what a member checks before it writes anything, and how
+it gets into a roster (docs/elastic.md#joining).
 
-* **The job record** ``job``: the first member writes it (an exclusive create), every
-  later one compares it with its own before writing anything: the job's ``spec`` (what
-  the trainer's members must agree on) and the settings every member must share, which
-  the options class declares (``ElasticOptions.shared_settings``: the fields marked
-  shared, the same home as the fixed-size backend's rendezvous settings). A record
-  sealed with another key is a ``ConfigError`` naming the secret.
-* **The end mark** ``ended``: once a member marks the job ended (``mark_ended``), a
-  later joiner gets ``JobEnded`` at once instead of waiting for a round that never comes.
-* **Admission** (``admit``): the joiner finds the newest roster without listing,
-  appends itself to the join queue (an exclusive create of the first free entry, with
-  a deadline) and waits for a roster that admits it.
+``job`` (the first member's exclusive create: the job's ``spec`` and the settings
+``ElasticOptions.shared_settings`` marks shared) is compared before a member writes;
+``ended`` makes a later joiner fail at once with ``JobEnded``; ``admit`` appends the
+joiner to the join queue and waits for a roster that admits it.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""Membership of an elastic job, agreed through the store alone (docs/elastic.md).
+"""Membership of an elastic job, agreed through the store alone (docs/elastic.md#rounds).
 
-Pieces:
-
-* ``heartbeat(...)``: the one heartbeat writer (``liveness.Heartbeat``) rewriting
-  ``hb.{id}`` with an increasing ``beat`` and a ``state`` (``alive``, then ``left`` on a
-  graceful close or ``aborted`` on a failure, written at once so the others need not
-  wait out the heartbeat timeout).
-* ``HeartbeatWatch``: tells whether another member is alive. A member is gone when its
-  heartbeat says ``left``/``aborted``, or when its ``beat`` has not changed for
-  ``timeout`` seconds of *this* process's monotonic clock (another host's clock is
-  never compared) while this process ran: time this process was frozen (SIGSTOP, a
-  suspended VM or job) is not the other's silence. The freeze is seen as a gap in
-  this process's own timeline (``liveness.ProcessClock``, ticked by the heartbeat
-  thread every interval and by every look), and the silence clocks start over when
-  the process resumes, as the fixed-size backend's monitor does.
-* ``Roster``: the membership of one round, and ``Rosters``, which reads rosters and
-  join entries and creates the next roster with an exclusive create (first writer
-  wins; everyone else reads the winner's).
-
-Every record is a JSON control record sealed with ``wire.encode_record`` (an HMAC
-with the job's secret when one is set) and checked with ``decode_record``, through the
-job's object layer (``backends.objects.Objects``); anything else is refused as
-``ShardCorrupt``.
+``heartbeat`` is the one heartbeat writer (``hb.{id}``: ``alive``, then ``left`` or
+``aborted``); ``HeartbeatWatch`` says whether another member is gone, by the freeze-aware
+rule of docs/design.md#liveness; ``Roster`` is one round's membership and ``Rosters``
+reads rosters and join entries and creates the next roster exclusively (first writer
+wins). Every record goes through the job's object layer.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""The plan of a tree reduce: which member sums which range over which group, the
-same on every member (docs/elastic.md#the-tree-reduce).
+"""The plan of a tree reduce: which member sums which range over which group, the same on
+every member (docs/elastic.md#the-tree-reduce).
 
-Everything here follows from the size of the previous roster and ``fan_in`` alone, so
-every member computes the same plan without asking anyone (``plan``, cached per
-size). Level 1 groups the roster's positions into contiguous groups of about
-``fan_in`` (``_groups``), level 2 groups those groups, and so on up to one root. A
-level's ``k`` is its smallest group's size: the range of the payload a node covers is
-split into ``k`` parts, and the node's child at slot ``j`` sums part ``j``; a larger
-group's last child only passes its output up. ``Units`` cuts a call's flats into
-codec frames so that a range of units is a contiguous run of every kind of bytes.
-``tree.py`` runs the plan for one round.
+Everything follows from the previous roster's size and ``fan_in`` alone, so every
+member computes the plan without asking (``plan``, cached per size); ``Units`` cuts a
+call's flats into codec frames. ``tree.py`` runs a plan for one round.
 """
 
 from __future__ import annotations

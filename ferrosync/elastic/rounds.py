@@ -1,27 +1,11 @@
 """Agreeing on the roster of one round (docs/elastic.md#rounds).
 
-The roster of round r is complete when every member of roster r-1 has contributed
-to r or is gone (heartbeat says left/aborted, or silent for the heartbeat timeout),
-and the members plus the joiners admitted now number at least ``min_ranks``. Then it
-is written with an exclusive create: the first writer wins and every other member
-reads the winner's roster, so all agree although each judged liveness alone.
-
-**Who checks.** Checking completeness costs one request per missing contribution,
-so not everyone does it: a member checks only when every member before it in the
-previous roster (and, for a joiner, every join entry before its own) is gone. In a
-healthy job that is member 0 alone; every other member polls the roster object and,
-once per heartbeat interval, the heartbeat of the first predecessor it finds alive
-(member 0's). When the checker dies or leaves, the next live member takes over as
-soon as it sees that (at once for a graceful leave, after the heartbeat timeout for
-a silent death). Once per check interval of waiting the checker makes a full pass
-(every contribution, every missing member's heartbeat in one pass), and a waiting
-member looks past predecessors that are not seen running now, so members that die
-together are judged together (``Agreement.complete``, ``Agreement.is_checker``).
-
-**Progress.** While a round waits for members below ``min_ranks``, the member that
-knows how many there are (the checker; a joiner of a job being founded, from the queue
-ahead of it) says so on the ``ferrosync.elastic`` logger at INFO when it starts waiting
-and every ``PROGRESS_EVERY`` seconds after.
+The roster of round r is complete when every member of roster r-1 contributed or is
+gone and at least ``min_ranks`` members (joiners included) are there; it is written
+with an exclusive create, so all members agree although each judged liveness alone.
+Only the first live member of the previous roster checks completeness
+(``Agreement.is_checker``, ``Agreement.complete``); waiting below ``min_ranks`` is logged
+every ``PROGRESS_EVERY`` seconds.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""The state bootstrap of an elastic job (docs/elastic.md#state).
+"""The state bootstrap of an elastic job: published tensors for newcomers
+(docs/elastic.md#state).
 
-A member publishes tensors as the parts ``state.{r}.{i}`` of one byte stream (their
-raw bytes in order), each a sealed ``wire`` object whose header says which bytes of
-the stream it carries and whose layout digest covers all the tensors' dtypes and
-shapes, and then points ``state`` at them. The pointer is a sealed control record that
-also carries the *manifest* (each tensor's name, dtype and shape) and a small JSON
-``meta`` dict, so a joiner that does not know the layout yet (an optimizer whose
-state is created lazily, a step counter) can allocate the tensors itself: nothing
-read from the store is unpickled, and dtypes come from a fixed list.
-
-Writing the object before the pointer means a pointer never names a state that was
-not completely written. The publisher deletes the state it published before, so a
-reader may find the pointer's object gone: it then reads the pointer again (bounded
-by the timeout).
-
-**Memory.** A reader streams each part straight into the tensors it returns (or, for
-``fetch``, into one copy of the caller's, copied over once verified), verifying each
-part's checksum or MAC as its bytes arrive, and hands nothing out before every part
-passed: about the state's size once, plus one part (an object store's reader holds
-its GET's bytes: parts keep that to at most an eighth of the state, and 64 MiB).
+A member writes the state as sealed parts ``state.{r}.{i}`` and then points ``state`` at
+them with a record carrying the manifest (names, dtypes, shapes) and a JSON ``meta``:
+nothing is unpickled, and a pointer never names a state not completely written. A
+reader streams and verifies every part before it hands anything out.
 """
 
 from __future__ import annotations

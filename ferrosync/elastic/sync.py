@@ -1,6 +1,5 @@
 """``ElasticSync``: a member of an elastic job, the ``GradSync`` that
-``connect(url, elastic=True)`` returns (the module docstring of ``ferrosync.elastic``
-states the collective contract).
+``connect(url, elastic=True)`` returns (its collective contract: docs/elastic.md#rounds).
 
 What lives here: connecting (the job's object layer, its record and admission:
 ``job.py``), the member's view of the membership, the backend primitives (each one

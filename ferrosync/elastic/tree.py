@@ -1,46 +1,11 @@
-"""The reduce of an elastic average from ``TREE_FROM`` members on: a hierarchical
-reduce-scatter and all-gather over the previous roster (docs/elastic.md#the-tree-reduce).
-The plan (who sums which range over which group) is ``plan.py``'s; this module runs it
-for one round.
+"""One round of the tree reduce of an elastic average from ``TREE_FROM`` members on: a
+hierarchical reduce-scatter and all-gather over the previous roster
+(docs/elastic.md#the-tree-reduce).
 
-Below ``TREE_FROM`` members every member reads every contribution (``(W-1)·P`` bytes,
-few requests). From ``TREE_FROM`` on, the positions of roster r-1 are grouped
-(``TreePlan``): level 1 groups the positions into groups of about ``fan_in``, level 2
-groups those groups, and so on up to one root. Each level has ``k`` slots: the range
-of the payload a node covers is split into ``k`` equal parts (in whole codec frames),
-and the member at slot ``j`` of a node sums part ``j`` over the node's children.
-
-* A member writes its contribution as ``k1`` slices (``r{r}.t0.{position}.{j}``, one
-  per level-1 slot) and then a header-only marker ``r{r}.{id}`` (what the roster's
-  checker looks for: it never downloads payloads).
-* The holder of slot ``j`` of a level-l node reads piece ``j`` of each child's
-  output, sums them in child order (``core/common.accumulate``: float32 for half
-  types) and writes its sum split again into the next level's ``k`` pieces
-  (``r{r}.t{l}.{node}.{path}``), carrying the node's total weight.
-* At the root each holder divides its range by the job's total weight and writes it
-  as ``r{r}.m.{path}``; the ranges are merged back down (a level's first holder
-  concatenates its siblings' ranges), and every member reads the ``k1`` ranges of
-  level 1: the whole average, the same bytes on every member.
-
-A member reads about ``P`` going up and ``P`` coming down, and makes ``O(fan_in)``
-requests per level (``fan_in`` · log W per round), so neither grows with W. Every
-object is read whole, at exactly the size its range has, and verified (MAC or
-checksum, then every header field) before a byte of it is used; the objects a holder
-computes are named and bound to their place in the tree (their layout digest covers
-the name), so one cannot stand in for another.
-
-Every object is a deterministic function of the contributions, so when its holder is
-gone (not a contributor of this round, dropped, or found gone by the one liveness
-rule while a member waits for it) whoever needs it computes it and writes it (an
-exclusive create: the first copy wins; both are the same bytes). With one level
-(``W <= fan_in``) the sum is exactly the all-read-all one (every contributor in
-roster order); with more, partial sums are added per group, so the bits differ from
-a flat sum (not between members).
-
-**What a tree round uses of its member** is the ``RoundIO`` interface below, which the
-member's round exchange (``exchange.Exchange``) implements: sealed exclusive writes and
-verified reads of the round's objects, the error for a slice that is missing, the one
-liveness rule, the exact-name wait, and the member's stats.
+``TreeRound`` runs ``plan.py``'s plan; every object it reads is bound to its place in the
+tree and verified before use, and one whose holder is gone is computed and created by
+whoever needs it (the same bytes). What it uses of its member is the ``RoundIO``
+interface, which ``exchange.Exchange`` implements.
 """
 
 from __future__ import annotations

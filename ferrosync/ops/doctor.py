@@ -1,44 +1,12 @@
-"""``ferrosync doctor URL``: is this storage location fit for a job? Which settings suit it?
+"""``ferrosync doctor URL``: is this storage location fit for a job, and which settings
+suit it?
 
-Run it before a job (exit 0 whatever it finds, 1 with ``--strict`` when a check
-fails; 2 on bad usage)::
-
-    ferrosync doctor /mnt/nfs/exp7                    # creates the directory if missing
-    ferrosync doctor s3://bucket/exp7 --storage-options '{"client_kwargs": {...}}'
-    ferrosync doctor /mnt/nfs/exp7 --size-mib 256 --json
-
-Checks (each ok / warn / fail / info; see docs/operations.md):
-
-* location: exists or is created (directory mode, bucket);
-* filesystem (local paths): the mount's type and options; NFS without
-  ``lookupcache=positive``, with ``nocto`` or ``soft``, and FUSE mounts are flagged;
-* atomic publish: a second handle reads an object while it is being replaced over
-  and over: never a torn or missing read (temp file + ``os.replace`` locally, one
-  PUT on object stores), and no temp file left behind;
-* store: what the store guarantees and costs (``ferrosync.storage.providers``): its conditional
-  create, read-after-write and delete visibility, list prices per 1,000 requests and
-  the driver settings for an emulator; the JSON report's ``store``;
-* exclusive create: a second create-if-absent of one name must fail (``os.link``
-  locally, ``If-None-Match: *`` on S3 and Azure, ``ifGenerationMatch=0`` on GCS):
-  rendezvous and elastic rosters rely on it, and connect refuses a store without it;
-* atomic rename (file systems): a probe renamed within its directory, to a new name
-  and over an existing one, must stay the same file (its inode) with nothing left
-  under the old name; FUSE drivers known to rename by copy then delete (s3fs,
-  goofys, rclone, gcsfuse, blobfuse) are named. A location with neither exclusive
-  create nor atomic rename gets a warning (the JSON report's ``capabilities``);
-* visibility: how long until a second handle sees a new object, polled by exact
-  name after a miss (negative caches), and an overwritten one (heartbeats);
-* permissions: modes of what ferrosync creates, the umask, world access;
-* latency: small put / get / open-miss round trips, p50 and p90;
-* throughput: one ``--size-mib`` object written and read back.
-
-Then it prints recommended ``connect()`` settings for the mode the job runs in
-(``--mode``; by default elastic when the location holds an elastic job and no
-fixed-size one; ``ops/recommend.py``). Its probe objects live under
-``.doctor.{pid}.{hex}/``, after a mark that names the directory (``names.DOCTOR_MARK``),
-and are removed afterwards; ``gc`` removes them if doctor was killed, but only where
-the mark is doctor's and only names doctor writes (``owned``): a user's files under
-such a name stay.
+Checks the location, filesystem, atomic publish, the store's guarantees, exclusive
+create, atomic rename, visibility, permissions, latency and throughput, then prints the
+settings ``recommend.py`` derives for the job's mode. Its probes live under
+``.doctor.{pid}.{hex}/`` after a mark naming the directory, so ``gc`` removes only what
+doctor provably wrote (``owned``). The checks and what each means:
+docs/operations.md#ferrosync-doctor-url.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Membership history of the elastic jobs at a location, for ``ferrosync inspect``.
 
-An elastic job (``ferrosync/elastic``) keeps its membership history in a compacted
-record ``history.{round}`` (``elastic/history.py``: the last changes in full, the
-older ones counted, the job's count of changes), rewritten by the roster writer at
-each change, and one roster per round for its last ``ROSTER_RETENTION`` rounds, each
-naming the members that contributed to the round and the members of the next one,
-and the job's count of changes (the members' ``membership_changes``). The history
-shown is the record's, then whatever the rosters on storage add after it (a change
-whose writer stopped before its record, or a job written before records existed):
-consecutive rosters say who joined and who was dropped at which round, and a dropped
-member's last heartbeat says whether it left (a graceful close), aborted, or went
-silent (died, or was paused past ``heartbeat_timeout``). Read-only: the tool never
-writes under an elastic job.
+Shows the job's compacted history record (``elastic/history.py``), then what the rosters
+still on storage add after it, and how each dropped member went (its last heartbeat:
+left, aborted or silent). Read-only: it never writes under an elastic job
+(docs/elastic.md#inspecting-an-elastic-job).
 """
 
 from __future__ import annotations

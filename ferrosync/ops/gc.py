@@ -1,60 +1,11 @@
-"""``ferrosync gc URL``: remove finished generations and orphaned temp files, never live ones.
+"""``ferrosync gc URL``: remove finished or dead generations and orphaned temp files,
+never a live one.
 
-Run it (exit 0 whatever it finds; 2 on bad usage)::
-
-    ferrosync gc /mnt/nfs/exp7 --dry-run       # the plan, and why
-    ferrosync gc /mnt/nfs/exp7 --keep 2        # each job keeps its two newest finished ones
-    ferrosync gc s3://bucket/exp7 --storage-options '{"profile": "ops"}' --secret "$KEY"
-
-Each job's records are verified with its key: the key file its launcher left
-(``ops/keys.py``), else ``--secret`` / ``$FERROSYNC_SECRET``.
-
-What goes, and why it is safe:
-
-* A generation is removed when it is **finished** (every rank's last heartbeat says
-  closed or aborted, or it left an abort marker) or **dead** (no rank's heartbeat
-  counter changed during the watch window, at least two heartbeat periods of this
-  process's monotonic clock). A live generation is never removed.
-* Several jobs may share a location, each with its own rendezvous namespace
-  (``rdzv/`` or ``rdzv.{job}/``) and its own generation numbers; a generation belongs
-  to the job whose announcement names its directory ``g{g}.{token}``.
-* Each job's **newest** generation is removed only when finished (a job that has just
-  been announced may not have written its first heartbeat yet, a suspended one writes
-  none), or when the job is provably over: its key file says which launcher started it,
-  and that launcher no longer runs on this host (its ranks die with it). That is how a
-  job whose ranks could not write their last heartbeat (a full disk) is freed. A generation
-  directory without an announcement is a rank 0 between creating it and announcing
-  it, and left alone, unless *every* job here has a trusted announcement of its
-  number naming another directory (then it is an orphan: its rank 0 lost the race).
-* ``rdzv*/`` records are kept: they number future generations and let a restart skip
-  consumed claims (a few hundred bytes each).
-* Nothing under an elastic job's namespace (``el/``, ``el.{job}/``) is ever removed, temp
-  files included: its members may run on other hosts (a temp file whose pid is not
-  alive *here* may be a member's write in progress on another NFS client), and the job
-  prunes its own rounds. Each is named in the report, with what it holds.
-* A temp file ``.{name}.{pid}.{hex}.tmp`` goes with its generation, or on its own
-  when it outlived the watch window and its pid is none of its generation's running
-  ranks (and, on a local directory, no live process here). A part ``.{name}.{hex}.p{i}``
-  of an object written in parts (storage/engines/parts.py) whose object ``name`` is missing (an
-  aborted write's, or one in progress) goes with its generation; outside generations,
-  when its object is still missing after the watch window.
-* Records that cannot be read, parsed or verified (junk, a MAC and no ``--secret``, a
-  bad MAC, a file larger than any record) are never acted upon and protect, never
-  unprotect: a junk abort marker keeps its generation, and a junk announcement above
-  a job's newest trusted one keeps that one protected as the job's newest
-  (``Namespace.maybe_newest``): a suspended job's generation is never removed because
-  of a file someone else put there.
-* On a local or NFS directory one ``gc`` at a time holds ``.ferrosync-gc.lock``
-  (an ``flock``); jobs never take it, they are protected by liveness. On a full
-  filesystem, where the lock file cannot be created, gc goes on without it (and says
-  so): freeing space is what it is run for then.
-* A doctor directory ``.doctor.{pid}.{hex}/`` left by a killed ``ferrosync doctor``
-  goes only as far as doctor provably wrote it: its mark naming the directory, and
-  only the names doctor writes (``doctor.owned``); a user's files under such a name,
-  or anything in one without the mark, are kept and named.
-* Nothing is followed: links, FIFOs, sockets and devices (which ferrosync never
-  writes) are reported and left alone, a link's target is never touched, and a
-  generation directory is removed only when it is empty.
+A generation goes only when every rank finished, or none beat during the watch window
+(a job's newest only when finished or its launcher provably exited); ``rdzv*/`` records
+and elastic namespaces are never removed; a record that cannot be verified protects,
+never unprotects; nothing is followed. The rules and why each is safe:
+docs/operations.md#ferrosync-gc-url---keep-n---dry-run.
 """
 
 from __future__ import annotations

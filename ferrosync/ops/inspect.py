@@ -1,16 +1,8 @@
 """``ferrosync inspect URL``: what is at a storage location, and is anyone alive there?
 
-Run it (exit 0 whatever it finds; 2 on bad usage)::
-
-    ferrosync inspect /mnt/nfs/exp7                  # text report
-    ferrosync inspect s3://bucket/runs/exp7 --json --storage-options '{"anon": false}'
-    ferrosync inspect /mnt/nfs/exp7 --watch 0        # no liveness watch: instant
-
-For every generation: its status (live, finished, dead, ...), the ranks seen with
-their state, heartbeat counter, last collective and operation, stragglers, abort
-markers with the failing rank's error, and the bytes it holds. Liveness comes from
-heartbeat counters changing during ``--watch`` seconds of this process's monotonic
-clock (docs/design.md#no-cross-host-clocks); wall-clock ages are printed for information only.
+For every generation its status, ranks, heartbeats, stragglers, abort markers and
+bytes; liveness from heartbeat counters over ``--watch`` seconds of this process's own
+clock (docs/design.md#no-cross-host-clocks). Output: docs/operations.md#ferrosync-inspect-url.
 """
 
 from __future__ import annotations

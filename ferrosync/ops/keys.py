@@ -1,45 +1,10 @@
-"""Key files: what the launcher keeps of each launch so that its user's tools can read it.
+"""Key files: what the launcher keeps of each launch so that its user's tools can verify
+the job's records.
 
-``python -m ferrosync.train --nproc N`` gives the ranks of a launch a fresh secret that
-is set in their environments only (``train/launcher.py``, ``launch_secret``). So that the
-same user can still verify the job's records with ``ferrosync inspect``, ``gc`` and
-``doctor`` without copying that secret by hand, the launcher writes one small file per
-launch before any rank starts, named by the job id the ranks meet under::
-
-    ~/.config/ferrosync/keys/launch-0123456789abcdef.key   ($XDG_CONFIG_HOME, or $FERROSYNC_KEYS)
-
-a JSON object: ``secret`` (hex; null when the ranks use the user's own
-``$FERROSYNC_SECRET``, which is never copied here), ``url``, and where the launcher runs
-(``host``, ``boot_id``, ``pid_ns``, ``pid``, ``start``): the tools on that host can then
-tell that a launch is over (its launcher has exited, and with it every rank), which is
-what lets ``gc`` free a job that crashed without writing its final heartbeats (a full
-disk). The file lives on the user's own machine, never on the shared store: anyone who
-can read the store must not learn the key.
-
-Rules (one home: ``directory``, ``save``, ``load``):
-
-* the directory is the user's and 0700 (made so; an existing one that is not the
-  user's, or that group or others may enter, is refused: ``ConfigError``);
-* a key file is written 0600 through a temporary file and an exclusive link, never
-  following a link; a file that is not a regular file of this user, or that group or
-  others may read or write, is refused with a ``ConfigError`` naming the ``chmod`` to run
-  (a key others could read is no key; one others could write could be theirs);
-* tools look a job's key up by the job id they find on the store; that id is untrusted
-  input, so only a valid job id (``names.JOB_ID``: no ``/``, no leading dot) names a
-  file.
-
-Key files pile up, one per launch: ``ferrosync keys`` lists them, and ``ferrosync keys
---prune`` removes those of launches that are over (``prune``): a launch whose launcher
-has provably exited on this host and whose local run directory is gone, or any launch
-not running whose key file is older than ``--older-than`` days (default 30; a launch
-from another host, whose state this host cannot tell, goes by age alone). A running
-launch's key file is never removed, nor anything that is not a valid key file of this
-user (it is listed, and left alone).
-
-To let an operator on another host verify a job, copy its key file into their key
-directory (``install -m 600 -D launch-….key ~/.config/ferrosync/keys/launch-….key``),
-or give them its ``secret`` field for ``--secret``; a team that wants every job
-readable by all its operators sets one ``$FERROSYNC_SECRET``, which the launcher keeps.
+One home (``directory``, ``save``, ``load``, ``prune``) for the rules: a 0700 directory
+of this user's, key files 0600 written without following links, looked up only by a
+valid job id (``names.JOB_ID``), and a running launch's file never pruned. Format,
+rules and sharing a key: docs/operations.md#key-files-every-job-visible-to-its-operator.
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
-"""The settings ``ferrosync doctor`` recommends, from what it measured, for the mode a job
-runs in: a fixed-size job (``connect(url)``) or an elastic one (``connect(url,
-elastic=True)``).
+"""The settings ``ferrosync doctor`` recommends for a fixed-size or an elastic job, from
+what it measured.
 
-The floor of every recommendation is what a job of that mode resolves by itself on this
-store: the options dataclass's ``timing(storage)`` (``storage/options.py``, the one
-place where defaults meet the store; elastic members on an object store beat every
-10 s, not 2 s), so a recommendation is never below the defaults and never a copy of
-them. Above the floor it follows the measurements:
-
-* ``poll_initial`` about half an open-miss round trip (polling faster only queues
-  requests), ``poll_max`` about 4 × the p90 miss (at most 1 s);
-* ``heartbeat_interval`` at least 20 × the p90 put (a beat must be cheap next to its
-  period);
-* ``heartbeat_timeout`` at least three intervals (what a job's own default allows) plus
-  twice the worst visibility delay, in whole seconds;
-* ``timeout`` (one collective) 10 × the time one root-reduce collective of
-  ``payload_mib`` over ``world_size`` ranks takes at the measured throughput, at
-  least 300 s;
-* ``wire_dtype`` on a slow link, from that same collective's time in float32:
-  ``"int8"`` (4x fewer bytes) from ``INT8_FROM_S``, ``"topk"`` (about 110x fewer;
-  for gradients and DiLoCo's pseudo-gradients: docs/topk.md) from ``TOPK_FROM_S``;
-
-and the result is parsed by the same options class, so ``connect`` accepts it.
+The floor is what a job of that mode resolves by itself on this store (the options'
+``timing(storage)``); above it each setting follows the measured latency, visibility
+and throughput, and the result is parsed by the same options class, so ``connect``
+accepts it. The rule per setting: docs/operations.md#ferrosync-doctor-url.
 """
 
 from __future__ import annotations

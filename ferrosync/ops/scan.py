@@ -1,36 +1,10 @@
 """Scan a ferrosync storage location: what the operator tools see there.
 
-What a job leaves under its URL is laid out in ``ferrosync.storage.names``, which makes and
-parses every name (``classify`` asks it what each listed key is):
-
-* per job, a rendezvous namespace (``rdzv`` or ``rdzv.{job}``, ferrosync.storage.rendezvous)
-  of JSON records: claims, announcements (each naming its generation's token),
-  objections and end markers;
-* per generation, a directory at the root (generation numbers count per namespace,
-  the random token tells two jobs' generation 0 apart; an announcement names its
-  directory) holding binary data objects (contributions, results and broadcasts,
-  with the 112-byte header of ferrosync.storage.wire) and JSON control records: layout
-  descriptions, heartbeats ``{beat, state, collective, op, pid, host, ...}`` and
-  abort markers ``{type, message, collective, ...}``;
-* writers' temporary files next to their final names (orphans if a writer was
-  killed), leftover connect probes and doctor directories, the gc lock.
-
-``scan`` lists the location once (tools may list; the collective path never does)
-and reads the announcements, heartbeats and abort markers by exact name. Control
-records are parsed as JSON only, never unpickled, and their MAC is checked with the
-key of their job (``keys.JobKeys``: the launcher's key file, else the operator's
-secret): a record that cannot be verified is shown but never acted upon.
-
-Every namespace is read on its own (``Scan.namespaces``): its announcements, its
-newest one (which may belong to a job still starting: ``Scan.newest_prefixes``),
-and its claims. A generation directory belongs to the namespace whose announcement
-names it (``g{g}.{token}``); one no announcement names is told apart by its number
-against every namespace's newest announcement (``Scan.may_be_announced``).
-
-The location is untrusted input: on a directory, links, FIFOs, sockets and devices
-are listed as ``irregular`` (from lstat, never followed or opened) and left alone by
-every tool; a record that turns out unreadable (something was planted at its name
-after the listing) is shown as "bad", never acted upon, and never stops the tool.
+``scan`` lists the location once (tools may list; the collective path never does),
+classifies every key through ``ferrosync.storage.names``, reads announcements,
+heartbeats and abort markers by exact name and verifies them with their job's key
+(``keys.JobKeys``). A record that cannot be verified is shown, never acted upon; links,
+FIFOs and devices are ``irregular`` and left alone (docs/design.md#operator-tools).
 """
 
 from __future__ import annotations

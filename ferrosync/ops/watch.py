@@ -1,16 +1,9 @@
-"""Liveness as the tools judge it: does a rank's heartbeat *counter* change?
+"""Liveness as the tools judge it: does a rank's heartbeat counter change?
 
-docs/design.md#no-cross-host-clocks: a peer is alive when the ``beat`` in its
-``hb.r{k}`` record changes, timed with this process's own monotonic clock. Another
-host's wall clock and file
-mtimes are never compared (clocks differ between nodes; NFS attribute caches lie),
-so the record's ``wall_time`` is shown as information only.
-
-``observe`` reads the heartbeats of the ranks still running at the start, by exact
-name, every ``poll`` seconds for up to ``window`` seconds; it stops early once every
-one of them has changed (a live job usually answers within one heartbeat period).
-A rank whose counter did not change is called *stale* only if the window covered at
-least two of its heartbeat periods; otherwise the tools say they could not judge it.
+``observe`` reads heartbeats by exact name every ``poll`` seconds for up to ``window``
+seconds of this process's own clock (docs/design.md#no-cross-host-clocks); a rank is
+*stale* only if the window covered two of its heartbeat periods
+(docs/operations.md#how-the-tools-judge-liveness).
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """What storage requests cost: rates per hour and the bill at object-store list prices.
 
-On an object store the request bill can exceed the compute bill (a heartbeat every
-2 s is 1,800 PUTs per rank per hour; a collective is a few PUTs and GETs per rank),
-so the trainer's summary, its ``FINAL`` line and ``ferrosync inspect`` show requests
-per hour and their cost. Prices are USD per 1,000 requests of each billed kind
-(``storage.REQUEST_KINDS``); the defaults are each store's list prices
-(``providers.PROVIDERS``: S3 Standard in us-east-1, GCS Standard in one region, Azure
-block blobs in the Hot tier with LRS, as published in 2026), S3's for a URL of no
-known store. Other classes and regions differ: pass yours, e.g.
-``--storage-prices put=0.0065,get=0.00052``.
+On an object store the request bill can exceed the compute bill (a heartbeat every 2 s
+is 1,800 PUTs per rank per hour), so the summary, ``FINAL`` and ``ferrosync inspect``
+show requests per hour and their cost, in USD per 1,000 requests of each billed kind:
+each store's list prices (``providers.PROVIDERS``), or the user's
+(``--storage-prices put=...,get=...``; docs/operations.md#what-a-run-costs-so-far).
 """
 
 from __future__ import annotations

@@ -1,69 +1,10 @@
 """Heartbeats, abort markers and the peer checks that turn a hang into an error.
 
-Each rank of a generation owns two control objects in the generation's prefix
-(named by ``ferrosync.storage.names``):
-
-* its heartbeat (``names.heartbeat(rank)``): rewritten every ``interval`` seconds by
-  a background thread with an increasing ``beat`` counter and where the rank is
-  (collective, operation). It is the one key ferrosync overwrites: readers only ever
-  ask "did the counter change?", which tolerates a stale read of one period.
-* its abort marker (``names.abort(rank)``): written once when the rank fails (an
-  exception inside a collective, or an uncaught exception ending the process),
-  carrying the error.
-
-A waiting rank calls ``PeerMonitor.maybe_check`` from its polling loop; at most once
-per interval it reads the abort markers and heartbeats of the ranks it waits on. A
-peer is dead when its counter has not changed for ``timeout`` seconds *of the
-reader's own monotonic clock*: another host's wall clock or a file's mtime is never
-compared (clocks differ between nodes).
-
-**Time this process was frozen is not the peer's silence.** When a whole job is
-suspended (SLURM ``scontrol suspend``, SIGSTOP, a paused VM whose clock catches up
-on resume) the monotonic clock keeps running while no thread of the process runs.
-On resuming, a waiting rank would read a peer counter that last moved before the
-pause and blame the peer for the pause's length, although the peer was frozen too
-and has had no chance to beat yet. Two ways to tell were considered:
-
-* compare the peer's heartbeat progress with this process's own (blame a peer only
-  if this rank's counter advanced by ``timeout`` worth of beats while the peer's
-  did not): the same question asked through storage, so it adds write latency and
-  stale reads, and it still needs a rule for when this rank's own counter should
-  have advanced, which is the bound below;
-* notice gaps in this process's own timeline: chosen. Every thread that runs
-  periodically ticks one process-wide ``ProcessClock``: the heartbeat thread
-  before and after each write, the waiting thread at every poll. While the process
-  runs, consecutive ticks are at most about one heartbeat interval apart (the
-  heartbeat thread runs during compute too), so a gap longer than
-  ``freeze_bound`` (1.5 intervals, at least 0.25 s) means the process was frozen
-  during it (or so starved that it could not look either). After such a freeze
-  every peer's silence clock is re-armed at the moment this process resumed: the
-  peer then has a full ``timeout`` to show a new beat, which a live peer (frozen
-  with us, or never frozen) does within an interval. The gap is measured locally,
-  by one monotonic clock, so no two hosts' timers are compared, and which rank
-  resumes first does not matter (as long as the others follow within ``timeout``).
-
-  A real death is still caught in time: a SIGKILLed peer stops beating while this
-  process keeps ticking, so it is reported ``timeout`` (+ one check interval)
-  after its last beat. A freeze shorter than ``freeze_bound`` is not detected and
-  counts as silence; ``timeout`` must leave room for it on top of the two intervals
-  a beat can take to be seen (``timeout > 2 intervals + freeze_bound``, e.g. 3.5
-  intervals; the defaults have far more). A process that keeps
-  freezing for longer than ``freeze_bound`` more often than every ``timeout``
-  re-arms forever and relies on the collective ``timeout`` instead (a process that
-  sick cannot tell its own stalls from its peers' deaths).
-
-**A heartbeat that cannot be written** (storage full, credentials expired) makes
-peers declare this rank dead after ``timeout``, while this rank, seeing nothing
-wrong, keeps waiting. ``Heartbeat`` therefore records its failures
-(``last_error``, ``failing_since``), and ``PeerMonitor.check`` raises
-``StorageError`` naming the write error once this rank's own heartbeat has failed
-for longer than ``timeout``; a ``PeerFailed`` raised while the own heartbeat is
-failing says so too (shared storage trouble, not a dead peer). The monitor finds
-the heartbeat of the same (storage, prefix, rank) through a registry that
-``Heartbeat.start``/``stop`` maintain, so the backend need not wire them together.
-
-A forked child inherits none of the threads (so none of the ticks) and possibly a
-held lock; the process clock is reset in the child (``os.register_at_fork``).
+Each rank rewrites its heartbeat from a background thread (``Heartbeat``) and writes its
+abort marker once when it fails; a waiting rank calls ``PeerMonitor.maybe_check`` from
+its polling loop. A peer is dead when its counter has not changed for ``timeout`` of
+this process's monotonic clock, not counting time this process was frozen
+(``ProcessClock``). The rules and why: docs/design.md#liveness.
 """
 
 from __future__ import annotations

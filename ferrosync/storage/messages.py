@@ -1,29 +1,9 @@
 """Point-to-point messages of one generation through storage (``Mailbox``).
 
-A message is one object, ``names.message(src, dst, tag, n)``: the n-th message rank
-``src`` sends rank ``dst`` with ``tag`` (n = 0, 1, ... per (src, dst, tag), counted alike
-by the sender as it sends and by the receiver as it posts receives). It is an exact
-copy of the tensor's bytes with the object header every collective object has (kind
-"broadcast", raw codec), so it gets the same trust: checksum or MAC over header and
-payload, the generation token binding it to this job and generation, ``n`` in the
-header's collective field, and a layout digest over (source, destination, tag) so an
-object moved onto another pair's or tag's name is refused (docs/design.md#point-to-point).
-
-Messages take no collective number: only two ranks take part, and the collective
-sequence must stay the same on every rank. The sender's publish never waits for the
-receiver (storage holds the message until it is read), so sends cannot deadlock; the
-receiver polls the exact name, checks the sender's liveness (abort marker, heartbeat)
-as a collective's waits do, and deletes the message once it has read it.
-
-**Receiving from any source** (``src=None``): each poll looks at every other rank's
-next message on ``tag``, in rank order, and takes the first one there. Among the
-messages present at one poll the lowest rank wins; which ranks' messages have arrived
-by then is up to the timing of the sends, as with MPI's ``MPI_ANY_SOURCE``. Each
-candidate's counter only moves when its message is taken, so a later receive from a
-specific rank gets the next message of that rank, never one skipped.
-
-Used by one ``FileSync`` from the thread inside its call (``GradSync.run_collective``);
-not thread-safe.
+A message is one object with a collective object's header, numbered per (src, dst, tag)
+and taking no collective number; a send never waits, a receive polls the exact name and
+the sender's liveness and deletes what it read (docs/design.md#point-to-point). Used by
+one storage backend from the thread inside its call; not thread-safe.
 """
 
 from __future__ import annotations

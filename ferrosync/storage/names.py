@@ -1,35 +1,10 @@
 """Every object name ferrosync writes on shared storage: formatted and parsed here only.
 
-A run's storage location holds::
-
-    rdzv/ or rdzv.{job}/        a job's rendezvous namespace (``namespace``)
-        join.r{k}.{n}           a process's n-th claim on rank k (``join``)
-        gen.{g}                 rank 0's announcement of generation g (``announcement``)
-        dup.r{k}.{n}            a live holder's objection to claim n (``objection``)
-        end.r{k}.{n}            the holder of claim n has closed (``end``)
-    g{g}.{token}/               a generation's objects (``generation_dir``)
-        c{s}.r{k}[.s{j}]        rank k's contribution to collective s (``contribution``)
-        c{s}.out[.s{j}]         its result, a broadcast or an error record (``result``)
-        layout.{d}.r{k}         rank k's description of layout digest d (``layout_record``)
-        m{n}.r{k}.d{j}.t{t}     the n-th message from rank k to rank j with tag t (``message``)
-        hb.r{k}                 rank k's heartbeat (``heartbeat``)
-        abort.r{k}              rank k's abort marker (``abort``)
-    .{name}.{pid}.{8 hex}.tmp   a writer's temporary file, next to ``name`` (``temp``)
-    .spare.{pid}.{8 hex}        a consumed object parked for reuse (``spare``)
-    .probe.r{k}.{8 hex}         a connect probe (``probe``)
-    .doctor.{pid}.{hex}/        ``ferrosync doctor``'s probe directory (``doctor_dir``)
-        doctor.json             its mark, written first (``DOCTOR_MARK``)
-        atomic, lat.{i}, ...    its probes (``doctor_object``)
-    .ferrosync-gc.lock          the lock one ``ferrosync gc`` holds (``GC_LOCK``)
-
-The format functions return one path component; ``within`` joins a directory and a
-name into a storage key. ``parse`` reads one component back into a ``Name`` whose
-``kind`` says which function made it (``"unknown"`` for a name ferrosync never
-writes). Names of different kinds never parse as each other, so a tool can tell
-from a listing alone what each object is; where a kind may appear (a claim only in
-a namespace, data only in a generation directory) is the caller's business
-(``ferrosync.ops.scan.classify``). Numbers are decimal without sign; tokens are
-lowercase hex, as ``secrets.token_hex`` makes them.
+One format function per kind returns one path component (``within`` joins a directory
+and a name); ``parse`` reads a component back into a ``Name`` whose ``kind`` says which
+function made it. The names and where each lives: docs/design.md#object-names and
+docs/design.md#rendezvous; where a kind may appear is the caller's business
+(``ferrosync.ops.scan.classify``).
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
-"""The object layer of every storage-backed backend, and a fixed-size generation on it.
+"""The object layer of every storage-backed backend, and one fixed-size generation on it.
 
-``Objects`` is the one place where ferrosync's objects and control records meet the
-storage, for the fixed-size backend (``FileSync``, through ``GenerationObjects``
-below) and for elastic jobs (``ferrosync/elastic``) alike:
-
-* **writing**: it seals what a backend writes (header, checksum or MAC:
-  ``wire.seal``) and counts it (``objects_written``; the storage counts requests and
-  bytes). Every exclusive create goes through one method (``_create``), which relies
-  on ``Storage.put(exclusive=True)`` to recognise a create whose reply was lost and
-  that a client resent (the engine reads the object back and compares its bytes): a
-  ``FileExistsError`` that reaches this layer means another writer's object holds the
-  name, and ``create`` says so by returning False.
-* **reading**: an object is opened bounded by the largest legal object of its kind;
-  its header is parsed (magic, version, crc, MAC mode) and compared with the job's tag
-  and the collective, and its size with the header's, before a byte of payload is
-  used; the payload's checksum or MAC is verified as it streams (``Incoming``), or,
-  for a whole-object read (``read_verified``), before any other header field is
-  compared with what the reader expects (``Expected``). Control records are bounded
-  and their MAC is checked before they are parsed (``wire.decode_record``).
-* **waiting**: ``wait_for`` polls one exact name with back-off, runs a look between
-  polls (the peers' liveness: heartbeats and abort markers), and ends at a deadline.
-* **faults**: ``FERROSYNC_FAULTS`` wraps the storage every backend opens
-  (``open_storage``'s hook), so injected faults reach whatever uses this layer.
-
-``GenerationObjects`` adds what one generation of a fixed-size job needs on top: the
-collective sequence and its deadline, reuse of consumed files (``Recycler``), the
-peers' liveness while waiting (``PeerMonitor``), error records and layout records.
-Used only by the thread inside a collective.
+``Objects`` is the one place where objects and control records meet the storage: it
+seals and creates, reads bounded and verified, and waits on exact names
+(docs/design.md#one-object-layer). ``GenerationObjects`` adds what one generation of a
+fixed-size job needs: the collective sequence and its deadline, recycling, the peers'
+liveness while waiting, error and layout records. Used only by the thread inside a
+collective.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """What each store ferrosync names guarantees and costs: one table, read by the cost
-summary (``storage/costs.py``), ``ferrosync doctor`` and docs/operations.md's store table (a
-test keeps the two alike).
+summary (``storage/costs.py``), ``ferrosync doctor`` and docs/operations.md's store table
+(a test keeps the two alike).
 
-ferrosync needs three things of a store, and checks the first at every connect:
-
-* **conditional create**: a create of an existing name fails, so that one writer
-  wins a rendezvous claim or an elastic roster (``storage.probe_location`` refuses a
-  store without it);
-* **read-after-write**: a GET after a PUT returns the new object, also over an old
-  one (heartbeats are overwritten in place);
-* **delete visibility**: a GET after a DELETE misses (cleanup, and names reused by
-  a later generation are never confused with old objects).
-
-Prices are USD per 1,000 requests of each kind ``storage.REQUEST_KINDS`` counts, list
-prices as published in 2026 for the cheapest common class and region; yours may
-differ (``--storage-prices``).
+ferrosync needs a conditional create (checked at every connect), read-after-write and
+delete visibility of a store; prices are list prices per 1,000 requests of each counted
+kind (docs/operations.md#object-stores).
 """
 
 from __future__ import annotations

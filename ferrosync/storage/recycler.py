@@ -1,13 +1,9 @@
 """Cleanup of consumed objects, and reuse of their files (``Recycler``).
 
-No coordination messages: an object is deleted by its writer (results by their
-reducer) once it is provably consumed (docs/design.md#cleanup). Deletes are deferred
-to the next wait, where they cost no latency. On local file systems
-(``storage.can_recycle``) a large consumed file is parked under a hidden spare name
-instead and rewritten by a later put of similar size: its pages are reused instead
-of allocated and zeroed again.
-
-Used by one ``FileSync`` from the thread inside its collective; not thread-safe.
+An object is deleted by its writer (results by their reducer) once provably consumed,
+deferred to the next wait (docs/design.md#cleanup); on a local file system a large
+consumed file is parked as a spare and rewritten by a later put, reusing its pages. Used
+by one storage backend from the thread inside its collective; not thread-safe.
 """
 
 from __future__ import annotations

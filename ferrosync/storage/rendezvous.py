@@ -1,49 +1,9 @@
 """Generations: how the ranks of one job agree on a fresh namespace, without listing.
 
-A job restarted under the same URL must never read a file of an earlier attempt;
-two jobs sharing a URL must never exchange data; two live processes claiming one
-rank must fail loudly. Every run therefore gets a *generation* ``g``, and all its
-data lives below ``g{g}.{token}/``. The protocol uses only objects read by exact
-name, all of them write-once, below the job's namespace ``rdzv/`` (a job without
-an id) or ``rdzv.{job}/`` (see ``ferrosync.core.env.discover_job``), named by
-``ferrosync.storage.names``::
-
-    names.join(rank, n)      a process's claim on ``rank``: its n-th attempt (n = 0, 1, ...)
-    names.announcement(g)    rank 0's announcement of generation g (``gen.{g}``): which
-                             claim of each rank it contains, the world size and the
-                             shared settings
-    names.objection(rank, n) an objection to claim n, written by a live holder of an
-                             earlier claim of the same rank
-    names.end(rank, n)       the holder of claim n has closed (or aborted)
-
-1. Every rank (rank 0 included) writes its next claim with an exclusive create
-   (``O_EXCL`` on a file system, ``If-None-Match: *`` on S3). Ranks > 0 then wait
-   for an announcement ``gen.{g}`` newer than their claim that names it.
-2. Rank 0 finds the first free index ``g``, reads ``gen.{g-1}`` to learn which
-   claims were consumed, waits until every rank has a *newer* claim and announces
-   ``gen.{g}``. Disagreement (world size, secret, wire settings, format version) is
-   announced at once, so every rank fails at connect instead of at its timeout.
-3. Two jobs with different ids use different namespaces and never meet. Processes
-   of one namespace that claim the same rank are told apart by the claims
-   themselves: a holder that sees a *newer* claim of its rank objects (``dup``).
-   While it is still joining (or within its claim window) its own generation may
-   pair it with the wrong job's processes, so it fails too; once it runs, it
-   objects and carries on, and only the newcomer fails. A newcomer whose previous
-   claim has no ``end`` marker waits a short window for an objection.
-4. A job without an id cannot tell its own processes from another job's that
-   starts at the same moment, so every rank of an anonymous job waits its claim
-   window (``claim_window``, 3 s by default) before its first collective: a
-   second job started within that window is seen and both fail with
-   ``DuplicateRank`` rather than average each other's data. Setting a job id
-   (``FERROSYNC_JOB``; SLURM, torchrun and ``python -m ferrosync.train`` provide
-   one, and the ``"ferrosync"`` torch backend draws one through torch's store:
-   ``ferrosync.ddp.job``) removes the wait. A ``timeout`` shorter than the window
-   fails in it, with a ``SyncTimeout`` that says so.
-
-A process killed by SIGKILL leaves a claim with no ``end`` marker: its restart
-waits one objection window (two heartbeat intervals and a second), never the
-heartbeat timeout. Indices are found by galloping probes (1, 2, 4, ... then
-bisection), so the cost stays logarithmic in the number of restarts.
+Write-once records read by exact name in the job's namespace (claims, announcements,
+objections, end markers) give every run a generation ``g{g}.{token}/``, fail ranks
+that disagree at connect, and tell duplicate ranks and other jobs apart. The protocol:
+docs/design.md#generations-and-rendezvous.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
-"""``FileSync``: collectives through a shared directory or an fsspec object store.
+"""The storage backend's ``GradSync``: collectives through a shared directory or an fsspec
+object store.
 
-The objects of one collective (names in ``ferrosync/storage/names.py``): each rank's
-contribution (or, sharded, one slice of it per reducer), the result published by
-the reducer, layout records for mismatch messages, and an error record where the
-peers wait when a reducer fails. Liveness objects are ``storage/liveness.py``'s.
-
-**Root reduce** (docs/design.md#root-reduce): ranks k > 0 publish their contribution;
-rank 0 streams them *in rank order* into one accumulator (float32 for half types,
-on the tensors' device), divides once by the total weight, publishes the result,
-and every rank (rank 0 included) decodes the same published bytes, so results are
-bit-identical everywhere. Rank 0's memory is the accumulator plus one read chunk,
-whatever the number of ranks; with a raw wire and a float32/float64 tensor on the
-reduce device the accumulator is rank 0's own tensor (rank 0 comes first in rank
-order), so only the read chunk is extra.
-
-**Sharded reduce** (docs/design.md#sharded-reduce): the flat vector is cut into
-``world_size`` slices on codec frame boundaries; rank j reduces slice j from every
-rank's slice object (again in rank order, so the bits equal the root reduce's) and
-publishes it; every rank reads every slice. No rank moves more than about twice the
-payload per collective, and the reduce work is spread over all ranks.
-
-**Cleanup** (docs/design.md#cleanup, ``recycler.py``): an object is deleted by its
-writer (or by its reducer for results) once it is provably consumed.
-
-The pieces: ``GenerationObjects`` (``objects.py``) writes, awaits and opens objects;
-``Expected`` (``incoming.py``) is the header an object must carry, built by its
-writer and compared by its reader; ``Encoder`` (``encoder.py``) holds the codecs and
-their error feedback; ``StorageOptions`` (``options.py``) the typed options. What is
-left here is connecting and the three algorithms: root, sharded, exact copy.
+What is here is connecting and the reduce algorithms (root, sharded, gather, exact copy:
+docs/design.md#data-path-of-one-average); objects go through ``GenerationObjects``
+(``objects.py``), headers through ``Expected`` (``incoming.py``), codecs through
+``Encoder``, options through ``StorageOptions``.
 """
 
 from __future__ import annotations

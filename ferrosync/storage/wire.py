@@ -1,46 +1,9 @@
-"""The on-storage object format: a fixed binary header, then a raw payload.
+"""The on-storage object format: a fixed 112-byte header, an optional MAC, then a raw
+payload; and the JSON control records.
 
-Every object ferrosync writes on the collective path (a rank's contribution, a
-reduced result, an error record) is::
-
-    header (112 bytes, little-endian)  [+ 32-byte MAC when a secret is set]  payload
-
-Header fields (``struct`` format ``HEADER``)::
-
-    off size field
-      0   4  magic            b"FSYN"
-      4   2  version          1
-      6   2  flags            FLAG_AUTH | FLAG_EMPTY | FLAG_UNCHANGED
-      8   1  kind             KIND_* (contribution, result, broadcast, error)
-      9   1  dtype            code of the tensors' dtype (DTYPE_CODES)
-     10   1  codec            code of the payload encoding (see compression/codecs.py)
-     11   1  checksum kind    CHECKSUM_XXH3 or CHECKSUM_HMAC
-     12   4  rank             the writer
-     16   4  world size
-     20   4  slice            which slice of the collective this object carries
-     24   4  nslices
-     28   4  block            codec parameters (int8: 256; topk: k << 4 | bits), else 0
-     32   8  generation
-     40   8  collective       sequence number within the generation
-     48   8  count            elements in this object
-     56   8  offset           first element of this object within the collective
-     64   8  total            elements in the whole collective
-     72   8  weight           float64: the writer's weight, or for results the total
-     80   8  layout digest    of the tensors' dtypes and shapes (all ranks must agree)
-     88   8  payload bytes
-     96   8  payload checksum xxh3-64 of the payload (zero when a MAC is used)
-    104   4  header crc32     over bytes 0..104, so a torn or flipped header is caught
-                              before its sizes are trusted
-    108   4  reserved         zero
-
-The payload is the codec's raw little-endian bytes; nothing here is ever unpickled.
-With a secret, a keyed HMAC-SHA256 over the header and the payload follows the
-header, so a forged or altered object is rejected (``ShardCorrupt``) without
-trusting a single byte of it.
-
-Checksums: xxh3-64 hashed 30.9 GB/s against 4.3 GB/s for zlib.crc32 on the 2-core
-development machine, so integrity checking costs almost nothing next to the I/O
-(docs/design.md#measured-facts).
+Fields, checks and records: docs/design.md#object-header, docs/design.md#header-checks,
+docs/design.md#control-records. Nothing here is ever unpickled; with a secret a forged
+or altered object is refused before a byte of it is trusted.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """Synchronisation strategies: who owns "synchronise + optimizer step" in a training loop.
 
-The trainer (``ferrosync.train``) never calls a collective for the model itself; it
-hands that job to a ``Strategy``. A strategy decides *when* and *what* to average
-(gradients every step, parameters every H steps, outer-optimizer deltas, ...) and
-how much each rank counts; the ``GradSync`` it holds decides *how* the bytes move.
-So a new strategy is a new subclass here (declaring its ``name`` and the
-``settings`` it takes) and one entry in ``STRATEGIES``, with no change to
-``make_strategy`` or the trainer loop (see ``base`` for the loop every rank runs).
-
-* ``grad`` (``GradAveraging``): the gradients, every step;
-* ``local-sgd`` (``LocalSGD``): the parameters, every H steps or S seconds, work-weighted;
-* ``diloco`` (``DiLoCo``): pseudo-gradients every H steps or S seconds, then an outer
-  Nesterov step on a global copy.
-* ``streaming-diloco`` (``StreamingDiLoCo``): DiLoCo one fragment of the parameters at a
-  time on a staggered schedule, each exchange overlapped with the next inner steps.
-
-``state_dict()``/``load_state_dict()`` travel in checkpoints (rank 0 writes them,
-every rank loads them), so anything a strategy must remember across a restart
-(steps since the last sync, an outer optimizer's momentum, ...) belongs there.
+A ``Strategy`` decides when and what to average and how much each rank counts; the
+``GradSync`` it holds decides how the bytes move. A new strategy is a subclass
+declaring its ``name`` and ``settings`` plus one entry in ``STRATEGIES``
+(docs/train.md#writing-a-strategy-or-driving-one-yourself). Built in: ``grad``,
+``local-sgd``, ``diloco``, ``streaming-diloco`` (docs/train.md#strategies,
+docs/design.md#strategies).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """The ``Strategy`` contract and the per-step baseline, ``GradAveraging``.
 
-A strategy owns "synchronise + optimizer step" inside a training loop; the
-``GradSync`` it holds owns how bytes move. The loop, on every rank::
-
-    strategy.attach(model, optimizer, sync)          # once, before the first step
-    strategy.begin(total_steps, step)                # optional: the run's length
-    while strategy.keep_going(step, total_steps):
-        if not strategy.wants_batch():               # nothing to do in this window:
-            strategy.synchronize(model, optimizer)   # take part with zero work
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
-        telemetry = strategy.step(model, optimizer)  # must call optimizer.step()
-        step += 1
-    strategy.finish(model, optimizer)                # once, after the last step
+Every rank calls ``attach``, ``begin``, ``keep_going``, ``wants_batch``, ``step`` (which
+must call ``optimizer.step()``), ``synchronize`` and ``finish`` the same number of times
+in the same order; the loop: docs/train.md#writing-a-strategy-or-driving-one-yourself.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
-"""DiLoCo: local steps, then an outer optimizer step on the averaged pseudo-gradient.
+"""DiLoCo (Douillard et al. 2023): local steps, then an outer optimizer step on the averaged
+pseudo-gradient.
 
-Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language
-Models". Every rank starts a window from the same global parameters θ_g and runs its
-own (inner) optimizer for H steps (or S seconds). At the sync each rank forms its
-pseudo-gradient ``Δ_r = θ_g - θ_r``; the work-weighted average ``Δ = θ_g - mean_w(θ_r)``
-is applied to θ_g by the outer optimizer (default SGD with Nesterov momentum, lr 0.7,
-momentum 0.9, as in the paper), and every rank continues from the new θ_g.
-Floating-point buffers are averaged directly, as in ``LocalSGD``.
-
-Averaging Δ rather than θ keeps the payload small in magnitude, which is what the
-low-precision wire codecs (``wire_dtype=bfloat16``, ``int8``) handle best. With
-``wire_dtype="topk"`` this is SparseLoCo (arXiv 2508.15706): each rank sends the
-largest values of each chunk of Δ plus its error feedback, and the error feedback
-takes the place of the outer momentum, so the outer step defaults to plain SGD with
-lr 1 there (``SPARSE_OUTER_LR``, ``SPARSE_OUTER_MOMENTUM``; docs/topk.md). Every rank
-applies the same outer step to the same bit-identical Δ, so θ_g (and the outer
-optimizer's momentum) stays identical on every rank without ever being sent.
+Every rank averages ``Δ_r = θ_g - θ_r`` work-weighted and applies the same outer step
+(Nesterov SGD, lr 0.7, momentum 0.9) to the same bit-identical Δ, so θ_g and the outer
+momentum stay identical without being sent. With ``wire_dtype="topk"`` it is SparseLoCo
+and the outer step defaults to plain SGD, lr 1 (docs/topk.md#diloco-with-topk-is-sparseloco).
 """
 
 from __future__ import annotations

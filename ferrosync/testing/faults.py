@@ -1,42 +1,9 @@
 """Fault injection for tests and drills: make one rank fail at a chosen point.
 
-Set ``FERROSYNC_FAULTS`` to a JSON list of faults before a rank connects; opening a
-rank's storage (``ferrosync.storage.engines.open_storage``, the one hook) then wraps it
-in ``FaultyStorage``, the storage-level fault layer. Nothing else changes: the
-production path pays one environment lookup per storage it opens.
-
-A fault is a dict::
-
-    {"rank": 1,               # who misbehaves (required)
-     "collective": 3,         # at which collective number (default: any)
-     "object": "contrib",     # "contrib" (c<s>.r<k>...), "result" (c<s>.out...), "any"
-     "phase": "write",        # write | publish | read | reduce (see below)
-     "action": "kill",        # kill | raise | delay | corrupt | truncate | delete | replay
-     "errno": "ENOSPC",       # with "raise": the OS error to raise (ENOSPC, EACCES, EIO...)
-     "seconds": 2.0,          # with "delay"
-     "offset": 123,           # with "corrupt"/"truncate": byte offset (default: middle)
-     "from_rank": 0,          # with "replay": whose object of the same collective
-     "times": 1}              # how often it fires (default once; 0 = every time)
-
-Phases: ``write`` fires inside a put, after half of the bytes reached the temporary
-file and before it is published (a kill there leaves an orphaned ``.tmp``);
-``publish`` right after an object became visible (``corrupt``/``truncate``/``delete``
-damage it as a failing disk or another tenant would; readers may race the damage —
-in the ``write`` phase ``corrupt``/``truncate`` damage the bytes before they are
-published, so every reader sees them; ``bit`` picks the flipped bit, default 0);
-``read`` before opening an object; ``reduce`` after an object was read, while its
-data is being reduced.
-``kill`` is SIGKILL (no cleanup, no abort marker: peers must notice the silence).
-``replay`` (``write`` phase) publishes, instead of this rank's object, a byte-for-byte
-copy of ``from_rank``'s object of the same name pattern and collective — what a
-tenant who can copy objects but holds no secret can do (fixed-size jobs only).
-
-**Elastic jobs** (``connect(url, elastic=True)``) take the same faults: ``rank`` is the
-member's rank when it writes or reads the object (its rank in the previous roster),
-``collective`` the round; ``contrib`` is a member's contribution (in a tree round its
-marker) and its slices, ``result`` an object of the tree reduce above them (a partial
-sum, a range of the average). Control records (rosters, join entries, heartbeats,
-the job record, the published state) are spared, as in fixed-size jobs.
+``FERROSYNC_FAULTS`` (a JSON list of faults, set before a rank connects) makes opening a
+rank's storage (``ferrosync.storage.engines.open_storage``, the one hook) wrap it in
+``FaultyStorage``, the storage-level fault layer; nothing else changes. The fault
+format, phases and actions: docs/contributing.md#tests-and-reliability.
 """
 
 from __future__ import annotations

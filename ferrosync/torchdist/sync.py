@@ -1,39 +1,9 @@
 """``TorchDistSync``: the same ``GradSync`` contract over NCCL or gloo (torch.distributed).
 
-URLs:
-
-* ``gloo://HOST:PORT`` / ``nccl://HOST:PORT``: rendezvous through torch's TCPStore at
-  that address (rank 0 listens there) and initialise the default process group;
-  ``close()`` destroys it again.
-* ``torch://``: use the default process group that already exists (e.g. the script
-  called ``init_process_group`` under torchrun), or initialise one from ``env://``
-  (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``).
-
-CUDA tensors travel over NCCL; CPU tensors over gloo (an ``nccl://`` sync creates a
-gloo group next to NCCL for CPU tensors and control messages). A CUDA tensor given to
-a gloo-only sync, or ``nccl://`` without CUDA, is a ``ConfigError``.
-
-Semantics match the storage backend:
-
-* **Sum-and-count**: the weight rides in the same reduction as the data (one extra
-  element), so the divisor always matches what was summed. Half types are reduced in
-  float32. NCCL and gloo hand every rank the same reduced bytes, and the division is
-  the same local operation, so results are bit-identical on every rank.
-* **Buckets**: tensors are flattened into dtype-homogeneous buckets of
-  ``bucket_bytes`` (default 25 MiB): a model with hundreds of parameters costs a few
-  collectives.
-* **Layout checks**: gloo answers a size mismatch with garbage or by aborting the
-  process, so every collective starts with a fixed-size exchange of the call's layout
-  digest; a mismatch raises ``LayoutMismatch`` on every rank, naming the first
-  differing tensor, before any data moves.
-* **wire_dtype** (bfloat16, float16, int8) keeps its storage-backend meaning: each rank
-  encodes its contribution, the encoded payloads are all-gathered, and every rank
-  decodes and sums them in rank order in float32. This costs ``W`` payloads received
-  per rank (vs ~2 for a ring all-reduce) and is meant for small worlds on slow links.
-
-Storage-only options (``reduce``, ``secret``, ``storage_options``, polling and
-heartbeat settings) are accepted with one warning, so switching a script's URL from a
-bucket to ``gloo://`` never breaks it (``options.TorchOptions``).
+``gloo://HOST:PORT`` and ``nccl://HOST:PORT`` make (and on close destroy) the default
+process group; ``torch://`` uses the existing one. Sum-and-count, layout checks before
+any data moves, buckets and ``wire_dtype`` as on storage; storage-only options are
+accepted with one warning (docs/design.md#gloo-and-nccl-urls).
 """
 
 from __future__ import annotations

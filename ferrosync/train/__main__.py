@@ -1,15 +1,9 @@
-"""Entry point of ``python -m ferrosync.train``.
+"""Entry point of ``python -m ferrosync.train`` (``--help`` lists every flag;
+docs/train.md).
 
-Run:
-    python -m ferrosync.train --nproc 2                 # the demo on 2 local ranks
-    python -m ferrosync.train --nproc 2 my_script.py    # your script on 2 local ranks
-    srun python -m ferrosync.train --sync /nfs/run1     # one rank per SLURM task
-
-``python -m ferrosync.train --help`` lists every flag. Exit codes: 0 when every rank
-succeeded, 2 for bad input (found by the launcher or by a rank), 130 after Ctrl-C,
-143 when stopped by SIGTERM (an ``--elastic`` member leaves after its round and says
-so), 1 for any other failure. Every error is one line on stderr, ``ferrosync.train: error:
-...`` (a rank's full traceback comes first with ``--verbose``).
+Exit codes: 0 every rank succeeded, 2 bad input (found by the launcher or a rank), 130
+after Ctrl-C, 143 after SIGTERM, 1 any other failure; every error is one line on
+stderr, ``ferrosync.train: error: ...`` (a rank's traceback first with ``--verbose``).
 """
 
 from __future__ import annotations

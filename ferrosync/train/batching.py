@@ -1,16 +1,9 @@
 """Batches of an in-memory dataset in one indexing operation per tensor.
 
-A ``DataLoader`` with ``batch_size=B`` fetches a batch as B ``dataset[i]`` calls and
-stacks the B samples (``default_collate``): for a ``TensorDataset`` of 768 small rows
-that is 2-3 ms of Python per step on one core, several percent of a 50 ms training
-step, and time no strategy can overlap. A ``TensorDataset`` can index all B rows at
-once (``tensor[indices]``, a single gather), which gives the same tensors, bit for
-bit, in about a tenth of the time. So where the dataset is a plain ``TensorDataset``
-the trainer hands the loader whole batches of indices (``BatchSampler``) and lets the
-dataset gather them; any other dataset keeps the per-sample path, unchanged.
-
-Nothing here changes which samples a batch holds or their order: the index lists
-come from the same sampler, in the same order.
+Where the dataset is a plain ``TensorDataset`` the trainer hands the loader whole batches
+of indices (``BatchSampler``) and the dataset gathers them at once: the same tensors,
+bit for bit, in about a tenth of ``default_collate``'s time (docs/goodput.md). Any
+other dataset keeps the per-sample path; which samples a batch holds never changes.
 """
 
 from __future__ import annotations

@@ -1,39 +1,11 @@
-"""Training checkpoints in a directory or any fsspec URL, written atomically by rank 0.
+"""Training checkpoints in a directory or any fsspec URL, written atomically by rank 0
+(per rank for strategies whose ranks drift).
 
-Layout under ``--checkpoint-dir``::
-
-    step-00000040.pt   torch.save of plain data: model and optimizer state dicts, the
-                       strategy's state, step, epoch, sampler position and every
-                       rank's RNG state
-    step-00000040.r1.pt  strategies whose ranks drift apart between syncs (local-sgd,
-                       diloco): each rank's own model, optimizer state and position,
-                       written by that rank (one file per rank, nothing gathered)
-    latest.json        {"step": 40, "file": "step-00000040.pt", "model": [...],
-                       "bytes": {"step-00000040.pt": 81234, ...}, ...}, rewritten
-                       after each checkpoint; "bytes" declares each file's size
-
-Both go through ``ferrosync.storage.engines``: a local or NFS directory gets a temporary
-file in the same directory and ``os.replace``, an object store one PUT, so a
-reader sees a whole checkpoint or none. ``latest.json`` is written only after its
-checkpoint is complete, so a crash at any moment leaves a loadable latest. The
-``.pt`` files hold tensors and plain Python values only and are read with
-``torch.load(..., weights_only=True)``: no pickled code is ever executed. A file is
-read only up to the size ``latest.json`` declares for it: one that grew since (or was
-replaced by something larger, a sparse file of any size among them) is refused before
-a byte of it is read, with an error naming both sizes. Reading costs the file's size
-once (plus the tensors ``torch.load`` makes of it), on a directory and on object stores.
-
-``latest.json`` declares each file's checksum too (``"xxh3"``: xxh3-64, the checksum
-of ``wire.PayloadDigest``), and one of its own body (``"checksum"``). ``--resume``
-checks them before ``torch.load`` sees a byte (the launcher before any rank starts,
-each rank again): one flipped bit, a torn file or an edited index is a ``ConfigError``
-(exit 2) naming the file and the step. A checksum is no MAC: it catches damage, not
-someone who may write the directory and rewrites both (give the checkpoint directory
-the same protection as the run). An index of format 1 (written before checkpoints
-carried checksums) still loads, unverified, with a warning.
-
-Every rank loads the checkpoint itself (the optimizer state must be identical on
-every rank), so the directory must be visible to all of them, like the sync URL.
+``step-{n:08}.pt`` files go through the storage engines (a reader sees a whole file or
+none), then ``latest.json`` declares each file's size and xxh3 and a checksum of itself;
+a load reads at most the declared size and checks the checksums before ``torch.load(...,
+weights_only=True)`` sees a byte. Layout and resuming: docs/train.md#checkpoints-and-resuming;
+the trust rule: docs/design.md#security-model.
 """
 
 from __future__ import annotations

@@ -1,45 +1,11 @@
 """``ElasticTrainer``: the built-in trainer as one member of an elastic job
 (``python -m ferrosync.train --elastic``; docs/elastic.md#the-trainer).
 
-It runs ``Trainer.fit``, the one training loop, and overrides only the loop's hooks:
-where a batch comes from (``_next_batch``), what happens before the first step
-(``_start``: join the job's state), after every step (``_at_boundary``: publish the
-state, leave) and at the end (``_finish``, ``_end``).
-
-Every process is one member of the job at the sync URL; members start, die and
-leave whenever they do. What keeps them one model:
-
-* **Global steps.** ``--steps`` counts the job's steps. Every member takes its step
-  k at the same collective round, so the step count, the data position and the
-  end are agreed without a message: they advance identically on every member.
-* **Data.** Each epoch is one permutation of the dataset drawn from ``(seed,
-  epoch)``. A step takes the next ``members * batch_size`` samples and member k of
-  the current roster trains on the k-th ``batch_size`` of them, so the members'
-  shards of every step are disjoint and follow the membership (``GlobalBatches``).
-* **Bootstrap through the store.** After every round that admits newcomers (and
-  every ``publish_every`` steps, every ``publish_every_seconds``, when it leaves,
-  and at the end) rank 0 publishes the whole training state (model, optimizer,
-  strategy, step, data position) with ``publish_state``. A newcomer reads exactly
-  the state after the round that admitted it and makes its first collective in the
-  next round, so the members wait for it for at most one of its steps. If no such
-  state comes (the publisher is gone, or half the timeout passed), it leaves
-  gracefully and joins again (``RejoinNeeded``).
-* **Founding.** Members admitted by a roster none of whose members contributed to it
-  start the job, or restart it after every member went: they resume from the newest
-  published state (any number of members), else from ``seed``, and take rank 0's
-  model in one round: a broadcast, an exact copy whatever the ``wire_dtype``.
-* **Leaving.** A member asked to leave (``request_leave``: SIGTERM on the command
-  line) votes in its next round: the strategy's collective carries one float64
-  ballot element per member (``LeaveBallot``, carried by ``Strategy.carry``), so after
-  that round every member knows how many of it leave. The voters leave there (``fit`` raises
-  ``MemberLeft``; closing the sync tells the others), and rank 0 publishes the
-  state after any round with a voter, so members asked at about the same time
-  never strand the publisher in a round that cannot complete.
-* **Policy when the membership changes** under ``grad``: the batch per member is
-  fixed, so the global batch is ``members * batch_size``; the learning rate is not
-  rescaled (the average is a mean, so the gradient's scale does not change with
-  the member count, only its noise). ``local-sgd``/``diloco`` merge every H steps
-  with each member weighted by its steps in the window (H for everyone).
+It runs ``Trainer.fit`` and overrides only the loop's hooks: ``_next_batch`` (data that
+follows the membership, ``GlobalBatches``), ``_start`` (join the job's state),
+``_at_boundary`` (publish the state, leave on a vote) and ``_finish``/``_end``. Global
+steps, data, bootstrap, founding, leaving and the policy when the membership changes:
+docs/elastic.md#the-trainer.
 """
 
 from __future__ import annotations

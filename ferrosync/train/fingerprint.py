@@ -1,17 +1,9 @@
 """A cheap fingerprint of a dataset, so ranks can check they hold the same data.
 
-Every rank builds its own copy of the dataset (``--data`` runs the factory in every
-process) and trains on its shard of it; if the factory draws from an unseeded random
-source (``torch.randn`` without a generator, NumPy's or ``random``'s global state,
-``os.urandom``, the clock), the ranks silently train on different data and rank 0
-evaluates on a held-out set of its own. ``fingerprint`` hashes the length and a few
-items at indices that depend only on the length; the trainer compares the ranks'
-fingerprints through the sync before the first step (``Trainer.fit``).
-
-Reading an item may itself draw random numbers (augmentation in ``__getitem__``):
-the items are read with torch's, NumPy's and ``random``'s global generators set to a
-fixed seed, and restored afterwards, so such a dataset still fingerprints the same on
-every rank while the training streams are untouched.
+``fingerprint`` hashes the length and a few items at indices that depend only on the
+length, with torch's, NumPy's and ``random``'s global generators seeded and restored
+around it (an augmenting ``__getitem__`` still fingerprints alike); ``Trainer.fit``
+compares the ranks' fingerprints before the first step (docs/train.md).
 """
 
 from __future__ import annotations

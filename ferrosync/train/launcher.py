@@ -1,35 +1,11 @@
 """``--nproc N``: start N local ranks, forward their output, stop them all if one fails.
 
-A small subprocess supervisor (``torch.distributed.elastic.multiprocessing`` does
-more, such as restarts and log files, but buries a failing rank's message and
-needs a rendezvous store we do not use):
-
-* each rank is ``python -m ferrosync.train <same flags>`` with ``FERROSYNC_URL``,
-  ``FERROSYNC_JOB`` and everything torchrun gives a worker in its environment
-  (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
-  ``GROUP_WORLD_SIZE``, ``ROLE_*``, ``MASTER_ADDR``/``MASTER_PORT`` (loopback and a
-  free port, so ``env://`` works for any backend), ``TORCHELASTIC_*``, ...: see
-  ``torchrun_env``), so a torchrun-style script runs unchanged; in its own process
-  group (so Ctrl-C reaches the launcher, which stops the ranks in order, and a
-  rank's own children are stopped with it), and with a parent-death signal, so a
-  launcher killed with SIGKILL takes its ranks along;
-* every line of output is forwarded with a ``[rank k]`` prefix; rank 0's
-  ``FINAL {json}`` line is held back and printed last, unprefixed, so the
-  launcher's last line of stdout is the trainer's summary;
-* the first rank to exit non-zero makes the launcher SIGTERM the others (SIGKILL
-  after a grace period), name the failed rank and its last error line, and exit
-  with 2 if that rank reported bad input (exit code 2), else 1.
-
-Before any rank starts, everything the launcher can know is checked (``check_url``,
-``runner.preflight``): bad input is one line and exit 2. A launch under a job id of its
-own gets a fresh secret, kept in its user's key file (``ferrosync/ops/keys.py``) so that
-the same user's ``ferrosync inspect`` and ``gc`` can verify and collect the job.
-
-With ``--elastic`` each process is one member of the elastic job at the URL: a
-member that fails does not stop its siblings (the job goes on without it), every
-member's ``FINAL`` line is kept and the first is printed last, and no job id is made
-up (the job is the URL plus ``$FERROSYNC_JOB`` if set, so members started by other
-commands meet these). The exit code is still 1 if any member failed.
+Each rank is ``python -m ferrosync.train`` with torchrun's environment, in its own
+process group with a parent-death signal; output is prefixed ``[rank k]`` and rank 0's
+``FINAL`` line printed last; bad input is checked before any rank starts; a launch
+with its own job id gets a fresh secret kept in its user's key file. With ``--elastic``
+a failed member does not stop its siblings. docs/design.md#launcher,
+docs/train.md#what-the-launcher-does.
 """
 
 from __future__ import annotations

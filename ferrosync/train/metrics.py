@@ -1,22 +1,9 @@
 """What a run reports: per-step JSON lines, the parameter digest, the summary table and
 the ``FINAL {json}`` line.
 
-Metrics file (``--metrics PATH``, rank 0, one JSON object per optimizer step)::
-
-    {"step": 20, "epoch": 0, "loss": 0.91, "lr": 0.05, "compute_s": 0.0012,
-     "sync_s": 0.0019, "bytes": 41224, "requests": 6, "synced": true,
-     "divergence": 0.012, "pre_norm": 10.31, "post_norm": 10.29, "sync_bytes": 41224,
-     "masses": [20, 20], "skipped": false}
-
-``bytes`` and ``requests`` are what *this rank* wrote plus read (and the storage
-requests it made) during that step, not running totals. ``loss`` is rank 0's
-batch loss. The strategy's telemetry keys (``ferrosync.strategies.TELEMETRY_KEYS``)
-are on every line, null where the step did not synchronise (or the strategy does
-not measure them). A rank 0 that had nothing to train in a time-based window
-writes a line for the sync it joined idle: the same ``step`` again, ``loss`` null.
-``--metrics-digest`` adds ``param_digest`` (the model after a step that synced, hex;
-null otherwise); an elastic member adds ``members``, ``rank`` and, on its first
-line after joining with ``--metrics-digest``, ``resumed_digest``.
+The metrics file's fields (``--metrics PATH``, rank 0, one line per optimizer step,
+with ``ferrosync.strategies.TELEMETRY_KEYS``): docs/design.md#metrics-lines and
+docs/train.md#metrics-and-plots; ``FINAL``: docs/design.md#final-line.
 """
 
 from __future__ import annotations

@@ -1,41 +1,10 @@
-"""Built-in tasks bigger than the demo, for benchmarks where compute must weigh
-against communication (``tools/bench_goodput.py``).
+"""Built-in tasks bigger than the demo, where compute weighs against communication
+(``tools/bench_goodput.py``, docs/goodput.md).
 
-``wide``: a synthetic classification problem and a residual MLP for it, sized so that
-its compute weighs against its communication::
-
-    python -m ferrosync.train --nproc 2 --model ferrosync.train.tasks:wide_model \\
-        --data ferrosync.train.tasks:wide_data --batch-size 768 --lr 0.1
-
-The data, as in ``ferrosync.train.demo``, come from a fixed random "teacher"
-network and nothing is downloaded: inputs are ``WIDE_FEATURES`` unit-variance
-Gaussian numbers (a random linear mix of a lower-dimensional latent, so the inputs are
-correlated and have structure), each label is the argmax of a random 2-layer tanh
-teacher over ``WIDE_CLASSES`` classes. Learnable (the student can represent the
-teacher) but not linearly separable: a single process at batch 2048, SGD lr 0.1
-with momentum 0.9, is at 72% held-out accuracy after 50 steps and 80% after 200.
-The data depend only on ``WIDE_DATA_SEED`` (never on ``--seed`` or the number of
-ranks) and take about 0.2 s to make.
-
-``lm``: a small transformer that predicts the next byte of Python source code, on text
-that ships with Python itself (the standard library's top-level modules: nothing is
-downloaded)::
-
-    python -m ferrosync.train --nproc 2 --model ferrosync.train.tasks:lm_model \
-        --data ferrosync.train.tasks:lm_data --optimizer adamw --lr 3e-3 --batch-size 32
-
-Each sample is ``LM_CONTEXT`` bytes of source and the byte that follows (so the
-trainer's accuracy is next-byte accuracy); held-out samples come from other files
-than the training samples. The text depends on the Python version that runs it.
-
-The wide task's student: ``TiedResidualMLP``, ``wide_parameters()`` = 333,834 float32
-parameters (1.34 MB of gradients, 0.107 s at 100 Mbit/s) and about 3.3 times the
-compute of a plain MLP of that size (its hidden layer runs ``WIDE_DEPTH`` times).
-What matters for goodput is the compute-to-communication ratio: one step's
-gradients are ``4 * wide_parameters()`` bytes whatever the batch, while a step's
-compute grows with the batch, so ``--batch-size`` sets the ratio on a given CPU
-(``tools/bench_goodput.py`` measures and prints it; batch 768 per rank makes it
-about 1 on a 2-core machine with two ranks).
+``wide``: synthetic classification from a fixed random teacher with a residual MLP
+student (``TiedResidualMLP``; ``--batch-size`` sets the compute-to-communication
+ratio). ``lm``: a small transformer predicting the next byte of the standard library's
+own source. Nothing is downloaded; the wide data depend only on ``WIDE_DATA_SEED``.
 """
 
 from __future__ import annotations

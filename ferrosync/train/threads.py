@@ -1,21 +1,10 @@
 """Torch's thread pool sized to this process's share of the host's cores.
 
-The launcher gives its ranks ``OMP_NUM_THREADS=1`` (as torchrun does), but a
-``python -m ferrosync.train`` started by hand (an ``--elastic`` member, a rank under
-another launcher that sets nothing) keeps torch's default of one thread per core.
-Two such processes on one host then run twice as many busy threads as there are
-cores, and OpenMP's spinning workers make each step many times slower (measured:
-13-16x on 2 cores, docs/elastic.md).
-
-``ThreadShare`` counts the ``python -m ferrosync.train`` processes of this user on
-this host through a host-local directory (``/dev/shm/ferrosync-<uid>/train-procs``, one
-empty file per process named ``<pid>.<start time>``; files of processes that are gone
-are ignored and removed, through the directory's verified handle: ``ferrosync.core.private``)
-and sets ``torch.set_num_threads(cores // processes)``
-(at least 1). It re-counts at most once a second from the training loop
-(``adjust``), so a process that started alone gives up threads when a second one
-arrives. It does nothing when the user set ``OMP_NUM_THREADS``, and
-``ferrosync.connect`` in a user's own script never touches threads.
+``ThreadShare`` counts this user's ``python -m ferrosync.train`` processes on this host
+(one file each under ``/dev/shm/ferrosync-<uid>/train-procs``, through
+``ferrosync.core.private``) and sets ``torch.set_num_threads(cores // processes)``,
+re-counted at most once a second; it does nothing when ``OMP_NUM_THREADS`` is set
+(docs/train.md).
 """
 
 from __future__ import annotations

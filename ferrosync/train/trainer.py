@@ -1,33 +1,10 @@
 """``Trainer``: a data-parallel training loop over a ``GradSync``, with checkpoints.
 
-Every rank runs the same loop over its own shard of the data (``ShardSampler``)::
-
-    trainer = ferrosync.Trainer(model_fn, optimizer_fn, loss_fn, dataset,
-                                batch_size=64, epochs=5, eval_fn=evaluate)
-    with ferrosync.connect() as sync:          # after the Trainer: bad input fails
-        summary = trainer.fit(sync)            # before anything is written
-    # summary["ranks_agree"], summary["accuracy"], ...
-
-Synchronisation belongs to a ``Strategy`` (default ``GradAveraging``: average the
-gradients every step); the loop itself only does forward, backward, telemetry and
-checkpoints, so new strategies need no change here. The loop asks the strategy
-whether to go on (``keep_going``) and whether this rank should train in the current
-window (``wants_batch``; a time-based strategy may give a rank nothing left to do,
-and it then joins the sync with zero work); with a lockstep strategy that is just
-``step < total_steps``.
-
-``fit`` is the one training loop of the package: the elastic trainer
-(``ElasticTrainer``, ``train/elastic.py``) runs it too and overrides only its hooks:
-``_start`` (before the first step), ``_next_batch`` (where a batch comes from),
-``_at_boundary`` (after every step: a checkpoint here, a published state or a leave
-there), ``_keep_going``, ``_finish`` and ``_end`` (after the summary). What a run
-reports as it goes lives in ``RunLog``, the summary in ``summary.summarise``.
-
-Determinism (what makes ``--resume`` bit-exact on CPU): the model is built from
-``torch.manual_seed(seed)`` on every rank; then each rank seeds its own training
-RNGs (torch, ``random``, NumPy) from ``(seed, rank)``; the data order depends only
-on ``(seed, epoch)``; a checkpoint carries every rank's RNG states (gathered through
-the sync), the optimizer and strategy state, and the position inside the epoch.
+``fit`` is the package's one training loop: forward, backward, telemetry and
+checkpoints, with synchronisation left to a ``Strategy`` (default ``GradAveraging``);
+the elastic trainer overrides only its hooks (``_start``, ``_next_batch``,
+``_at_boundary``, ``_keep_going``, ``_finish``, ``_end``). What makes ``--resume``
+bit-exact on CPU: docs/train.md#checkpoints-and-resuming.
 """
 
 from __future__ import annotations

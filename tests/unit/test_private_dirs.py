@@ -62,7 +62,7 @@ def plant(path, *, uid: int = OTHER_UID, mode: int = 0o777) -> None:
 
 @needs_root
 def test_another_users_host_directory_never_makes_the_registry_delete(shm, victim):
-    """Issue 42's case: another user makes /dev/shm/ferrosync-<uid> (0777) first, then
+    """The case seen in the field: another user makes /dev/shm/ferrosync-<uid> (0777) first, then
     swaps train-procs for a link to one of our directories."""
     planted = shm / f"ferrosync-{os.geteuid()}"
     plant(planted)

@@ -9,7 +9,9 @@ option declared twice, long module docstrings, tests importing from ``tools/``.
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
+import glob
 import os
 import re
 
@@ -200,7 +202,6 @@ def test_no_option_field_is_declared_twice():
 DOCSTRING_LINES = 12
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: docstrings")
 def test_module_docstrings_are_short():
     found = []
     for path, tree in sorted(sources().items()):
@@ -279,3 +280,181 @@ def test_layers_import_only_what_they_stand_on():
                 if target.startswith("ferrosync.") and _layer(target) not in allowed:
                     found.append(f"{path}:{node.lineno}: {layer} imports {target}")
     assert not found, "\n".join(found)
+
+
+DESIGN = os.path.join(ROOT, "docs", "design.md")
+#: names design.md quotes that are not ferrosync's (torch's, fsspec's, S3's, botocore's) or
+#: that are store names, not code
+FOREIGN = {"GradScaler", "CompleteMultipartUpload", "ListMultipartUploads", "NoSuchUpload",
+           "s3.payload_signing_enabled", "pipe_file", "exists", "rdzv/"}
+_TICKED = re.compile(r"`([^`\n]+)`")
+_PATH = re.compile(r"[\w*][\w./*-]*(?:\.py|/)")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
+_BARE = re.compile(r"_?[A-Z]\w*[a-z]\w*|_\w+")
+
+
+@functools.cache
+def _definitions() -> tuple[dict, dict]:
+    """({dotted module: names it defines or imports at top level},
+    {class name: (names its body defines, its bases' names)}) over the package, the two
+    top-level modules and the suite's fakes."""
+    modules, classes = {}, {}
+    trees = dict(sources())
+    for extra in ("ferrosync_schemes.py", "ferrosync_autoload.py",
+                  os.path.join("tests", "fakes.py")):
+        with open(os.path.join(ROOT, extra), encoding="utf-8") as f:
+            trees[extra] = ast.parse(f.read(), extra)
+    for path, tree in trees.items():
+        module = path[:-3].replace(os.sep, ".").removesuffix(".__init__")
+        top = set()
+        for node in tree.body:
+            top |= _bound(node)
+        modules[module] = top
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                body = set().union(*(_bound(s) for s in node.body))
+                body |= {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                         and isinstance(n.ctx, ast.Store)}
+                names, bases = classes.setdefault(node.name, (set(), set()))
+                names |= body
+                bases |= {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                          for b in node.bases}
+    return modules, classes
+
+
+def _bound(node: ast.AST) -> set[str]:
+    """The names one statement binds: a def, a class, an assignment, an import."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return {(a.asname or a.name).split(".")[0] for a in node.names}
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = {leaf.id for t in targets for leaf in ast.walk(t) if isinstance(leaf, ast.Name)}
+        if "__all__" in names or any("LAZY" in n for n in names):
+            # names a module exports lazily (``__getattr__`` over a table) are its own too
+            names |= {c.value for c in ast.walk(node.value) if isinstance(c, ast.Constant)
+                      and isinstance(c.value, str) and c.value.isidentifier()}
+        return names
+    if isinstance(node, (ast.If, ast.Try)):
+        return set().union(*(_bound(s) for s in node.body), set())
+    return set()
+
+
+def _in_class(cls: str, name: str, seen=()) -> bool:
+    names, bases = _definitions()[1].get(cls, (set(), set()))
+    return name in names or any(_in_class(b, name, (*seen, cls)) for b in bases
+                                if b not in seen)
+
+
+def _resolves(dotted: str) -> bool | None:
+    """True/False for a dotted name of ferrosync's; None for one that is not ours."""
+    modules, classes = _definitions()
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        head = ".".join(parts[:cut])
+        found = [m for m in modules if m == head or m.endswith("." + head)]
+        if found:
+            rest = parts[cut:]
+            return not rest or any(_member(modules[m], m, rest) for m in found)
+    if parts[0] in classes:
+        return _in_class(parts[0], parts[1])
+    return None
+
+
+def _member(top: set[str], module: str, rest: list[str]) -> bool:
+    if rest[0] not in top:
+        return False
+    return len(rest) == 1 or _in_class(rest[0], rest[1])
+
+
+def _ticked(text: str) -> list[tuple[int, str]]:
+    """(line, backticked text) outside fenced blocks."""
+    out, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        if not fenced:
+            out += [(number, m.group(1).strip()) for m in _TICKED.finditer(line)]
+    return out
+
+
+def stale_names(markdown: str) -> list[str]:
+    """What of the modules, classes and functions a Markdown text names in backticks
+    does not exist, as ``line: what``.
+
+    Recognised forms (anything else in backticks — commands, options, record and object
+    names, values — is prose): a path ending in ``.py`` or ``/`` (globs allowed), relative
+    to the repository or to ``ferrosync/`` (a bare file name: anywhere in the package),
+    optionally followed by ``.Name`` (``storage/objects.Objects``); a dotted name whose
+    head is one of our modules, by its full or its last dotted name (``wire.seal``,
+    ``ferrosync.ddp.register``) or one of our classes (``Storage.read``, methods and
+    attributes of its bases count); a bare class name (a capitalised word with a
+    lower-case letter: ``GradSync``); a bare private name (``_create``) or a bare call
+    (``shard_indices(...)``), defined anywhere. A trailing ``(...)`` is ignored; builtins
+    and ``FOREIGN`` are not ours. "Ours" is the package, the two top-level modules and
+    ``tests/fakes.py``.
+    """
+    modules, classes = _definitions()
+    everything = set().union(*modules.values(), *(n for n, _b in classes.values()))
+    found = []
+    for line, text in _ticked(markdown):
+        if text in FOREIGN or " " in text.split("(")[0] or hasattr(builtins, text):
+            continue
+        name = text.split("(")[0].rstrip("/") + ("/" if text.endswith("/") else "")
+        if name in FOREIGN:
+            continue
+        slashed = re.fullmatch(r"([\w/]+)\.([A-Za-z_]\w*)", name)
+        if "/" in name and slashed and slashed.group(2) != "py":
+            file, member = slashed.group(1) + ".py", slashed.group(2)  # path/module.Name
+        elif ("/" in name or name.endswith(".py")) and _PATH.fullmatch(name):
+            file, member = name, ""
+        elif "/" in name or name.endswith(".py"):
+            continue  # a store name or a pattern with placeholders, not a repository path
+        else:
+            file = None
+        if file is not None:
+            if name.startswith((".", "/")):
+                continue
+            hits = [p for base in (ROOT, PACKAGE)
+                    for p in glob.glob(os.path.join(base, file))]
+            if "/" not in file:  # a file of the package named in its folder's row
+                hits += glob.glob(os.path.join(PACKAGE, "**", file), recursive=True)
+            if not hits:
+                found.append(f"{line}: no file {file}")
+            elif member:
+                module = os.path.relpath(hits[0], ROOT)[:-3].replace(os.sep, ".")
+                if member not in modules.get(module.removesuffix(".__init__"), ()):
+                    found.append(f"{line}: {file} has no {member}")
+        elif _DOTTED.fullmatch(name):
+            if _resolves(name) is False:
+                found.append(f"{line}: no {name}")
+        elif _BARE.fullmatch(name) or ("(" in text and name.isidentifier()):
+            if name not in everything and name not in classes:
+                found.append(f"{line}: no {name}")
+    return found
+
+
+def test_every_name_design_md_gives_exists():
+    """Every module, class and function docs/design.md names in backticks exists (the
+    forms ``stale_names`` recognises)."""
+    with open(DESIGN, encoding="utf-8") as f:
+        found = stale_names(f.read())
+    assert not found, "\n".join(f"docs/design.md:{line}" for line in found)
+
+
+def test_stale_names_finds_every_form_it_recognises():
+    """The check can fail: one stale name of each recognised form is reported, and the
+    same forms naming what exists, prose and fenced code are not."""
+    real = ("`core/guard.py` `storage/objects.Objects` `wire.seal` `ferrosync.ddp.register` "
+            "`Storage.read` `GradSync` `_create` `shard_indices(n, 0, 2)` `process_group.py` "
+            "`tests/fakes.py` `FakeClock` `torch.load(weights_only=True)` `poll_initial` "
+            "`c{s}.r{k}` `rdzv.{job}/` `python -m ferrosync.train`\n"
+            "```python\n`storage/gone.py` `NoSuchClass`\n```\n")
+    assert stale_names(real) == []
+    stale = ("`storage/gone.py` `storage/objects.Gone` `wire.gone` `ferrosync.ddp.gone` "
+             "`Storage.gone` `GoneSync` `_gone_private` `gone_function(x)`\n")
+    assert stale_names(stale) == [
+        "1: no file storage/gone.py", "1: storage/objects.py has no Gone", "1: no wire.gone",
+        "1: no ferrosync.ddp.gone", "1: no Storage.gone", "1: no GoneSync",
+        "1: no _gone_private", "1: no gone_function"]

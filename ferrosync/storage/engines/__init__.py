@@ -1,48 +1,12 @@
-"""One small interface over a shared directory or an fsspec object store.
+"""The storage engines: one small interface (``Storage``) over a shared directory or an
+fsspec object store, one engine per module, chosen by ``open_storage`` from the URL's
+scheme (``ferrosync_schemes.SCHEMES``).
 
-A backend needs five things from storage, and this package gives exactly those (and
-the operator tools a sixth):
-
-* ``put(key, parts)``: publish an object atomically (readers see all of it or none);
-* ``open(key)``: a reader for the object, or ``None`` when it does not exist *yet*;
-* ``delete(keys)``: remove objects (missing ones are fine);
-* ``makedirs(prefix)``: make a "directory" where the store has them;
-* ``list(prefix)``: for operator tools only, never on the collective path;
-* ``read_head(key, n)``: the first ``n`` bytes of an object (a header, for the tools;
-  an exclusive create's own bytes, read back).
-
-Rules kept here (docs/design.md#storage-rules):
-
-* **Atomic publish.** Locally (and on NFS) the bytes go to a temporary file *in the
-  same directory*, then ``os.replace`` renames it onto the final name; a rename
-  within a directory is atomic on POSIX and on NFS. fsspec's own ``mv`` and
-  transactions stage in the system temp dir and silently degrade to a copy across
-  filesystems, so they are not used. On object stores one PUT is atomic; an object
-  larger than a part is written as part objects and then a manifest at its name
-  (``parts``), which is invisible until that last PUT.
-* **Exact names, no ``exists()``.** ``open`` asks for one exact name; only "not found"
-  means "not yet", every other error propagates at once. (``exists()`` turns a
-  permission or network error into "no", and a listing can be stale for seconds
-  on NFS or cached by fsspec.) On NFS, ``open()`` of the exact name revalidates
-  with the server (close-to-open consistency); mount with ``lookupcache=positive``
-  so a cached "no such file" does not hide a new file.
-* **Counting.** Every request is counted (``requests``) with the bytes moved, so
-  users see what a run costs on a billed object store.
-* **The directory is untrusted input.** Anyone who can write to a shared directory
-  can plant a symbolic link, a hard link, a FIFO or a directory at a name a rank
-  will open. Below the root, LocalStorage never follows a link (``O_NOFOLLOW``, and
-  directories are opened with ``O_DIRECTORY|O_NOFOLLOW`` and used through
-  ``dir_fd``), never blocks in ``open`` (``O_NONBLOCK``; a FIFO would wait for a
-  writer past every timeout), refuses anything but a regular file with a
-  ``StorageError``, and rewrites a parked spare only when it is a regular file of
-  this uid with one link. Links in the path *to* the root are the user's business.
-
-One engine per module, chosen by ``open_storage`` from the URL's scheme (the one table of
-schemes, ``ferrosync_schemes.SCHEMES``: opener, fsspec protocol, install hint, store):
-``base`` (the interface, counters, readers, retry, the location probe), ``classify``
-(transient or not), ``local`` (directories), ``local_tools`` (what only the operator tools
-do to a directory), ``fsspec_store`` (object stores), ``s3`` (S3 specifics), ``mounts``
-(which filesystem holds a path) and ``parts`` (object-store objects larger than a part).
+The interface (put, open, read, delete, makedirs, list, read_head) and the rules every
+engine keeps: docs/design.md#storage-rules (atomic publish, exact names and never
+``exists()``, counting every request) and docs/design.md#security-model (below the root
+nothing is followed). Modules: ``base``, ``classify``, ``local``, ``local_tools``,
+``fsspec_store``, ``s3``, ``mounts``, ``parts``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,10 @@
-"""Objects larger than one request on an object store: part objects and a manifest.
+"""Objects larger than one request on an object store: part objects, then a manifest at
+the final name (docs/design.md#large-objects, which says why not S3 multipart).
 
-An object larger than a part (``Transfer.part_bytes``, never more than the store's
-largest single request, ``max_request_bytes``) is written as part objects under names
-unique to this write (``names.part``: ``.{name}.{token}.p{i}``, beside the final name),
-each one PUT, ``Transfer.concurrency`` at a time; then the small manifest is put at the
-final name, as the last step, and exclusively where the caller asked for a create. So:
-
-* nobody sees the object half-written: until the manifest exists the name is absent,
-  and the manifest names parts that all exist already;
-* a create whose reply was lost is recognised as ours: the manifest names this write's
-  random token, so its bytes are ours alone (``Storage.exclusive_create``);
-* the payload's checksum or MAC (``wire``) covers the whole object, parts together, as
-  before: a part replaced or replayed fails it;
-* an aborted write leaves parts whose manifest does not exist: ``ferrosync inspect``
-  shows them, ``ferrosync gc`` removes them (``ops/scan.py``).
-
-This works on every fsspec store and on servers without conditional
-CompleteMultipartUpload (docs/design.md#large-objects says why it is not S3 multipart).
-A manifest names no key, only its parts' sizes and the token: a planted one can point
-at nothing but part names of its own final name.
-
-Reading: ``PartsReader`` fetches the parts (or byte ranges of one large plain object)
-``concurrency`` at a time, in order: straight into the caller's buffer where it has
-room for whole parts, else into a part's buffer each, copied out as ``readinto`` asks:
-memory held is at most ``concurrency`` parts, never a copy of the object.
+Nobody sees the object half-written, a create whose reply was lost is recognised by the
+manifest's token (``Storage.exclusive_create``), and the payload's checksum or MAC covers all parts.
+``PartsReader`` reads ``concurrency`` parts at a time, straight into the caller's
+buffer where it has room: never a copy of the object.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Virtual time and a baton: N simulated processes of the production code, one thread
-running at a time, in an order fixed by the seed.
+running at a time, in an order fixed by the seed (docs/elastic.md#simulation).
 
-Every simulated thread (a member's main thread, its heartbeat thread) is a real OS
-thread that runs only while it holds the baton. It gives the baton back at every
-point where real code could be overtaken by another process: a sleep, an event or
-lock wait, a thread join, a storage request (``store.py`` sleeps through its
-latency). The thread giving the baton up picks the next one by (virtual time,
-sequence number) and hands the baton straight to it (``Scheduler.run`` starts the
-first and waits for the end): the same seed gives the same order, the same requests
-and the same ``digest``, whatever the machine's speed.
-
-A killed process (``kill``) never runs again as itself: its threads are woken once to
-unwind with ``SimKilled`` (a ``BaseException``, so no ``except Exception`` of the
-production code swallows it), and its storage client refuses every request, so
-nothing it does after its death reaches the world. A paused process (``pause``: a
-SIGSTOP) is not woken until it resumes; virtual time runs on, as a monotonic clock
-does for a stopped process.
+Every simulated thread runs only while it holds the baton and hands it on at every
+point where real code could be overtaken (a sleep, a wait, a lock, a storage request),
+to the next by (virtual time, sequence). ``kill`` unwinds a process with ``SimKilled``
+(a ``BaseException``) and cuts its storage; ``pause`` stops scheduling it while virtual
+time runs on.
 """
 
 from __future__ import annotations

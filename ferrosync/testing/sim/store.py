@@ -1,30 +1,12 @@
 """A simulated object store with an object store's documented behaviour, and the
 ``Storage`` each simulated member reaches it through.
 
-``SimServer`` holds the bucket (one dict, shared by every member) and models, per
-named ``Profile`` (``PROFILES``; sources in docs/elastic.md#simulation):
-
-* **conditional create**: ``If-None-Match: *`` on a name that exists is 412; two
-  creates of one name in flight at once: the later one gets 409 (S3's
-  ``ConditionalRequestConflict``); both reach the client as ``FileExistsError``, as
-  the real engine's do, and ``Storage.exclusive_create`` reads back to recognise its own;
-* **latency**: each request's first byte after a lognormal draw (the profile's median
-  and p99), then its modelled bytes at the per-connection bandwidth; a PUT acts at the
-  server once its body arrived, a GET reads the object when the request arrives;
-* **request rates per partitioned prefix**: PUT/COPY/POST/DELETE and GET/HEAD counted
-  per prefix over the last second; above the profile's rate a request gets ``503
-  SlowDown`` (transient: the storage layer's retry back-off sends it again). A prefix
-  that stays throttled for ``ramp_s`` has its rate doubled (S3 scaling a prefix);
-* **one write per second per object name** (GCS): a faster rewrite of one name is
-  throttled (429, retried by the client library);
-* **faults**: a share of requests lose their reply after the server acted (the
-  client retries: an exclusive create then finds its own object), and a share of GET
-  bodies are cut (the client reads again).
-
-The payload of a simulated member is a few floats; ``scale`` makes the data objects
-(contributions, tree pieces and results, published state) count as the payload's
-size for bandwidth, as if the member sent ``--payload`` bytes. Control records keep
-their real size.
+``SimServer`` holds the bucket and models, per ``Profile`` (``PROFILES``): conditional
+creates (412, and 409 for two in flight), latency and per-connection bandwidth, request
+rates per partitioned prefix (503 SlowDown, the rate doubled after ``ramp_s``), GCS's
+one write per second per name, lost replies and cut bodies. ``scale`` counts data
+objects at the simulated payload's size. Profiles and their sources:
+docs/elastic.md#simulation.
 """
 
 from __future__ import annotations

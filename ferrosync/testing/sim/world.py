@@ -1,31 +1,10 @@
-"""One simulation: members of an elastic job running the production code
-(``ElasticSync``) on a simulated store, churn, and the invariants checked every round.
+"""One simulation: members of an elastic job running the production code (``ElasticSync``)
+on a simulated store, churn, and the invariants checked every round.
 
-Each member is a simulated process (``scheduler.Process``) running ``Member.main``:
-connect (its own ``SimStorage`` and ``SimRuntime``), fetch the job's state when it is
-a newcomer, then rounds of ``average_`` on a contribution the simulator draws from the
-seed (small integers, so every sum is exact in float32), adding the average to its
-model. The first member of a roster publishes the model after a round that admitted
-newcomers and every ``publish_every`` rounds (a total loss restarts from it).
-
-Invariants (``violations`` names the broken ones; ``wrong_rounds`` counts rounds with a
-wrong average):
-
-* ``wrong_average``: a member's average differs from the mean the simulator computes
-  itself from the contributions of the roster's contributors;
-* ``split_roster``: two members saw different rosters for one round;
-* ``divergent_model``: two members that finished a round hold different model bytes;
-* ``slow_detection``: the roster that drops a killed member (or one paused past
-  ``heartbeat_timeout``, while it is paused) was written more than 1.5 x
-  ``heartbeat_timeout`` after its death, the start of that round, or the latest death
-  or return from a pause of another member or queued joiner before it, whichever is
-  latest;
-* ``slow_admission``: a joiner was not admitted by the second roster written after it
-  arrived;
-* ``lost_work``: after a total loss the job restarted from a state older than the
-  publish period allows;
-* ``member_error:<Type>``: a member failed other than as its churn event made it;
-* ``stalled``: the job stopped making rounds with members alive (a deadlock).
+Each member (``Member.main``) connects with its own ``SimStorage`` and ``SimRuntime``,
+fetches the job's state when new, and averages contributions drawn from the seed (small
+integers: every sum exact). ``violations`` names the broken invariants and
+``wrong_rounds`` counts wrong averages; the invariants: docs/elastic.md#simulation.
 """
 
 from __future__ import annotations
