@@ -13,8 +13,8 @@ import pytest
 from conftest import CASES, case_registration
 from ferrosync.api import GradSync
 from ferrosync.core import registry
+from ferrosync.core.options import BackendOptions
 from ferrosync.errors import ConfigError
-from ferrosync.storage.options import BackendOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,10 +105,11 @@ def test_an_option_of_another_backend_says_which_backend_takes_it():
 def test_shared_settings_come_from_the_options_class():
     """One home for "what every rank must pass alike": the fields marked shared, for
     the rendezvous of the storage backend and an elastic job's record alike."""
-    from ferrosync.storage.options import ElasticOptions, StorageOptions
+    from ferrosync.elastic.options import ElasticOptions
+    from ferrosync.storage.options import StorageOptions
 
-    assert StorageOptions.shared_names() == ("reduce", "wire_dtype", "topk_density",
-                                             "topk_bits", "bucket_bytes",
+    assert StorageOptions.shared_names() == ("wire_dtype", "topk_density", "topk_bits",
+                                             "bucket_bytes", "reduce",
                                              "sharded_min_bytes", "gather_max_ranks")
     assert ElasticOptions.shared_names() == ("wire_dtype", "topk_density", "topk_bits",
                                              "fan_in")

@@ -39,7 +39,7 @@ class Registration:
     name: str
     #: ``"module:Class"`` of the ``GradSync`` subclass
     backend: str
-    #: ``"module:Class"`` of its ``BackendOptions`` dataclass (``storage/options.py``)
+    #: ``"module:Class"`` of its ``BackendOptions`` dataclass (``core/options.py``)
     options: str
     #: URL schemes it serves; empty: storage URLs (a directory or an fsspec store)
     schemes: tuple[str, ...] = ()
@@ -86,11 +86,11 @@ def register(name: str, *, backend: str, options: str, schemes: tuple[str, ...] 
 register("storage", backend="ferrosync.storage.sync:FileSync",
          options="ferrosync.storage.options:StorageOptions")
 register("torch", backend="ferrosync.torchdist.sync:TorchDistSync",
-         options="ferrosync.storage.options:TorchOptions", schemes=("gloo", "nccl", "torch"))
+         options="ferrosync.torchdist.options:TorchOptions", schemes=("gloo", "nccl", "torch"))
 register("hierarchical", backend="ferrosync.torchdist.hierarchical:HierarchicalSync",
-         options="ferrosync.storage.options:HierarchicalOptions", option="local")
+         options="ferrosync.torchdist.options:HierarchicalOptions", option="local")
 register("elastic", backend="ferrosync.elastic:ElasticSync",
-         options="ferrosync.storage.options:ElasticOptions", option="elastic")
+         options="ferrosync.elastic.options:ElasticOptions", option="elastic")
 
 
 def _load(target: str):
@@ -107,14 +107,16 @@ def torch_schemes() -> set[str]:
 TORCH_SCHEMES = frozenset(torch_schemes())
 
 
-def _storage_entry() -> Registration:
+def storage_registration() -> Registration:
+    """The registration of storage URLs: a backend that composes others (the two-level
+    sync meets its node leaders through storage, and takes their options) asks here
+    instead of importing it."""
     return next(e for e in REGISTRY.values() if not (e.schemes or e.option))
 
 
 def storage_backend():
-    """The GradSync class of storage URLs: a backend that composes others (the two-level
-    sync meets its node leaders through storage) asks here instead of importing it."""
-    return _storage_entry().load_backend()
+    """The GradSync class of storage URLs (``storage_registration``'s)."""
+    return storage_registration().load_backend()
 
 
 def _selects(entry: Registration, options: dict | None) -> bool:
@@ -142,7 +144,7 @@ def registration_for(url: str, options: dict | None = None) -> Registration:
         raise ConfigError(f"{given} needs a storage URL (a directory or an object store, "
                           f"and no other backend's option), got {url!r}",
                           hint="give one selecting option, with a storage URL")
-    return (chosen or selecting or [_storage_entry()])[0]
+    return (chosen or selecting or [storage_registration()])[0]
 
 
 def backend_for(url: str, options: dict | None = None):

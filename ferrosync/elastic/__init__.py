@@ -45,8 +45,8 @@ through the storage transport's object layer (``storage/objects.py``).
 
 from __future__ import annotations
 
+from ferrosync.elastic.options import ElasticOptions
 from ferrosync.elastic.state import PublishedState
 from ferrosync.elastic.sync import ElasticSync, peek_state
-from ferrosync.storage.options import ElasticOptions
 
 __all__ = ["ElasticSync", "ElasticOptions", "PublishedState", "peek_state"]

@@ -55,7 +55,7 @@ from ferrosync.core.common import translate_torch_error as _translate
 from ferrosync.ddp import BACKEND_NAME
 from ferrosync.errors import ConfigError
 from ferrosync.storage.engines import Counters
-from ferrosync.storage.options import TorchOptions
+from ferrosync.torchdist.options import TorchOptions
 
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT")
 
