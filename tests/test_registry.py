@@ -7,6 +7,7 @@ cases' object stores are named by their scheme only).
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -142,3 +143,110 @@ def test_option_tables_are_the_registrations():
         reference = f.read()
     for name in registry.REGISTRY:
         assert f"<!-- options:{name} -->" in reference, name
+
+
+# == backends of other distributions: register_backend and the entry-point group ==========
+
+#: a plugin distribution's module: a backend serving ``pigeon://PATH`` (the storage
+#: backend on the directory PATH), registered by a function or declared as a Registration
+PLUGIN = '''
+import ferrosync
+from ferrosync.storage.options import StorageOptions
+from ferrosync.storage.sync import FileSync
+
+
+class PigeonSync(FileSync):
+    @classmethod
+    def check_options(cls, options) -> "StorageOptions":
+        return StorageOptions.parse(options)
+
+    def __init__(self, url, identity, timeout, options):
+        super().__init__(url.removeprefix("pigeon://"), identity, timeout, options)
+
+
+def register():
+    ferrosync.register_backend("pigeon", backend=PigeonSync, options=StorageOptions,
+                               schemes=("pigeon",))
+
+
+DECLARED = ferrosync.Registration("dove", backend="pigeon_plugin:PigeonSync",
+                                  options="ferrosync.storage.options:StorageOptions",
+                                  schemes=("dove",))
+
+
+def broken():
+    raise RuntimeError("no seed")
+'''
+
+
+def install_plugin(tmp_path, monkeypatch, entry_points: str) -> None:
+    """An installed-like distribution on ``tmp_path`` (a ``.dist-info`` with its
+    ``entry_points.txt``, found by ``importlib.metadata`` on ``sys.path``: no pip), and a
+    registry that has not looked at entry points yet and forgets what this test adds."""
+    site = tmp_path / "site"
+    info = site / "pigeon_plugin-1.0.dist-info"
+    info.mkdir(parents=True)
+    (site / "pigeon_plugin.py").write_text(PLUGIN)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pigeon-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n{entry_points}")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    monkeypatch.setitem(registry._plugins, "loaded", False)
+    monkeypatch.delitem(sys.modules, "pigeon_plugin", raising=False)
+
+
+@pytest.mark.unit
+def test_an_installed_plugin_serves_its_scheme_on_first_use(tmp_path, monkeypatch):
+    """The entry point's callable registers the backend the first time a URL needs an
+    unknown scheme; connect then builds it like any other (a real average, one rank)."""
+    import torch
+
+    import ferrosync
+
+    install_plugin(tmp_path, monkeypatch, "pigeon = pigeon_plugin:register\n")
+    assert "pigeon" not in registry.REGISTRY  # nothing loads before a URL needs it
+    registry.registration_for("/a/directory")
+    assert "pigeon" not in registry.REGISTRY
+
+    sync = ferrosync.connect(f"pigeon://{tmp_path / 'run'}", rank=0, world_size=1,
+                             timeout=30, job="pigeon")
+    try:
+        assert type(sync).__name__ == "PigeonSync"
+        t = torch.full((4,), 3.0)
+        sync.average_([t])
+        assert t.tolist() == [3.0] * 4
+    finally:
+        sync.close()
+    assert registry.REGISTRY["pigeon"].backend == "pigeon_plugin:PigeonSync"
+    assert (tmp_path / "run").is_dir()  # the plugin's backend wrote where its URL says
+
+
+@pytest.mark.unit
+def test_a_declared_registration_loads_and_a_broken_plugin_is_named(tmp_path, monkeypatch):
+    install_plugin(tmp_path, monkeypatch, "dove = pigeon_plugin:DECLARED\n"
+                   "sparrow = pigeon_plugin:broken\n")
+    with pytest.warns(UserWarning, match=r"entry point 'sparrow' \(pigeon_plugin:broken\) "
+                      r"did not load: RuntimeError: no seed; fix or uninstall"):
+        assert registry.registration_for("dove://loft").name == "dove"
+    assert registry.backend_for("dove://loft").__name__ == "PigeonSync"
+    assert registry.load_entry_points() == []  # once per process
+
+
+@pytest.mark.unit
+def test_register_backend_takes_classes_or_strings_and_tolerates_a_repeat(monkeypatch):
+    import ferrosync
+    from ferrosync.storage.options import StorageOptions
+    from ferrosync.storage.sync import FileSync
+
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    entry = ferrosync.register_backend("kite", backend=FileSync, options=StorageOptions,
+                                       schemes=("kite",))
+    assert entry == registry.Registration(
+        "kite", backend="ferrosync.storage.sync:FileSync",
+        options="ferrosync.storage.options:StorageOptions", schemes=("kite",))
+    assert ferrosync.register_backend("kite", backend="ferrosync.storage.sync:FileSync",
+                                      options=StorageOptions, schemes=("kite",)) == entry
+    assert registry.backend_for("kite://x") is FileSync
+    with pytest.raises(ValueError, match="already registered"):
+        ferrosync.register_backend("kite", backend=FileSync, options=StorageOptions,
+                                   schemes=("kestrel",))

@@ -59,12 +59,21 @@ class Registration:
 REGISTRY: dict[str, Registration] = {}
 
 
-def register(name: str, *, backend: str, options: str, schemes: tuple[str, ...] = (),
+def _target(obj) -> str:
+    """``"module:Class"`` for a class given itself (a string is kept as it is)."""
+    return obj if isinstance(obj, str) else f"{obj.__module__}:{obj.__qualname__}"
+
+
+def register(name: str, *, backend, options, schemes: tuple[str, ...] = (),
              option: str | None = None) -> Registration:
-    """Declare a backend (see ``Registration``). A name, a scheme or a selecting option
-    already taken by another registration is a ``ValueError``: ``connect`` must never
-    have two answers for one URL."""
-    entry = Registration(name, backend, options, tuple(schemes), option)
+    """Declare a backend (see ``Registration``; ``ferrosync.register_backend``).
+    ``backend`` and ``options`` are ``"module:Class"`` strings (imported on first use) or
+    the classes. A name, a scheme or a selecting option already taken by another
+    registration is a ``ValueError``: ``connect`` must never have two answers for one URL.
+    Registering the same thing twice is not an error (a plugin may be found twice)."""
+    entry = Registration(name, _target(backend), _target(options), tuple(schemes), option)
+    if REGISTRY.get(name) == entry:
+        return entry
     if name in REGISTRY:
         raise ValueError(f"backend {name!r} is already registered")
     if schemes and option:
@@ -95,7 +104,51 @@ register("elastic", backend="ferrosync.elastic:ElasticSync",
 
 def _load(target: str):
     module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+    found = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found
+
+
+# -- backends of other distributions ----------------------------------------------------------
+
+#: the entry-point group a distribution names its backends in (as fsspec's
+#: ``fsspec.specs``): each entry point's value is a ``Registration`` or a callable that
+#: registers (calls ``register``)
+ENTRY_POINT_GROUP = "ferrosync.backends"
+
+_plugins = {"loaded": False}
+
+
+def load_entry_points() -> list[str]:
+    """Register the backends that installed distributions declare in the
+    ``ferrosync.backends`` entry-point group, once per process (``connect`` calls it
+    on the first URL whose scheme no registration serves). Returns the entry points
+    loaded. One that fails to load is a warning naming it, not an error: a broken plugin
+    must not stop the URLs that do not need it."""
+    if _plugins["loaded"]:
+        return []
+    _plugins["loaded"] = True
+    from importlib.metadata import entry_points
+
+    loaded = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            found = ep.load()
+            if isinstance(found, Registration):
+                register(found.name, backend=found.backend, options=found.options,
+                         schemes=found.schemes, option=found.option)
+            else:
+                found()
+        except Exception as exc:  # noqa: BLE001 -- reported, and the others still load
+            import warnings
+
+            warnings.warn(f"ferrosync: backend entry point {ep.name!r} ({ep.value}) did "
+                          f"not load: {type(exc).__name__}: {exc}; fix or uninstall the "
+                          "distribution that declares it", stacklevel=2)
+            continue
+        loaded.append(ep.name)
+    return loaded
 
 
 def torch_schemes() -> set[str]:
@@ -135,6 +188,8 @@ def registration_for(url: str, options: dict | None = None) -> Registration:
     else the one a selecting option names, else the storage backend. A selecting option
     on another backend's URL, or two of them, is a ``ConfigError`` (one answer per URL)."""
     scheme, _ = split_url(url)
+    if scheme != "file" and not any(scheme in e.schemes for e in REGISTRY.values()):
+        load_entry_points()  # a scheme of no registration: an installed plugin's, perhaps
     chosen = [e for e in REGISTRY.values() if scheme in e.schemes]
     selecting = [e for e in REGISTRY.values() if _selects(e, options)]
     if selecting and (chosen or len(selecting) > 1):
