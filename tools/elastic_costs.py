@@ -329,9 +329,10 @@ def _parse_args() -> argparse.Namespace:
 def _metered_seaweed(workdir: str):
     """A SeaweedFS server started under ``workdir`` with its Prometheus metrics on
     loopback too: (the server, its metrics URL, storage_options to reach it)."""
-    from ferrosync.testing.seaweed import SeaweedServer, free_ports, s3_storage_options, weed_binary
+    from ferrosync.testing.loopback import free_port
+    from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
-    metrics_port = free_ports(1)[0]
+    metrics_port = free_port()
 
     class Metered(SeaweedServer):
         def command(self):  # its Prometheus endpoint, on loopback too

@@ -41,7 +41,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,13 +58,12 @@ from ferrosync.core.env import (
     ENV_WORLD_SIZE,
 )
 from ferrosync.errors import ConfigError
+from ferrosync.testing.loopback import LOOPBACK, free_port  # the ranks all run on this host
 
 #: set in each rank's environment: "you are a rank, ignore --nproc"
 ENV_CHILD = "FERROSYNC_TRAIN_CHILD"
 #: set when the launcher's stderr is a terminal, so rank 0 redraws its bar often
 ENV_TTY = "FERROSYNC_TTY"
-#: MASTER_ADDR for the ranks: they all run on this host
-LOOPBACK = "127.0.0.1"
 GRACE_S = 5.0
 POLL_S = 0.05
 _DELIMITER = re.compile(rb"[\r\n]")
@@ -217,14 +215,6 @@ def keep_key(job: str, secret: str | None, url: str) -> str | None:
               f"{keys.directory()} ({exc.strerror or exc}): `ferrosync inspect` and `gc` "
               "will not verify it", file=sys.stderr, flush=True)
         return None
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that nothing listens on now (torchrun --standalone picks
-    its port the same way; another program could still take it before rank 0 does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def torchrun_env(rank: int, world_size: int, per_node: int, job: str, port: int) -> dict:
