@@ -33,7 +33,7 @@ Semantics match the storage backend:
 
 Storage-only options (``reduce``, ``secret``, ``storage_options``, polling and
 heartbeat settings) are accepted with one warning, so switching a script's URL from a
-bucket to ``gloo://`` never breaks it (``options.TorchOptions``).
+bucket to ``gloo://`` never breaks it (``torchdist/options.py``).
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ def _checkpoint_options(args) -> dict | None:
 
 def check_sync_options(url: str, options: dict, *, elastic: bool = False) -> None:
     """``--sync-option``s against the options of the backend that will serve ``url``
-    (``storage/options.py`` through the backend's own ``check_options``, the parser
+    (through the backend's own ``check_options``, the parser
     ``connect`` uses): a ConfigError naming the first bad one, before any rank starts."""
     from ferrosync.core.registry import backend_for
 
