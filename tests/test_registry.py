@@ -250,3 +250,33 @@ def test_register_backend_takes_classes_or_strings_and_tolerates_a_repeat(monkey
     with pytest.raises(ValueError, match="already registered"):
         ferrosync.register_backend("kite", backend=FileSync, options=StorageOptions,
                                    schemes=("kestrel",))
+
+
+@pytest.mark.unit
+def test_an_option_is_declared_once_and_a_backend_may_only_change_its_default():
+    """Backends that take an option share its one declaration (check, description, shared
+    or not); ``defaults`` changes nothing but the default, and names only inherited ones."""
+    import dataclasses
+
+    from ferrosync.core.options import BackendOptions, BucketOptions
+    from ferrosync.elastic.options import ElasticOptions
+    from ferrosync.storage.options import StorageOptions
+    from ferrosync.torchdist.options import TorchOptions
+
+    def meta(cls, name):
+        return {f.name: f for f in dataclasses.fields(cls)}[name].metadata
+
+    assert TorchOptions.parse({}).bucket_bytes == 25 << 20
+    assert StorageOptions.parse({}).bucket_bytes is None
+    assert meta(TorchOptions, "bucket_bytes") == meta(StorageOptions, "bucket_bytes")
+    assert StorageOptions.parse({}).heartbeat_timeout == 20.0
+    assert ElasticOptions.parse({}).heartbeat_timeout is None
+    assert meta(StorageOptions, "heartbeat_timeout") == meta(ElasticOptions, "heartbeat_timeout")
+    for name in ("wire_dtype", "topk_density", "topk_bits", "error_feedback"):
+        assert meta(TorchOptions, name) is meta(StorageOptions, name) is meta(ElasticOptions,
+                                                                              name)
+    with pytest.raises(TypeError, match="Wrong.defaults names 'reduce', an option it does "
+                       "not inherit"):
+        @dataclasses.dataclass(frozen=True)
+        class Wrong(BackendOptions, BucketOptions):
+            defaults = {"reduce": "root"}

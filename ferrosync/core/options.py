@@ -136,7 +136,10 @@ class BackendOptions:
         if "__annotations__" not in cls.__dict__:
             cls.__annotations__ = {}
         for name, default in own.items():
-            shared = inherited[name]  # a KeyError here: ``defaults`` names no inherited option
+            shared = inherited.get(name)
+            if shared is None or "doc" not in shared.metadata:
+                raise TypeError(f"{cls.__name__}.defaults names {name!r}, an option it does "
+                                "not inherit from a group (declare it in the class instead)")
             # re-listed as this class's own field (same metadata, its default): the
             # dataclass keeps the inherited position, so tables keep their order
             setattr(cls, name, field(default=default, metadata=shared.metadata))

@@ -65,7 +65,7 @@ _log = logging.getLogger(__name__)
 class TorchDistSync(GradSync):
     """GradSync over torch.distributed (NCCL for CUDA tensors, gloo for CPU tensors)."""
 
-    default_bucket_bytes = 25 << 20
+    default_bucket_bytes = TorchOptions.default("bucket_bytes")  # bucket_bytes=None: the same
 
     @classmethod
     def check_options(cls, options: dict) -> TorchOptions:
