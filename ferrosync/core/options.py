@@ -1,10 +1,13 @@
 """Options: how a backend declares what ``connect(url, **options)`` takes.
 
-``option(...)`` is a dataclass field carrying its description, check and docs default;
-``BackendOptions`` parses and documents a backend's frozen options dataclass. Each option
-is declared once, in a group (a small frozen dataclass: ``BucketOptions`` here, the codec
-group in ``compression/options.py``, the storage groups in ``storage/options.py``) that
-the backends taking it inherit; a backend whose default differs says so in ``defaults``.
+``connect`` hands the keyword arguments to the backend's ``check_options``, which calls
+``Options.parse``: unknown names and bad values are a ``ConfigError`` before any I/O, and
+the backend reads typed attributes, never string keys. ``option(...)`` is a field with its
+description, check and docs default, from which docs/reference.md's tables are generated
+(``table()``, ``tools/options_table.py``). Each option is declared once, in a group (a
+small frozen dataclass: ``BucketOptions`` here, ``compression/options.py``'s codec group,
+``storage/options.py``'s) that the backends taking it inherit; a backend whose default
+differs says so in ``defaults``.
 """
 
 from __future__ import annotations

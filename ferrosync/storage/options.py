@@ -1,15 +1,8 @@
-"""Backend options: one frozen dataclass per backend, the single home of every option's
-name, default, validation and description.
-
-``connect(url, **options)`` hands the keyword arguments to the backend's
-``check_options``, which calls ``Options.parse``: unknown names and bad values are a
-``ConfigError`` before any I/O, and the backend reads typed attributes
-(``opts.reduce``), never string keys. docs/reference.md's option tables are generated from
-the same fields (``table()``; each backend's registration in ``ferrosync/core/registry.py``
-names its options class, ``python tools/options_table.py`` rewrites the tables and
-``tests/test_docs.py`` checks they match), so the documentation cannot drift from the
-code.
-"""
+"""The storage backend's options (``StorageOptions``) and the groups of options every
+storage-backed backend shares: ``TimingOptions`` (polling and liveness, resolved against
+the store by ``timing``), ``AccessOptions`` (job, secret, driver options) and
+``TransferOptions`` (how an object store moves one object). How an option is declared,
+parsed and documented: ``core/options.py``."""
 
 from __future__ import annotations
 
