@@ -150,7 +150,10 @@ def test_option_tables_are_the_registrations():
 #: a plugin distribution's module: a backend serving ``pigeon://PATH`` (the storage
 #: backend on the directory PATH), registered by a function or declared as a Registration
 PLUGIN = '''
+from dataclasses import dataclass
+
 import ferrosync
+from ferrosync.core.options import boolean, option
 from ferrosync.storage.options import StorageOptions
 from ferrosync.storage.sync import FileSync
 
@@ -172,6 +175,15 @@ def register():
 DECLARED = ferrosync.Registration("dove", backend="pigeon_plugin:PigeonSync",
                                   options="ferrosync.storage.options:StorageOptions",
                                   schemes=("dove",))
+
+
+@dataclass(frozen=True)
+class PostOptions(StorageOptions):
+    pigeon_post: bool = option(False, "send by pigeon", check=boolean)
+
+
+POST = ferrosync.Registration("post", backend="pigeon_plugin:PigeonSync",
+                              options="pigeon_plugin:PostOptions", option="pigeon_post")
 
 
 def broken():
@@ -230,6 +242,15 @@ def test_a_declared_registration_loads_and_a_broken_plugin_is_named(tmp_path, mo
         assert registry.registration_for("dove://loft").name == "dove"
     assert registry.backend_for("dove://loft").__name__ == "PigeonSync"
     assert registry.load_entry_points() == []  # once per process
+
+
+@pytest.mark.unit
+def test_a_plugin_that_selects_by_option_loads_on_that_option(tmp_path, monkeypatch):
+    install_plugin(tmp_path, monkeypatch, "post = pigeon_plugin:POST\n")
+    assert registry.registration_for("/a/directory", {"job": "j"}).name == "storage"
+    assert "post" not in registry.REGISTRY  # every option known: no plugin needed
+    assert registry.registration_for("/a/directory", {"pigeon_post": True}).name == "post"
+    assert registry.registration_for("/a/directory", {"pigeon_post": False}).name == "storage"
 
 
 @pytest.mark.unit

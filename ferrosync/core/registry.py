@@ -122,8 +122,8 @@ _plugins = {"loaded": False}
 
 def load_entry_points() -> list[str]:
     """Register the backends that installed distributions declare in the
-    ``ferrosync.backends`` entry-point group, once per process (``connect`` calls it
-    on the first URL whose scheme no registration serves). Returns the entry points
+    ``ferrosync.backends`` entry-point group, once per process (``connect`` calls it on
+    the first URL or option no registration serves). Returns the entry points
     loaded. One that fails to load is a warning naming it, not an error: a broken plugin
     must not stop the URLs that do not need it."""
     if _plugins["loaded"]:
@@ -186,10 +186,20 @@ def selected_options(options: dict) -> dict:
 def registration_for(url: str, options: dict | None = None) -> Registration:
     """The registration serving ``url`` with ``options``: the one whose scheme it is,
     else the one a selecting option names, else the storage backend. A selecting option
-    on another backend's URL, or two of them, is a ``ConfigError`` (one answer per URL)."""
+    on another backend's URL, or two of them, is a ``ConfigError`` (one answer per URL).
+    Installed plugins (``load_entry_points``) are looked at first where the URL's scheme
+    is no registration's or an option is one the backend chosen does not take."""
     scheme, _ = split_url(url)
-    if scheme != "file" and not any(scheme in e.schemes for e in REGISTRY.values()):
-        load_entry_points()  # a scheme of no registration: an installed plugin's, perhaps
+    entry = _choose(url, scheme, options)
+    if not _plugins["loaded"] and (
+            (scheme != "file" and scheme not in entry.schemes)
+            or set(options or ()) - set(entry.load_options().names())):
+        load_entry_points()
+        entry = _choose(url, scheme, options)
+    return entry
+
+
+def _choose(url: str, scheme: str, options: dict | None) -> Registration:
     chosen = [e for e in REGISTRY.values() if scheme in e.schemes]
     selecting = [e for e in REGISTRY.values() if _selects(e, options)]
     if selecting and (chosen or len(selecting) > 1):
