@@ -26,6 +26,7 @@ is reported with the command that installs it (see ``storage.open_storage``).
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass
 
 from ferrosync.storage.engines import split_url
@@ -141,8 +142,6 @@ def load_entry_points() -> list[str]:
             else:
                 found()
         except Exception as exc:  # noqa: BLE001 -- reported, and the others still load
-            import warnings
-
             warnings.warn(f"ferrosync: backend entry point {ep.name!r} ({ep.value}) did "
                           f"not load: {type(exc).__name__}: {exc}; fix or uninstall the "
                           "distribution that declares it", stacklevel=2)
