@@ -78,6 +78,14 @@ def test_connect_chooses_by_scheme_then_option(url, options, name):
     assert registry.registration_for(url, options).name == name
 
 
+@pytest.mark.parametrize("url, storage", [
+    ("/shared/run", True), ("file:///shared/run", True), ("s3://bucket/run", True),
+    ("gloo://127.0.0.1:1", False), ("nccl://127.0.0.1:1", False), ("torch://", False)])
+@pytest.mark.unit
+def test_served_by_storage_is_the_registrations_answer(url, storage):
+    assert registry.served_by_storage(url) is storage
+
+
 @pytest.mark.unit
 def test_elastic_runs_on_storage_urls_only():
     assert registry.backend_for("/shared/run", {"elastic": True}).__name__ == "ElasticSync"
@@ -230,6 +238,7 @@ def test_an_installed_plugin_serves_its_scheme_on_first_use(tmp_path, monkeypatc
     finally:
         sync.close()
     assert registry.REGISTRY["pigeon"].backend == "pigeon_plugin:PigeonSync"
+    assert not registry.served_by_storage("pigeon://loft")  # the trainer probes no store
     assert (tmp_path / "run").is_dir()  # the plugin's backend wrote where its URL says
 
 

@@ -150,15 +150,6 @@ def load_entry_points() -> list[str]:
     return loaded
 
 
-def torch_schemes() -> set[str]:
-    """Schemes served by a backend of their own (every other URL is a storage URL)."""
-    return {scheme for entry in REGISTRY.values() for scheme in entry.schemes}
-
-
-#: kept for callers that test a scheme (``train/runner.py``); derived, not a second list
-TORCH_SCHEMES = frozenset(torch_schemes())
-
-
 def storage_registration() -> Registration:
     """The registration of storage URLs: a backend that composes others (the two-level
     sync meets its node leaders through storage, and takes their options) asks here
@@ -209,6 +200,13 @@ def _choose(url: str, scheme: str, options: dict | None) -> Registration:
                           f"and no other backend's option), got {url!r}",
                           hint="give one selecting option, with a storage URL")
     return (chosen or selecting or [storage_registration()])[0]
+
+
+def served_by_storage(url: str) -> bool:
+    """Whether ``url`` is a storage URL (a directory or an object store, whatever option
+    selects the backend on it), not one of a backend with schemes of its own (``gloo://``,
+    a plugin's): what the trainer's launcher checks before any rank starts."""
+    return not registration_for(url).schemes
 
 
 def backend_for(url: str, options: dict | None = None):

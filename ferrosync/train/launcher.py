@@ -130,13 +130,13 @@ def check_url(url: str, options: dict, *, processes: int = 1, flag: str = "--syn
     serves (``driver_class``, with the ``pip install``), a driver that cannot create
     only if absent (``--sync`` only: rendezvous needs it), and a store that is one
     process's own (``memory://``) for more than one process."""
-    from ferrosync.core.registry import TORCH_SCHEMES
+    from ferrosync.core.registry import served_by_storage
     from ferrosync.storage.engines import open_storage, split_url
     from ferrosync.storage.engines.base import EXCLUSIVE_CREATE_HINT
     from ferrosync.storage.engines.fsspec_store import driver_class, generic_create
 
     protocol, _ = split_url(url)
-    if protocol in TORCH_SCHEMES or protocol in ("file", "local"):
+    if not served_by_storage(url) or protocol in ("file", "local"):
         return  # a directory: only its probe (a write) tells more
     why = generic_create(driver_class(url, protocol))
     if why is not None and flag == "--sync":
