@@ -94,8 +94,8 @@ class GradSync(OwnershipGuard, abc.ABC):
     @abc.abstractmethod
     def check_options(cls, options: dict):
         """Validate ``connect``'s keyword options before any I/O and return them typed
-        (``storage/options.py``); a ``ConfigError`` names the first bad one. Called by
-        ``connect`` with every option the user passed; the result is handed to
+        (a ``BackendOptions``, ``core/options.py``); a ``ConfigError`` names the first bad
+        one. Called by ``connect`` with every option the user passed; the result is handed to
         ``__init__(url, identity, timeout, options)``."""
 
     def on_membership(self, callback) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -38,6 +37,7 @@ from ferrosync.testing.emulators import (
     azurite_binary,
     fake_gcs_binary,
 )
+from ferrosync.testing.loopback import free_port
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
 # moto and botocore read credentials and region from the environment; never a real profile
@@ -76,12 +76,6 @@ class Transport:
 
     def with_options(self, **extra) -> Transport:
         return Transport(self.name, self.url, {**self.options, **extra})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def served(request, fixture: str):

@@ -20,6 +20,8 @@ import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
+from ferrosync.testing.loopback import free_port  # noqa: F401 -- MASTER_PORT for a Python block (test_docs)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -552,13 +554,3 @@ def example_params() -> list:
             pending = []
         assert not pending, f"{doc}: a skip directive with no code block after it"
     return items
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (MASTER_PORT for a Python block)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-

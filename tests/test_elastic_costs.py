@@ -114,8 +114,8 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
 def test_liveness_at_1000_members_costs_at_most_2_dollars_an_hour_by_default(s3_transport):
     """The elastic default on an object store (ElasticOptions.timing), at S3 list
     prices, with every member reading a predecessor's heartbeat once per interval."""
+    from ferrosync.elastic.options import ElasticOptions
     from ferrosync.storage.engines import open_storage
-    from ferrosync.storage.options import ElasticOptions
 
     storage = open_storage(s3_transport.url, s3_transport.options["storage_options"])
     try:

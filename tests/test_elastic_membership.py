@@ -375,9 +375,10 @@ def test_liveness_defaults_depend_on_the_kind_of_store(tmp_path, s3_transport):
     interval the user sets stretches the default timeout to 3 intervals, a timeout the
     user sets shrinks the default interval to a third of it; a timeout too short for
     an interval the user set is refused, naming both, and closes the storage."""
+    from ferrosync.elastic.options import ElasticOptions
     from ferrosync.errors import ConfigError
     from ferrosync.storage.engines import open_storage
-    from ferrosync.storage.options import ElasticOptions, StorageOptions
+    from ferrosync.storage.options import StorageOptions
 
     def s3():
         return open_storage(s3_transport.url, s3_transport.options["storage_options"])

@@ -12,8 +12,8 @@ from test_elastic import FAST, TIMEOUT, _values, w_fixed
 
 import ferrosync
 from ferrosync.elastic import tree
+from ferrosync.elastic.options import ElasticOptions
 from ferrosync.elastic.tree import TREE_FROM, TreePlan
-from ferrosync.storage.options import ElasticOptions
 from ranks import collect, run_ranks, start_ranks, wait_until
 
 MIB = 1 << 20

@@ -15,7 +15,8 @@ import pytest
 import torch
 from train_cli import ForkedCli, cli_env, run_cli, run_forked
 
-from ferrosync.train.launcher import LOOPBACK, _rank_env, free_port, torchrun_env
+from ferrosync.testing.loopback import LOOPBACK, free_port
+from ferrosync.train.launcher import _rank_env, torchrun_env
 from ranks import communicate_all
 
 #: what torchrun (LocalElasticAgent) gives a worker, plus the local-rank variables

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
+from ferrosync.elastic.options import ElasticOptions
 from ferrosync.ops.recommend import recommend, render
 from ferrosync.storage.engines import open_storage
-from ferrosync.storage.options import ElasticOptions, StorageOptions
+from ferrosync.storage.options import StorageOptions
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,8 @@ from ferrosync.compression.codecs import TOPK_CHUNK, Int8Codec, TopKCodec, codec
 from ferrosync.compression.encoder import Encoder
 from ferrosync.core.flat import BufferPool
 from ferrosync.errors import ConfigError
-from ferrosync.storage.options import StorageOptions, TorchOptions
+from ferrosync.storage.options import StorageOptions
+from ferrosync.torchdist.options import TorchOptions
 from ranks import run_ranks
 
 

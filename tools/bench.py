@@ -47,11 +47,12 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
 import time
+
+from ferrosync.testing.loopback import free_port
 
 UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
 ALL_BACKENDS = ["disk-root", "disk-sharded", "shm-root", "shm-sharded", "s3", "s3-seaweed",
@@ -75,12 +76,6 @@ def human(n: int) -> str:
         if n >= factor and n % factor == 0:
             return f"{n // factor} {unit}"
     return f"{n} B"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status_mb(field: str) -> float:

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
+
+from ferrosync.testing.loopback import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,12 +36,6 @@ print(json.dumps({"import_torch_ms": (t1 - t0) * 1e3, "init_ms": (t2 - t1) * 1e3
                                             for m in sys.modules),
                   "hook": ferrosync_autoload.__file__}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def once(autoload: bool) -> dict:

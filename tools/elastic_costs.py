@@ -59,8 +59,8 @@ def model(w: int, payload: int, *, round_s: float, hb_interval: float,
     ``poll_s``: the time a member spends polling for the roster (one GET per poll; the
     polls' count depends on the wait, so it is an input, 0 for the floor).
     """
+    from ferrosync.elastic.options import ElasticOptions
     from ferrosync.elastic.tree import TREE_FROM, TreePlan
-    from ferrosync.storage.options import ElasticOptions
 
     hb = round_s / hb_interval
     polls = 1.0 + (poll_s / 0.2 if poll_s else 0.0)  # at least the roster read
@@ -146,7 +146,7 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
 
     store = provider_of("s3://")
     prices = dict(store.prices)
-    from ferrosync.storage.options import ElasticOptions
+    from ferrosync.elastic.options import ElasticOptions
 
     hb = ElasticOptions.interval_object_store  # an elastic member's default on S3
     print("model: a healthy round (all-read-all below 5 members, the tree from 5), "
@@ -329,9 +329,10 @@ def _parse_args() -> argparse.Namespace:
 def _metered_seaweed(workdir: str):
     """A SeaweedFS server started under ``workdir`` with its Prometheus metrics on
     loopback too: (the server, its metrics URL, storage_options to reach it)."""
-    from ferrosync.testing.seaweed import SeaweedServer, free_ports, s3_storage_options, weed_binary
+    from ferrosync.testing.loopback import free_port
+    from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
-    metrics_port = free_ports(1)[0]
+    metrics_port = free_port()
 
     class Metered(SeaweedServer):
         def command(self):  # its Prometheus endpoint, on loopback too
@@ -362,7 +363,7 @@ def main() -> int:
         options["storage_options"] = json.loads(args.storage_options)
     server = metrics_url = None
     url = args.url or os.path.join(workdir, "store")
-    from ferrosync.storage.options import ElasticOptions
+    from ferrosync.elastic.options import ElasticOptions
 
     # the elastic defaults (ElasticOptions.timing): a directory, an object store
     hb = 1.0 if "://" not in url else ElasticOptions.interval_object_store

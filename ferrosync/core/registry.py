@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import warnings
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -26,7 +27,7 @@ class Registration:
     name: str
     #: ``"module:Class"`` of the ``GradSync`` subclass
     backend: str
-    #: ``"module:Class"`` of its ``BackendOptions`` dataclass (``storage/options.py``)
+    #: ``"module:Class"`` of its ``BackendOptions`` dataclass (``core/options.py``)
     options: str
     #: URL schemes it serves; empty: storage URLs (a directory or an fsspec store)
     schemes: tuple[str, ...] = ()
@@ -46,12 +47,21 @@ class Registration:
 REGISTRY: dict[str, Registration] = {}
 
 
-def register(name: str, *, backend: str, options: str, schemes: tuple[str, ...] = (),
+def _target(obj) -> str:
+    """``"module:Class"`` for a class given itself (a string is kept as it is)."""
+    return obj if isinstance(obj, str) else f"{obj.__module__}:{obj.__qualname__}"
+
+
+def register(name: str, *, backend, options, schemes: tuple[str, ...] = (),
              option: str | None = None) -> Registration:
-    """Declare a backend (see ``Registration``). A name, a scheme or a selecting option
-    already taken by another registration is a ``ValueError``: ``connect`` must never
-    have two answers for one URL."""
-    entry = Registration(name, backend, options, tuple(schemes), option)
+    """Declare a backend (see ``Registration``; ``ferrosync.register_backend``).
+    ``backend`` and ``options`` are ``"module:Class"`` strings (imported on first use) or
+    the classes. A name, a scheme or a selecting option already taken by another
+    registration is a ``ValueError``: ``connect`` must never have two answers for one URL.
+    Registering the same thing twice is not an error (a plugin may be found twice)."""
+    entry = Registration(name, _target(backend), _target(options), tuple(schemes), option)
+    if REGISTRY.get(name) == entry:
+        return entry
     if name in REGISTRY:
         raise ValueError(f"backend {name!r} is already registered")
     if schemes and option:
@@ -73,11 +83,11 @@ def register(name: str, *, backend: str, options: str, schemes: tuple[str, ...] 
 register("storage", backend="ferrosync.storage.sync:FileSync",
          options="ferrosync.storage.options:StorageOptions")
 register("torch", backend="ferrosync.torchdist.sync:TorchDistSync",
-         options="ferrosync.storage.options:TorchOptions", schemes=("gloo", "nccl", "torch"))
+         options="ferrosync.torchdist.options:TorchOptions", schemes=("gloo", "nccl", "torch"))
 register("hierarchical", backend="ferrosync.torchdist.hierarchical:HierarchicalSync",
-         options="ferrosync.storage.options:HierarchicalOptions", option="local")
+         options="ferrosync.torchdist.options:HierarchicalOptions", option="local")
 register("elastic", backend="ferrosync.elastic:ElasticSync",
-         options="ferrosync.storage.options:ElasticOptions", option="elastic")
+         options="ferrosync.elastic.options:ElasticOptions", option="elastic")
 
 
 #: a relative path whose first part starts like a URL scheme: ``s3:/bucket/run``,
@@ -140,26 +150,61 @@ def split_url(url: str) -> tuple[str, str]:
 
 def _load(target: str):
     module, name = target.split(":")
-    return getattr(importlib.import_module(module), name)
+    found = importlib.import_module(module)
+    for part in name.split("."):
+        found = getattr(found, part)
+    return found
 
 
-def torch_schemes() -> set[str]:
-    """Schemes served by a backend of their own (every other URL is a storage URL)."""
-    return {scheme for entry in REGISTRY.values() for scheme in entry.schemes}
+# -- backends of other distributions ----------------------------------------------------------
+
+#: the entry-point group a distribution names its backends in (as fsspec's
+#: ``fsspec.specs``): each entry point's value is a ``Registration`` or a callable that
+#: registers (calls ``register``)
+ENTRY_POINT_GROUP = "ferrosync.backends"
+
+_plugins = {"loaded": False}
 
 
-#: kept for callers that test a scheme (``train/runner.py``); derived, not a second list
-TORCH_SCHEMES = frozenset(torch_schemes())
+def load_entry_points() -> list[str]:
+    """Register the backends that installed distributions declare in the
+    ``ferrosync.backends`` entry-point group, once per process (``connect`` calls it on
+    the first URL or option no registration serves). Returns the entry points
+    loaded. One that fails to load is a warning naming it, not an error: a broken plugin
+    must not stop the URLs that do not need it."""
+    if _plugins["loaded"]:
+        return []
+    _plugins["loaded"] = True
+    from importlib.metadata import entry_points
+
+    loaded = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            found = ep.load()
+            if isinstance(found, Registration):
+                register(found.name, backend=found.backend, options=found.options,
+                         schemes=found.schemes, option=found.option)
+            else:
+                found()
+        except Exception as exc:  # noqa: BLE001 -- reported, and the others still load
+            warnings.warn(f"ferrosync: backend entry point {ep.name!r} ({ep.value}) did "
+                          f"not load: {type(exc).__name__}: {exc}; fix or uninstall the "
+                          "distribution that declares it", stacklevel=2)
+            continue
+        loaded.append(ep.name)
+    return loaded
 
 
-def _storage_entry() -> Registration:
+def storage_registration() -> Registration:
+    """The registration of storage URLs: a backend that composes others (the two-level
+    sync meets its node leaders through storage, and takes their options) asks here
+    instead of importing it."""
     return next(e for e in REGISTRY.values() if not (e.schemes or e.option))
 
 
 def storage_backend():
-    """The GradSync class of storage URLs: a backend that composes others (the two-level
-    sync meets its node leaders through storage) asks here instead of importing it."""
-    return _storage_entry().load_backend()
+    """The GradSync class of storage URLs (``storage_registration``'s)."""
+    return storage_registration().load_backend()
 
 
 def _selects(entry: Registration, options: dict | None) -> bool:
@@ -176,8 +221,20 @@ def selected_options(options: dict) -> dict:
 def registration_for(url: str, options: dict | None = None) -> Registration:
     """The registration serving ``url`` with ``options``: the one whose scheme it is,
     else the one a selecting option names, else the storage backend. A selecting option
-    on another backend's URL, or two of them, is a ``ConfigError`` (one answer per URL)."""
+    on another backend's URL, or two of them, is a ``ConfigError`` (one answer per URL).
+    Installed plugins (``load_entry_points``) are looked at first where the URL's scheme
+    is no registration's or an option is one the backend chosen does not take."""
     scheme, _ = split_url(url)
+    entry = _choose(url, scheme, options)
+    if not _plugins["loaded"] and (
+            (scheme != "file" and scheme not in entry.schemes)
+            or set(options or ()) - set(entry.load_options().names())):
+        load_entry_points()
+        entry = _choose(url, scheme, options)
+    return entry
+
+
+def _choose(url: str, scheme: str, options: dict | None) -> Registration:
     chosen = [e for e in REGISTRY.values() if scheme in e.schemes]
     selecting = [e for e in REGISTRY.values() if _selects(e, options)]
     if selecting and (chosen or len(selecting) > 1):
@@ -187,7 +244,14 @@ def registration_for(url: str, options: dict | None = None) -> Registration:
         raise ConfigError(f"{given} needs a storage URL (a directory or an object store, "
                           f"and no other backend's option), got {url!r}",
                           hint="give one selecting option, with a storage URL")
-    return (chosen or selecting or [_storage_entry()])[0]
+    return (chosen or selecting or [storage_registration()])[0]
+
+
+def served_by_storage(url: str) -> bool:
+    """Whether ``url`` is a storage URL (a directory or an object store, whatever option
+    selects the backend on it), not one of a backend with schemes of its own (``gloo://``,
+    a plugin's): what the trainer's launcher checks before any rank starts."""
+    return not registration_for(url).schemes
 
 
 def backend_for(url: str, options: dict | None = None):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from ferrosync.elastic.ballot import LeaveBallot
 from ferrosync.elastic.events import MembershipChange
+from ferrosync.elastic.options import ElasticOptions
 from ferrosync.elastic.state import PublishedState
 from ferrosync.elastic.sync import ElasticSync, peek_state
-from ferrosync.storage.options import ElasticOptions
 
 __all__ = ["ElasticSync", "ElasticOptions", "MembershipChange", "LeaveBallot",
            "PublishedState", "peek_state"]

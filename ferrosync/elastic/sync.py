@@ -23,6 +23,7 @@ from ferrosync.elastic.events import Subscribers
 from ferrosync.elastic.exchange import Exchange, decode
 from ferrosync.elastic.job import admit, check_ended, check_record, mark_ended
 from ferrosync.elastic.membership import ABORTED, LEFT, HeartbeatWatch, Roster, Rosters, heartbeat
+from ferrosync.elastic.options import ElasticOptions
 from ferrosync.elastic.rounds import Agreement
 from ferrosync.elastic.state import DEFAULT_MAX_STATE_BYTES, PublishedState, StatePublisher
 from ferrosync.elastic.tree import TREE_FROM, TreeRound, Units, plan
@@ -30,7 +31,6 @@ from ferrosync.errors import ConfigError, PeerFailed
 from ferrosync.storage import names
 from ferrosync.storage.engines import open_storage, probe_location
 from ferrosync.storage.objects import Objects
-from ferrosync.storage.options import ElasticOptions
 from ferrosync.storage.wire import job_key, job_tag
 
 

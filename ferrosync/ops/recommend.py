@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 from ferrosync.compression.codecs import Int8Codec, TopKCodec
-from ferrosync.storage.options import ElasticOptions, StorageOptions
+from ferrosync.elastic.options import ElasticOptions
+from ferrosync.storage.options import StorageOptions
 
 MiB = 1 << 20
 #: a float32 collective of the payload taking this long at the measured throughput is

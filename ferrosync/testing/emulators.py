@@ -19,7 +19,8 @@ import time
 import urllib.error
 import urllib.request
 
-from ferrosync.testing.seaweed import find_executable, free_ports
+from ferrosync.testing.loopback import free_port
+from ferrosync.testing.seaweed import find_executable
 
 __all__ = ["AZURITE_ACCOUNT", "AZURITE_KEY", "AzuriteServer", "FakeGcsServer",
            "azurite_binary", "fake_gcs_binary"]
@@ -67,7 +68,7 @@ class _Server:
         self.binary = binary
         self.workdir = str(workdir)
         os.makedirs(self.workdir, exist_ok=True)
-        self.port = free_ports(1)[0]
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(self.workdir, f"{self.name}.out")
         self.proc: subprocess.Popen | None = None

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -22,26 +21,14 @@ import sysconfig
 import tempfile
 import time
 
+from ferrosync.testing.loopback import free_ports
+
 __all__ = ["DEFAULT_BUCKET", "main", "SEAWEED_IDENTITIES", "SEAWEED_START_TIMEOUT",
-           "SEAWEED_STOP_TIMEOUT", "SeaweedServer", "free_ports", "s3_storage_options",
+           "SEAWEED_STOP_TIMEOUT", "SeaweedServer", "s3_storage_options",
            "weed_binary"]
 
 #: the bucket a server creates when none is given
 DEFAULT_BUCKET = "ferrosync-tests"
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all held open until every one is chosen)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            socks.append(s)
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def s3_storage_options(endpoint: str) -> dict:

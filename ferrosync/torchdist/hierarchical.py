@@ -26,7 +26,7 @@ from ferrosync.core.private import host_dir
 from ferrosync.core.registry import storage_backend
 from ferrosync.errors import ConfigError, FerrosyncError, error_class, relay_text, relayed
 from ferrosync.storage.engines import Counters
-from ferrosync.storage.options import HierarchicalOptions, StorageOptions
+from ferrosync.torchdist.options import HierarchicalOptions
 
 _STATUS_OK, _STATUS_FAILED = 0.0, 1.0
 _MESSAGE_BYTES = 2048
@@ -119,7 +119,7 @@ class HierarchicalSync(GradSync):
         local_url = os.path.join(base, digest, f"n{self.node}")
         meet = storage_backend()(
             local_url, Identity(self.local_rank, self.local_world_size, 0, 1, "node-local"),
-            td.total_seconds(), StorageOptions.parse({"heartbeat_timeout": 10.0}))
+            td.total_seconds(), storage_backend().check_options({"heartbeat_timeout": 10.0}))
         try:
             store = None
             port = torch.zeros(1, dtype=torch.int64)

@@ -25,7 +25,7 @@ from ferrosync.core.common import translate_torch_error as _translate
 from ferrosync.ddp import BACKEND_NAME
 from ferrosync.errors import ConfigError
 from ferrosync.storage.engines import Counters
-from ferrosync.storage.options import TorchOptions
+from ferrosync.torchdist.options import TorchOptions
 
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT")
 
@@ -35,7 +35,7 @@ _log = logging.getLogger(__name__)
 class TorchDistSync(GradSync):
     """GradSync over torch.distributed (NCCL for CUDA tensors, gloo for CPU tensors)."""
 
-    default_bucket_bytes = 25 << 20
+    default_bucket_bytes = TorchOptions.default("bucket_bytes")  # bucket_bytes=None: the same
 
     @classmethod
     def check_options(cls, options: dict) -> TorchOptions:

@@ -17,7 +17,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,13 +35,12 @@ from ferrosync.core.env import (
     ENV_WORLD_SIZE,
 )
 from ferrosync.errors import ConfigError
+from ferrosync.testing.loopback import LOOPBACK, free_port  # the ranks all run on this host
 
 #: set in each rank's environment: "you are a rank, ignore --nproc"
 ENV_CHILD = "FERROSYNC_TRAIN_CHILD"
 #: set when the launcher's stderr is a terminal, so rank 0 redraws its bar often
 ENV_TTY = "FERROSYNC_TTY"
-#: MASTER_ADDR for the ranks: they all run on this host
-LOOPBACK = "127.0.0.1"
 GRACE_S = 5.0
 POLL_S = 0.05
 _DELIMITER = re.compile(rb"[\r\n]")
@@ -109,13 +107,13 @@ def check_url(url: str, options: dict, *, processes: int = 1, flag: str = "--syn
     serves (``driver_class``, with the ``pip install``), a driver that cannot create
     only if absent (``--sync`` only: rendezvous needs it), and a store that is one
     process's own (``memory://``) for more than one process."""
-    from ferrosync.core.registry import TORCH_SCHEMES
+    from ferrosync.core.registry import served_by_storage
     from ferrosync.storage.engines import open_storage, split_url
     from ferrosync.storage.engines.base import EXCLUSIVE_CREATE_HINT
     from ferrosync.storage.engines.fsspec_store import driver_class, generic_create
 
     protocol, _ = split_url(url)
-    if protocol in TORCH_SCHEMES or protocol in ("file", "local"):
+    if not served_by_storage(url) or protocol in ("file", "local"):
         return  # a directory: only its probe (a write) tells more
     why = generic_create(driver_class(url, protocol))
     if why is not None and flag == "--sync":
@@ -194,14 +192,6 @@ def keep_key(job: str, secret: str | None, url: str) -> str | None:
               f"{keys.directory()} ({exc.strerror or exc}): `ferrosync inspect` and `gc` "
               "will not verify it", file=sys.stderr, flush=True)
         return None
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that nothing listens on now (torchrun --standalone picks
-    its port the same way; another program could still take it before rank 0 does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def torchrun_env(rank: int, world_size: int, per_node: int, job: str, port: int) -> dict:

@@ -195,7 +195,7 @@ def _checkpoint_options(args) -> dict | None:
 
 def check_sync_options(url: str, options: dict, *, elastic: bool = False) -> None:
     """``--sync-option``s against the options of the backend that will serve ``url``
-    (``storage/options.py`` through the backend's own ``check_options``, the parser
+    (through the backend's own ``check_options``, the parser
     ``connect`` uses): a ConfigError naming the first bad one, before any rank starts."""
     from ferrosync.core.registry import backend_for
 
@@ -210,10 +210,10 @@ def check_sync_options(url: str, options: dict, *, elastic: bool = False) -> Non
 def check_sync_url(url: str, options: dict) -> None:
     """Reachability of a storage sync URL (torch URLs are checked by ranks); writes a
     probe, so it comes after the read-only checks."""
-    from ferrosync.core.registry import TORCH_SCHEMES
-    from ferrosync.storage.engines import open_storage, split_url
+    from ferrosync.core.registry import served_by_storage
+    from ferrosync.storage.engines import open_storage
 
-    if split_url(url)[0] in TORCH_SCHEMES:
+    if not served_by_storage(url):
         return
     # the first contact with an object store is bounded: a dead endpoint is one line
     probe_location(open_storage(url, options.get("storage_options"), timeout=60.0),

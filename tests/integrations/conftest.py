@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+
+from ferrosync.testing.loopback import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -50,12 +51,6 @@ def pytest_collection_modifyitems(config, items):
         reason = _missing(*need)
         if reason:
             item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_env(**extra: str) -> dict:

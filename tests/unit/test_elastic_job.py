@@ -17,10 +17,10 @@ import pytest
 
 from fakes import MemoryStorage
 from ferrosync.elastic.job import check_ended, check_record, mark_ended
+from ferrosync.elastic.options import ElasticOptions
 from ferrosync.errors import ConfigError, JobEnded, ShardCorrupt
 from ferrosync.storage import names
 from ferrosync.storage.objects import Objects
-from ferrosync.storage.options import ElasticOptions
 from ferrosync.storage.wire import decode_record, encode_record, job_key, job_tag
 
 NS = names.elastic_namespace("unit")

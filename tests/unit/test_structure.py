@@ -177,7 +177,6 @@ def test_deadline_loops_have_one_home():
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: options")
 def test_no_option_field_is_declared_twice():
     """Each option is declared once, in one dataclass; the backends that take it share
     that declaration."""

@@ -16,9 +16,9 @@ import statistics
 import torch
 
 from ferrosync.elastic import ElasticSync
+from ferrosync.elastic.options import ElasticOptions
 from ferrosync.errors import JobEnded, MemberDropped, PeerFailed, SyncTimeout
 from ferrosync.storage import names
-from ferrosync.storage.options import ElasticOptions
 from ferrosync.testing.sim.scheduler import Process, Scheduler, wall
 from ferrosync.testing.sim.store import PROFILES, SimServer, SimStorage
 
