@@ -285,7 +285,8 @@ DESIGN = os.path.join(ROOT, "docs", "design.md")
 #: names design.md quotes that are not ferrosync's (torch's, fsspec's, S3's, botocore's) or
 #: that are store names, not code
 FOREIGN = {"GradScaler", "CompleteMultipartUpload", "ListMultipartUploads", "NoSuchUpload",
-           "s3.payload_signing_enabled", "pipe_file", "exists", "rdzv/"}
+           "s3.payload_signing_enabled", "pipe_file", "exists", "rdzv/",
+           "ferrosync.backends"}  # the entry-point group's name, not a module
 _TICKED = re.compile(r"`([^`\n]+)`")
 _PATH = re.compile(r"[\w*][\w./*-]*(?:\.py|/)")
 _DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
