@@ -42,11 +42,11 @@ def test_every_registered_backend_is_in_the_contract_matrix(tmp_path):
 @pytest.mark.unit
 def test_a_registration_without_a_contract_case_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
-    registry.register("carrier-pigeon", backend="ferrosync.storage.sync:FileSync",
+    registry.register("carrier-pigeon", backend="ferrosync.storage.sync:StorageSync",
                       options="ferrosync.storage.options:StorageOptions",
                       schemes=("pigeon",))
     assert uncovered(tmp_path) == {"carrier-pigeon"}
-    assert registry.backend_for("pigeon://loft").__name__ == "FileSync"
+    assert registry.backend_for("pigeon://loft").__name__ == "StorageSync"
 
 
 @pytest.mark.unit

@@ -1,6 +1,6 @@
 """``Encoder``: a backend's codecs and their state (int8 and topk error feedback).
 
-The one encoder of every backend that compresses (``FileSync``, ``TorchDistSync``):
+The one encoder of every backend that compresses (``StorageSync``, ``TorchDistSync``):
 payloads go on the wire in the codec that ``wire_dtype`` picks per tensor dtype.
 Lossy codecs keep state per *stream* (what the data is: a model's gradients, its
 parameters; see ``api._stream``) and per place in the collective, so residuals of

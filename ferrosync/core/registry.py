@@ -83,7 +83,7 @@ def register(name: str, *, backend: str, options: str, schemes: tuple[str, ...] 
 
 # -- the built-in backends --------------------------------------------------------------------
 
-register("storage", backend="ferrosync.storage.sync:FileSync",
+register("storage", backend="ferrosync.storage.sync:StorageSync",
          options="ferrosync.storage.options:StorageOptions")
 register("torch", backend="ferrosync.torchdist.sync:TorchDistSync",
          options="ferrosync.storage.options:TorchOptions", schemes=("gloo", "nccl", "torch"))

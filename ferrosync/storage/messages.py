@@ -22,7 +22,7 @@ by then is up to the timing of the sends, as with MPI's ``MPI_ANY_SOURCE``. Each
 candidate's counter only moves when its message is taken, so a later receive from a
 specific rank gets the next message of that rank, never one skipped.
 
-Used by one ``FileSync`` from the thread inside its call (``GradSync.run_collective``);
+Used by one ``StorageSync`` from the thread inside its call (``GradSync.run_collective``);
 not thread-safe.
 """
 
@@ -174,43 +174,3 @@ class Mailbox:
             rank=self.rank, path=self.objects.storage.path_of(self.objects.prefix),
             hint="does the sending rank call send with this rank and tag, as many times?")
 
-
-class Exchanges:
-    """``FileSync``'s point-to-point primitives and ``all_to_all`` (a mixin, so that the
-    class stays one reader's size): messages through its ``Mailbox``, the all-to-all
-    through its exact-copy objects in the collective sequence."""
-
-    point_to_point = True
-
-    def _all_to_all_flat(self, outputs, inputs, digest, layout):
-        """Rank k publishes its chunk for rank j as ``c{s}.r{k}.s{j}`` (raw) and reads
-        ``c{s}.r{j}.s{k}`` from every other rank j; chunks may differ in size (each
-        reader knows what it expects from each rank, and the header says what came)."""
-        s = self._begin("all_to_all")
-        me = self.rank
-        outputs[me].copy_(inputs[me])
-        if self.world_size == 1:
-            return
-        objects = self._objects
-        objects.ensure_layout(digest, layout)
-        mine = []
-        for j in range(self.world_size):
-            if j != me:
-                mine.append(names.contribution(s, me, j))
-                self._publish_copy(mine[-1], inputs[j], digest)
-        for k in range(self.world_size):
-            if k != me:
-                self._receive_copy(names.contribution(s, k, me), k, [k],
-                                   f"the chunk rank {k} sends this rank", outputs[k], digest)
-        # every rank published for s, so every rank finished the collectives before it
-        objects.recycler.gathered([objects.key_of(name) for name in mine])
-
-    # point-to-point (docs/design.md#point-to-point; ``messages.py``) ------------------------
-    def _send_flat(self, flat, dst, tag):
-        self._mailbox.send(flat, dst, tag)
-
-    def _post_recv(self, src, tag):
-        return self._mailbox.post(src, tag)
-
-    def _recv_flat(self, flat, src, tag, number=None, block=True):
-        return self._mailbox.receive(flat, src, tag, number, block=block)

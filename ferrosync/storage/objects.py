@@ -1,7 +1,7 @@
 """The object layer of every storage-backed backend, and a fixed-size generation on it.
 
 ``Objects`` is the one place where ferrosync's objects and control records meet the
-storage, for the fixed-size backend (``FileSync``, through ``GenerationObjects``
+storage, for the fixed-size backend (``StorageSync``, through ``GenerationObjects``
 below) and for elastic jobs (``ferrosync/elastic``) alike:
 
 * **writing**: it seals what a backend writes (header, checksum or MAC:

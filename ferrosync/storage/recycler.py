@@ -7,7 +7,7 @@ to the next wait, where they cost no latency. On local file systems
 instead and rewritten by a later put of similar size: its pages are reused instead
 of allocated and zeroed again.
 
-Used by one ``FileSync`` from the thread inside its collective; not thread-safe.
+Used by one ``StorageSync`` from the thread inside its collective; not thread-safe.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ GradSync:
 
 1. the ranks of a node reduce to their *leader* (local rank 0) over a gloo group
    (NCCL for CUDA tensors with ``local="nccl"``): each sends ``[w·T, w]``;
-2. only the leaders take part in the storage collective (a ``FileSync`` of
+2. only the leaders take part in the storage collective (a ``StorageSync`` of
    ``nnodes`` ranks, with every storage option: root or sharded reduce, wire codecs,
    secret), each contributing its node's average weighted by the node's total
    weight, so the result is exactly the flat weighted average Σ w·T / Σ w;
@@ -25,7 +25,7 @@ word before raising. A dying leader closes its gloo connections (its local ranks
 raise at once) and stops heartbeating (other nodes raise after
 ``heartbeat_timeout``).
 
-The local group meets through a tiny ``FileSync`` in a node-local directory
+The local group meets through a tiny ``StorageSync`` in a node-local directory
 (``/dev/shm/ferrosync-<uid>/<hash of url>/n<node>`` by default, ``local_dir`` to
 change it), which only exchanges the address of the local TCP store at connect;
 it brings generations and duplicate-rank detection to the local level for free.
@@ -204,6 +204,11 @@ class HierarchicalSync(GradSync):
         opts.rootRank = root
         self._local("local broadcast", lambda: self._pg(buf.device).broadcast([buf], opts))
 
+    @property
+    def unauthenticated_storage(self) -> bool:
+        # only the leaders touch storage, through their storage sync
+        return self._inter is not None and self._inter.unauthenticated_storage
+
     # -- leader -> node status ---------------------------------------------------------------
     def _tell_node_ok(self) -> None:
         self._local_broadcast(torch.tensor([_STATUS_OK], dtype=torch.float64))
@@ -304,7 +309,7 @@ class HierarchicalSync(GradSync):
         acc = accumulator_dtype(flat.dtype)
         # [w·T..., w, status]: the weight rides with the data; the status lets a failed
         # leader stop its node at once
-        buf = self._pool.get("local", n + 2, acc, flat.device)
+        buf = self.buffers.get("local", n + 2, acc, flat.device)
         weighted_copy(buf[:n], flat, weight)
         buf[n] = weight
         buf[n + 1] = _STATUS_OK
@@ -316,7 +321,7 @@ class HierarchicalSync(GradSync):
                 # in the accumulator dtype: a half-type node average rounded before the
                 # storage average would round twice (the contract suite measured 4e-2
                 # relative error in float16); the result is rounded once, below
-                node_avg = self._pool.get("node", n, acc, flat.device)
+                node_avg = self.buffers.get("node", n, acc, flat.device)
                 if node_weight > 0:
                     torch.div(buf[:n], node_weight, out=node_avg)
                 total = self._inter.average_(node_avg, weight=node_weight)
@@ -383,7 +388,7 @@ class HierarchicalSync(GradSync):
 
     def _publish_abort(self, exc):
         if self._inter is not None:
-            self._inter._fail(exc)
+            self._inter.guard.fail(exc)
         else:
             # a non-leader cannot reach storage: breaking the node's group makes the
             # leader raise at once, and it tells the other nodes

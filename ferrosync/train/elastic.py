@@ -352,8 +352,7 @@ class ElasticTrainer(Trainer):
         ``min_ranks`` because others left, with the state published): leave at once
         then. Safe to call from a signal handler."""
         self._leave_asked = self.strategy.vote = True
-        log = getattr(self, "_log", None)  # open from the first step to the summary
-        return log is not None and log.open and not self._stalled
+        return self.running and not self._stalled
 
     # -- the loop's hooks (Trainer.fit) -------------------------------------------------
     def _start(self, sync) -> dict | None:
@@ -371,7 +370,7 @@ class ElasticTrainer(Trainer):
             return self._report_ended(self._ended_summary(sync.url))
         self._resumed = param_digest(self.model).hex() if self.metrics_digest else None
         self.rank, self.world_size = sync.rank, sync.world_size
-        self._attach(sync)  # elastic: the strategy broadcasts nothing
+        self.attach_strategy(sync)  # elastic: the strategy broadcasts nothing
         self.publishing.done(self.step, time.monotonic())
         if founding:
             # after attach: a strategy's state (DiLoCo's global copy and outer

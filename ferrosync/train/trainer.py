@@ -360,12 +360,21 @@ class Trainer:
         mine = torch.frombuffer(bytearray(self.data_fingerprint), dtype=torch.uint8)
         check_same_data([bytes(t.tolist()) for t in sync.all_gather(mine)], rank=sync.rank,
                         path=sync.url)
-        self._attach(sync)
+        self.attach_strategy(sync)
         self._stream = self._batches()
         self._saved_at = self.strategy.progress(self.step)  # the last checkpoint's progress
         return None
 
-    def _attach(self, sync) -> None:
+    @property
+    def running(self) -> bool:
+        """Whether ``fit`` is training: from its first step to its summary."""
+        log = getattr(self, "_log", None)  # made by fit
+        return log is not None and log.open
+
+    def attach_strategy(self, sync) -> None:
+        """Collective (as the strategy's ``attach``): attach the strategy to this
+        trainer's model, optimizer and ``sync`` and start its schedule at the current
+        step; ``fit`` does it before the first step."""
         self.strategy.attach(self.model, self.optimizer, sync)
         self.strategy.begin(self.total_steps, self.step)
 
