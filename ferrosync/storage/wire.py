@@ -54,7 +54,6 @@ import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 import xxhash
 
 # the dtype codes and the layout digest are the collective's (``core/flat.py``); objects
@@ -85,6 +84,7 @@ KIND_NAMES = {1: "contribution", 2: "result", 3: "broadcast", 4: "error"}
 CHECKSUM_XXH3 = 1
 CHECKSUM_HMAC = 2
 
+# the header's dtype codes (``core/flat.py``): a code read from an object -> its dtype
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
