@@ -434,6 +434,10 @@ class GradSync(abc.ABC):
             self._runner = AsyncRunner(f"ferrosync-async-r{self.rank}")
         return self._runner.submit(lambda: self.run_collective(op, body))
 
+    # -- one call, bucket by bucket ------------------------------------------------------
+    # A backend whose one round carries every bucket of a call (``ElasticSync``: the
+    # membership must not change between buckets) overrides these two as a whole.
+
     def _average(self, tensors: list[torch.Tensor], weight: float, stream: str) -> float:
         total = 0.0
         with torch.no_grad():
