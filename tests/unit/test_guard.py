@@ -4,7 +4,8 @@ A small host stands for ``GradSync`` (it records the abort markers it would publ
 so each rule of the module is checked on its own: one thread inside a collective at a time
 (a second one fails the GradSync, and the first one's result is discarded), the first
 failure kept and told to the peers once, a forked child's copy that can neither run nor
-fail nor close the parent's, and the exit hooks. Threads meet on events, never sleeps.
+fail nor close the parent's, closing (the shutdown runs once) and abandoning (a backend
+whose ``__init__`` failed), and the exit hooks. Threads meet on events, never sleeps.
 """
 
 from __future__ import annotations
@@ -207,3 +208,24 @@ def test_the_exit_hooks_fail_then_close_what_is_open(monkeypatch, live, caplog):
     with caplog.at_level(logging.WARNING, logger="ferrosync.core.guard"):
         guard._close_all()
     assert two.closes == 1 and "could not close" in caplog.text  # one did not stop the other
+
+
+def test_close_runs_the_shutdown_once_with_the_first_failure(live):
+    host = Host()
+    with pytest.raises(ValueError):
+        host.guard.run("average", _boom)
+    shutdowns = []
+    host.guard.close(shutdowns.append)
+    host.guard.close(shutdowns.append)  # idempotent
+    assert [str(f) for f in shutdowns] == ["boom"] and host.guard.closed
+    assert host.guard not in live
+
+
+def test_an_abandoned_guard_refuses_collectives_and_the_exit_hook_skips_it(live):
+    host = Host()  # as a backend whose __init__ failed after the guard was made
+    host.guard.abandon()
+    assert host.guard not in live
+    guard._close_all()
+    assert host.closes == 0 and host.guard.failure is None
+    with pytest.raises(SyncClosed, match="this GradSync is closed"):
+        host.guard.run("average", lambda: None)
