@@ -19,13 +19,15 @@ import sys
 import torch
 
 from ferrosync.compression.codecs import FLOAT_DTYPES
-from ferrosync.core.async_runner import RUNNER_JOIN_TIMEOUT, SyncHandle
+from ferrosync.core.async_runner import RUNNER_JOIN_TIMEOUT, AsyncRunner, SyncHandle
 from ferrosync.core.env import ENV_URL, Identity, discover
 from ferrosync.core.flat import (
+    DTYPE_CODES,
     Bucket,
     BufferPool,
     as_tensor_list,
     check_tensors,
+    layout_digest,
     layout_signature,
     plan_buckets,
 )
@@ -34,21 +36,27 @@ from ferrosync.core.stats import StatsBook
 from ferrosync.core.validate import error as value_error
 from ferrosync.core.validate import number
 from ferrosync.errors import ConfigError
-from ferrosync.storage.wire import DTYPE_CODES, layout_digest
 
-__all__ = ["connect", "GradSync", "SyncHandle", "Receive", "fail_open_syncs"]
+__all__ = ["connect", "GradSync", "SyncHandle", "Receive", "fail_open_syncs", "plan_layouts"]
 
 
 _log = logging.getLogger(__name__)
 
 
-class GradSync(OwnershipGuard, abc.ABC):
+class GradSync(abc.ABC):
     """Averages tensors across ranks. Create with ``ferrosync.connect``.
 
     Attributes:
         rank, world_size, local_rank: this process's identity.
         url: where the ranks meet.
         stats: ``{"total": {...}, "last": {...}}`` (see ``ferrosync.core.stats``).
+
+    What a backend (a subclass) is given besides these, its declared interface to the
+    base: ``guard`` (the ``OwnershipGuard``: ``raise_if_failed`` before it publishes,
+    ``check_usable`` before a call that is not a collective, ``abandon`` when its
+    ``__init__`` fails), ``buffers`` (the ``BufferPool`` of its scratch tensors, cleared
+    at close), ``stats_book`` (the ``StatsBook`` behind ``stats``: ``phase`` timers)
+    and ``counters`` (its storage or transport counters).
     """
 
     #: per-backend default bucket size; None means one bucket per dtype
@@ -61,6 +69,10 @@ class GradSync(OwnershipGuard, abc.ABC):
     #: ``"topk"`` an average carries only each chunk's largest values: average changes
     #: (gradients, pseudo-gradients), never values such as parameters (docs/topk.md)
     wire_dtype: str | None = None
+    #: True when this GradSync moves bytes through shared storage without a MAC (no
+    #: secret): anyone who can write there can then replace what the ranks read
+    #: (ddp warns before an object collective unpickles such bytes)
+    unauthenticated_storage = False
 
     def __init__(self, url: str, identity: Identity, timeout: float, counters,
                  bucket_bytes: int | None = None) -> None:
@@ -70,10 +82,11 @@ class GradSync(OwnershipGuard, abc.ABC):
         self.local_rank = identity.local_rank
         self.timeout = timeout
         self.bucket_bytes = bucket_bytes if bucket_bytes is not None else self.default_bucket_bytes
-        self._stats = StatsBook(counters)
-        self._pool = BufferPool()
+        self.stats_book = StatsBook(counters)
+        self.buffers = BufferPool()
         self.counters = counters
-        self._init_guard()
+        self.guard = OwnershipGuard(self, self._publish_abort)
+        self._runner: AsyncRunner | None = None  # started by the first async submission
 
     @classmethod
     def identity(cls, rank: int | None, world_size: int | None) -> Identity:
@@ -98,7 +111,7 @@ class GradSync(OwnershipGuard, abc.ABC):
         one. Called by ``connect`` with every option the user passed; the result is handed to
         ``__init__(url, identity, timeout, options)``."""
 
-    def on_membership(self, callback) -> None:
+    def on_membership(self, callback) -> None:  # noqa: B027 (fixed members: nothing to say)
         """Subscribe ``callback(change)`` to this sync's membership: a backend whose
         members change (an elastic job's) calls it at once with the current members,
         then after every collective that changed them, before that collective returns
@@ -215,7 +228,8 @@ class GradSync(OwnershipGuard, abc.ABC):
         source = tensor.detach().resolve_conj().resolve_neg().contiguous()
 
         def body():
-            (bucket, digest, layout), = self._buckets("all_gather", [source])
+            (bucket, digest, layout), = plan_layouts("all_gather", [source],
+                                                     self.bucket_bytes)
             flat = source.view(-1)
             return [t.view(tensor.shape) for t in self._all_gather_flat(flat, digest, layout)]
 
@@ -224,7 +238,7 @@ class GradSync(OwnershipGuard, abc.ABC):
     def barrier(self) -> None:
         """Collective: returns once every rank has entered."""
         def body():
-            (_bucket, digest, layout), = self._buckets("barrier", [])
+            (_bucket, digest, layout), = plan_layouts("barrier", [], self.bucket_bytes)
             self._barrier(digest, layout)
 
         self.run_collective("barrier", body)
@@ -305,7 +319,7 @@ class GradSync(OwnershipGuard, abc.ABC):
                       in_place=True, dtypes=tuple(DTYPE_CODES))
         number = None
         if src is not None:  # the message is this one, whenever it is read (no I/O)
-            self._check_usable()
+            self.guard.check_usable()
             number = self._post_recv(src, tag)
         return Receive(self, tensor, src, tag, number)
 
@@ -330,25 +344,25 @@ class GradSync(OwnershipGuard, abc.ABC):
         collective (bounded by its ``timeout``). In a forked child it only marks the
         child's copy closed: the handles, threads and objects are the parent's.
         """
-        if self._close_forked_copy():
+        guard = self.guard
+        if guard.close_forked_copy():
             return
         interrupted = sys.exc_info()[1]
-        if isinstance(interrupted, KeyboardInterrupt) and self._failure is None and (
-                not self._closed):
+        if isinstance(interrupted, KeyboardInterrupt):
             # close() in a ``finally`` while Ctrl-C/SIGINT unwinds: the peers must read
             # "interrupted", not a clean close ("ran fewer steps")
-            self._fail(interrupted)
+            guard.fail_unless_ended(interrupted)
         runner = self._runner
         if runner is not None:
             runner.stop()
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._forget()
-                try:
-                    self._shutdown(self._failure)
-                finally:
-                    self._pool.clear()
+
+        def shutdown(failure):
+            try:
+                self._shutdown(failure)
+            finally:
+                self.buffers.clear()
+
+        guard.close(shutdown)
         if runner is not None and not runner.is_worker():
             # queued collectives fail fast once closed; joining matters at exit: a
             # daemon thread still inside a torch op when the interpreter finalizes is
@@ -359,13 +373,13 @@ class GradSync(OwnershipGuard, abc.ABC):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None and self._failure is None and not self._closed:
-            self._fail(exc)
+        if exc is not None:
+            self.guard.fail_unless_ended(exc)
         self.close()
 
     @property
     def stats(self) -> dict:
-        return self._stats.as_dict()
+        return self.stats_book.as_dict()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(url={self.url!r}, rank={self.rank}, "
@@ -386,10 +400,14 @@ class GradSync(OwnershipGuard, abc.ABC):
         collectives inside ``body`` do not count again).
         """
         def counted():
-            with self._stats.collective():
+            with self.stats_book.collective():
                 return body()
 
-        return self._collective(op, counted)
+        self.guard.check_process(op)
+        runner = self._runner
+        if runner is not None and not runner.is_worker():
+            runner.drain()  # earlier async collectives first: call order is the contract
+        return self.guard.run(op, counted)
 
     def submit(self, op: str, body) -> SyncHandle:
         """``run_collective(op, body)`` on this GradSync's async thread, after every
@@ -399,32 +417,22 @@ class GradSync(OwnershipGuard, abc.ABC):
         before queueing anything; later errors are delivered by the handle. What
         ``body`` reads or writes must not be touched until the handle is done.
         """
-        self._check_usable()
-        return self._async_runner().submit(lambda: self.run_collective(op, body))
+        self.guard.check_usable()
+        if self._runner is None:
+            self._runner = AsyncRunner(f"ferrosync-async-r{self.rank}")
+        return self._runner.submit(lambda: self.run_collective(op, body))
 
-    def _buckets(self, op: str, tensors: list[torch.Tensor]) -> list[tuple[Bucket, bytes, dict]]:
-        """Plan the buckets, each with its layout record and that record's digest.
-
-        The digest covers the whole call (operation and every tensor's dtype and
-        shape), so a mismatch anywhere is caught at the first bucket.
-        """
-        buckets = plan_buckets(tensors, self.bucket_bytes)
-        if not buckets:  # no tensors: still a collective (weights are summed)
-            buckets = [Bucket(0, [], torch.float32, torch.device("cpu"), 0)]
-        signature = layout_signature(tensors)
-        out = []
-        for bucket in buckets:
-            layout = {"op": op, "bucket": f"{bucket.index}/{len(buckets)}", "tensors": signature}
-            out.append((bucket, layout_digest(json.dumps(layout, sort_keys=True)), layout))
-        return out
+    # -- one call, bucket by bucket ------------------------------------------------------
+    # A backend whose one round carries every bucket of a call (``ElasticSync``: the
+    # membership must not change between buckets) overrides these two as a whole.
 
     def _average(self, tensors: list[torch.Tensor], weight: float, stream: str) -> float:
         total = 0.0
         with torch.no_grad():
-            for bucket, digest, layout in self._buckets("average", tensors):
+            for bucket, digest, layout in plan_layouts("average", tensors, self.bucket_bytes):
                 # which data this is, for codec state; local to this rank, not in the digest
                 layout["stream"] = stream
-                flat, is_copy = bucket.flat(self._pool)
+                flat, is_copy = bucket.flat(self.buffers)
                 total = self._average_flat(flat, weight, digest, layout)
                 if is_copy and total > 0:
                     bucket.scatter(flat)
@@ -432,8 +440,9 @@ class GradSync(OwnershipGuard, abc.ABC):
 
     def _broadcast(self, tensors: list[torch.Tensor], src: int) -> None:
         with torch.no_grad():
-            for bucket, digest, layout in self._buckets("broadcast", tensors):
-                flat, is_copy = bucket.flat(self._pool)
+            for bucket, digest, layout in plan_layouts("broadcast", tensors,
+                                                       self.bucket_bytes):
+                flat, is_copy = bucket.flat(self.buffers)
                 self._broadcast_flat(flat, src, digest, layout)
                 if is_copy and self.rank != src:
                     bucket.scatter(flat)
@@ -441,7 +450,7 @@ class GradSync(OwnershipGuard, abc.ABC):
     # -- backend primitives --------------------------------------------------------------
     # Called by the collectives above, inside ``run_collective`` (one thread at a time, in
     # call order); every rank calls the same primitive with the same ``digest``. A
-    # primitive that raises fails this GradSync (``_fail`` publishes the abort).
+    # primitive that raises fails this GradSync (``guard.fail`` publishes the abort).
 
     @abc.abstractmethod
     def _average_flat(self, flat: torch.Tensor, weight: float, digest: bytes,
@@ -498,6 +507,25 @@ class GradSync(OwnershipGuard, abc.ABC):
     @abc.abstractmethod
     def _shutdown(self, failure: BaseException | None) -> None:
         """Stop threads and release handles; must not wait on peers or raise."""
+
+
+def plan_layouts(op: str, tensors: list[torch.Tensor],
+                 bucket_bytes: int | None) -> list[tuple[Bucket, bytes, dict]]:
+    """The buckets of one call of collective ``op``, each with its layout record and
+    that record's digest.
+
+    The digest covers the whole call (operation and every tensor's dtype and shape),
+    so a mismatch anywhere is caught at the first bucket.
+    """
+    buckets = plan_buckets(tensors, bucket_bytes)
+    if not buckets:  # no tensors: still a collective (weights are summed)
+        buckets = [Bucket(0, [], torch.float32, torch.device("cpu"), 0)]
+    signature = layout_signature(tensors)
+    out = []
+    for bucket in buckets:
+        layout = {"op": op, "bucket": f"{bucket.index}/{len(buckets)}", "tensors": signature}
+        out.append((bucket, layout_digest(json.dumps(layout, sort_keys=True)), layout))
+    return out
 
 
 class Receive:

@@ -270,7 +270,7 @@ def collectives(rank, world, location, options=None):
     out["backend"] = dist.get_backend()
     world_sync = dist.group.WORLD.sync
     dist.destroy_process_group()
-    out["closed_after_destroy"] = world_sync._closed
+    out["closed_after_destroy"] = world_sync.guard.closed
     out["threads_left"] = [t.name for t in threading.enumerate() if "ferrosync" in t.name]
     return out
 

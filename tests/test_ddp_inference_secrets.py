@@ -7,7 +7,8 @@ without a secret.
   stays usable outside inference mode afterwards.
 * The first object collective on a group without a secret warns once per process,
   saying what a storage writer could do and how to set a secret; with a secret it
-  does not warn, and tensor collectives never do.
+  does not warn, and tensor collectives never do; every storage backend (flat,
+  elastic, two-level) tells the warning whether its objects carry a MAC.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ferrosync
 from ranks import run_ranks
 
 TIMEOUT = datetime.timedelta(seconds=60)
@@ -129,3 +131,17 @@ def test_object_collectives_without_a_secret_warn_once_per_process(tmp_path, mon
 def test_object_collectives_with_a_secret_do_not_warn(tmp_path):
     results = run_ranks(w_objects, 2, str(tmp_path / "run"), {"secret": "s3cret"})
     assert [warned for _, warned, _, _ in results] == [[], []]
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+@pytest.mark.parametrize("backend", ["storage", "elastic", "hierarchical"])
+def test_every_storage_backend_says_whether_its_objects_are_authenticated(tmp_path, backend,
+                                                                         secret):
+    """What the warning asks (``GradSync.unauthenticated_storage``): True for each backend
+    that moves bytes through storage without a secret, False with one."""
+    options = {"secret": secret} if secret else {}
+    kind = {"storage": {"rank": 0, "world_size": 1},
+            "elastic": {"elastic": True, "min_ranks": 1},
+            "hierarchical": {"rank": 0, "world_size": 1, "local": "gloo"}}[backend]
+    with ferrosync.connect(str(tmp_path / "run"), timeout=30, **kind, **options) as sync:
+        assert sync.unauthenticated_storage is (secret is None)

@@ -1,7 +1,7 @@
 """Point-to-point and all-to-all through storage (``storage/messages.py``), against gloo.
 
 In-process tests connect two or three ranks from threads of this process (each its own
-``FileSync`` on a temporary directory): message order per (source, destination, tag),
+``StorageSync`` on a temporary directory): message order per (source, destination, tag),
 receiving from any source, uneven all_to_all, and the trust rules (a moved, tampered,
 mis-sized or missing message is refused, typed). The multi-process tests run the same
 program on gloo and on the ``"ferrosync"`` backend and compare every received tensor

@@ -197,7 +197,7 @@ def test_a_state_of_several_parts_reads_back_exactly(tmp_path):
 
 def test_an_unreachable_store_fails_within_the_connect_timeout():
     """The elastic member opens its store with connect's first-contact timeout, as
-    FileSync does (without it botocore's own defaults took 30 s here)."""
+    StorageSync does (without it botocore's own defaults took 30 s here)."""
     options = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "k", "secret": "s"}
     start = time.monotonic()
     with pytest.raises(ConfigError, match="cannot reach|no answer from"):

@@ -43,11 +43,11 @@ def test_every_registered_backend_is_in_the_contract_matrix(tmp_path):
 @pytest.mark.unit
 def test_a_registration_without_a_contract_case_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
-    registry.register("carrier-pigeon", backend="ferrosync.storage.sync:FileSync",
+    registry.register("carrier-pigeon", backend="ferrosync.storage.sync:StorageSync",
                       options="ferrosync.storage.options:StorageOptions",
                       schemes=("pigeon",))
     assert uncovered(tmp_path) == {"carrier-pigeon"}
-    assert registry.backend_for("pigeon://loft").__name__ == "FileSync"
+    assert registry.backend_for("pigeon://loft").__name__ == "StorageSync"
 
 
 @pytest.mark.unit
@@ -163,10 +163,10 @@ from dataclasses import dataclass
 import ferrosync
 from ferrosync.core.options import boolean, option
 from ferrosync.storage.options import StorageOptions
-from ferrosync.storage.sync import FileSync
+from ferrosync.storage.sync import StorageSync
 
 
-class PigeonSync(FileSync):
+class PigeonSync(StorageSync):
     @classmethod
     def check_options(cls, options) -> "StorageOptions":
         return StorageOptions.parse(options)
@@ -266,19 +266,19 @@ def test_a_plugin_that_selects_by_option_loads_on_that_option(tmp_path, monkeypa
 def test_register_backend_takes_classes_or_strings_and_tolerates_a_repeat(monkeypatch):
     import ferrosync
     from ferrosync.storage.options import StorageOptions
-    from ferrosync.storage.sync import FileSync
+    from ferrosync.storage.sync import StorageSync
 
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
-    entry = ferrosync.register_backend("kite", backend=FileSync, options=StorageOptions,
+    entry = ferrosync.register_backend("kite", backend=StorageSync, options=StorageOptions,
                                        schemes=("kite",))
     assert entry == registry.Registration(
-        "kite", backend="ferrosync.storage.sync:FileSync",
+        "kite", backend="ferrosync.storage.sync:StorageSync",
         options="ferrosync.storage.options:StorageOptions", schemes=("kite",))
-    assert ferrosync.register_backend("kite", backend="ferrosync.storage.sync:FileSync",
+    assert ferrosync.register_backend("kite", backend="ferrosync.storage.sync:StorageSync",
                                       options=StorageOptions, schemes=("kite",)) == entry
-    assert registry.backend_for("kite://x") is FileSync
+    assert registry.backend_for("kite://x") is StorageSync
     with pytest.raises(ValueError, match="already registered"):
-        ferrosync.register_backend("kite", backend=FileSync, options=StorageOptions,
+        ferrosync.register_backend("kite", backend=StorageSync, options=StorageOptions,
                                    schemes=("kestrel",))
 
 

@@ -51,7 +51,7 @@ def accumulate(acc: torch.Tensor, values: torch.Tensor, weight: float, *, first:
     """
     a, v = _host_array(acc), _host_array(values)
     if first and values is acc:
-        # in-place reduce (FileSync's rank 0 sums into its own tensor): nothing to copy
+        # in-place reduce (StorageSync's rank 0 sums into its own tensor): nothing to copy
         if weight != 1.0:
             if a is not None:
                 np.multiply(a, a.dtype.type(weight), out=a)

@@ -11,8 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from ferrosync.errors import ConfigError
+
+#: the dtypes a collective can carry, each with its code in an object's header
+#: (``storage/wire.py``); the codes are part of the format: append, never renumber
+DTYPE_CODES = {
+    torch.float32: 1,
+    torch.float16: 2,
+    torch.bfloat16: 3,
+    torch.float64: 4,
+    torch.uint8: 5,
+    torch.int8: 6,
+    torch.int16: 7,
+    torch.int32: 8,
+    torch.int64: 9,
+    torch.bool: 10,
+    torch.complex64: 11,
+    torch.complex128: 12,
+}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -22,6 +40,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def layout_signature(tensors: list[torch.Tensor]) -> list[str]:
     """One ``dtype[shape]`` entry per tensor; what every rank must agree on."""
     return [f"{_dtype_name(t.dtype)}{list(t.shape)}" for t in tensors]
+
+
+def layout_digest(signature: str) -> bytes:
+    """8-byte digest of a layout signature string (dtypes and shapes, in order)."""
+    return xxhash.xxh3_64_digest(signature.encode())
 
 
 def has_internal_overlap(t: torch.Tensor) -> bool:

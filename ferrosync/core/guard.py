@@ -1,10 +1,10 @@
 """The ownership guard: which process and which thread may run a ``GradSync``'s collective.
 
 The one home of the thread rule and the fork rule (docs/design.md#threads,
-docs/design.md#forked-children) and of failing a ``GradSync``: the first failure is
-kept, the peers are told through ``_publish_abort``, and every later call raises
-``SyncClosed``. The host class provides ``rank``, ``url``, ``_publish_abort(exc)``
-(best effort, never raises) and ``close()``.
+docs/design.md#forked-children) and of failing a ``GradSync``, which holds an
+``OwnershipGuard`` and runs every collective through its ``run``: the first failure is
+kept, the peers are told through the ``publish_abort`` callback, and every later call
+raises ``SyncClosed``. The host provides ``Guarded`` (``rank``, ``url``, ``close()``).
 """
 
 from __future__ import annotations
@@ -15,22 +15,37 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable
+from typing import Protocol
 
-from ferrosync.core.async_runner import AsyncRunner
 from ferrosync.errors import ConfigError, FerrosyncError, SyncClosed
 
-__all__ = ["OwnershipGuard", "fail_open_syncs"]
+__all__ = ["Guarded", "OwnershipGuard", "fail_open_syncs"]
 
 _log = logging.getLogger(__name__)
 
 
-class OwnershipGuard:
-    """Mixin: one process and, at any moment, one thread inside a collective."""
+class Guarded(Protocol):
+    """What the guard needs of the object it guards (a ``GradSync``): who it is, for
+    errors (read at each use: an elastic member's rank changes), and ``close``, which
+    the exit hook calls."""
 
     rank: int
     url: str
 
-    def _init_guard(self) -> None:
+    def close(self) -> None: ...
+
+
+class OwnershipGuard:
+    """One process and, at any moment, one thread inside a collective of ``host``.
+
+    ``publish_abort(exc)`` tells the peers that ``host`` failed (best effort; an error
+    it raises is logged, never raised over the failure it reports).
+    """
+
+    def __init__(self, host: Guarded, publish_abort: Callable[[BaseException], None]) -> None:
+        self._host = host
+        self._publish_abort = publish_abort
         self._closed = False
         self._failure: BaseException | None = None
         # the process that connected: a forked child inherits this object, not the right
@@ -46,24 +61,30 @@ class OwnershipGuard:
         self._owner_op: str | None = None
         self._depth = 0  # nested calls by the owner (average_gradients -> average_)
         self._overlap: ConfigError | None = None  # the overlap that failed this GradSync
-        self._runner: AsyncRunner | None = None  # started by the first async submission
         _LIVE.add(self)
 
+    @property
+    def failure(self) -> BaseException | None:
+        """The first failure (``fail``), or None."""
+        return self._failure
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # -- running one collective ------------------------------------------------------------
-    def _collective(self, op: str, body):
-        """Run ``body`` as this GradSync's next collective, on the calling thread.
+    def run(self, op: str, body):
+        """Run ``body`` as the host's next collective, on the calling thread.
 
         Refuses a forked child and a second thread (see the module docstring) before
-        any I/O; waits for earlier async submissions when called from another thread;
-        fails the GradSync (abort marker for the peers) if ``body`` raises.
+        any I/O; fails the host (abort marker for the peers) if ``body`` raises. The
+        caller has let earlier async submissions finish (call order is the contract).
         """
-        self._check_process(op)
-        if self._runner is not None and not self._runner.is_worker():
-            self._runner.drain()  # earlier async collectives first: call order is the contract
+        self.check_process(op)
         self._enter(op)
         try:
             with self._lock:
-                self._check_usable()
+                self.check_usable()
                 try:
                     value = body()
                 except BaseException as exc:
@@ -71,7 +92,7 @@ class OwnershipGuard:
                         # another thread failed this GradSync meanwhile and this is
                         # the fallout (state torn down under us): say so, typed
                         raise self._failed_meanwhile(op) from exc
-                    self._fail(exc)
+                    self.fail(exc)
                     raise
                 if self._failure is not None:
                     # failed by another thread while body ran: the ranks may have
@@ -80,12 +101,6 @@ class OwnershipGuard:
                 return value
         finally:
             self._leave()
-
-    def _async_runner(self) -> AsyncRunner:
-        """This GradSync's async thread, started on first use."""
-        if self._runner is None:
-            self._runner = AsyncRunner(f"ferrosync-async-r{self.rank}")
-        return self._runner
 
     def _enter(self, op: str) -> None:
         """Make the calling thread the one inside a collective, or fail: a second thread
@@ -104,7 +119,7 @@ class OwnershipGuard:
             "on the same GradSync; collectives from two threads must not overlap (each "
             "rank would order them its own way and average one thread's tensors with "
             "another's)",
-            rank=self.rank, path=self.url,
+            rank=self._host.rank, path=self._host.url,
             hint="call the collectives from one thread, or let a call return (join the "
             "thread, handle.wait()) before the next starts; this GradSync is now failed: "
             "close it and connect again (all ranks)",
@@ -112,7 +127,7 @@ class OwnershipGuard:
         with self._guard:
             if self._overlap is None:
                 self._overlap = error
-        self._fail(error)
+        self.fail(error)
         raise error
 
     def _leave(self) -> None:
@@ -122,31 +137,33 @@ class OwnershipGuard:
                 self._owner = self._owner_op = None
 
     # -- checks ------------------------------------------------------------------------------
-    def _check_process(self, op: str) -> None:
+    def check_process(self, op: str) -> None:
+        """Raise ``ConfigError`` in a forked child (``op`` names the refused call)."""
         if os.getpid() != self._pid:
             raise ConfigError(
                 f"this GradSync belongs to pid {self._pid}; this is pid {os.getpid()}, a "
                 f"forked child, which cannot run {op} on it (its storage handles, threads "
                 "and collective sequence are the parent's)",
-                rank=self.rank, path=self.url,
+                rank=self._host.rank, path=self._host.url,
                 hint="connect again in the child (ferrosync.connect(...) with the child's "
                 "own rank and URL), or fork before connecting",
             )
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         """Raise unless a collective may start now: this process's, open, not failed."""
-        self._check_process("a collective")
+        self.check_process("a collective")
+        host = self._host
         if self._closed:
-            raise SyncClosed("this GradSync is closed", rank=self.rank, path=self.url,
+            raise SyncClosed("this GradSync is closed", rank=host.rank, path=host.url,
                              hint="connect again to start a new generation")
         if self._failure is not None:
             raise SyncClosed(
                 f"an earlier collective failed ({type(self._failure).__name__}: "
-                f"{self._failure})", rank=self.rank, path=self.url,
+                f"{self._failure})", rank=host.rank, path=host.url,
                 hint="close this GradSync and connect again (all ranks)",
             )
 
-    def _raise_if_failed(self, op: str) -> None:
+    def raise_if_failed(self, op: str) -> None:
         """For a backend about to publish inside collective ``op``: raise if this
         GradSync was failed meanwhile (by another thread's overlapping call, an exit
         hook), so that nothing more is published that peers could pair with the wrong
@@ -155,24 +172,24 @@ class OwnershipGuard:
             raise self._failed_meanwhile(op)
 
     def _failed_meanwhile(self, op: str) -> FerrosyncError:
-        failure = self._failure
+        failure, host = self._failure, self._host
         if failure is self._overlap and isinstance(failure, ConfigError):
             return ConfigError(
                 f"{op} on thread {threading.current_thread().name!r} ran while another "
                 f"thread called a collective on the same GradSync ({failure.what}); its "
                 "result is discarded (the tensors hold undefined values)",
-                rank=self.rank, path=self.url, hint=failure.hint,
+                rank=host.rank, path=host.url, hint=failure.hint,
             )
         return SyncClosed(
             f"this GradSync was failed from another thread while {op} ran "
             f"({type(failure).__name__}: {failure}); its result is discarded (the tensors "
             "hold undefined values)",
-            rank=self.rank, path=self.url,
+            rank=host.rank, path=host.url,
             hint="close this GradSync and connect again (all ranks)",
         )
 
     # -- failing and closing -------------------------------------------------------------------
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
         """Record the first failure and tell the peers (abort marker); later calls and
         calls in a forked child do nothing (the child must not speak for the parent)."""
         if os.getpid() != self._pid:
@@ -184,21 +201,38 @@ class OwnershipGuard:
         try:
             self._publish_abort(exc)
         except Exception:  # noqa: BLE001 - never mask the original error with this one
-            _log.warning("rank %d: could not tell the peers this rank failed", self.rank,
-                         exc_info=True)
+            _log.warning("rank %d: could not tell the peers this rank failed",
+                         self._host.rank, exc_info=True)
 
-    def _close_forked_copy(self) -> bool:
+    def fail_unless_ended(self, exc: BaseException) -> None:
+        """``fail(exc)`` unless already failed or closed: for an error (or Ctrl-C) that
+        ends the process or the ``with`` block while this GradSync is still open."""
+        if self._failure is None and not self._closed:
+            self.fail(exc)
+
+    def close(self, shutdown: Callable[[BaseException | None], None]) -> None:
+        """Mark closed (once, after a collective another thread runs), forget the host
+        for the exit hooks and run ``shutdown(first failure or None)``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _LIVE.discard(self)
+            shutdown(self._failure)
+
+    def abandon(self) -> None:
+        """Mark closed without a shutdown: for a backend whose ``__init__`` failed after
+        it made the guard (it released what it had opened itself)."""
+        self._closed = True
+        _LIVE.discard(self)
+
+    def close_forked_copy(self) -> bool:
         """In a forked child: mark this copy closed, touching nothing of the parent's
         (handles, threads, objects), and return True; in the owner, return False."""
         if os.getpid() == self._pid:
             return False
-        self._closed = True
-        _LIVE.discard(self)
+        self.abandon()
         return True
-
-    def _forget(self) -> None:
-        """Closed by its owner: the exit hooks no longer need to see it."""
-        _LIVE.discard(self)
 
 
 # -- aborting on process exit ----------------------------------------------------------------
@@ -221,9 +255,9 @@ def fail_open_syncs(exc: BaseException) -> None:
     left alone.
     """
     pid = os.getpid()
-    for sync in list(_LIVE):
-        if sync._pid == pid and sync._failure is None and not sync._closed:
-            sync._fail(exc)
+    for guard in list(_LIVE):
+        if guard._pid == pid:
+            guard.fail_unless_ended(exc)
 
 
 def _excepthook(exc_type, exc, tb):
@@ -233,13 +267,13 @@ def _excepthook(exc_type, exc, tb):
 
 def _close_all() -> None:
     pid = os.getpid()
-    for sync in list(_LIVE):
-        if sync._pid != pid:
+    for guard in list(_LIVE):
+        if guard._pid != pid:
             continue  # a forked child exiting must not publish "closed" for the parent
         try:
-            sync.close()
+            guard._host.close()
         except Exception:  # noqa: BLE001 - at exit: one sync must not stop the others
-            _log.warning("could not close %r at exit", sync, exc_info=True)
+            _log.warning("could not close %r at exit", guard._host, exc_info=True)
 
 
 sys.excepthook = _excepthook

@@ -80,7 +80,7 @@ def register(name: str, *, backend, options, schemes: tuple[str, ...] = (),
 
 # -- the built-in backends --------------------------------------------------------------------
 
-register("storage", backend="ferrosync.storage.sync:FileSync",
+register("storage", backend="ferrosync.storage.sync:StorageSync",
          options="ferrosync.storage.options:StorageOptions")
 register("torch", backend="ferrosync.torchdist.sync:TorchDistSync",
          options="ferrosync.torchdist.options:TorchOptions", schemes=("gloo", "nccl", "torch"))

@@ -40,25 +40,10 @@ def _object_collective_calling(depth: int = 12) -> str | None:
     return None
 
 
-def _unauthenticated(sync: GradSync) -> bool:
-    """Whether ``sync`` moves bytes through shared storage without a MAC (a storage
-    GradSync, or a hierarchical one's leaders, without a secret). gloo and nccl
-    transports never touch storage: their peers are the job's own processes."""
-    for holder in (sync, getattr(sync, "_inter", None)):
-        for name in ("_secret", "_key"):  # ElasticSync: _secret (its _key is a method)
-            value = getattr(holder, name, _ABSENT)
-            if value is not _ABSENT and not callable(value):
-                return value is None
-    return False
-
-
-_ABSENT = object()
-
-
 def warn_object_collective(sync: GradSync) -> None:
     """Warn once per process when an object collective runs without a secret."""
     global _objects_warned
-    if _objects_warned or not _unauthenticated(sync):
+    if _objects_warned or not sync.unauthenticated_storage:
         return
     name = _object_collective_calling()
     if name is None:

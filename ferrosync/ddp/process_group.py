@@ -268,7 +268,7 @@ class SyncProcessGroup(dist.ProcessGroup):
         with self._pending_lock:
             self._pending.append(work)
         # the Work completes on the async thread, with the collective's error if any
-        handle.add_done_callback(lambda done: work._finish(done.exception()))
+        handle.add_done_callback(lambda done: work.finish(done.exception()))
         self._settle_at_end_of_backward()
         return work
 
@@ -285,10 +285,10 @@ class SyncProcessGroup(dist.ProcessGroup):
     def _raise_failed(self) -> None:
         """Raise the error of an async allreduce that already failed (typed, once)."""
         with self._pending_lock:
-            failed = next((w for w in self._pending if w.is_completed() and w._error), None)
+            failed = next((w for w in self._pending if w.is_completed() and w.failure), None)
             self._pending = [w for w in self._pending if not w.is_completed()]
         if failed is not None:
-            raise failed._error
+            raise failed.failure
 
     def _settle(self) -> None:
         """Wait for every async allreduce started so far; raise the first failure."""
@@ -296,8 +296,8 @@ class SyncProcessGroup(dist.ProcessGroup):
             pending, self._pending = self._pending, []
         error = None
         for work in pending:
-            work._event.wait()  # each collective is bounded by the GradSync's timeout
-            error = error or work._error
+            work.settle()  # each collective is bounded by the GradSync's timeout
+            error = error or work.failure
         if error is not None:
             raise error
 

@@ -57,7 +57,12 @@ class Pending(dist._Work):
         self._error: BaseException | None = None
         self._future = Future()
 
-    def _finish(self, error: BaseException | None) -> None:
+    @property
+    def failure(self) -> BaseException | None:
+        """The error it ended with (None while running or after a success)."""
+        return self._error
+
+    def finish(self, error: BaseException | None) -> None:
         """On the async thread: record the outcome, then complete the future."""
         self._error = error
         if error is not None:
@@ -79,6 +84,11 @@ class Pending(dist._Work):
 
     def is_completed(self) -> bool:
         return self._event.is_set()
+
+    def settle(self) -> None:
+        """Block until it finished, raising nothing (its error stays in ``failure``);
+        the collective's own timeout bounds the wait."""
+        self._event.wait()
 
     def is_success(self) -> bool:
         return self._event.is_set() and self._error is None

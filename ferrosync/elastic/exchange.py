@@ -25,7 +25,7 @@ from ferrosync.storage.wire import FLAG_EMPTY, KIND_CONTRIB, layout_digest
 
 #: contributions carry the bytes of every bucket of a call, so their header says uint8
 _BYTES = RawCodec(torch.uint8)
-#: the fields of a call's layout record that its digest covers (``GradSync._buckets``)
+#: the fields of a call's layout record that its digest covers (``api.plan_layouts``)
 _LAYOUT_FIELDS = ("op", "bucket", "tensors")
 
 

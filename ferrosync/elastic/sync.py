@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ferrosync.api import GradSync
+from ferrosync.api import GradSync, plan_layouts
 from ferrosync.compression.codecs import Codec, accumulator_dtype
 from ferrosync.compression.encoder import Encoder
 from ferrosync.core import validate
@@ -106,8 +106,7 @@ class ElasticSync(GradSync):
                                               runtime)
         self._clock = objects.runtime
         self.member_id = self._clock.token_hex(8)
-        objects.before_put = self._raise_if_failed
-        self._secret = objects.key  # whether objects are authenticated (ddp's warning)
+        objects.before_put = self.guard.raise_if_failed
         self._rosters = Rosters(objects)
         self._watch = HeartbeatWatch(objects, timing.heartbeat_timeout, timing.heartbeat_interval)
         self._agreement = Agreement(objects, self._rosters, self._watch,
@@ -117,7 +116,7 @@ class ElasticSync(GradSync):
         self._fan_in = options.fan_in
         self._exchange = Exchange(
             objects, self._rosters, self._agreement, self._watch,
-            Encoder.for_options(options, self._pool), self._stats,
+            Encoder.for_options(options, self.buffers), self.stats_book,
             member_id=self.member_id, fan_in=options.fan_in, timeout=timeout,
             look_every=timing.heartbeat_interval)
         self._heartbeat = heartbeat(objects, self.member_id, timing.heartbeat_interval)
@@ -145,13 +144,17 @@ class ElasticSync(GradSync):
             self._adopt(admit(objects, self._rosters, self._agreement, self.member_id,
                               self._clock.monotonic() + timeout))
         except BaseException:
-            self._closed = True
+            self.guard.abandon()
             if started:  # the others must not wait on a member that never joined
                 self._heartbeat.stop(ABORTED)
             self._storage.close()
             raise
 
     # -- membership ---------------------------------------------------------------------
+    @property
+    def unauthenticated_storage(self) -> bool:
+        return self._objects.key is None
+
     @property
     def round(self) -> int:
         """The round of the latest roster this member has seen."""
@@ -207,7 +210,7 @@ class ElasticSync(GradSync):
         after the job's last round; the first mark wins): a process that tries to join
         later gets ``JobEnded`` at once instead of waiting for a round that never
         comes. The mark is never removed: the job id is then used up."""
-        self._check_usable()
+        self.guard.check_usable()
         mark_ended(self._objects, self._roster.round, self.member_id)
 
     # -- one round per collective call ----------------------------------------------------------
@@ -226,8 +229,8 @@ class ElasticSync(GradSync):
 
     def _average(self, tensors, weight, stream):
         with torch.no_grad():
-            planned = self._buckets("average", tensors)
-            flats = [bucket.flat(self._pool) for bucket, _, _ in planned]
+            planned = plan_layouts("average", tensors, self.bucket_bytes)
+            flats = [bucket.flat(self.buffers) for bucket, _, _ in planned]
             # codec state (int8 error feedback) belongs to what the data is, not its shape
             self._exchange.encoder.stream = (stream, planned[0][1])
             total = self._average_flats([f for f, _ in flats], weight, planned[0][1],
@@ -251,7 +254,7 @@ class ElasticSync(GradSync):
             return self._tree_average(flats, codecs, weight, digest, layout)
         prev, roster, wire = self._round("average", layout, flats, codecs, weight, digest,
                                          send=weight > 0)
-        accs = [self._pool.get(f"acc{i}", f.numel(), accumulator_dtype(f.dtype), f.device)
+        accs = [self.buffers.get(f"acc{i}", f.numel(), accumulator_dtype(f.dtype), f.device)
                 for i, f in enumerate(flats)]
         # this member's own contribution counts as what it sent, like everyone else's
         own = [f if c.raw else decode(p, f, c) for f, c, p in zip(flats, codecs, wire)]
@@ -262,7 +265,7 @@ class ElasticSync(GradSync):
             else:
                 w, values = self._exchange.contribution(roster.round, member, prev, digest,
                                                         flats, codecs)
-            with self._stats.phase("reduce_s"):
+            with self.stats_book.phase("reduce_s"):
                 if w > 0 and values is not None:
                     for acc, v in zip(accs, values):
                         accumulate(acc, v.to(acc.device), w, first=first)
@@ -270,7 +273,7 @@ class ElasticSync(GradSync):
             weights.append(w)
         total = total_weight(weights)
         if total > 0:
-            with self._stats.phase("reduce_s"):
+            with self.stats_book.phase("reduce_s"):
                 for flat, acc in zip(flats, accs):
                     divide_into(flat, acc, total)
         self._adopt(roster)
@@ -290,8 +293,8 @@ class ElasticSync(GradSync):
 
     def _broadcast(self, tensors, src):
         with torch.no_grad():
-            planned = self._buckets("broadcast", tensors)
-            flats = [bucket.flat(self._pool) for bucket, _, _ in planned]
+            planned = plan_layouts("broadcast", tensors, self.bucket_bytes)
+            flats = [bucket.flat(self.buffers) for bucket, _, _ in planned]
             if self._broadcast_flats([f for f, _ in flats], src, planned[0][1],
                                      planned[0][2]):
                 for (bucket, _, _), (flat, is_copy) in zip(planned, flats):
@@ -366,7 +369,7 @@ class ElasticSync(GradSync):
         """Publish ``tensors`` (a list, or a dict by name) and a small JSON ``meta`` dict
         as the job's state after the current round. Not a collective: typically rank 0
         calls it after a round that admitted newcomers. Returns the round."""
-        self._check_usable()
+        self.guard.check_usable()
         return self._state.publish(tensors, self._roster.round, self.rank, meta)
 
     def fetch_state(self, tensors) -> int | None:
@@ -374,7 +377,7 @@ class ElasticSync(GradSync):
         published, else ``LayoutMismatch``); the round it was published after, or None
         if nothing was published yet. Not a collective; the tensors change only once
         the state verified."""
-        self._check_usable()
+        self.guard.check_usable()
         return self._state.fetch(tensors, self._clock.monotonic() + self.timeout, self.rank)
 
     def read_state(self, min_round: int | None = None, timeout: float | None = None, *,
@@ -390,7 +393,7 @@ class ElasticSync(GradSync):
         member is gone (left, aborted or silent). Without ``min_round``, returns None
         when nothing was published yet. A manifest declaring more than ``max_bytes``
         (default 16 GiB) is ``ShardCorrupt`` before anything is allocated by it."""
-        self._check_usable()
+        self.guard.check_usable()
         wait = self.timeout if timeout is None else validate.number(
             "timeout", timeout, positive=True)
 

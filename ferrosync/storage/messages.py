@@ -3,7 +3,7 @@
 A message is one object with a collective object's header, numbered per (src, dst, tag)
 and taking no collective number; a send never waits, a receive polls the exact name and
 the sender's liveness and deletes what it read (docs/design.md#point-to-point). Used by
-one storage backend from the thread inside its call; not thread-safe.
+one ``StorageSync`` from the thread inside its call; not thread-safe.
 """
 
 from __future__ import annotations
@@ -154,43 +154,3 @@ class Mailbox:
             rank=self.rank, path=self.objects.storage.path_of(self.objects.prefix),
             hint="does the sending rank call send with this rank and tag, as many times?")
 
-
-class Exchanges:
-    """``FileSync``'s point-to-point primitives and ``all_to_all`` (a mixin, so that the
-    class stays one reader's size): messages through its ``Mailbox``, the all-to-all
-    through its exact-copy objects in the collective sequence."""
-
-    point_to_point = True
-
-    def _all_to_all_flat(self, outputs, inputs, digest, layout):
-        """Rank k publishes its chunk for rank j as ``c{s}.r{k}.s{j}`` (raw) and reads
-        ``c{s}.r{j}.s{k}`` from every other rank j; chunks may differ in size (each
-        reader knows what it expects from each rank, and the header says what came)."""
-        s = self._begin("all_to_all")
-        me = self.rank
-        outputs[me].copy_(inputs[me])
-        if self.world_size == 1:
-            return
-        objects = self._objects
-        objects.ensure_layout(digest, layout)
-        mine = []
-        for j in range(self.world_size):
-            if j != me:
-                mine.append(names.contribution(s, me, j))
-                self._publish_copy(mine[-1], inputs[j], digest)
-        for k in range(self.world_size):
-            if k != me:
-                self._receive_copy(names.contribution(s, k, me), k, [k],
-                                   f"the chunk rank {k} sends this rank", outputs[k], digest)
-        # every rank published for s, so every rank finished the collectives before it
-        objects.recycler.gathered([objects.key_of(name) for name in mine])
-
-    # point-to-point (docs/design.md#point-to-point; ``messages.py``) ------------------------
-    def _send_flat(self, flat, dst, tag):
-        self._mailbox.send(flat, dst, tag)
-
-    def _post_recv(self, src, tag):
-        return self._mailbox.post(src, tag)
-
-    def _recv_flat(self, flat, src, tag, number=None, block=True):
-        return self._mailbox.receive(flat, src, tag, number, block=block)

@@ -3,7 +3,7 @@
 An object is deleted by its writer (results by their reducer) once provably consumed,
 deferred to the next wait (docs/design.md#cleanup); on a local file system a large
 consumed file is parked as a spare and rewritten by a later put, reusing its pages. Used
-by one storage backend from the thread inside its collective; not thread-safe.
+by one ``StorageSync`` from the thread inside its collective; not thread-safe.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""The storage backend's ``GradSync``: collectives through a shared directory or an fsspec
-object store.
+"""``StorageSync``: collectives through a shared directory or an fsspec object store.
 
 What is here is connecting and the reduce algorithms (root, sharded, gather, exact copy:
 docs/design.md#data-path-of-one-average); objects go through ``GenerationObjects``
@@ -22,7 +21,7 @@ from ferrosync.storage import names
 from ferrosync.storage.engines import open_storage, probe_location
 from ferrosync.storage.incoming import Expected, Part
 from ferrosync.storage.liveness import Heartbeat, PeerMonitor, publish_abort
-from ferrosync.storage.messages import Exchanges, Mailbox
+from ferrosync.storage.messages import Mailbox
 from ferrosync.storage.objects import GenerationObjects
 from ferrosync.storage.options import StorageOptions
 from ferrosync.storage.rendezvous import rendezvous
@@ -38,8 +37,11 @@ from ferrosync.storage.wire import (
 _log = logging.getLogger(__name__)
 
 
-class FileSync(Exchanges, GradSync):
-    """GradSync over a shared directory (local, NFS) or an fsspec object store."""
+class StorageSync(GradSync):
+    """GradSync over a shared directory (local, NFS) or an fsspec object store
+    (S3, GCS, Azure, ...)."""
+
+    point_to_point = True
 
     @classmethod
     def check_options(cls, options: dict) -> StorageOptions:
@@ -58,7 +60,7 @@ class FileSync(Exchanges, GradSync):
         self._key: bytes | None = options.secret
         self.job: str | None = options.job
         poll, interval = timing.poll, timing.heartbeat_interval
-        self._encoder = Encoder.for_options(options, self._pool)
+        self._encoder = Encoder.for_options(options, self.buffers)
         self._heartbeat = None
         self._objects: GenerationObjects | None = None
         try:
@@ -73,7 +75,7 @@ class FileSync(Exchanges, GradSync):
                 job=self.job, claim_window=options.claim_window,
             )
         except BaseException:
-            self._closed = True
+            self.guard.abandon()
             storage.close()
             raise
         prefix = self._generation.prefix
@@ -81,16 +83,20 @@ class FileSync(Exchanges, GradSync):
                               timing.heartbeat_timeout, self._key, url)
         self._objects = GenerationObjects(
             storage, prefix, self._generation, rank=self.rank, world_size=self.world_size,
-            key=self._key, poll=poll, monitor=monitor, stats=self._stats, timeout=timeout,
+            key=self._key, poll=poll, monitor=monitor, stats=self.stats_book, timeout=timeout,
             url=url)
-        self._objects.before_put = self._raise_if_failed
+        self._objects.before_put = self.guard.raise_if_failed
         self._mailbox = Mailbox(
-            self._objects, world_size=self.world_size, monitor=monitor, stats=self._stats,
-            timeout=timeout, pool=self._pool, chunk_bytes=options.chunk_bytes)
+            self._objects, world_size=self.world_size, monitor=monitor, stats=self.stats_book,
+            timeout=timeout, pool=self.buffers, chunk_bytes=options.chunk_bytes)
         if self.world_size > 1:
             self._heartbeat = Heartbeat(storage, prefix, self.rank, interval, self._key,
                                         self._generation.number)
             self._heartbeat.start()
+
+    @property
+    def unauthenticated_storage(self) -> bool:
+        return self._key is None
 
     @property
     def generation(self) -> int:
@@ -144,7 +150,7 @@ class FileSync(Exchanges, GradSync):
         return incoming
 
     def _read_into(self, incoming, out: torch.Tensor, codec: Codec) -> None:
-        incoming.read_into(out, codec, self._opts.chunk_bytes, self._pool, self._stats)
+        incoming.read_into(out, codec, self._opts.chunk_bytes, self.buffers, self.stats_book)
 
     def _publish(self, name: str, expected: Expected, parts: list, weight: float,
                  flags: int = 0) -> None:
@@ -197,7 +203,7 @@ class FileSync(Exchanges, GradSync):
             if k == self.rank:
                 w = own_weight
                 if w > 0:
-                    with self._stats.phase("reduce_s"):  # own may be acc (rank 0)
+                    with self.stats_book.phase("reduce_s"):  # own may be acc (rank 0)
                         accumulate(acc, own.to(acc.device), w, first=first)
                     first = False
                 weights.append(w)
@@ -208,8 +214,8 @@ class FileSync(Exchanges, GradSync):
                 w = incoming.header.weight
                 if w > 0:
                     for values, lo, hi in incoming.chunks(expected.codec, acc.device,
-                                                          self._opts.chunk_bytes, self._pool,
-                                                          self._stats):
+                                                          self._opts.chunk_bytes, self.buffers,
+                                                          self.stats_book):
                         accumulate(acc[lo:hi], values, w, first=first)
                     first = False
             weights.append(w)
@@ -236,7 +242,7 @@ class FileSync(Exchanges, GradSync):
         """Divide once, encode, publish; then decode the published bytes into ``out``."""
         codec = expected.codec
         direct = codec.raw and out.device.type == "cpu"
-        with self._stats.phase("reduce_s"):
+        with self.stats_book.phase("reduce_s"):
             if total == 0:
                 parts, flags = [], FLAG_UNCHANGED
             elif direct:
@@ -250,11 +256,11 @@ class FileSync(Exchanges, GradSync):
                 result = acc if acc.dtype == out.dtype else acc.to(out.dtype)
                 payload = self._encoder.encode(result, codec, ("result", expected.part.index))
                 parts, flags = [payload.numpy()], 0
-        with self._stats.phase("write_s"):
+        with self.stats_book.phase("write_s"):
             self._publish(name, expected, parts, total, flags)
         if total == 0 or direct:
             return
-        with self._stats.phase("reduce_s"):
+        with self.stats_book.phase("reduce_s"):
             # every rank, this one included, ends with the decoded published bytes
             if codec.raw and result.device == out.device:
                 if result.data_ptr() != out.data_ptr():
@@ -276,7 +282,7 @@ class FileSync(Exchanges, GradSync):
             # peak RSS 137 -> 73 MB above baseline); a failed call leaves it undefined
             acc = own
         else:
-            acc = self._pool.get("acc", part.count, accumulator_dtype(flat.dtype), device)
+            acc = self.buffers.get("acc", part.count, accumulator_dtype(flat.dtype), device)
         try:
             weights = self._reduce_from(acc, own, weight, names_by_rank,
                                         self._expect(KIND_CONTRIB, flat.dtype, codec, digest,
@@ -293,7 +299,7 @@ class FileSync(Exchanges, GradSync):
         objects = self._objects
         result_name = names.result(s)
         if self.rank != 0:
-            with self._stats.phase("write_s"):
+            with self.stats_book.phase("write_s"):
                 payload = self._encoder.encode(flat, codec, (0,)) if weight > 0 else None
                 parts = [payload.numpy()] if payload is not None else []
                 self._publish(names.contribution(s, self.rank),
@@ -334,12 +340,12 @@ class FileSync(Exchanges, GradSync):
         whole = Part.whole(n)
         objects = self._objects
         mine = names.contribution(s, self.rank)
-        with self._stats.phase("write_s"):
+        with self.stats_book.phase("write_s"):
             payload = self._encoder.encode(flat, codec, (0,)) if weight > 0 else None
             parts = [payload.numpy()] if payload is not None else []
             self._publish(mine, self._expect(KIND_CONTRIB, flat.dtype, codec, digest, whole),
                           parts, weight, 0 if parts else FLAG_EMPTY)
-        acc = self._pool.get("acc", n, accumulator_dtype(flat.dtype),
+        acc = self.buffers.get("acc", n, accumulator_dtype(flat.dtype),
                              self._opts.reduce_device or flat.device)
         own = self._own_contribution(flat, payload, codec, whole, acc.device)
         weights = self._reduce_from(acc, own, weight,
@@ -347,7 +353,7 @@ class FileSync(Exchanges, GradSync):
                                     self._expect(KIND_CONTRIB, flat.dtype, codec, digest, whole))
         total = total_weight(weights)
         if total > 0:
-            with self._stats.phase("reduce_s"):
+            with self.stats_book.phase("reduce_s"):
                 if codec.raw or not codec.lossy_result:
                     divide_into(flat, acc, total)
                 else:
@@ -371,7 +377,7 @@ class FileSync(Exchanges, GradSync):
         slices = self._slices(flat.numel(), codec)
         me = self.rank
         objects = self._objects
-        with self._stats.phase("write_s"):
+        with self.stats_book.phase("write_s"):
             payload = self._encoder.encode(flat, codec, (0,)) if weight > 0 else None
             for part in slices:
                 if part.index == me:
@@ -421,7 +427,7 @@ class FileSync(Exchanges, GradSync):
 
     def _publish_copy(self, name: str, flat: torch.Tensor, digest: bytes) -> None:
         expected = self._copy_expected(flat, digest)
-        with self._stats.phase("write_s"):
+        with self.stats_book.phase("write_s"):
             payload = self._encoder.encode(flat, expected.codec, None)
             self._publish(name, expected, [payload.numpy()], 1.0)
 
@@ -466,6 +472,39 @@ class FileSync(Exchanges, GradSync):
         # every rank wrote for s, so every rank finished the collectives before it
         objects.recycler.gathered([objects.key_of(mine)])
         return out
+
+    def _all_to_all_flat(self, outputs, inputs, digest, layout):
+        """Rank k publishes its chunk for rank j as ``c{s}.r{k}.s{j}`` (raw) and reads
+        ``c{s}.r{j}.s{k}`` from every other rank j; chunks may differ in size (each
+        reader knows what it expects from each rank, and the header says what came)."""
+        s = self._begin("all_to_all")
+        me = self.rank
+        outputs[me].copy_(inputs[me])
+        if self.world_size == 1:
+            return
+        objects = self._objects
+        objects.ensure_layout(digest, layout)
+        mine = []
+        for j in range(self.world_size):
+            if j != me:
+                mine.append(names.contribution(s, me, j))
+                self._publish_copy(mine[-1], inputs[j], digest)
+        for k in range(self.world_size):
+            if k != me:
+                self._receive_copy(names.contribution(s, k, me), k, [k],
+                                   f"the chunk rank {k} sends this rank", outputs[k], digest)
+        # every rank published for s, so every rank finished the collectives before it
+        objects.recycler.gathered([objects.key_of(name) for name in mine])
+
+    # point-to-point (docs/design.md#point-to-point): messages through the ``Mailbox`` ----
+    def _send_flat(self, flat, dst, tag):
+        self._mailbox.send(flat, dst, tag)
+
+    def _post_recv(self, src, tag):
+        return self._mailbox.post(src, tag)
+
+    def _recv_flat(self, flat, src, tag, number=None, block=True):
+        return self._mailbox.receive(flat, src, tag, number, block=block)
 
     # failure and shutdown ------------------------------------------------------------------
     def _publish_abort(self, exc):

@@ -17,9 +17,11 @@ import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
-import torch
 import xxhash
 
+# the dtype codes and the layout digest are the collective's (``core/flat.py``); objects
+# carry them, and the layers above take them from here with the rest of the format
+from ferrosync.core.flat import DTYPE_CODES, layout_digest  # noqa: F401
 from ferrosync.errors import ShardCorrupt
 from ferrosync.storage.engines import RECORD_LIMIT
 
@@ -45,21 +47,7 @@ KIND_NAMES = {1: "contribution", 2: "result", 3: "broadcast", 4: "error"}
 CHECKSUM_XXH3 = 1
 CHECKSUM_HMAC = 2
 
-# dtype codes are part of the format: append, never renumber
-DTYPE_CODES = {
-    torch.float32: 1,
-    torch.float16: 2,
-    torch.bfloat16: 3,
-    torch.float64: 4,
-    torch.uint8: 5,
-    torch.int8: 6,
-    torch.int16: 7,
-    torch.int32: 8,
-    torch.int64: 9,
-    torch.bool: 10,
-    torch.complex64: 11,
-    torch.complex128: 12,
-}
+# the header's dtype codes (``core/flat.py``): a code read from an object -> its dtype
 DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -256,11 +244,6 @@ _CORRUPT_HINT = (
     "the object was damaged or torn on storage; check the storage's health and that "
     "nothing else writes under this URL"
 )
-
-
-def layout_digest(signature: str) -> bytes:
-    """8-byte digest of a layout signature string (dtypes and shapes, in order)."""
-    return xxhash.xxh3_64_digest(signature.encode())
 
 
 # -- small JSON records: rendezvous, heartbeats, abort markers, layouts ------------------

@@ -179,6 +179,11 @@ class HierarchicalSync(GradSync):
         opts.rootRank = root
         self._local("local broadcast", lambda: self._pg(buf.device).broadcast([buf], opts))
 
+    @property
+    def unauthenticated_storage(self) -> bool:
+        # only the leaders touch storage, through their storage sync
+        return self._inter is not None and self._inter.unauthenticated_storage
+
     # -- leader -> node status ---------------------------------------------------------------
     def _tell_node_ok(self) -> None:
         self._local_broadcast(torch.tensor([_STATUS_OK], dtype=torch.float64))
@@ -279,7 +284,7 @@ class HierarchicalSync(GradSync):
         acc = accumulator_dtype(flat.dtype)
         # [w·T..., w, status]: the weight rides with the data; the status lets a failed
         # leader stop its node at once
-        buf = self._pool.get("local", n + 2, acc, flat.device)
+        buf = self.buffers.get("local", n + 2, acc, flat.device)
         weighted_copy(buf[:n], flat, weight)
         buf[n] = weight
         buf[n + 1] = _STATUS_OK
@@ -291,7 +296,7 @@ class HierarchicalSync(GradSync):
                 # in the accumulator dtype: a half-type node average rounded before the
                 # storage average would round twice (the contract suite measured 4e-2
                 # relative error in float16); the result is rounded once, below
-                node_avg = self._pool.get("node", n, acc, flat.device)
+                node_avg = self.buffers.get("node", n, acc, flat.device)
                 if node_weight > 0:
                     torch.div(buf[:n], node_weight, out=node_avg)
                 total = self._inter.average_(node_avg, weight=node_weight)
@@ -358,7 +363,7 @@ class HierarchicalSync(GradSync):
 
     def _publish_abort(self, exc):
         if self._inter is not None:
-            self._inter._fail(exc)
+            self._inter.guard.fail(exc)
         else:
             # a non-leader cannot reach storage: breaking the node's group makes the
             # leader raise at once, and it tells the other nodes

@@ -47,7 +47,7 @@ class TorchDistSync(GradSync):
         super().__init__(url, identity, timeout, self._counters, options.bucket_bytes)
         self._opts = options
         self.wire_dtype = options.wire_dtype
-        self._encoder = Encoder.for_options(options, self._pool)
+        self._encoder = Encoder.for_options(options, self.buffers)
         self._seq = 0
         self._owns_group = False
         self._cpu_group = None  # gloo group for CPU tensors when the default one is NCCL
@@ -135,7 +135,7 @@ class TorchDistSync(GradSync):
         except (RuntimeError, ValueError, OSError) as exc:
             raise _translate(exc, self.rank, self._seq, self.url, what) from exc
         finally:
-            self._stats.add_time("wait_s", time.perf_counter() - t0)
+            self.stats_book.add_time("wait_s", time.perf_counter() - t0)
             self._counters.add(requests=1)
 
     def _check_layout(self, op: str, digest: bytes, layout: dict) -> None:
@@ -163,8 +163,8 @@ class TorchDistSync(GradSync):
                                              (layout.get("stream"), digest), group)
         n = flat.numel()
         acc_dtype = accumulator_dtype(flat.dtype)
-        with self._stats.phase("reduce_s"):
-            buf = self._pool.get("allreduce", n + 1, acc_dtype, flat.device)
+        with self.stats_book.phase("reduce_s"):
+            buf = self.buffers.get("allreduce", n + 1, acc_dtype, flat.device)
             weighted_copy(buf[:n], flat, weight)
             buf[n] = weight
         nbytes = buf.numel() * buf.element_size()
@@ -172,7 +172,7 @@ class TorchDistSync(GradSync):
         self._counters.add(written=nbytes, read=nbytes)
         total = float(buf[n].item())
         if total > 0:
-            with self._stats.phase("read_s"):
+            with self.stats_book.phase("read_s"):
                 torch.div(buf[:n], total, out=flat)  # one pass: divide and narrow to dtype
         return total
 
@@ -180,26 +180,26 @@ class TorchDistSync(GradSync):
         """wire_dtype path: all-gather encoded payloads, sum them in rank order locally."""
         n = flat.numel()
         nbytes = codec.nbytes(n)
-        with self._stats.phase("reduce_s"):
+        with self.stats_book.phase("reduce_s"):
             # [float64 weight | payload], padded to 8 bytes so every frame is aligned
-            frame = self._pool.get("frame", 8 + -(-nbytes // 8) * 8, torch.uint8, flat.device)
+            frame = self.buffers.get("frame", 8 + -(-nbytes // 8) * 8, torch.uint8, flat.device)
             frame[:8].copy_(torch.tensor([weight], dtype=torch.float64).view(torch.uint8))
             if weight > 0:
                 self._encoder.encode_into(flat.to(torch.float32), codec,
                                           frame[8 : 8 + nbytes], ef_key)
             else:
                 frame[8:].zero_()
-            gathered = self._pool.get("gathered", self.world_size * frame.numel(), torch.uint8,
+            gathered = self.buffers.get("gathered", self.world_size * frame.numel(), torch.uint8,
                                       flat.device)
         self._call("average_", dist.all_gather_into_tensor, gathered, frame, group=group)
         self._counters.add(written=frame.numel(), read=gathered.numel())
-        with self._stats.phase("reduce_s"):
+        with self.stats_book.phase("reduce_s"):
             frames = gathered.view(self.world_size, frame.numel())
             weights = [float(f[:8].cpu().clone().view(torch.float64).item()) for f in frames]
             total = total_weight(weights)
             if total == 0:
                 return 0.0
-            acc = self._pool.get("acc", n, accumulator_dtype(flat.dtype), flat.device)
+            acc = self.buffers.get("acc", n, accumulator_dtype(flat.dtype), flat.device)
             first = True
             for w, f in zip(weights, frames):
                 if w == 0:
@@ -214,7 +214,7 @@ class TorchDistSync(GradSync):
                 return total
             # like the storage backend, the result travels (here: is rounded) in the wire
             # encoding, so every rank holds exactly what the others hold
-            result = self._pool.get("result", nbytes, torch.uint8, flat.device)
+            result = self.buffers.get("result", nbytes, torch.uint8, flat.device)
             codec.encode(acc, result)
             flat.copy_(codec.decode(result, n))
         return total

@@ -323,8 +323,7 @@ class ElasticTrainer(Trainer):
         ``min_ranks`` because others left, with the state published): leave at once
         then. Safe to call from a signal handler."""
         self._leave_asked = self.ballot.vote = True
-        log = getattr(self, "_log", None)  # open from the first step to the summary
-        return log is not None and log.open and not self._stalled
+        return self.running and not self._stalled
 
     # -- the loop's hooks (Trainer.fit) -------------------------------------------------
     def _start(self, sync) -> dict | None:

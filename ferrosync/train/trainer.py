@@ -342,9 +342,16 @@ class Trainer:
         self._saved_at = self.strategy.progress(self.step)  # the last checkpoint's progress
         return None
 
+    @property
+    def running(self) -> bool:
+        """Whether ``fit`` is training: from its first step to its summary."""
+        log = getattr(self, "_log", None)  # made by fit
+        return log is not None and log.open
+
     def attach_strategy(self, sync) -> None:
-        """Every rank, before the first step: the strategy attached to ``sync`` and told
-        the run's length (a hook's step, ``ElasticTrainer`` calls it too)."""
+        """Collective (as the strategy's ``attach``): attach the strategy to this
+        trainer's model, optimizer and ``sync`` and start its schedule at the current
+        step; ``fit`` does it before the first step."""
         self.strategy.attach(self.model, self.optimizer, sync)
         self.strategy.begin(self.total_steps, self.step)
 

@@ -33,7 +33,7 @@ def test_pending_completes_from_the_async_thread_with_its_tensors():
     tensors = [torch.ones(2)]
     work = Pending(tensors, rank=1, url="mem://run")
     assert not work.is_completed() and not work.is_success()
-    finisher = threading.Thread(target=work._finish, args=(None,))
+    finisher = threading.Thread(target=work.finish, args=(None,))
     finisher.start()
     assert work.wait()  # no timeout: until it finished
     finisher.join(10)
@@ -47,7 +47,7 @@ def test_a_pending_wait_with_a_timeout_names_it_and_leaves_the_work_running():
                                           r"\(it keeps running\)") as info:
         work.wait(datetime.timedelta(milliseconds=1))
     assert (info.value.rank, info.value.path) == (3, "mem://run")
-    work._finish(None)
+    work.finish(None)
     assert work.wait(datetime.timedelta(seconds=5))
 
 
@@ -57,7 +57,7 @@ def test_a_failed_pending_work_raises_its_typed_error_from_wait_and_future():
     error = PeerFailed("rank 1 failed at collective 4", rank=0, collective=4)
     seen = []
     chained = work.get_future().then(lambda f: seen.append(_outcome(f)))
-    work._finish(error)
+    work.finish(error)
     assert work.is_completed() and not work.is_success()
     with pytest.raises(PeerFailed) as info:
         work.wait()
