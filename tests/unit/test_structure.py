@@ -70,7 +70,6 @@ def all_defined() -> set[str]:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: seams")
 def test_no_module_uses_another_modules_private_names():
     """A private name (``_x``) of ferrosync's is used only in the module that defines it:
     a class shares state with another module through a declared interface, never through
@@ -259,7 +258,6 @@ def _layer(module: str) -> str:
     return module.split(".")[1] if module.count(".") else ""
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: layers")
 def test_layers_import_only_what_they_stand_on():
     found = []
     for path, tree in sorted(sources().items()):
