@@ -293,13 +293,13 @@ def test_every_code_block_is_collected():
 
 @pytest.mark.unit
 def test_the_figures_come_from_the_commands_shown():
-    """tools/regen_figures.py finds docs/performance.md's bench commands and every marked
+    """tools/docs/regen_figures.py finds docs/performance.md's bench commands and every marked
     place it writes (the script itself runs for half an hour: it is not run here)."""
     from tools import regen_figures
 
     text = read(regen_figures.BENCH_DOC)
     commands = regen_figures.bench_commands(text)
-    assert len(commands) == 4 and all(c[:2] == ["python", "tools/bench.py"] for c in commands)
+    assert len(commands) == 4 and all(c[:2] == ["python", "tools/bench/bench.py"] for c in commands)
     for name in ("machine", *regen_figures.FIGURES):
         assert regen_figures.write_between(text, name, "X") != text
     table = text.split("<!-- figures:bench-table -->", 1)[1]

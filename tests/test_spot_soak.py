@@ -1,4 +1,4 @@
-"""The spot soak (tools/spot_soak.py, docs/elastic.md#spot-soak), short: an elastic
+"""The spot soak (tools/drills/spot_soak.py, docs/elastic.md#spot-soak), short: an elastic
 trainer job on the suite's SeaweedFS behind the fault proxy, with joins, a SIGTERM, a
 SIGKILL, a total loss of each kind and new members after each; and the soak's checks
 on reports that must fail them.

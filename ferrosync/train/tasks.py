@@ -1,5 +1,5 @@
 """Built-in tasks bigger than the demo, for benchmarks where compute must weigh
-against communication (``tools/bench_goodput.py``).
+against communication (``tools/bench/bench_goodput.py``).
 
 ``wide``: a synthetic classification problem and a residual MLP for it, sized so that
 its compute weighs against its communication::
@@ -34,7 +34,7 @@ compute of a plain MLP of that size (its hidden layer runs ``WIDE_DEPTH`` times)
 What matters for goodput is the compute-to-communication ratio: one step's
 gradients are ``4 * wide_parameters()`` bytes whatever the batch, while a step's
 compute grows with the batch, so ``--batch-size`` sets the ratio on a given CPU
-(``tools/bench_goodput.py`` measures and prints it; batch 768 per rank makes it
+(``tools/bench/bench_goodput.py`` measures and prints it; batch 768 per rank makes it
 about 1 on a 2-core machine with two ranks).
 """
 

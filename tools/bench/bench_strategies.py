@@ -1,10 +1,11 @@
 """Compare grad, local-sgd, diloco and streaming-diloco: final accuracy, wall time, bytes.
 
-    python tools/bench_strategies.py                              # the demo at 2 and 4 ranks
-    python tools/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 --seeds 0 1 2
-    python tools/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \
+    python tools/bench/bench_strategies.py                              # the demo at 2 and 4 ranks
+    python tools/bench/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 \
+        --seeds 0 1 2
+    python tools/bench/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \
         --sync-every 30 --fragments 4 --overlap-steps 0 1 --seeds 0 1
-    python tools/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
+    python tools/bench/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
         --train-arg=--epochs=5 --train-arg=--lr=0.1
 
 Every run is a real ``python -m ferrosync.train --nproc N ... --no-progress`` through a
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the issue's target: diloco with H >= 20 moves >= 20x fewer bytes, within 1 point
 TARGET_H, TARGET_RATIO, TARGET_PP = 20, 20.0, 1.0
 
@@ -189,7 +190,7 @@ def plan_runs(args) -> list[tuple[str, int | None, dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    command = shlex.join(["python", "tools/bench_strategies.py",
+    command = shlex.join(["python", "tools/bench/bench_strategies.py",
                           *(sys.argv[1:] if argv is None else argv)])
     rows = []
     for ranks in args.ranks:

@@ -2,9 +2,9 @@
 separate processes, one SIGKILLed mid-run, a new one started once the others dropped
 it; prints what every member reported and whether they ended as one model.
 
-    python tools/elastic_churn.py                       # diloco on the demo, 3 members
-    python tools/elastic_churn.py --strategy grad --steps 400 --kill-at 100
-    python tools/elastic_churn.py --sync s3://bucket/prefix --sync-option storage_options=...
+    python tools/drills/elastic_churn.py                       # diloco on the demo, 3 members
+    python tools/drills/elastic_churn.py --strategy grad --steps 400 --kill-at 100
+    python tools/drills/elastic_churn.py --sync s3://bucket/prefix --sync-option storage_options=...
 
 Each member is ``python -m ferrosync.train --elastic`` with its own ``--metrics`` file;
 the tool watches those files (no sleeps stand in for progress) and prints a table:
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
           f"{'one model' if len(digests) == 1 else f'{len(digests)} DIFFERENT models'}; "
           f"{time.monotonic() - began:.1f} s")
     given = sys.argv[1:] if argv is None else argv
-    print("command: python tools/elastic_churn.py " + " ".join(map(shlex.quote, given)))
+    print("command: python tools/drills/elastic_churn.py " + " ".join(map(shlex.quote, given)))
     return 0 if ok else 1
 
 

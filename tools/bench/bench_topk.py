@@ -1,13 +1,13 @@
 """Quality and bytes of ``wire_dtype`` float32, int8 and topk under DiLoCo, side by side.
 
-    python tools/bench_topk.py                       # both tasks, 3 wires, 3 seeds
-    python tools/bench_topk.py --tasks wide --seeds 0 --steps 120 --sync-every 20
-    python tools/bench_topk.py --json topk.json      # also save every run's numbers
+    python tools/bench/bench_topk.py                       # both tasks, 3 wires, 3 seeds
+    python tools/bench/bench_topk.py --tasks wide --seeds 0 --steps 120 --sync-every 20
+    python tools/bench/bench_topk.py --json topk.json      # also save every run's numbers
 
 Every run is ``python -m ferrosync.train --nproc 2 --strategy diloco`` through a
 temporary directory, one wire at a time, with the same task, seed, steps and
 cadence, so the held-out numbers compare at equal steps. The tasks
-(``ferrosync/train/tasks.py``): ``wide``, the goodput bench's (tools/bench_goodput.py),
+(``ferrosync/train/tasks.py``): ``wide``, the goodput bench's (tools/bench/bench_goodput.py),
 and ``lm``, a small transformer predicting the next byte of the Python standard
 library's own source (nothing downloaded). DiLoCo's outer step is each wire's default
 (0.7 / Nesterov 0.9; topk: SparseLoCo's plain SGD at lr 1), unless ``--train-arg``
@@ -20,7 +20,7 @@ For each task and wire it prints, as mean and range over the seeds:
   storage layer counts them; HTTP framing is not in it) and its ratio to float32's;
 * held-out loss and accuracy after the same steps;
 * compute fraction at each ``--links`` RATE/RTT, *modelled* from those numbers (not
-  run through the slow-link proxy: tools/bench_goodput.py does that, minutes per
+  run through the slow-link proxy: tools/bench/bench_goodput.py does that, minutes per
   point): a sync blocks for ``8 * bytes / rate + (ranks + 1) * rtt`` (this rank's
   bytes at the link's rate; the round trips of the gather reduce that an object store
   uses at 2 ranks: one PUT, one GET per other rank, one poll that finds it missing),
@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TASKS = {
     "wide": ["--model", "ferrosync.train.tasks:wide_model",
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     print()
     print(f"2 ranks, DiLoCo, {args.steps} steps, H = {args.sync_every}, seeds "
           f"{' '.join(map(str, args.seeds))}; {time.time() - started:.0f} s in all")
-    print("command: python tools/bench_topk.py " + shlex.join(argv if argv is not None
+    print("command: python tools/bench/bench_topk.py " + shlex.join(argv if argv is not None
                                                               else sys.argv[1:]))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:

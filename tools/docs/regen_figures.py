@@ -2,17 +2,17 @@
 commands three times and write what was measured into the marked places, plus
 docs/bench.json and docs/bench.png, with the machine state seen.
 
-    python tools/regen_figures.py                    # ~35-40 min on 2 cores; run it on a
+    python tools/docs/regen_figures.py                    # ~35-40 min on 2 cores; run it on a
                                                      # quiet machine (nothing else running)
-    python tools/regen_figures.py --only strategies  # one section (bench, strategies)
-    python tools/regen_figures.py --tiny --out-dir /tmp/figs   # a quick try of the script:
+    python tools/docs/regen_figures.py --only strategies  # one section (bench, strategies)
+    python tools/docs/regen_figures.py --tiny --out-dir /tmp/figs   # a quick try of the script:
         # every command scaled down, 1 run; writes copies of performance.md, train.md and the
         # JSON/PNG under --out-dir and leaves the repository alone
 
 Places are written between marker comments, `<!-- figures:NAME -->` ...
 `<!-- /figures:NAME -->`; a table goes on lines of its own between them.
 
-Section ``bench`` (~17 min): the `python tools/bench.py` lines of the bash block in the
+Section ``bench`` (~17 min): the `python tools/bench/bench.py` lines of the bash block in the
 first bash block of docs/performance.md that holds them (``--tiny``: payloads 256x
 smaller, 2 iterations). It writes, in docs/performance.md:
 
@@ -33,7 +33,7 @@ smaller, 2 iterations). It writes, in docs/performance.md:
 Each of these is "min–max" over the runs. docs/bench.json gets every run's rows and
 the ranges; docs/bench.png is bench.py's drawing of the first command's last run.
 
-Section ``strategies`` (~15-20 min): `python tools/bench_strategies.py` commands of the
+Section ``strategies`` (~15-20 min): `python tools/bench/bench_strategies.py` commands of the
 demo. Each marked place below is computed from the nearest such command shown before
 it in the same file (in a code span, or a line of a bash block, continuations joined),
 so the figures always come from the commands shown; each distinct command runs
@@ -63,7 +63,7 @@ benchmark's own processes raise): the CPU time the whole machine used during a r
 (/proc/stat) minus what the benchmark's processes used (this script's waited-for
 children). Above 0.15 of a core on average the figures say more about the other load
 than about ferrosync, and the script says so. How a run is timed and measured, and how
-figures are written between the markers, is tools/figure_runs.py.
+figures are written between the markers, is tools/docs/figure_runs.py.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ if __package__:  # python -m tools.regen_figures, or `from tools import regen_fi
         timed_run,
         write_between,
     )
-else:  # python tools/regen_figures.py: this directory is sys.path[0], as for any script
+else:  # python tools/docs/regen_figures.py: this directory is sys.path[0], as for any script
     import bench_strategies
     from bench import human, parse_size
     from figure_runs import (
@@ -118,14 +118,14 @@ THREADS = [("default", "default threading"), ("pinned", "one thread per rank")]
 
 
 def bench_commands(text: str) -> list[list[str]]:
-    """The `python tools/bench.py ...` lines of the first bash block of ``text`` (BENCH_DOC)
+    """The `python tools/bench/bench.py ...` lines of the first bash block of ``text`` (BENCH_DOC)
     that holds any."""
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         lines = [shlex.split(line) for line in block.splitlines()
-                 if line.startswith("python tools/bench.py")]
+                 if line.startswith("python tools/bench/bench.py")]
         if lines:
             return lines
-    raise SystemExit(f"{BENCH_DOC} has no bash block of python tools/bench.py commands")
+    raise SystemExit(f"{BENCH_DOC} has no bash block of python tools/bench/bench.py commands")
 
 
 def shrink(command: list[str], scale: int, iters: int | None) -> list[str]:
@@ -279,7 +279,7 @@ def bench_section(texts: dict, report: dict, *, runs: int, tiny: bool, invocatio
     print(figs["bench-table"])
 
 
-# --- section "strategies": tools/bench_strategies.py on the demo -----------------------
+# --- section "strategies": tools/bench/bench_strategies.py on the demo -----------------------
 
 #: the documents holding strategies figures (paths from the repository root)
 STRATEGY_DOCS = ("docs/performance.md", "docs/train.md")
@@ -287,13 +287,13 @@ STRATEGY_DOCS = ("docs/performance.md", "docs/train.md")
 STRATEGY_MACHINE = ("strategies-machine", "streaming-machine")
 #: a bench_strategies command in a code span, or on a line of its own (a bash block)
 _STRATEGY_COMMAND = re.compile(
-    r"`(python tools/bench_strategies\.py[^`]*)`|^(python tools/bench_strategies\.py.*)$",
-    re.M)
+    r"`(python tools/bench/bench_strategies\.py[^`]*)`"
+    r"|^(python tools/bench/bench_strategies\.py.*)$", re.M)
 
 
 def strategy_places(text: str) -> list[tuple[str, list[str]]]:
     """(marker name, command) for every strategies figure marked in ``text`` (the names
-    of STRATEGY_FIGURES): the command is the nearest `python tools/bench_strategies.py`
+    of STRATEGY_FIGURES): the command is the nearest `python tools/bench/bench_strategies.py`
     one shown before the marker, as shell words. SystemExit where there is none."""
     joined = re.sub(r"\\\n\s*", " ", text)  # a bash line continued with "\"
     commands = [(m.start(), shlex.split(m.group(1) or m.group(2)))
@@ -305,7 +305,7 @@ def strategy_places(text: str) -> list[tuple[str, list[str]]]:
         before = [c for at, c in commands if at < m.start()]
         if not before:
             raise SystemExit(f"<!-- figures:{m.group(1)} --> has no `python "
-                             "tools/bench_strategies.py ...` command shown before it")
+                             "tools/bench/bench_strategies.py ...` command shown before it")
         places.append((m.group(1), before[-1]))
     return places
 
@@ -599,7 +599,7 @@ def main(argv=None) -> None:
     runs = 1 if args.tiny else args.runs
     if args.tiny and args.runs != 3:
         runs = args.runs
-    invocation = ("python tools/regen_figures.py" + (" --tiny" if args.tiny else "")
+    invocation = ("python tools/docs/regen_figures.py" + (" --tiny" if args.tiny else "")
                   + (f" --only {args.only}" if args.only else ""))
     texts = {}
     for doc in (BENCH_DOC, *STRATEGY_DOCS):

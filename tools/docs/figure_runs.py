@@ -1,4 +1,4 @@
-"""How tools/regen_figures.py measures a figure and writes it: each benchmark command
+"""How tools/docs/regen_figures.py measures a figure and writes it: each benchmark command
 timed with the CPU other processes used meanwhile (a quiet machine is measured, not
 assumed), the machine line written next to the figures, "min–max" ranges over runs,
 and the marked places of a document (``<!-- figures:NAME -->`` ...
@@ -14,7 +14,7 @@ import resource
 import subprocess
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: above this many cores' worth of CPU used by other processes the machine was not quiet
 QUIET_OTHER_CORES = 0.15

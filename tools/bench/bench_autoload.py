@@ -6,7 +6,7 @@ off (``FERROSYNC_AUTOLOAD=0``), alternating, and says whether anything of ferros
 was imported. Run from a checkout whose entry point is installed (``pip install -e .``);
 this checkout's hook is the one loaded (it is first on ``PYTHONPATH``)::
 
-    python tools/bench_autoload.py --runs 3
+    python tools/bench/bench_autoload.py --runs 3
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from ferrosync.train.launcher import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROBE = """
 import json, sys, time
@@ -35,12 +36,6 @@ print(json.dumps({"import_torch_ms": (t1 - t0) * 1e3, "init_ms": (t2 - t1) * 1e3
                                             for m in sys.modules),
                   "hook": ferrosync_autoload.__file__}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def once(autoload: bool) -> dict:
@@ -64,7 +59,7 @@ def main() -> None:
     for _ in range(args.runs):
         for autoload in (True, False):  # alternating: drift hits both alike
             results[autoload].append(once(autoload))
-    print(f"command: python tools/bench_autoload.py --runs {args.runs}")
+    print(f"command: python tools/bench/bench_autoload.py --runs {args.runs}")
     for autoload, label in ((False, "FERROSYNC_AUTOLOAD=0"), (True, "hook on (default)")):
         rows = results[autoload]
         init = sorted(r["init_ms"] for r in rows)

@@ -1,9 +1,9 @@
 """A spot soak: an elastic trainer job on SeaweedFS behind a lossy network, for N
 minutes of seeded random joins, SIGTERMs, SIGKILLs and total losses; every round checked.
 
-    python tools/spot_soak.py --minutes 15 --seed 1          # or: python -m tools.spot_soak
-    python tools/spot_soak.py --minutes 1 --loss-every 20 --publish-every-seconds 4
-    python tools/spot_soak.py --endpoint http://127.0.0.1:8333 --bucket b   # a running S3
+    python tools/drills/spot_soak.py --minutes 15 --seed 1          # or: python -m tools.spot_soak
+    python tools/drills/spot_soak.py --minutes 1 --loss-every 20 --publish-every-seconds 4
+    python tools/drills/spot_soak.py --endpoint http://127.0.0.1:8333 --bucket b   # a running S3
 
 A SeaweedFS server starts on loopback (or ``--endpoint`` names one) with the fault
 proxy (``ferrosync/testing/fault_proxy.py``) in front of it: ``--lose-reply`` of
@@ -63,7 +63,7 @@ import tempfile
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 #: the job id every member runs under ($FERROSYNC_JOB)
 JOB = "soak"
@@ -662,7 +662,7 @@ def soak(args) -> Summary:
 
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
-    print("$ " + shlex.join(["python", "tools/spot_soak.py", *given]), flush=True)
+    print("$ " + shlex.join(["python", "tools/drills/spot_soak.py", *given]), flush=True)
     started = time.monotonic()
     summary = soak(parse_args(given))
     print(f"wall: {time.monotonic() - started:.0f} s")

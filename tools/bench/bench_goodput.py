@@ -1,9 +1,9 @@
 """Goodput over a slow link: what fraction of wall time is left for compute, per strategy.
 
-    python tools/bench_goodput.py                     # defaults below, ~6 min on 2 cores
-    python tools/bench_goodput.py --links 100Mbit/50ms --strategies grad diloco --steps 100
-    python tools/bench_goodput.py --ranks 2 4 --links 1Gbit/10ms 100Mbit/50ms 10Mbit/100ms
-    python tools/bench_goodput.py --task demo --steps 200 --sync-every 20   # the first run
+    python tools/bench/bench_goodput.py                     # defaults below, ~6 min on 2 cores
+    python tools/bench/bench_goodput.py --links 100Mbit/50ms --strategies grad diloco --steps 100
+    python tools/bench/bench_goodput.py --ranks 2 4 --links 1Gbit/10ms 100Mbit/50ms 10Mbit/100ms
+    python tools/bench/bench_goodput.py --task demo --steps 200 --sync-every 20   # the first run
 
 The question a user of NFS or S3 across sites asks: at this bandwidth and latency,
 how much of the time do my ranks spend computing? Every run is real: a SeaweedFS S3
@@ -64,7 +64,7 @@ import uuid
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BUCKET = "ferrosync-bench"
 BASE_STRATEGIES = ["grad", "local-sgd", "diloco"]
@@ -345,7 +345,7 @@ def plot(rows: list[dict], path: str, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    command = shlex.join(["python", "tools/bench_goodput.py", *argv])
+    command = shlex.join(["python", "tools/bench/bench_goodput.py", *argv])
     registry = registered_strategies()
     strategies = choose_strategies(args.strategies, registry)
     stray = sorted(set(args.strategy_args) - set(strategies))

@@ -1,7 +1,7 @@
 """Regenerate the sample outputs in the docs from real runs on this machine.
 
-    python tools/doc_outputs.py                 # every sample below
-    python tools/doc_outputs.py train doctor    # some of them
+    python tools/docs/doc_outputs.py                 # every sample below
+    python tools/docs/doc_outputs.py train doctor    # some of them
 
 * ``train``: docs/train.md's quick-start run, ``python -m ferrosync.train --nproc 2``
   (the FINAL line abbreviated to the keys the sample shows);
@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the FINAL keys the train.md sample shows, then "..."
 FINAL_SHOWN = (("accuracy", "bytes_read", "bytes_written"), ("ranks_agree", "steps"))
 

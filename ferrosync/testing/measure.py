@@ -1,0 +1,77 @@
+"""What the benchmarks and drills measure with: payload sizes as text (``16MiB``) and
+back, and a Linux process's resident set, its peak and its CPU time. Standard library
+only."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["MIB", "human", "parse_size", "peak_rss_mb", "process_cpu_s", "reset_peak_rss",
+           "rss_mb"]
+
+MIB = 1 << 20
+#: binary units a size may end with (case-insensitive), largest first for ``human``
+UNITS = {"GIB": 1 << 30, "MIB": 1 << 20, "KIB": 1 << 10, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """``"64KiB"``, ``"1.5MiB"``, ``"2GiB"``, ``"512B"`` or ``"4096"`` -> bytes.
+    ValueError for anything else."""
+    text = text.strip().upper()
+    for unit, factor in UNITS.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def human(n: int) -> str:
+    """``n`` bytes in the largest binary unit that divides it: ``"16 MiB"``, ``"3 B"``."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor} {unit}"
+    return f"{n} B"
+
+
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def rss_mb() -> float:
+    """This process's resident set now, in MiB."""
+    return _status_mb("VmRSS")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set since the last ``reset_peak_rss``, in MiB.
+
+    Not ``ru_maxrss``: Linux carries that across exec, so a spawned rank would inherit
+    the launching process's high-water mark.
+    """
+    return _status_mb("VmHWM")
+
+
+def reset_peak_rss() -> None:
+    """Set the peak (``VmHWM``) to the current resident set (Linux >= 4.0; elsewhere a
+    no-op, and the peak is the process's whole life's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by every thread of process ``pid`` (nanosecond resolution
+    from each thread's schedstat; the clock-tick counters in ``stat`` are 10 ms coarse)."""
+    total = 0.0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass  # the thread ended between the listing and the read
+    return total
