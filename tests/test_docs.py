@@ -181,8 +181,9 @@ def test_github_anchor_rule(heading, anchor):
 def test_readme_option_tables_match_the_code():
     """The README's option tables are generated from the options dataclasses: an option
     added, renamed or re-described in code without regenerating them fails here."""
-    result = subprocess.run([sys.executable, "-m", "tools.options_table", "--check"],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "tools/docs/options_table.py", "--check"],
+                            cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -293,9 +294,9 @@ def test_every_code_block_is_collected():
 
 @pytest.mark.unit
 def test_the_figures_come_from_the_commands_shown():
-    """tools/docs/regen_figures.py finds docs/performance.md's bench commands and every marked
-    place it writes (the script itself runs for half an hour: it is not run here)."""
-    from tools import regen_figures
+    """tools/docs/regen_figures.py finds docs/performance.md's bench commands and every
+    marked place it writes (the script itself runs for half an hour: it is not run here)."""
+    from ferrosync.testing import figures as regen_figures
 
     text = read(regen_figures.BENCH_DOC)
     commands = regen_figures.bench_commands(text)

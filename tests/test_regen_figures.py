@@ -1,11 +1,13 @@
-"""tools/docs/regen_figures.py's parsing and writing, in-process on made-up runs: the script
-itself runs benchmarks for half an hour, so none is run here."""
+"""The figures' parsing and writing (ferrosync/testing/figures.py, which
+tools/docs/regen_figures.py runs), in-process on made-up runs: the script itself runs
+benchmarks for half an hour, so none is run here (tests/test_tools.py runs its command
+line's refusals and bench_strategies' ``--tiny``)."""
 
 import os
 
 import pytest
 
-from tools import regen_figures as rf
+from ferrosync.testing import figures as rf
 
 pytestmark = pytest.mark.unit
 
@@ -112,16 +114,11 @@ def test_strategy_places_joins_bash_continuations_and_refuses_a_figure_without_c
 
 
 def test_tiny_strategies_commands_keep_the_first_value_of_each_list():
-    tiny = rf.shrink_strategies(["python", "tools/bench/bench_strategies.py", "--ranks", "3",
-                                 "--sync-every", "30", "50", "--seeds", "0", "1", "2"])
-    from tools import bench_strategies
-
-    args = bench_strategies.parse_args(tiny[2:])
-    assert (args.ranks, args.sync_every, args.seeds, args.overlap_steps) == ([3], [30], [0], [1])
-    assert args.train_arg == ["--steps=60"]
-    args = bench_strategies.parse_args(rf.shrink_strategies(
-        ["python", "tools/bench/bench_strategies.py"])[2:])
-    assert (args.ranks, args.sync_every) == ([2], [20])  # bench_strategies' defaults, cut
+    """The command keeps its values and gets bench_strategies' own ``--tiny``, which cuts
+    each list to its first value (tests/test_tools.py runs that)."""
+    command = ["python", "tools/bench/bench_strategies.py", "--ranks", "3",
+               "--sync-every", "30", "50", "--seeds", "0", "1", "2"]
+    assert rf.shrink_strategies(command) == [*command, "--tiny"]
 
 
 def demo_runs():
@@ -203,10 +200,3 @@ def test_streaming_table_and_summary():
         "93.36 % (F/τ 4/0), 93.36 % (F/τ 4/1) against `diloco`'s 93.42 %, with 3.8× fewer "
         "bytes per sync (+4 % in total) over 4.0× as many syncs")
     assert check.disagreements == []
-
-
-def test_the_command_line_refuses_unknown_sections_and_a_tiny_run_into_the_repository():
-    with pytest.raises(SystemExit, match="no section elastic"):
-        rf.main(["--only", "bench,elastic"])
-    with pytest.raises(SystemExit, match="give --out-dir"):
-        rf.main(["--tiny"])

@@ -36,6 +36,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the issue's target: diloco with H >= 20 moves >= 20x fewer bytes, within 1 point
 TARGET_H, TARGET_RATIO, TARGET_PP = 20, 20.0, 1.0
+#: the list options ``--tiny`` cuts to their first value
+TINY_LISTS = ("ranks", "sync_every", "seeds", "overlap_steps")
 
 
 def parse_args(argv):
@@ -65,7 +67,17 @@ def parse_args(argv):
                    help="where to save the results (default: bench_strategies.json)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds one training run may take (default 600)")
-    return p.parse_args(argv)
+    p.add_argument("--tiny", action="store_true",
+                   help="a quick try: 60 steps and the first value of each of --ranks, "
+                   "--sync-every, --seeds and --overlap-steps")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the settings and the training commands as JSON; run nothing")
+    args = p.parse_args(argv)
+    if args.tiny:
+        for name in TINY_LISTS:
+            setattr(args, name, getattr(args, name)[:1])
+        args.train_arg = [*args.train_arg, "--steps=60"]
+    return args
 
 
 def train_command(ranks: int, strategy: str, h: int | None, seed: int, args,
@@ -192,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     command = shlex.join(["python", "tools/bench/bench_strategies.py",
                           *(sys.argv[1:] if argv is None else argv)])
+    if args.dry_run:
+        print(json.dumps({"settings": vars(args), "commands": [
+            train_command(ranks, strategy, h, seed, args, extra)[1:]
+            for ranks in args.ranks for strategy, h, extra in plan_runs(args)
+            for seed in args.seeds]}, indent=1))
+        return 0
     rows = []
     for ranks in args.ranks:
         grad = None
