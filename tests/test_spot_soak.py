@@ -13,7 +13,7 @@ import pytest
 from train_cli import ForkedCli
 
 from conftest import BUCKET
-from tools import spot_soak
+from ferrosync.testing import spot_soak
 
 #: the short version: 48 s of churn from 3 members, seed 3's schedule (below)
 SHORT = ["--minutes", "0.8", "--seed", "3", "--first-members", "3", "--max-members", "3",
