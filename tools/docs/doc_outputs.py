@@ -21,6 +21,7 @@ that no longer matches the code fails the suite until this script is rerun.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -157,10 +158,13 @@ SAMPLES = {"train": train_sample, "doctor": doctor_sample, "ops": ops_samples}
 
 
 def main(argv: list[str]) -> None:
-    names = argv or list(SAMPLES)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("samples", nargs="*", metavar="SAMPLE",
+                        help=f"the samples to regenerate ({', '.join(SAMPLES)}; default: all)")
+    names = parser.parse_args(argv).samples or list(SAMPLES)
     unknown = [n for n in names if n not in SAMPLES]
     if unknown:
-        raise SystemExit(f"unknown sample(s) {unknown}; choose from {sorted(SAMPLES)}")
+        parser.error(f"unknown sample(s) {', '.join(unknown)}; choose from {', '.join(SAMPLES)}")
     for name in names:
         t0 = time.monotonic()
         SAMPLES[name]()
