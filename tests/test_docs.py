@@ -46,7 +46,8 @@ _SKIP_DIRS = {".git", "__pycache__", "build", "dist", ".venv", "venv", "node_mod
 #: a repository path cited from anywhere (a Markdown file under docs, a script under tools
 #: or examples), with an optional #anchor; not part of a longer path such as /tmp/docs/x.md
 _CITED_PATH = re.compile(
-    r"(?<![\w/.-])((?:docs/[\w.-]+\.md)|(?:tools|examples)/[\w.-]+\.py)(?:#([\w-]+))?")
+    r"(?<![\w/.-])((?:docs/[\w.-]+\.md)|(?:tools|examples)/(?:[\w-]+/)*[\w.-]+\.py)"
+    r"(?:#([\w-]+))?")
 #: the external design document that used to be cited, by file name or as "... §N"
 #: (spelt "[D]ESIGN" so that grepping the repository for citations does not find this line)
 _EXTERNAL_DOC = re.compile(r"\b[D]ESIGN(?:\.md\b|\s*§)")

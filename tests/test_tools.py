@@ -1,6 +1,6 @@
 """The scripts of ``tools/`` (benchmarks, document generators, drills, the simulator's
 command line) and ``examples/``, run as a user runs them from a clone (``python
-tools/KIND/NAME.py``): each starts and explains itself; bench_strategies' ``--tiny``
+tools/KIND/SCRIPT``): each starts and explains itself; bench_strategies' ``--tiny``
 and ``--dry-run``; regen_figures' refusals. The tests import none of them: each runs
 as a process (forked from the suite's forkserver, tests/train_cli.py)."""
 
