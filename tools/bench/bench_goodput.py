@@ -62,7 +62,8 @@ import time
 import uuid
 
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
-from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
+from ferrosync.testing.wan_proxy import WanProxy
+from ferrosync.testing.wan_proxy import parse_link as wan_link
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -105,12 +106,8 @@ def registered_strategies() -> dict[str, tuple[str, ...]]:
 def parse_link(text: str) -> dict:
     """``"100Mbit/50ms"`` -> {"name", "rate_bps", "rtt_s"}; ``"unlimited/0ms"`` for no
     bandwidth limit."""
-    rate, sep, rtt = text.partition("/")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"link {text!r}: expected RATE/RTT, e.g. 100Mbit/50ms")
     try:
-        rate_bps = None if rate.lower() == "unlimited" else parse_rate(rate)
-        rtt_s = parse_duration(rtt)
+        rate_bps, rtt_s = wan_link(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return {"name": text, "rate_bps": rate_bps, "rtt_s": rtt_s}

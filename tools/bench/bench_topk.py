@@ -58,13 +58,13 @@ LINKS = ["100Mbit/50ms", "10Mbit/100ms"]
 
 def parse_link(text: str) -> tuple[str, float, float]:
     """``"100Mbit/50ms"`` -> (text, bits per second, seconds)."""
-    from ferrosync.testing.wan_proxy import parse_duration, parse_rate
+    from ferrosync.testing.wan_proxy import parse_link as wan_link
 
-    rate, sep, rtt = text.partition("/")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"link {text!r}: expected RATE/RTT, e.g. 10Mbit/100ms")
     try:
-        return text, parse_rate(rate), parse_duration(rtt)
+        rate_bps, rtt_s = wan_link(text)
+        if rate_bps is None:
+            raise ValueError(f"link {text!r}: a rate is needed here, e.g. 10Mbit/100ms")
+        return text, rate_bps, rtt_s
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
