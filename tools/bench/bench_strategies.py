@@ -1,6 +1,6 @@
 """Compare grad, local-sgd, diloco and streaming-diloco: final accuracy, wall time, bytes.
 
-    python tools/bench/bench_strategies.py                              # the demo at 2 and 4 ranks
+    python tools/bench/bench_strategies.py          # the demo at 2 and 4 ranks
     python tools/bench/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 \
         --seeds 0 1 2
     python tools/bench/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \

@@ -2,7 +2,7 @@
 modelled (docs/elastic.md#cost).
 
     python tools/bench/elastic_costs.py [--members 2,4] [--payload MiB] [--rounds R]
-                                  [--seaweed] [--large] [--url DIR]
+                                        [--seaweed] [--large] [--url DIR]
     python tools/bench/elastic_costs.py --model [--round-rate R/s] [--payload MiB]
 
 Measured: W member processes of one elastic job (``connect(url, elastic=True,

@@ -1,9 +1,9 @@
 """Churn timings of an elastic job, as a spot user sees them (docs/elastic.md#churn).
 
     python tools/bench/elastic_timings.py [--url DIR_OR_S3_URL] [--heartbeat-timeout S]
-                                    [--runs N] [--seaweed] [--members 2,3,4,6]
-                                    [--victims first,checker+last,last]
-                                    [--scenarios kill,close,loss]
+                                          [--runs N] [--seaweed] [--members 2,3,4,6]
+                                          [--victims first,checker+last,last]
+                                          [--scenarios kill,close,loss]
 
 Three scenarios, each with real member processes on this machine (``--seaweed``: over
 a SeaweedFS server started on loopback, ferrosync/testing/seaweed.py):

@@ -3,7 +3,7 @@ commands three times and write what was measured into the marked places, plus
 docs/bench.json and docs/bench.png, with the machine state seen.
 
     python tools/docs/regen_figures.py                    # ~35-40 min on 2 cores; run it on a
-                                                     # quiet machine (nothing else running)
+                                                          # quiet machine (nothing else running)
     python tools/docs/regen_figures.py --only strategies  # one section (bench, strategies)
     python tools/docs/regen_figures.py --tiny --out-dir /tmp/figs   # a quick try of the script:
         # every command scaled down, 1 run; writes copies of performance.md, train.md and the
