@@ -1,10 +1,11 @@
 """Compare grad, local-sgd, diloco and streaming-diloco: final accuracy, wall time, bytes.
 
     python tools/bench/bench_strategies.py          # the demo at 2 and 4 ranks
-    python tools/bench/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 \
+    python tools/bench/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 \\
         --seeds 0 1 2
-    python tools/bench/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \
+    python tools/bench/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \\
         --sync-every 30 --fragments 4 --overlap-steps 0 1 --seeds 0 1
+    python tools/bench/bench_strategies.py --tiny --dry-run   # the runs a quick try makes
     python tools/bench/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
         --train-arg=--epochs=5 --train-arg=--lr=0.1
 
