@@ -1,7 +1,7 @@
 """The repository stands on its own: every document a file cites is in the repository.
 
 Scans every ``*.py`` and ``*.md`` file (outside ``.git`` and build output) for
-citations of documents and scripts (``docs/*.md``, ``tools/*.py``, ``examples/*.py``,
+citations of documents and scripts (``docs/*.md``, ``tools/**/*.py``, ``examples/*.py``,
 relative Markdown links, and the retired external design document) and checks that
 each cited file exists, and that every ``#anchor`` a citation names is a heading of
 the cited Markdown file (GitHub's rule: lowercase, punctuation removed, spaces to
