@@ -11,7 +11,8 @@ the tool watches those files (no sleeps stand in for progress) and prints a tabl
 exit code, the step it joined at, its FINAL digest and accuracy, and the longest sync
 it waited (the member killed mid-sync holds the others for about
 ``heartbeat_timeout``). Exit code 0 when every member still running at the end exits
-0 with the same digest.
+0 with the same digest. The suite runs the scenario short
+(tests/test_elastic_train.py, ``test_diloco_job_survives_a_kill_and_takes_a_newcomer``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ Every rank runs ``--collectives`` collectives (mostly ``average_``, with a broad
 an all_gather and a barrier mixed in) and samples, every ``--every`` collectives, its
 open file descriptors and RSS; rank 0 also counts the objects under the run's
 directory. The table shows the samples; the run fails (exit 1) if the last
-samples exceed the first steady ones by more than the stated slack.
+samples exceed the first steady ones by more than the stated slack. The suite runs a
+short version on every storage transport (tests/test_contract.py,
+``test_storage_stays_bounded_over_many_collectives``).
 """
 
 from __future__ import annotations
