@@ -65,3 +65,18 @@ def test_the_command_line_refuses_unknown_sections_and_a_tiny_run_into_the_repos
     assert done.returncode != 0 and "no section elastic" in done.stderr
     done = run("tools/docs/regen_figures.py", "--tiny")
     assert done.returncode != 0 and "give --out-dir" in done.stderr
+
+
+def test_run_final_reads_the_last_line_and_names_a_failed_command():
+    """The benchmarks' one reader of a training run's FINAL record."""
+    from ferrosync.testing.measure import run_final
+
+    final = run_final([sys.executable, "-c", "print('FINAL {\"steps\": 3}')"],
+                      env=dict(os.environ), timeout=60)
+    assert final["steps"] == 3 and final["command_s"] > 0
+    with pytest.raises(RuntimeError, match=r"-c 'import sys.*exited 3:\nbroken"):
+        run_final([sys.executable, "-c", "import sys; sys.stderr.write('broken'); sys.exit(3)"],
+                  env=dict(os.environ), timeout=60)
+    with pytest.raises(RuntimeError, match="exited 0"):  # no FINAL line last
+        run_final([sys.executable, "-c", "print('FINAL {}'); print('more')"],
+                  env=dict(os.environ), timeout=60)

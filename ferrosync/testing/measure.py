@@ -1,13 +1,17 @@
 """What the benchmarks and drills measure with: payload sizes as text (``16MiB``) and
-back, and a Linux process's resident set, its peak and its CPU time. Standard library
-only."""
+back, a Linux process's resident set, its peak and its CPU time, and a training run's
+``FINAL`` record. Standard library only."""
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import subprocess
+import time
 
 __all__ = ["MIB", "human", "parse_size", "peak_rss_mb", "process_cpu_s", "reset_peak_rss",
-           "rss_mb"]
+           "rss_mb", "run_final"]
 
 MIB = 1 << 20
 #: binary units a size may end with (case-insensitive), largest first for ``human``
@@ -75,3 +79,22 @@ def process_cpu_s(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             pass  # the thread ended between the listing and the read
     return total
+
+
+def run_final(cmd: list[str], *, env: dict, timeout: float | None = None,
+              cwd: str | None = None) -> dict:
+    """Run ``cmd``, a ``python -m ferrosync.train ...`` command, to its end: its ``FINAL``
+    record (the last line of its stdout) plus ``command_s``, the command's wall time.
+    RuntimeError naming the command, its exit status and its last lines of stderr where
+    it failed or did not end with a ``FINAL`` line."""
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    command_s = time.perf_counter() - start
+    lines = proc.stdout.rstrip("\n").splitlines()
+    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
+        tail = "\n".join((proc.stderr.strip().splitlines() or ["(no output)"])[-5:])
+        raise RuntimeError(f"{shlex.join(cmd[1:])} exited {proc.returncode}:\n{tail}")
+    final = json.loads(lines[-1][len("FINAL "):])
+    final["command_s"] = command_s
+    return final

@@ -54,13 +54,12 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import uuid
 
+from ferrosync.testing.measure import run_final
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 from ferrosync.testing.wan_proxy import WanProxy
 from ferrosync.testing.wan_proxy import parse_link as wan_link
@@ -208,17 +207,8 @@ def run_one(cmd: list[str], proxy: WanProxy, timeout: float) -> dict:
     """One training run: its FINAL record, the command's wall time, and the bytes that
     crossed the proxy while it ran (both directions, HTTP and TCP payload included)."""
     before = proxy.stats()
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-    command_s = time.perf_counter() - start
+    final = run_final(cmd, env=child_env(), timeout=timeout, cwd=ROOT)
     after = proxy.stats()
-    lines = proc.stdout.rstrip("\n").splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
-        tail = "\n".join((proc.stderr.strip().splitlines() or ["(no output)"])[-5:])
-        raise RuntimeError(f"{shlex.join(cmd[1:])} exited {proc.returncode}:\n{tail}")
-    final = json.loads(lines[-1][len("FINAL "):])
-    final["command_s"] = command_s
     final["wire_bytes"] = sum(after[k] - before[k] for k in ("bytes_up", "bytes_down"))
     return final
 

@@ -29,10 +29,8 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the issue's target: diloco with H >= 20 moves >= 20x fewer bytes, within 1 point
@@ -101,18 +99,11 @@ def run_one(cmd: list[str], timeout: float) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.getcwd(),
                                                       env.get("PYTHONPATH")]))
+    from ferrosync.testing.measure import run_final  # here: the parent imports no torch
+
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as sync_dir:
-        start = time.perf_counter()
-        proc = subprocess.run([*cmd, "--sync", os.path.join(sync_dir, "sync")], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        command_s = time.perf_counter() - start
-    lines = proc.stdout.rstrip("\n").splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}: {tail}")
-    final = json.loads(lines[-1][len("FINAL "):])
-    final["command_s"] = command_s
-    return final
+        return run_final([*cmd, "--sync", os.path.join(sync_dir, "sync")], env=env,
+                         timeout=timeout)
 
 
 def row(ranks: int, strategy: str, h: int | None, finals: list[dict],

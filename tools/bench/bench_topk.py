@@ -37,7 +37,6 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,6 +92,8 @@ def parse_args(argv):
 
 def run_one(task: str, wire: str, seed: int, args) -> dict:
     """One training run; its FINAL record's numbers."""
+    from ferrosync.testing.measure import run_final  # here: the parent imports no torch
+
     with tempfile.TemporaryDirectory(prefix="bench-topk-") as where:
         cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", str(RANKS), "--sync",
                os.path.join(where, "run"), *TASKS[task], "--strategy", "diloco",
@@ -101,12 +102,10 @@ def run_one(task: str, wire: str, seed: int, args) -> dict:
                *args.train_arg]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-        proc = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
-        raise SystemExit(f"run failed ({proc.returncode}): {shlex.join(cmd)}\n"
-                         f"{proc.stderr[-3000:]}")
-    final = json.loads(lines[-1][len("FINAL "):])
+        try:
+            final = run_final(cmd, env=env, cwd=where)
+        except RuntimeError as exc:
+            raise SystemExit(f"run failed: {exc}") from None
     if not final["ranks_agree"]:
         raise SystemExit(f"ranks disagree: {shlex.join(cmd)}")
     syncs = max(1, final["syncs"])
