@@ -1,17 +1,18 @@
 """What the benchmarks and drills measure with: payload sizes as text (``16MiB``) and
-back, a Linux process's resident set, its peak and its CPU time, and a training run's
-``FINAL`` record. Standard library only."""
+back, a Linux process's resident set, its peak and its CPU time, a training run's
+``FINAL`` record, and a benchmark's JSON report. Standard library only."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import shlex
 import subprocess
 import time
 
 __all__ = ["MIB", "human", "parse_size", "peak_rss_mb", "process_cpu_s", "reset_peak_rss",
-           "rss_mb", "run_final"]
+           "rss_mb", "run_final", "save_report"]
 
 MIB = 1 << 20
 #: binary units a size may end with (case-insensitive), largest first for ``human``
@@ -98,3 +99,13 @@ def run_final(cmd: list[str], *, env: dict, timeout: float | None = None,
     final = json.loads(lines[-1][len("FINAL "):])
     final["command_s"] = command_s
     return final
+
+
+def save_report(path: str, report: dict) -> None:
+    """Write a benchmark's ``report`` as JSON to ``path``, with the machine it ran on
+    (``machine``: Python version, CPUs, platform), and say where."""
+    report = {**report, "machine": {"python": platform.python_version(),
+                                    "cpus": os.cpu_count(), "platform": platform.platform()}}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+    print(f"saved: {path}")

@@ -52,14 +52,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import tempfile
 import textwrap
 import uuid
 
-from ferrosync.testing.measure import run_final
+from ferrosync.testing.measure import run_final, save_report
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 from ferrosync.testing.wan_proxy import WanProxy
 from ferrosync.testing.wan_proxy import parse_link as wan_link
@@ -385,12 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                            "steps": args.steps, "sync_every": args.sync_every,
                            "seed": args.seed, "train_args": args.train_arg,
                            "strategy_presets": TASK_STRATEGY_ARGS.get(args.task, {}),
-                           "strategy_args": args.strategy_args},
-              "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                          "platform": platform.platform()}}
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"saved: {args.json}")
+                           "strategy_args": args.strategy_args}}
+    save_report(args.json, report)
     print(plot(rows, args.plot, command))
     disagree = [r for r in rows if not r["ranks_agree"]]
     for r in disagree:

@@ -27,10 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
 import sys
 import tempfile
+
+from ferrosync.testing.measure import run_final, save_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the issue's target: diloco with H >= 20 moves >= 20x fewer bytes, within 1 point
@@ -99,8 +100,6 @@ def run_one(cmd: list[str], timeout: float) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.getcwd(),
                                                       env.get("PYTHONPATH")]))
-    from ferrosync.testing.measure import run_final  # here: the parent imports no torch
-
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as sync_dir:
         return run_final([*cmd, "--sync", os.path.join(sync_dir, "sync")], env=env,
                          timeout=timeout)
@@ -220,12 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         print(note)
     print(f"command: {command}")
-    report = {"command": command, "rows": rows, "target": notes,
-              "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                          "platform": platform.platform()}}
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"saved: {args.json}")
+    save_report(args.json, {"command": command, "rows": rows, "target": notes})
     disagree = [r for r in rows if not r["ranks_agree"]]
     for r in disagree:
         print(f"{r['strategy']} H={r['sync_every']} at {r['ranks']} ranks: ranks ended with "
