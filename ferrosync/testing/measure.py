@@ -9,10 +9,11 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 import time
 
 __all__ = ["MIB", "human", "parse_size", "peak_rss_mb", "process_cpu_s", "reset_peak_rss",
-           "rss_mb", "run_final", "save_report"]
+           "ranks_agreed", "rss_mb", "run_final", "save_report"]
 
 MIB = 1 << 20
 #: binary units a size may end with (case-insensitive), largest first for ``human``
@@ -109,3 +110,13 @@ def save_report(path: str, report: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2)
     print(f"saved: {path}")
+
+
+def ranks_agreed(rows: list[dict], name) -> int:
+    """A benchmark's exit status: 1 where the ranks of a row's runs ended with different
+    parameters (``ranks_agree`` false: said on stderr, ``name(row)`` naming the row),
+    else 0."""
+    disagree = [r for r in rows if not r["ranks_agree"]]
+    for r in disagree:
+        print(f"{name(r)}: ranks ended with DIFFERENT parameters", file=sys.stderr)
+    return 1 if disagree else 0

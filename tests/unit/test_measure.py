@@ -31,3 +31,12 @@ def test_the_peak_follows_an_allocation_after_a_reset():
     block[::4096] = b"x" * len(block[::4096])
     assert peak_rss_mb() >= base + 60
     del block
+
+
+def test_a_row_whose_ranks_disagree_fails_the_benchmark_and_is_named(capsys):
+    from ferrosync.testing.measure import ranks_agreed
+
+    rows = [{"name": "grad", "ranks_agree": True}, {"name": "diloco", "ranks_agree": False}]
+    assert ranks_agreed(rows[:1], lambda r: r["name"]) == 0
+    assert ranks_agreed(rows, lambda r: r["name"]) == 1
+    assert capsys.readouterr().err == "diloco: ranks ended with DIFFERENT parameters\n"

@@ -58,7 +58,7 @@ import tempfile
 import textwrap
 import uuid
 
-from ferrosync.testing.measure import run_final, save_report
+from ferrosync.testing.measure import ranks_agreed, run_final, save_report
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 from ferrosync.testing.wan_proxy import WanProxy
 from ferrosync.testing.wan_proxy import parse_link as wan_link
@@ -387,11 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                            "strategy_args": args.strategy_args}}
     save_report(args.json, report)
     print(plot(rows, args.plot, command))
-    disagree = [r for r in rows if not r["ranks_agree"]]
-    for r in disagree:
-        print(f"{r['strategy']} on {r['link']} at {r['ranks']} ranks: ranks ended with "
-              "DIFFERENT parameters", file=sys.stderr)
-    return 1 if disagree else 0
+    return ranks_agreed(rows, lambda r: f"{r['strategy']} on {r['link']} at {r['ranks']} ranks")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import shlex
 import sys
 import tempfile
 
-from ferrosync.testing.measure import run_final, save_report
+from ferrosync.testing.measure import ranks_agreed, run_final, save_report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the issue's target: diloco with H >= 20 moves >= 20x fewer bytes, within 1 point
@@ -220,11 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         print(note)
     print(f"command: {command}")
     save_report(args.json, {"command": command, "rows": rows, "target": notes})
-    disagree = [r for r in rows if not r["ranks_agree"]]
-    for r in disagree:
-        print(f"{r['strategy']} H={r['sync_every']} at {r['ranks']} ranks: ranks ended with "
-              "DIFFERENT parameters", file=sys.stderr)
-    return 1 if disagree else 0
+    return ranks_agreed(
+        rows, lambda r: f"{r['strategy']} H={r['sync_every']} at {r['ranks']} ranks")
 
 
 if __name__ == "__main__":
