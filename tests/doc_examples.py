@@ -54,7 +54,7 @@ def read(rel: str) -> str:
 # * ```diff``` blocks: the new side (context and `+` lines) runs as a Python block.
 # * ```text``` blocks are sample outputs: each is compared with the output of a real run
 #   (see `_OUTPUT_CHECKS`; the train sample with the uncapped demo, since its accuracy
-#   and step count are what it shows); the samples are written by tools/doc_outputs.py.
+#   and step count are what it shows); the samples are written by tools/docs/doc_outputs.py.
 # * ```json``` blocks parse, and a metrics line holds the keys the trainer writes.
 #
 # Paths and URLs a block assumes: `/mnt/nfs/...` and `/mnt/scratch/...` become

@@ -1,7 +1,7 @@
 """Checkpoint reads (ferrosync/train/checkpoint.py) are bounded by what latest.json
 declares: a step file that grew after it was written is refused unread, with one line
 naming it and the declared size, however large it claims to be (sparse files cost
-nothing here). Peak memory is measured by tools/bounded_reads.py, not here.
+nothing here). Peak memory is measured by tools/bench/bounded_reads.py, not here.
 
 Every file's checksum (and latest.json's own) is verified before torch.load sees a
 byte: a flipped bit anywhere, a moved file or an edited index is one line naming the

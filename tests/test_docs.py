@@ -1,7 +1,7 @@
 """The repository stands on its own: every document a file cites is in the repository.
 
 Scans every ``*.py`` and ``*.md`` file (outside ``.git`` and build output) for
-citations of documents and scripts (``docs/*.md``, ``tools/*.py``, ``examples/*.py``,
+citations of documents and scripts (``docs/*.md``, ``tools/**/*.py``, ``examples/*.py``,
 relative Markdown links, and the retired external design document) and checks that
 each cited file exists, and that every ``#anchor`` a citation names is a heading of
 the cited Markdown file (GitHub's rule: lowercase, punctuation removed, spaces to
@@ -46,7 +46,8 @@ _SKIP_DIRS = {".git", "__pycache__", "build", "dist", ".venv", "venv", "node_mod
 #: a repository path cited from anywhere (a Markdown file under docs, a script under tools
 #: or examples), with an optional #anchor; not part of a longer path such as /tmp/docs/x.md
 _CITED_PATH = re.compile(
-    r"(?<![\w/.-])((?:docs/[\w.-]+\.md)|(?:tools|examples)/[\w.-]+\.py)(?:#([\w-]+))?")
+    r"(?<![\w/.-])((?:docs/[\w.-]+\.md)|(?:tools|examples)/(?:[\w-]+/)*[\w.-]+\.py)"
+    r"(?:#([\w-]+))?")
 #: the external design document that used to be cited, by file name or as "... §N"
 #: (spelt "[D]ESIGN" so that grepping the repository for citations does not find this line)
 _EXTERNAL_DOC = re.compile(r"\b[D]ESIGN(?:\.md\b|\s*§)")
@@ -181,8 +182,9 @@ def test_github_anchor_rule(heading, anchor):
 def test_readme_option_tables_match_the_code():
     """The README's option tables are generated from the options dataclasses: an option
     added, renamed or re-described in code without regenerating them fails here."""
-    result = subprocess.run([sys.executable, "-m", "tools.options_table", "--check"],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "tools/docs/options_table.py", "--check"],
+                            cwd=ROOT, capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -293,13 +295,13 @@ def test_every_code_block_is_collected():
 
 @pytest.mark.unit
 def test_the_figures_come_from_the_commands_shown():
-    """tools/regen_figures.py finds docs/performance.md's bench commands and every marked
-    place it writes (the script itself runs for half an hour: it is not run here)."""
-    from tools import regen_figures
+    """tools/docs/regen_figures.py finds docs/performance.md's bench commands and every
+    marked place it writes (the script itself runs for half an hour: it is not run here)."""
+    from ferrosync.testing import figures as regen_figures
 
     text = read(regen_figures.BENCH_DOC)
     commands = regen_figures.bench_commands(text)
-    assert len(commands) == 4 and all(c[:2] == ["python", "tools/bench.py"] for c in commands)
+    assert len(commands) == 4 and all(c[:2] == ["python", "tools/bench/bench.py"] for c in commands)
     for name in ("machine", *regen_figures.FIGURES):
         assert regen_figures.write_between(text, name, "X") != text
     table = text.split("<!-- figures:bench-table -->", 1)[1]

@@ -1,5 +1,6 @@
-"""tools/elastic_costs.py: its model of an all-read-all elastic round is self-consistent,
-and a real 2-member job over SeaweedFS costs what the model says (docs/elastic.md#cost)."""
+"""The elastic round's cost model (ferrosync/elastic/costs.py; tools/bench/elastic_costs.py
+prints it and measures against it) is self-consistent, and a real 2-member job over
+SeaweedFS costs what the model says (docs/elastic.md#cost)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ import sys
 import pytest
 from train_cli import run_forked
 
+from ferrosync.elastic import costs as elastic_costs
 from ferrosync.storage.costs import request_cost
 from ferrosync.storage.providers import provider_of
-from tools import elastic_costs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,7 +64,7 @@ def test_five_members_read_what_the_tree_model_says(tmp_path):
     under 2.5 P."""
     out = tmp_path / "r.json"
     run_forked(
-        [sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"), "--members", "5",
+        [sys.executable, os.path.join(ROOT, "tools", "bench", "elastic_costs.py"), "--members", "5",
          "--rounds", "3", "--url", str(tmp_path / "store"), "--json", str(out)],
         check=True, timeout=110, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True)
     (res,) = json.loads(out.read_text())
@@ -75,10 +76,10 @@ def test_five_members_read_what_the_tree_model_says(tmp_path):
 
 
 def test_model_mode_prints_its_command_and_every_size():
-    out = run_forked([sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"),
+    out = run_forked([sys.executable, os.path.join(ROOT, "tools", "bench", "elastic_costs.py"),
                           "--model"], capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=ROOT)).stdout
-    assert out.splitlines()[0] == "command: python tools/elastic_costs.py --model"
+    assert out.splitlines()[0] == "command: python tools/bench/elastic_costs.py --model"
     rows = {line.split()[0] for line in out.splitlines() if line.split()
             and line.split()[0].isdigit()}
     assert {"10", "100", "1000"} <= rows
@@ -94,7 +95,7 @@ def test_two_members_over_seaweed_cost_what_the_model_says(seaweed_endpoint, tmp
 
     out = tmp_path / "r.json"
     run_forked(
-        [sys.executable, os.path.join(ROOT, "tools", "elastic_costs.py"), "--members", "2",
+        [sys.executable, os.path.join(ROOT, "tools", "bench", "elastic_costs.py"), "--members", "2",
          "--rounds", "4", "--url", f"s3://{BUCKET}/costs-{os.getpid()}",
          "--storage-options", json.dumps(s3_storage_options(seaweed_endpoint)),
          "--json", str(out)], check=True, timeout=110, env=dict(os.environ, PYTHONPATH=ROOT),

@@ -16,10 +16,10 @@ import pytest
 
 from ferrosync.elastic import sync as sync_module
 from ferrosync.storage.engines.classify import is_transient
+from ferrosync.testing.sim import cli as elastic_sim
 from ferrosync.testing.sim.scheduler import Process, Scheduler
 from ferrosync.testing.sim.store import PROFILES, SimHTTPError, SimServer, SimStorage
 from ferrosync.testing.sim.world import World, parse_churn
-from tools import elastic_sim
 
 CHURN = "joins=1200,leaves=600,kills=600,pauses=300,stragglers=600"
 

@@ -1,11 +1,13 @@
-"""tools/regen_figures.py's parsing and writing, in-process on made-up runs: the script
-itself runs benchmarks for half an hour, so none is run here."""
+"""The figures' parsing and writing (ferrosync/testing/figures.py, which
+tools/docs/regen_figures.py runs), in-process on made-up runs: the script itself runs
+benchmarks for half an hour, so none is run here (tests/test_tools.py runs its command
+line's refusals and bench_strategies' ``--tiny``)."""
 
 import os
 
 import pytest
 
-from tools import regen_figures as rf
+from ferrosync.testing import figures as rf
 
 pytestmark = pytest.mark.unit
 
@@ -83,7 +85,7 @@ def test_bench_figures_read_the_seaweed_rows_cpu_bound_and_requests():
 
 
 def test_strategies_figures_come_from_the_commands_shown_before_them():
-    default = ["python", "tools/bench_strategies.py"]
+    default = ["python", "tools/bench/bench_strategies.py"]
     seeds = [*default, "--ranks", "3", "--strategies", "diloco", "--sync-every", "30", "50",
              "--seeds", "0", "1", "2"]
     streaming = [*default, "--ranks", "2", "--strategies", "diloco", "streaming-diloco",
@@ -100,28 +102,23 @@ def test_strategies_figures_come_from_the_commands_shown_before_them():
 
 
 def test_strategy_places_joins_bash_continuations_and_refuses_a_figure_without_command():
-    text = ("```bash\npython tools/bench_strategies.py --ranks 2 \\\n    --seeds 0 1\n```\n"
+    text = ("```bash\npython tools/bench/bench_strategies.py --ranks 2 \\\n    --seeds 0 1\n```\n"
             "<!-- figures:streaming-table -->x<!-- /figures:streaming-table -->\n"
             "<!-- figures:machine -->m<!-- /figures:machine -->")
     assert rf.strategy_places(text) == [
-        ("streaming-table", ["python", "tools/bench_strategies.py", "--ranks", "2",
+        ("streaming-table", ["python", "tools/bench/bench_strategies.py", "--ranks", "2",
                              "--seeds", "0", "1"])]
     with pytest.raises(SystemExit, match="strategies-seeds"):
         rf.strategy_places("<!-- figures:strategies-seeds -->x<!-- /figures:strategies-seeds"
-                           " -->\n`python tools/bench_strategies.py`")
+                           " -->\n`python tools/bench/bench_strategies.py`")
 
 
 def test_tiny_strategies_commands_keep_the_first_value_of_each_list():
-    tiny = rf.shrink_strategies(["python", "tools/bench_strategies.py", "--ranks", "3",
-                                 "--sync-every", "30", "50", "--seeds", "0", "1", "2"])
-    from tools import bench_strategies
-
-    args = bench_strategies.parse_args(tiny[2:])
-    assert (args.ranks, args.sync_every, args.seeds, args.overlap_steps) == ([3], [30], [0], [1])
-    assert args.train_arg == ["--steps=60"]
-    args = bench_strategies.parse_args(rf.shrink_strategies(
-        ["python", "tools/bench_strategies.py"])[2:])
-    assert (args.ranks, args.sync_every) == ([2], [20])  # bench_strategies' defaults, cut
+    """The command keeps its values and gets bench_strategies' own ``--tiny``, which cuts
+    each list to its first value (tests/test_tools.py runs that)."""
+    command = ["python", "tools/bench/bench_strategies.py", "--ranks", "3",
+               "--sync-every", "30", "50", "--seeds", "0", "1", "2"]
+    assert rf.shrink_strategies(command) == [*command, "--tiny"]
 
 
 def demo_runs():
@@ -203,10 +200,3 @@ def test_streaming_table_and_summary():
         "93.36 % (F/τ 4/0), 93.36 % (F/τ 4/1) against `diloco`'s 93.42 %, with 3.8× fewer "
         "bytes per sync (+4 % in total) over 4.0× as many syncs")
     assert check.disagreements == []
-
-
-def test_the_command_line_refuses_unknown_sections_and_a_tiny_run_into_the_repository():
-    with pytest.raises(SystemExit, match="no section elastic"):
-        rf.main(["--only", "bench,elastic"])
-    with pytest.raises(SystemExit, match="give --out-dir"):
-        rf.main(["--tiny"])

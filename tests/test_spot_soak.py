@@ -1,4 +1,4 @@
-"""The spot soak (tools/spot_soak.py, docs/elastic.md#spot-soak), short: an elastic
+"""The spot soak (tools/drills/spot_soak.py, docs/elastic.md#spot-soak), short: an elastic
 trainer job on the suite's SeaweedFS behind the fault proxy, with joins, a SIGTERM, a
 SIGKILL, a total loss of each kind and new members after each; and the soak's checks
 on reports that must fail them.
@@ -13,7 +13,7 @@ import pytest
 from train_cli import ForkedCli
 
 from conftest import BUCKET
-from tools import spot_soak
+from ferrosync.testing import spot_soak
 
 #: the short version: 48 s of churn from 3 members, seed 3's schedule (below)
 SHORT = ["--minutes", "0.8", "--seed", "3", "--first-members", "3", "--max-members", "3",

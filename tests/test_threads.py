@@ -1,7 +1,7 @@
 """Torch's thread pool of a ``python -m ferrosync.train`` started by hand: its share of
 the host's cores when several share the host (counted through a host-local registry of
 real processes), untouched when ``OMP_NUM_THREADS`` is set. Wall-time effects are
-measured by tools/bench_threads.py, not here."""
+measured by tools/bench/bench_threads.py, not here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A subset of PyTorch's own ``distributed_test.py`` on backend "ferrosync" (2 ranks).
 
-``tools/torch_dist_suite.py`` runs torch's suite on ferrosync beside gloo, with the
+``tools/drills/torch_dist_suite.py`` runs torch's suite on ferrosync beside gloo, with the
 suite's backend-name gates lifted for ferrosync (its docstring says how); the whole
 selection runs from one command and its table is in docs/ddp.md. Here one test of each
 family that gloo passes on CPU runs on ferrosync through the same runner, ranks
@@ -33,7 +33,7 @@ def test_torchs_own_tests_pass_on_ferrosync(tmp_path):
     out = tmp_path / "results.json"
     env = {k: v for k, v in os.environ.items() if k != "FERROSYNC_JOB"}  # no job id
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tools", "torch_dist_suite.py"), "--backends",
+        [sys.executable, os.path.join(ROOT, "tools", "drills", "torch_dist_suite.py"), "--backends",
          "ferrosync", "--start-method", "fork", "--json", str(out), "--tests", *SUBSET],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -169,7 +169,7 @@ def test_pump_prefixes_lines_and_holds_final():
 # not in the unit tier: matplotlib's first import on a machine (an empty MPLCONFIGDIR)
 # builds its font cache by running `fc-list`, a process, which the unit tier refuses
 def test_plot_metrics(tmp_path, monkeypatch):
-    from tools import plot_metrics
+    from ferrosync.train import plot as plot_metrics
 
     metrics = tmp_path / "m.jsonl"
     metrics.write_text("".join(

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ferrosync.testing import fault_proxy, loopback, wan_proxy
-from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
+from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_link, parse_rate
 
 IO_TIMEOUT = 10.0  # seconds any socket operation in these tests may block
 
@@ -144,6 +144,16 @@ def test_parse_rate_and_time():
             parse_rate(bad)
     with pytest.raises(ValueError, match="unit"):
         parse_duration("50")  # no unit: ambiguous
+
+
+@pytest.mark.unit
+def test_parse_link():
+    """The benchmarks' RATE/RTT (bench_goodput, bench_topk)."""
+    assert parse_link("100Mbit/50ms") == (100e6, pytest.approx(0.05))
+    assert parse_link("unlimited/0ms") == (None, 0.0)
+    for bad in ("100Mbit", "fast/50ms", "100Mbit/50"):
+        with pytest.raises(ValueError):
+            parse_link(bad)
 
 
 @pytest.mark.timing

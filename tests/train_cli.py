@@ -286,7 +286,7 @@ def _cli_main(module: str, argv: list[str], env: dict, cwd: str, ends,
     torch.set_num_threads(int(env.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
     code = 1
     script = module.endswith(".py")
-    # a launch, or a tool of the repository's (tools/elastic_costs.py starts members),
+    # a launch, or a tool of the repository's (tools/bench/elastic_costs.py starts members),
     # forks the processes it starts, from here: this process is no forkserver's client
     forks = fork_ranks and ((module == FORKED["ferrosync.train"] and "--nproc" in argv)
                             or module.startswith(os.path.join(ROOT, "tools", "")))

@@ -116,7 +116,7 @@ class TreePlan:
         computes; each deleted again two rounds later), GETs of tree objects, and the
         bytes of both as fractions of the payload (float32: contributions, sums and
         averages are the same size per element). The roster poll, the heartbeats and the
-        checker's marker reads are not tree traffic (``tools/elastic_costs.py`` adds
+        checker's marker reads are not tree traffic (``tools/bench/elastic_costs.py`` adds
         them)."""
         out = [{"puts": self.k(1) + 1, "gets": 0, "read": 0.0, "written": 1.0}
                for _ in range(self.members)]

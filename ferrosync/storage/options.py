@@ -213,7 +213,7 @@ class StorageOptions(BackendOptions, TimingOptions, AccessOptions, BucketOptions
     reduce_device: torch.device | None = option(
         None, "where to accumulate (`\"cpu\"` or `\"cuda\"`)", shown="tensors' device",
         check=device_or_none)
-    # measured (tools/bench.py, 2 and 4 ranks): sharded wins from 1 MiB up, root below
+    # measured (tools/bench/bench.py, 2 and 4 ranks): sharded wins from 1 MiB up, root below
     sharded_min_bytes: int = option(
         1 << 20, "with `reduce=\"auto\"`: shard payloads at least this large",
         shown="1 MiB", check=positive_int, shared=True)

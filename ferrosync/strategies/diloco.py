@@ -85,7 +85,7 @@ class DiLoCo(PeriodicStrategy):
     settings = (*PeriodicStrategy.settings, "outer_lr", "outer_momentum", "outer_device")
     #: on the demo, H = 30 ends within a point of per-step averaging at 2, 3 and 4
     #: ranks over seeds 0-2 while writing 29x fewer bytes; H = 50 was 1 point worse on
-    #: average at 3 ranks (docs/train.md, tools/bench_strategies.py)
+    #: average at 3 ranks (docs/train.md, tools/bench/bench_strategies.py)
     default_sync_every = 30
 
     def __init__(self, *, outer_lr: float | None = None, outer_momentum: float | None = None,

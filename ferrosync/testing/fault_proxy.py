@@ -471,8 +471,8 @@ class FaultProxy(Lifetime):
 
 
 def add_fault_flags(p: argparse.ArgumentParser, delay_ms: float = 0.0) -> None:
-    """The network's faults as a tool's flags (tools/network_drill.py, tools/spot_soak.py):
-    shares of requests, as the suite's drills set them."""
+    """The network's faults as a tool's flags (tools/drills/network_drill.py,
+    tools/drills/spot_soak.py): shares of requests, as the suite's drills set them."""
     p.add_argument("--lose-reply", type=float, default=0.05,
                    help="share of PUT/POST replies lost after the server acted")
     p.add_argument("--cut-body", type=float, default=0.05,

@@ -23,7 +23,7 @@ if __package__:  # imported from the package, or run by path (standard library o
 else:
     from loopback import Lifetime, add_proxy_flags, check_loopback, split_target
 
-__all__ = ["WanProxy", "parse_rate", "parse_duration", "check_loopback"]
+__all__ = ["WanProxy", "parse_rate", "parse_duration", "parse_link", "check_loopback"]
 
 #: bytes read from a socket at once: small enough that shaping is smooth at low rates
 CHUNK = 16 * 1024
@@ -65,6 +65,15 @@ def parse_duration(text: str) -> float:
     if not match:
         raise ValueError(f"time {text!r}: expected a number with a unit, e.g. 50ms or 0.2s")
     return float(match.group(1)) * _TIME_SCALE[match.group(2).lower()]
+
+
+def parse_link(text: str) -> tuple[float | None, float]:
+    """``"100Mbit/50ms"`` (RATE/RTT) -> (bits per second, seconds); ``"unlimited/0ms"``:
+    no bandwidth limit (None). ValueError for anything else."""
+    rate, sep, rtt = text.partition("/")
+    if not sep:
+        raise ValueError(f"link {text!r}: expected RATE/RTT, e.g. 100Mbit/50ms")
+    return (None if rate.lower() == "unlimited" else parse_rate(rate)), parse_duration(rtt)
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -7,7 +7,7 @@ Run:
 
 Needs matplotlib, an optional extra: ``pip install 'ferrosync[plot]'`` (without it: one
 line saying so, exit 2). Part of the package, so an installed ferrosync plots without
-a clone (``tools/plot_metrics.py`` only calls this).
+a clone.
 """
 
 from __future__ import annotations

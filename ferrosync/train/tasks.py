@@ -1,5 +1,5 @@
 """Built-in tasks bigger than the demo, where compute weighs against communication
-(``tools/bench_goodput.py``, docs/goodput.md).
+(``tools/bench/bench_goodput.py``, docs/goodput.md).
 
 ``wide``: synthetic classification from a fixed random teacher with a residual MLP
 student (``TiedResidualMLP``; ``--batch-size`` sets the compute-to-communication

@@ -76,7 +76,7 @@ def test_resets_and_slowdowns_are_retried(proxied):
     storage, proxy = proxied
     key = _name("busy")
     # azure-storage-blob waits 15 s (+-3) before it retries a 503: its SlowDown is
-    # tried by tools/network_drill.py, not here
+    # tried by tools/drills/network_drill.py, not here
     kinds = ("reset",) if storage.url.startswith("az://") else ("reset", "slowdown")
     for kind in kinds:
         proxy.add(Fault(kind, path=key, times=1))  # the put

@@ -209,7 +209,6 @@ def test_module_docstrings_are_short():
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="Structure IV in progress: tools")
 def test_tests_import_nothing_from_tools():
     """Tests import the package and ``ferrosync.testing``; a benchmark, a document
     generator or a drill in ``tools/`` is run as a script, never imported."""

@@ -75,7 +75,7 @@ PROFILES = {
     "gcs": Profile("gcs", 0.040, 0.300, 0.030, 0.250, 90e6, 1000.0, 5000.0, 1200.0, 1.0,
                    0, (("put", 0.005), ("get", 0.0004), ("delete", 0.0), ("list", 0.005)),
                    lost_reply=0.001, cut_body=0.001),
-    # loopback (SeaweedFS on this machine): for comparison with tools/elastic_costs.py
+    # loopback (SeaweedFS on this machine): for comparison with tools/bench/elastic_costs.py
     "loopback": Profile("loopback", 0.002, 0.010, 0.001, 0.006, 1e9, None, None, 0.0,
                         None, 0, _S3_PRICES),
 }

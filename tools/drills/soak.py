@@ -1,14 +1,16 @@
 """Soak: many collectives on a local directory; open files, objects and RSS stay bounded.
 
 Run:
-    python tools/soak.py                          # 10,000 collectives, 4 ranks, 64 KiB
-    python tools/soak.py --collectives 2000 --ranks 2 --payload 1MiB
+    python tools/drills/soak.py                          # 10,000 collectives, 4 ranks, 64 KiB
+    python tools/drills/soak.py --collectives 2000 --ranks 2 --payload 1MiB
 
 Every rank runs ``--collectives`` collectives (mostly ``average_``, with a broadcast,
 an all_gather and a barrier mixed in) and samples, every ``--every`` collectives, its
 open file descriptors and RSS; rank 0 also counts the objects under the run's
 directory. The table shows the samples; the run fails (exit 1) if the last
-samples exceed the first steady ones by more than the stated slack.
+samples exceed the first steady ones by more than the stated slack. The suite runs a
+short version on every storage transport (tests/test_contract.py,
+``test_storage_stays_bounded_over_many_collectives``).
 """
 
 from __future__ import annotations
@@ -21,17 +23,13 @@ import tempfile
 import time
 
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def rank_main(rank, world, url, collectives, every, payload, out):
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
     import ferrosync
+    from ferrosync.testing.measure import rss_mb
 
     samples = []
     with ferrosync.connect(url, rank=rank, world_size=world, timeout=120) as sync:
@@ -64,10 +62,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1000, help="sample every N collectives")
     parser.add_argument("--dir", default=None, help="parent directory (default: a temp dir)")
     args = parser.parse_args()
-    units = {"KIB": 1 << 10, "MIB": 1 << 20}
-    text = args.payload.upper()
-    payload = next((int(text[:-3]) * f for u, f in units.items() if text.endswith(u)), None)
-    payload = payload or int(text)
+    # not at the top: a spawned rank sets OMP_NUM_THREADS before anything imports torch
+    # (importing ferrosync does)
+    from ferrosync.testing.measure import parse_size
+
+    payload = parse_size(args.payload)
     with tempfile.TemporaryDirectory(prefix="ferrosync-soak-", dir=args.dir) as url:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
@@ -79,7 +78,7 @@ def main() -> None:
         results = dict(out.get(timeout=7200) for _ in procs)
         for p in procs:
             p.join()
-    print(f"$ python tools/soak.py {' '.join(sys.argv[1:])}")
+    print(f"$ python tools/drills/soak.py {' '.join(sys.argv[1:])}")
     print(f"{'collective':>10} {'s':>7} {'objects':>8} " +
           " ".join(f"{'fds r' + str(r):>7} {'RSS r' + str(r):>8}" for r in range(args.ranks)))
     for i, s0 in enumerate(results[0]):

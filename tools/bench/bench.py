@@ -1,9 +1,9 @@
 """ferrosync's benchmark: average_ through every transport, side by side, in one run.
 
 Run (docs/performance.md's table comes from the first line):
-    python tools/bench.py                                   # full matrix, ~10 minutes on 2 cores
-    python tools/bench.py --payloads 4KiB,16MiB --world-sizes 2 --backends disk,gloo
-    python tools/bench.py --wire-only                       # bytes per collective per codec
+    python tools/bench/bench.py                 # full matrix, ~10 minutes on 2 cores
+    python tools/bench/bench.py --payloads 4KiB,16MiB --world-sizes 2 --backends disk,gloo
+    python tools/bench/bench.py --wire-only     # bytes per collective per codec
 
 For each backend, world size and float32 payload it starts one process per rank, runs
 ``--warmup`` untimed collectives and ``--iters`` timed ones (ranks are aligned with a
@@ -53,71 +53,21 @@ import tempfile
 import time
 
 from ferrosync.testing.loopback import free_port
+from ferrosync.testing.measure import (
+    human,
+    parse_size,
+    peak_rss_mb,
+    process_cpu_s,
+    reset_peak_rss,
+    rss_mb,
+)
 
-UNITS = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
 ALL_BACKENDS = ["disk-root", "disk-sharded", "shm-root", "shm-sharded", "s3", "s3-seaweed",
                 "gcs-emulator", "azurite", "gloo", "ferrosync-gloo"]
 #: object stores on a server started here: (URL scheme, args attribute of its server)
 SERVED = {"s3-seaweed": ("s3", "seaweed"), "gcs-emulator": ("gs", "gcs"),
           "azurite": ("az", "azurite")}
 WIRES = ["float32", "bfloat16", "float16", "int8"]
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for unit, factor in UNITS.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
-
-
-def human(n: int) -> str:
-    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= factor and n % factor == 0:
-            return f"{n // factor} {unit}"
-    return f"{n} B"
-
-
-def _status_mb(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_mb() -> float:
-    return _status_mb("VmRSS")
-
-
-def peak_rss_mb() -> float:
-    """This process's peak RSS since the last ``reset_peak_rss``.
-
-    Not ``ru_maxrss``: Linux carries that across exec, so a spawned rank would inherit
-    the launching process's high-water mark.
-    """
-    return _status_mb("VmHWM")
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds used so far by every thread of process ``pid`` (nanosecond resolution
-    from each thread's schedstat; the clock-tick counters in ``stat`` are 10 ms coarse)."""
-    total = 0.0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0]) / 1e9
-        except (OSError, ValueError, IndexError):
-            pass  # the thread ended between the listing and the read
-    return total
-
-
-def reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
-    except OSError:
-        pass
 
 
 # -- one rank ---------------------------------------------------------------------------------
@@ -497,7 +447,7 @@ def main() -> None:
     args = parse_args()
     payloads = sorted(parse_size(p) for p in args.payloads.split(","))
     worlds = [int(w) for w in args.world_sizes.split(",")]
-    command = "python tools/bench.py " + " ".join(sys.argv[1:])
+    command = "python tools/bench/bench.py " + " ".join(sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     tmp: list[str] = []
     server = None

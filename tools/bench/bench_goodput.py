@@ -1,9 +1,9 @@
 """Goodput over a slow link: what fraction of wall time is left for compute, per strategy.
 
-    python tools/bench_goodput.py                     # defaults below, ~6 min on 2 cores
-    python tools/bench_goodput.py --links 100Mbit/50ms --strategies grad diloco --steps 100
-    python tools/bench_goodput.py --ranks 2 4 --links 1Gbit/10ms 100Mbit/50ms 10Mbit/100ms
-    python tools/bench_goodput.py --task demo --steps 200 --sync-every 20   # the first run
+    python tools/bench/bench_goodput.py                     # defaults below, ~6 min on 2 cores
+    python tools/bench/bench_goodput.py --links 100Mbit/50ms --strategies grad diloco --steps 100
+    python tools/bench/bench_goodput.py --ranks 2 4 --links 1Gbit/10ms 100Mbit/50ms 10Mbit/100ms
+    python tools/bench/bench_goodput.py --task demo --steps 200 --sync-every 20   # the first run
 
 The question a user of NFS or S3 across sites asks: at this bandwidth and latency,
 how much of the time do my ranks spend computing? Every run is real: a SeaweedFS S3
@@ -52,19 +52,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 import uuid
 
+from ferrosync.testing.measure import ranks_agreed, run_final, save_report
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
-from ferrosync.testing.wan_proxy import WanProxy, parse_duration, parse_rate
+from ferrosync.testing.wan_proxy import WanProxy
+from ferrosync.testing.wan_proxy import parse_link as wan_link
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BUCKET = "ferrosync-bench"
 BASE_STRATEGIES = ["grad", "local-sgd", "diloco"]
@@ -105,12 +104,8 @@ def registered_strategies() -> dict[str, tuple[str, ...]]:
 def parse_link(text: str) -> dict:
     """``"100Mbit/50ms"`` -> {"name", "rate_bps", "rtt_s"}; ``"unlimited/0ms"`` for no
     bandwidth limit."""
-    rate, sep, rtt = text.partition("/")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"link {text!r}: expected RATE/RTT, e.g. 100Mbit/50ms")
     try:
-        rate_bps = None if rate.lower() == "unlimited" else parse_rate(rate)
-        rtt_s = parse_duration(rtt)
+        rate_bps, rtt_s = wan_link(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return {"name": text, "rate_bps": rate_bps, "rtt_s": rtt_s}
@@ -211,17 +206,8 @@ def run_one(cmd: list[str], proxy: WanProxy, timeout: float) -> dict:
     """One training run: its FINAL record, the command's wall time, and the bytes that
     crossed the proxy while it ran (both directions, HTTP and TCP payload included)."""
     before = proxy.stats()
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-    command_s = time.perf_counter() - start
+    final = run_final(cmd, env=child_env(), timeout=timeout, cwd=ROOT)
     after = proxy.stats()
-    lines = proc.stdout.rstrip("\n").splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
-        tail = "\n".join((proc.stderr.strip().splitlines() or ["(no output)"])[-5:])
-        raise RuntimeError(f"{shlex.join(cmd[1:])} exited {proc.returncode}:\n{tail}")
-    final = json.loads(lines[-1][len("FINAL "):])
-    final["command_s"] = command_s
     final["wire_bytes"] = sum(after[k] - before[k] for k in ("bytes_up", "bytes_down"))
     return final
 
@@ -345,7 +331,7 @@ def plot(rows: list[dict], path: str, command: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    command = shlex.join(["python", "tools/bench_goodput.py", *argv])
+    command = shlex.join(["python", "tools/bench/bench_goodput.py", *argv])
     registry = registered_strategies()
     strategies = choose_strategies(args.strategies, registry)
     stray = sorted(set(args.strategy_args) - set(strategies))
@@ -398,18 +384,10 @@ def main(argv: list[str] | None = None) -> int:
                            "steps": args.steps, "sync_every": args.sync_every,
                            "seed": args.seed, "train_args": args.train_arg,
                            "strategy_presets": TASK_STRATEGY_ARGS.get(args.task, {}),
-                           "strategy_args": args.strategy_args},
-              "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                          "platform": platform.platform()}}
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"saved: {args.json}")
+                           "strategy_args": args.strategy_args}}
+    save_report(args.json, report)
     print(plot(rows, args.plot, command))
-    disagree = [r for r in rows if not r["ranks_agree"]]
-    for r in disagree:
-        print(f"{r['strategy']} on {r['link']} at {r['ranks']} ranks: ranks ended with "
-              "DIFFERENT parameters", file=sys.stderr)
-    return 1 if disagree else 0
+    return ranks_agreed(rows, lambda r: f"{r['strategy']} on {r['link']} at {r['ranks']} ranks")
 
 
 if __name__ == "__main__":

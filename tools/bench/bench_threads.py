@@ -3,7 +3,7 @@ user following the README's spot recipe locally: training wall time with default
 threading (ferrosync sizes torch's pool to each process's share of the cores) against
 ``OMP_NUM_THREADS=1`` (pinned), side by side, ``--runs`` times each.
 
-    python tools/bench_threads.py --runs 3 --steps 3000
+    python tools/bench/bench_threads.py --runs 3 --steps 3000
 
 Prints every run's ``wall_s`` (the FINAL line's training wall time, the larger of the
 two members'), the range per mode, the ratio default/pinned, the machine's cores and
@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def member_command(sync: str, steps: int) -> list[str]:
@@ -70,7 +70,7 @@ def main() -> None:
           f"OMP_NUM_THREADS=1: {lo_p:.2f}-{hi_p:.2f} s; ratio of medians {ratio:.2f}x")
     print(f"cores {os.cpu_count()}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("member command: " + " ".join(member_command("DIR", args.steps)) + "  (twice)")
-    print("command: python tools/bench_threads.py " + " ".join(sys.argv[1:]))
+    print("command: python tools/bench/bench_threads.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A drill over a lossy network: a fixed-size job and an elastic job on SeaweedFS behind
 the fault proxy (``ferrosync/testing/fault_proxy.py``), every average checked exactly.
 
-    python tools/network_drill.py [--ranks 3] [--collectives 100] [--members 5]
+    python tools/drills/network_drill.py [--ranks 3] [--collectives 100] [--members 5]
         [--rounds 40] [--lose-reply 0.05] [--cut-body 0.05] [--reset 0.01]
         [--slowdown 0.01] [--delay-ms 0] [--seed 1]
 

@@ -6,7 +6,7 @@ off (``FERROSYNC_AUTOLOAD=0``), alternating, and says whether anything of ferros
 was imported. Run from a checkout whose entry point is installed (``pip install -e .``);
 this checkout's hook is the one loaded (it is first on ``PYTHONPATH``)::
 
-    python tools/bench_autoload.py --runs 3
+    python tools/bench/bench_autoload.py --runs 3
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 
 from ferrosync.testing.loopback import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROBE = """
 import json, sys, time
@@ -59,7 +59,7 @@ def main() -> None:
     for _ in range(args.runs):
         for autoload in (True, False):  # alternating: drift hits both alike
             results[autoload].append(once(autoload))
-    print(f"command: python tools/bench_autoload.py --runs {args.runs}")
+    print(f"command: python tools/bench/bench_autoload.py --runs {args.runs}")
     for autoload, label in ((False, "FERROSYNC_AUTOLOAD=0"), (True, "hook on (default)")):
         rows = results[autoload]
         init = sorted(r["init_ms"] for r in rows)

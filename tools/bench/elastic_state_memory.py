@@ -1,8 +1,8 @@
 """What reading an elastic job's published state costs in memory.
 
-    python tools/elastic_state_memory.py                 # 512 MiB, a temporary directory
-    python tools/elastic_state_memory.py --mib 1024 --url /dev/shm/state-mem --runs 3
-    python tools/elastic_state_memory.py --url s3://bucket/state-mem \
+    python tools/bench/elastic_state_memory.py                 # 512 MiB, a temporary directory
+    python tools/bench/elastic_state_memory.py --mib 1024 --url /dev/shm/state-mem --runs 3
+    python tools/bench/elastic_state_memory.py --url s3://bucket/state-mem \
         --storage-options '{"endpoint_url": "http://127.0.0.1:8333", "key": "k", "secret": "s"}'
 
 One process publishes a float32 state of ``--mib`` MiB (``publish_state``) in an
@@ -84,7 +84,7 @@ def main() -> int:
     for _ in range(args.runs):
         for how in ("read_state", "fetch_state"):
             subprocess.run([*me, "--role", how], check=True)
-    print("command: python tools/elastic_state_memory.py " + " ".join(sys.argv[1:]))
+    print("command: python tools/bench/elastic_state_memory.py " + " ".join(sys.argv[1:]))
     return 0
 
 

@@ -1,8 +1,8 @@
 """Large payloads through an object store whose connections are each capped: time
 against the link's ideal, peak RSS against the payload, requests.
 
-    python tools/bench_large.py                                   # 64 MiB, 1/4/16 in flight
-    python tools/bench_large.py --mib 256 --link 96MB/s --connection-rate 6MB/s \\
+    python tools/bench/bench_large.py                                   # 64 MiB, 1/4/16 in flight
+    python tools/bench/bench_large.py --mib 256 --link 96MB/s --connection-rate 6MB/s \\
         --concurrency 1,4,16 --runs 3 --job
 
 A SeaweedFS S3 server runs on loopback behind ``ferrosync/testing/wan_proxy.py``: one
@@ -16,7 +16,7 @@ and run:
   ratio to the ideal (bytes / link rate), requests, and the peak RSS above the
   process's RSS with the payload allocated (``VmHWM`` after ``clear_refs``);
 * **job** (``--job``): a fixed-size job of 2 ranks averages the payload (gather: each
-  rank writes its contribution and reads the other's), through ``tools/bench.py``'s
+  rank writes its contribution and reads the other's), through ``tools/bench/bench.py``'s
   rank harness: the slowest rank's median seconds, its ratio to the link's ideal
   (2 x payload each way / link rate), rank 0's peak RSS above its baseline (the payload
   tensor itself included) over the payload, and requests. ``--reduce gather,sharded``
@@ -34,15 +34,13 @@ import shutil
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import SEAWEED_BUCKET, run_group  # this script's directory: tools/bench/
+from bench import start_seaweed as start_server
 
-from ferrosync.storage.engines import open_storage  # noqa: E402
-from ferrosync.testing.seaweed import s3_storage_options  # noqa: E402
-from ferrosync.testing.wan_proxy import WanProxy, parse_rate  # noqa: E402
-from tools.bench import SEAWEED_BUCKET, peak_rss_mb, reset_peak_rss, rss_mb, run_group  # noqa: E402
-from tools.bench import start_seaweed as start_server  # noqa: E402
-
-MIB = 1 << 20
+from ferrosync.storage.engines import open_storage
+from ferrosync.testing.measure import MIB, peak_rss_mb, reset_peak_rss, rss_mb
+from ferrosync.testing.seaweed import s3_storage_options
+from ferrosync.testing.wan_proxy import WanProxy, parse_rate
 
 
 def put_get(url: str, options: dict, nbytes: int, transfer: dict, link_bps: float) -> list[str]:
@@ -134,7 +132,7 @@ def main() -> int:
         server.stop()
         for path in tmp:
             shutil.rmtree(path, ignore_errors=True)
-    print("command: python tools/bench_large.py " + " ".join(sys.argv[1:]))
+    print("command: python tools/bench/bench_large.py " + " ".join(sys.argv[1:]))
     return 0
 
 

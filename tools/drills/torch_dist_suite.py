@@ -13,9 +13,9 @@ spawns one process per rank for every test. This file is that runner, in two rol
 * **without** it is the driver: it runs the same selection once per backend (each in
   its own interpreter and scratch directory) and prints pass/fail/skip side by side::
 
-    python tools/torch_dist_suite.py                    # the whole file, gloo and ferrosync
-    python tools/torch_dist_suite.py -k send_recv       # tests whose name matches a regex
-    python tools/torch_dist_suite.py --backends ferrosync --tests test_barrier test_broadcast
+    python tools/drills/torch_dist_suite.py                    # the whole file, gloo and ferrosync
+    python tools/drills/torch_dist_suite.py -k send_recv       # tests whose name matches a regex
+    python tools/drills/torch_dist_suite.py --backends ferrosync --tests test_barrier test_broadcast
 
 **How the suite's backend-name gates are lifted for ferrosync** (without editing torch):
 the suite decides what a backend may run by its name, three ways. (1) The feature
@@ -60,7 +60,7 @@ OUT_OF_SCOPE = {
 RESULTS_ENV = "FERROSYNC_SUITE_RESULTS"
 SELECT_ENV = "FERROSYNC_SUITE_TESTS"
 START_ENV = "FERROSYNC_SUITE_START"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class GlooGates(str):

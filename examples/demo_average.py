@@ -1,8 +1,8 @@
 """Average tensors across 2 local processes through a temporary directory.
 
 Run:
-    python tools/demo_average.py            # 2 ranks
-    python tools/demo_average.py --nproc 4  # 4 ranks
+    python examples/demo_average.py            # 2 ranks
+    python examples/demo_average.py --nproc 4  # 4 ranks
 
 Each rank holds a tensor filled with its rank + 1 and a weight of rank + 1; after
 ``average_`` every rank holds the same weighted average, printed below.

@@ -1,8 +1,8 @@
 """Time a DDP training step on gloo, the "ferrosync" backend and the ferrosync comm hook.
 
-    python tools/bench_ddp.py                           # 2 ranks, ~4M parameters, local temp dir
-    python tools/bench_ddp.py --params 16 --repeats 3   # the docs/ddp.md numbers
-    python tools/bench_ddp.py --nproc 3 --params 16 --steps 30 --location /mnt/nfs/bench
+    python tools/bench/bench_ddp.py                          # 2 ranks, ~4M parameters, a temp dir
+    python tools/bench/bench_ddp.py --params 16 --repeats 3  # the docs/ddp.md numbers
+    python tools/bench/bench_ddp.py --nproc 3 --params 16 --steps 30 --location /mnt/nfs/bench
 
 Each transport runs the same model (an MLP with about ``--params`` million float32
 parameters) and batch on every rank; after ``--warmup`` steps it times ``--steps``

@@ -1,10 +1,12 @@
 """Compare grad, local-sgd, diloco and streaming-diloco: final accuracy, wall time, bytes.
 
-    python tools/bench_strategies.py                              # the demo at 2 and 4 ranks
-    python tools/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 --seeds 0 1 2
-    python tools/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \
+    python tools/bench/bench_strategies.py          # the demo at 2 and 4 ranks
+    python tools/bench/bench_strategies.py --ranks 3 --strategies diloco --sync-every 30 \\
+        --seeds 0 1 2
+    python tools/bench/bench_strategies.py --ranks 2 --strategies diloco streaming-diloco \\
         --sync-every 30 --fragments 4 --overlap-steps 0 1 --seeds 0 1
-    python tools/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
+    python tools/bench/bench_strategies.py --tiny --dry-run   # the runs a quick try makes
+    python tools/bench/bench_strategies.py --model mypkg.task:build --data mypkg.task:load \\
         --train-arg=--epochs=5 --train-arg=--lr=0.1
 
 Every run is a real ``python -m ferrosync.train --nproc N ... --no-progress`` through a
@@ -25,16 +27,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from ferrosync.testing.measure import ranks_agreed, run_final, save_report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the issue's target: diloco with H >= 20 moves >= 20x fewer bytes, within 1 point
 TARGET_H, TARGET_RATIO, TARGET_PP = 20, 20.0, 1.0
+#: the list options ``--tiny`` cuts to their first value
+TINY_LISTS = ("ranks", "sync_every", "seeds", "overlap_steps")
 
 
 def parse_args(argv):
@@ -64,7 +67,17 @@ def parse_args(argv):
                    help="where to save the results (default: bench_strategies.json)")
     p.add_argument("--timeout", type=float, default=600.0, metavar="S",
                    help="seconds one training run may take (default 600)")
-    return p.parse_args(argv)
+    p.add_argument("--tiny", action="store_true",
+                   help="a quick try: 60 steps and the first value of each of --ranks, "
+                   "--sync-every, --seeds and --overlap-steps")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the settings and the training commands as JSON; run nothing")
+    args = p.parse_args(argv)
+    if args.tiny:
+        for name in TINY_LISTS:
+            setattr(args, name, getattr(args, name)[:1])
+        args.train_arg = [*args.train_arg, "--steps=60"]
+    return args
 
 
 def train_command(ranks: int, strategy: str, h: int | None, seed: int, args,
@@ -88,17 +101,8 @@ def run_one(cmd: list[str], timeout: float) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, os.getcwd(),
                                                       env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory(prefix="bench-strategies-") as sync_dir:
-        start = time.perf_counter()
-        proc = subprocess.run([*cmd, "--sync", os.path.join(sync_dir, "sync")], env=env,
-                              capture_output=True, text=True, timeout=timeout)
-        command_s = time.perf_counter() - start
-    lines = proc.stdout.rstrip("\n").splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise RuntimeError(f"{shlex.join(cmd)} exited {proc.returncode}: {tail}")
-    final = json.loads(lines[-1][len("FINAL "):])
-    final["command_s"] = command_s
-    return final
+        return run_final([*cmd, "--sync", os.path.join(sync_dir, "sync")], env=env,
+                         timeout=timeout)
 
 
 def row(ranks: int, strategy: str, h: int | None, finals: list[dict],
@@ -189,8 +193,14 @@ def plan_runs(args) -> list[tuple[str, int | None, dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    command = shlex.join(["python", "tools/bench_strategies.py",
+    command = shlex.join(["python", "tools/bench/bench_strategies.py",
                           *(sys.argv[1:] if argv is None else argv)])
+    if args.dry_run:
+        print(json.dumps({"settings": vars(args), "commands": [
+            train_command(ranks, strategy, h, seed, args, extra)[1:]
+            for ranks in args.ranks for strategy, h, extra in plan_runs(args)
+            for seed in args.seeds]}, indent=1))
+        return 0
     rows = []
     for ranks in args.ranks:
         grad = None
@@ -209,17 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         print(note)
     print(f"command: {command}")
-    report = {"command": command, "rows": rows, "target": notes,
-              "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                          "platform": platform.platform()}}
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-    print(f"saved: {args.json}")
-    disagree = [r for r in rows if not r["ranks_agree"]]
-    for r in disagree:
-        print(f"{r['strategy']} H={r['sync_every']} at {r['ranks']} ranks: ranks ended with "
-              "DIFFERENT parameters", file=sys.stderr)
-    return 1 if disagree else 0
+    save_report(args.json, {"command": command, "rows": rows, "target": notes})
+    return ranks_agreed(
+        rows, lambda r: f"{r['strategy']} H={r['sync_every']} at {r['ranks']} ranks")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Regenerate the sample outputs in the docs from real runs on this machine.
 
-    python tools/doc_outputs.py                 # every sample below
-    python tools/doc_outputs.py train doctor    # some of them
+    python tools/docs/doc_outputs.py                 # every sample below
+    python tools/docs/doc_outputs.py train doctor    # some of them
 
 * ``train``: docs/train.md's quick-start run, ``python -m ferrosync.train --nproc 2``
   (the FINAL line abbreviated to the keys the sample shows);
@@ -21,6 +21,7 @@ that no longer matches the code fails the suite until this script is rerun.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 #: the FINAL keys the train.md sample shows, then "..."
 FINAL_SHOWN = (("accuracy", "bytes_read", "bytes_written"), ("ranks_agree", "steps"))
 
@@ -157,10 +158,13 @@ SAMPLES = {"train": train_sample, "doctor": doctor_sample, "ops": ops_samples}
 
 
 def main(argv: list[str]) -> None:
-    names = argv or list(SAMPLES)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("samples", nargs="*", metavar="SAMPLE",
+                        help=f"the samples to regenerate ({', '.join(SAMPLES)}; default: all)")
+    names = parser.parse_args(argv).samples or list(SAMPLES)
     unknown = [n for n in names if n not in SAMPLES]
     if unknown:
-        raise SystemExit(f"unknown sample(s) {unknown}; choose from {sorted(SAMPLES)}")
+        parser.error(f"unknown sample(s) {', '.join(unknown)}; choose from {', '.join(SAMPLES)}")
     for name in names:
         t0 = time.monotonic()
         SAMPLES[name]()

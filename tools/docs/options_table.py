@@ -1,7 +1,7 @@
 """Rewrite the option tables in docs/reference.md from the options dataclasses.
 
-    python tools/options_table.py          # rewrite docs/reference.md in place
-    python tools/options_table.py --check  # exit 1 if docs/reference.md is out of date
+    python tools/docs/options_table.py          # rewrite docs/reference.md in place
+    python tools/docs/options_table.py --check  # exit 1 if docs/reference.md is out of date
 
 Each table sits between ``<!-- options:NAME -->`` and ``<!-- /options:NAME -->``,
 NAME a backend's registration in ``ferrosync/core/registry.py`` (which names its options
@@ -17,7 +17,7 @@ import re
 
 from ferrosync.core.registry import option_tables
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: the document holding every option table (the README links to it)
 DOC = "docs/reference.md"
 
@@ -43,7 +43,7 @@ def main() -> int:
     new = render(old)
     if args.check:
         if new != old:
-            print(f"{DOC}'s option tables are out of date: run python tools/options_table.py")
+            print(f"{DOC}'s option tables are out of date: run python tools/docs/options_table.py")
             return 1
         return 0
     doc.write_text(new)

@@ -2,8 +2,8 @@
 ``ferrosync inspect --objects`` over S3 with a large data object, and checkpoint loads
 (``--resume``'s read path) of a real checkpoint and of a step file grown sparse.
 
-    python tools/bounded_reads.py [--object-mib 1024] [--grown-gib 3] [--state-mib 256]
-    python tools/bounded_reads.py --code /path/to/another/checkout   # another version
+    python tools/bench/bounded_reads.py [--object-mib 1024] [--grown-gib 3] [--state-mib 256]
+    python tools/bench/bounded_reads.py --code /path/to/another/checkout   # another version
 
 Each measurement runs in a fresh child process (``--code`` first on its PYTHONPATH)
 that imports torch and ferrosync, resets its peak resident set (``/proc/self/clear_refs``,
@@ -34,7 +34,7 @@ import sys
 import tempfile
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIB = 1 << 20
 
 #: the child that measures: runs ``code`` after importing what every case imports

@@ -1,9 +1,9 @@
 """Churn timings of an elastic job, as a spot user sees them (docs/elastic.md#churn).
 
-    python tools/elastic_timings.py [--url DIR_OR_S3_URL] [--heartbeat-timeout S]
-                                    [--runs N] [--seaweed] [--members 2,3,4,6]
-                                    [--victims first,checker+last,last]
-                                    [--scenarios kill,close,loss]
+    python tools/bench/elastic_timings.py [--url DIR_OR_S3_URL] [--heartbeat-timeout S]
+                                          [--runs N] [--seaweed] [--members 2,3,4,6]
+                                          [--victims first,checker+last,last]
+                                          [--scenarios kill,close,loss]
 
 Three scenarios, each with real member processes on this machine (``--seaweed``: over
 a SeaweedFS server started on loopback, ferrosync/testing/seaweed.py):
@@ -42,20 +42,18 @@ import tempfile
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from ferrosync.testing.members import add_member_flags, connect_member, member_command, member_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def member(args) -> None:
     """One member (run as a child of this script): average in a loop, log each round."""
     import torch
 
-    import ferrosync
-
-    options = json.loads(args.options)
     with open(args.log, "a") as log:
         log.write(json.dumps({"connecting": time.time()}) + "\n")
-    sync = ferrosync.connect(args.url, elastic=True, min_ranks=args.min_ranks,
-                             job=args.job, timeout=120, **options)
+    sync = connect_member(args, timeout=120)
 
     def on_term(*_):
         sync.close()
@@ -94,11 +92,9 @@ class Job:
         self.procs: dict[int, subprocess.Popen] = {}
 
     def start(self, k: int, min_ranks: int, *extra) -> subprocess.Popen:
-        cmd = [sys.executable, __file__, "--member", "--url", self.url, "--job", self.job,
-               "--options", json.dumps(self.options), "--min-ranks", str(min_ranks),
-               "--log", self.log(k), *extra]
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-        self.procs[k] = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+        cmd = member_command(__file__, url=self.url, job=self.job, options=self.options,
+                             min_ranks=min_ranks, log=self.log(k), extra=extra)
+        self.procs[k] = subprocess.Popen(cmd, env=member_env(ROOT), stderr=subprocess.DEVNULL)
         return self.procs[k]
 
     def log(self, k: int) -> str:
@@ -215,11 +211,7 @@ def kill_table(url, options, workdir, args, t: float) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
-    p.add_argument("--min-ranks", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--log", help=argparse.SUPPRESS)
+    add_member_flags(p)
     p.add_argument("--publish", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--url", help="where the jobs live (default: a temporary directory)")
@@ -250,7 +242,7 @@ def main() -> int:
         options["storage_options"] = s3_storage_options(server.endpoint)
         url = f"s3://{server.bucket}/timings"
     try:
-        print("command: python tools/elastic_timings.py "
+        print("command: python tools/bench/elastic_timings.py "
               + shlex.join(sys.argv[1:]), flush=True)
         print("load average: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), flush=True)
         scenarios = args.scenarios.split(",")

@@ -2,16 +2,17 @@
 separate processes, one SIGKILLed mid-run, a new one started once the others dropped
 it; prints what every member reported and whether they ended as one model.
 
-    python tools/elastic_churn.py                       # diloco on the demo, 3 members
-    python tools/elastic_churn.py --strategy grad --steps 400 --kill-at 100
-    python tools/elastic_churn.py --sync s3://bucket/prefix --sync-option storage_options=...
+    python tools/drills/elastic_churn.py                       # diloco on the demo, 3 members
+    python tools/drills/elastic_churn.py --strategy grad --steps 400 --kill-at 100
+    python tools/drills/elastic_churn.py --sync s3://bucket/prefix --sync-option storage_options=...
 
 Each member is ``python -m ferrosync.train --elastic`` with its own ``--metrics`` file;
 the tool watches those files (no sleeps stand in for progress) and prints a table:
 exit code, the step it joined at, its FINAL digest and accuracy, and the longest sync
 it waited (the member killed mid-sync holds the others for about
 ``heartbeat_timeout``). Exit code 0 when every member still running at the end exits
-0 with the same digest.
+0 with the same digest. The suite runs the scenario short
+(tests/test_elastic_train.py, ``test_diloco_job_survives_a_kill_and_takes_a_newcomer``).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def main(argv=None) -> int:
           f"{'one model' if len(digests) == 1 else f'{len(digests)} DIFFERENT models'}; "
           f"{time.monotonic() - began:.1f} s")
     given = sys.argv[1:] if argv is None else argv
-    print("command: python tools/elastic_churn.py " + " ".join(map(shlex.quote, given)))
+    print("command: python tools/drills/elastic_churn.py " + " ".join(map(shlex.quote, given)))
     return 0 if ok else 1
 
 

@@ -1,9 +1,9 @@
 """What an elastic round costs per member: requests by kind and bytes, measured and
 modelled (docs/elastic.md#cost).
 
-    python tools/elastic_costs.py [--members 2,4] [--payload MiB] [--rounds R]
-                                  [--seaweed] [--large] [--url DIR]
-    python tools/elastic_costs.py --model [--round-rate R/s] [--payload MiB]
+    python tools/bench/elastic_costs.py [--members 2,4] [--payload MiB] [--rounds R]
+                                        [--seaweed] [--large] [--url DIR]
+    python tools/bench/elastic_costs.py --model [--round-rate R/s] [--payload MiB]
 
 Measured: W member processes of one elastic job (``connect(url, elastic=True,
 min_ranks=W)``) run R rounds of ``average_`` on a payload of P bytes (float32). Each
@@ -41,104 +41,11 @@ import time
 import urllib.request
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("puts", "gets", "lists", "deletes")
-MIB = 1 << 20
+from ferrosync.elastic.costs import KINDS, job_cost_per_hour, latency, model, polls
+from ferrosync.testing.measure import MIB
+from ferrosync.testing.members import add_member_flags, connect_member, member_command, member_env
 
-
-# -- the model ---------------------------------------------------------------------------
-
-def model(w: int, payload: int, *, round_s: float, hb_interval: float,
-          poll_s: float = 0.0, fan_in: int | None = None) -> dict:
-    """Requests and bytes of one healthy round, per ordinary member (the mean), for the
-    checker (member 0) and for the busiest member, as docs/elastic.md#rounds describes
-    the protocol: all-read-all below ``TREE_FROM`` members, the tree reduce from there
-    (``TreePlan.traffic``: the code's own plan, at the default ``fan_in``).
-
-    ``round_s``: the round's wall time (heartbeats: one PUT per ``hb_interval``);
-    ``poll_s``: the time a member spends polling for the roster (one GET per poll; the
-    polls' count depends on the wait, so it is an input, 0 for the floor).
-    """
-    from ferrosync.elastic.options import ElasticOptions
-    from ferrosync.elastic.tree import TREE_FROM, TreePlan
-
-    hb = round_s / hb_interval
-    polls = 1.0 + (poll_s / 0.2 if poll_s else 0.0)  # at least the roster read
-    if w < TREE_FROM:
-        member = {
-            "puts": 1.0 + hb,                 # its contribution, its heartbeats
-            "gets": (w - 1) + polls,          # every other contribution, the roster
-            "lists": 0.0,
-            "deletes": 1.0,                   # its contribution of round r-2
-            "bytes_read": (w - 1) * payload,
-            "bytes_written": payload,
-        }
-        checker = dict(member)
-        checker["gets"] += 2.0                # the join.{next} miss, its own contribution
-        checker["bytes_read"] += payload      # it reads all W contributions (measured: W x P)
-        busiest = checker
-    else:
-        plan = TreePlan(w, fan_in or ElasticOptions.parse({}).fan_in)
-        per = [{"puts": t["puts"] + hb, "gets": t["gets"] + polls, "lists": 0.0,
-                # every object a member wrote is deleted by it two rounds later, in
-                # one request (a batch delete)
-                "deletes": 1.0, "bytes_read": t["read"] * payload,
-                "bytes_written": t["written"] * payload} for t in plan.traffic()]
-        others = per[1:]
-        member = {k: sum(d[k] for d in others) / len(others) for k in per[0]}
-        checker = dict(per[0])
-        # it looks for every member's header-only marker (its own included) instead of
-        # downloading contributions, and the join.{next} miss
-        checker["gets"] += w + 1.0
-        busiest = max(per, key=lambda d: d["bytes_read"])
-    checker["puts"] += 2.0                    # the roster, the `latest` hint
-    # (its roster-r-64 DELETE comes once 64 rounds exist)
-    for d in (member, checker, busiest):
-        d["requests"] = sum(d[k] for k in KINDS)
-    return {"member": member, "checker": checker, "busiest": busiest}
-
-
-def polls(wait_s: float, first: float = 5e-3, longest: float = 0.2) -> int:
-    """How many polls a wait of ``wait_s`` makes: sleeps from ``first`` doubling to
-    ``longest`` (the object stores' defaults), one request or two per poll."""
-    n, slept, sleep = 1, 0.0, first
-    while slept < wait_s:
-        slept += sleep
-        sleep = min(2 * sleep, longest)
-        n += 1
-    return n
-
-
-def latency(w: int, payload: int, *, rtt: float, bandwidth: float) -> float:
-    """Seconds of one round's critical path: RTT x the busiest member's requests, one
-    after the other (all-read-all: write the contribution, read the roster, then the
-    W-1 contributions; the tree: its slices and marker, the roster, then each level's
-    reads and writes), + its bytes read over the bandwidth. A lower bound for the tree,
-    whose levels also wait for each other."""
-    busiest = model(w, payload, round_s=0.0, hb_interval=1.0)["busiest"]
-    sequential = busiest["puts"] + busiest["gets"]
-    return rtt * sequential + busiest["bytes_read"] / bandwidth
-
-
-def job_cost_per_hour(w: int, payload: int, round_rate: float, hb_interval: float,
-                      prices: dict) -> dict:
-    """USD per hour of the job's requests at ``round_rate`` rounds per second (the
-    heartbeats counted apart from the rounds)."""
-    m = model(w, payload, round_s=0.0, hb_interval=hb_interval)
-    per_round = {k: (w - 1) * m["member"][k] + m["checker"][k] for k in KINDS}
-    rounds_per_hour = round_rate * 3600.0
-    price_of = {"puts": "put", "gets": "get", "lists": "list", "deletes": "delete"}
-    rounds = sum(per_round[k] * rounds_per_hour * prices[price_of[k]] / 1000 for k in KINDS)
-    # liveness: every member beats once per interval, and a member waiting for a roster
-    # reads the heartbeat of the first member before it once per interval (at most one
-    # GET per member per interval: the upper bound, as if every member always waited)
-    hb_puts = w * 3600.0 / hb_interval
-    hb_gets = w * 3600.0 / hb_interval
-    heartbeats = hb_puts * prices["put"] / 1000 + hb_gets * prices["get"] / 1000
-    return {"requests_per_round": sum(per_round.values()),
-            "gets_per_round": per_round["gets"], "rounds_usd": rounds,
-            "heartbeat_puts_per_hour": hb_puts, "heartbeat_gets_per_hour": hb_gets,
-            "heartbeats_usd": heartbeats}
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -> None:
@@ -182,11 +89,7 @@ def print_model(payload: int, round_rate: float, rtt: float, bandwidth: float) -
 def member(args) -> None:
     import torch
 
-    import ferrosync
-
-    options = json.loads(args.options)
-    sync = ferrosync.connect(args.url, elastic=True, min_ranks=args.min_ranks,
-                             job=args.job, timeout=300, **options)
+    sync = connect_member(args, timeout=300)
     flat = torch.ones(args.payload // 4)
     sync.average_([flat])  # a warm-up round (the first roster's cleanup starts later)
     rows = []
@@ -230,15 +133,13 @@ def _server_requests(metrics_url: str | None) -> dict | None:
 def measure(w: int, args, url: str, options: dict, workdir: str,
             metrics_url: str | None) -> dict:
     job = uuid.uuid4().hex[:8]
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     logs = [os.path.join(workdir, f"{job}.{k}.json") for k in range(w)]
     server_before = _server_requests(metrics_url)
     t0 = time.monotonic()
-    procs = [subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--member", "--url", url, "--job", job,
-         "--options", json.dumps(options), "--min-ranks", str(w), "--log", log,
-         "--payload-bytes", str(args.payload_bytes), "--rounds", str(args.rounds)],
-        env=env) for log in logs]
+    extra = ("--payload-bytes", str(args.payload_bytes), "--rounds", str(args.rounds))
+    procs = [subprocess.Popen(member_command(__file__, url=url, job=job, options=options,
+                                             min_ranks=w, log=log, extra=extra),
+                              env=member_env(ROOT)) for log in logs]
     codes = [p.wait(timeout=1800) for p in procs]
     wall = time.monotonic() - t0
     if any(codes):
@@ -301,11 +202,7 @@ def print_measured(res: dict, payload: int, hb: float) -> None:
 
 def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--member", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--job", help=argparse.SUPPRESS)
-    p.add_argument("--options", default="{}", help=argparse.SUPPRESS)
-    p.add_argument("--min-ranks", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--log", help=argparse.SUPPRESS)
+    add_member_flags(p)
     p.add_argument("--payload-bytes", type=int, help=argparse.SUPPRESS)
     p.add_argument("--members", default="2,4", help="member counts, comma-separated")
     p.add_argument("--large", action="store_true", help="add W = 8 and 16 (not in CI)")
@@ -352,7 +249,7 @@ def main() -> int:
         member(args)
         return 0
     args.payload_bytes = int(args.payload * MIB) // 4 * 4
-    print("command: python tools/elastic_costs.py " + shlex.join(sys.argv[1:]), flush=True)
+    print("command: python tools/bench/elastic_costs.py " + shlex.join(sys.argv[1:]), flush=True)
     print_model(args.payload_bytes, args.round_rate, args.rtt, args.bandwidth)
     if args.model:
         return 0

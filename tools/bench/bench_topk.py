@@ -1,13 +1,13 @@
 """Quality and bytes of ``wire_dtype`` float32, int8 and topk under DiLoCo, side by side.
 
-    python tools/bench_topk.py                       # both tasks, 3 wires, 3 seeds
-    python tools/bench_topk.py --tasks wide --seeds 0 --steps 120 --sync-every 20
-    python tools/bench_topk.py --json topk.json      # also save every run's numbers
+    python tools/bench/bench_topk.py                       # both tasks, 3 wires, 3 seeds
+    python tools/bench/bench_topk.py --tasks wide --seeds 0 --steps 120 --sync-every 20
+    python tools/bench/bench_topk.py --json topk.json      # also save every run's numbers
 
 Every run is ``python -m ferrosync.train --nproc 2 --strategy diloco`` through a
 temporary directory, one wire at a time, with the same task, seed, steps and
 cadence, so the held-out numbers compare at equal steps. The tasks
-(``ferrosync/train/tasks.py``): ``wide``, the goodput bench's (tools/bench_goodput.py),
+(``ferrosync/train/tasks.py``): ``wide``, the goodput bench's (tools/bench/bench_goodput.py),
 and ``lm``, a small transformer predicting the next byte of the Python standard
 library's own source (nothing downloaded). DiLoCo's outer step is each wire's default
 (0.7 / Nesterov 0.9; topk: SparseLoCo's plain SGD at lr 1), unless ``--train-arg``
@@ -20,7 +20,7 @@ For each task and wire it prints, as mean and range over the seeds:
   storage layer counts them; HTTP framing is not in it) and its ratio to float32's;
 * held-out loss and accuracy after the same steps;
 * compute fraction at each ``--links`` RATE/RTT, *modelled* from those numbers (not
-  run through the slow-link proxy: tools/bench_goodput.py does that, minutes per
+  run through the slow-link proxy: tools/bench/bench_goodput.py does that, minutes per
   point): a sync blocks for ``8 * bytes / rate + (ranks + 1) * rtt`` (this rank's
   bytes at the link's rate; the round trips of the gather reduce that an object store
   uses at 2 ranks: one PUT, one GET per other rank, one poll that finds it missing),
@@ -37,12 +37,11 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TASKS = {
     "wide": ["--model", "ferrosync.train.tasks:wide_model",
@@ -58,13 +57,13 @@ LINKS = ["100Mbit/50ms", "10Mbit/100ms"]
 
 def parse_link(text: str) -> tuple[str, float, float]:
     """``"100Mbit/50ms"`` -> (text, bits per second, seconds)."""
-    from ferrosync.testing.wan_proxy import parse_duration, parse_rate
+    from ferrosync.testing.wan_proxy import parse_link as wan_link
 
-    rate, sep, rtt = text.partition("/")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"link {text!r}: expected RATE/RTT, e.g. 10Mbit/100ms")
     try:
-        return text, parse_rate(rate), parse_duration(rtt)
+        rate_bps, rtt_s = wan_link(text)
+        if rate_bps is None:
+            raise ValueError(f"link {text!r}: a rate is needed here, e.g. 10Mbit/100ms")
+        return text, rate_bps, rtt_s
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -93,6 +92,8 @@ def parse_args(argv):
 
 def run_one(task: str, wire: str, seed: int, args) -> dict:
     """One training run; its FINAL record's numbers."""
+    from ferrosync.testing.measure import run_final  # here: the parent imports no torch
+
     with tempfile.TemporaryDirectory(prefix="bench-topk-") as where:
         cmd = [sys.executable, "-m", "ferrosync.train", "--nproc", str(RANKS), "--sync",
                os.path.join(where, "run"), *TASKS[task], "--strategy", "diloco",
@@ -101,12 +102,10 @@ def run_one(task: str, wire: str, seed: int, args) -> dict:
                *args.train_arg]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-        proc = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines or not lines[-1].startswith("FINAL "):
-        raise SystemExit(f"run failed ({proc.returncode}): {shlex.join(cmd)}\n"
-                         f"{proc.stderr[-3000:]}")
-    final = json.loads(lines[-1][len("FINAL "):])
+        try:
+            final = run_final(cmd, env=env, cwd=where)
+        except RuntimeError as exc:
+            raise SystemExit(f"run failed: {exc}") from None
     if not final["ranks_agree"]:
         raise SystemExit(f"ranks disagree: {shlex.join(cmd)}")
     syncs = max(1, final["syncs"])
@@ -181,7 +180,7 @@ def main(argv=None) -> int:
     print()
     print(f"2 ranks, DiLoCo, {args.steps} steps, H = {args.sync_every}, seeds "
           f"{' '.join(map(str, args.seeds))}; {time.time() - started:.0f} s in all")
-    print("command: python tools/bench_topk.py " + shlex.join(argv if argv is not None
+    print("command: python tools/bench/bench_topk.py " + shlex.join(argv if argv is not None
                                                               else sys.argv[1:]))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
