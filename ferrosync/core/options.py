@@ -4,7 +4,7 @@
 ``Options.parse``: unknown names and bad values are a ``ConfigError`` before any I/O, and
 the backend reads typed attributes, never string keys. ``option(...)`` is a field with its
 description, check and docs default, from which docs/reference.md's tables are generated
-(``table()``, ``tools/options_table.py``). Each option is declared once, in a group (a
+(``table()``, ``tools/docs/options_table.py``). Each option is declared once, in a group (a
 small frozen dataclass: ``BucketOptions`` here, ``compression/options.py``'s codec group,
 ``storage/options.py``'s) that the backends taking it inherit; a backend whose default
 differs says so in ``defaults``.

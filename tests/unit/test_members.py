@@ -19,9 +19,9 @@ def tool_parser() -> argparse.ArgumentParser:
 
 def test_a_member_command_parses_back():
     options = {"heartbeat_timeout": 6.0, "storage_options": {"key": "k"}}
-    cmd = member_command("tools/bench/x.py", url="s3://b/p", job="j1", options=options,
+    cmd = member_command("tools/bench/bench.py", url="s3://b/p", job="j1", options=options,
                          min_ranks=3, log="/tmp/j1.0.log", extra=("--rounds", "4"))
-    assert cmd[0] == sys.executable and cmd[1].endswith("/tools/bench/x.py")
+    assert cmd[0] == sys.executable and cmd[1].endswith("/tools/bench/bench.py")
     args = tool_parser().parse_args(cmd[2:])
     assert (args.member, args.url, args.job, args.min_ranks, args.log, args.rounds) == (
         True, "s3://b/p", "j1", 3, "/tmp/j1.0.log", 4)
