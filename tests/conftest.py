@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from ferrosync.core.ports import free_port
 from ferrosync.testing.emulators import (
     AzuriteServer,
     FakeGcsServer,
     azurite_binary,
     fake_gcs_binary,
 )
-from ferrosync.testing.loopback import free_port
 from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
 # moto and botocore read credentials and region from the environment; never a real profile

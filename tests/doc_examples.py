@@ -20,7 +20,7 @@ import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser, SkipParser
 
-from ferrosync.testing.loopback import free_port  # noqa: F401 -- MASTER_PORT for a Python block (test_docs)
+from ferrosync.core.ports import free_port  # noqa: F401 -- MASTER_PORT for a Python block (test_docs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from train_cli import ForkedCli, cli_env, run_cli, run_forked
 
-from ferrosync.testing.loopback import LOOPBACK, free_port
+from ferrosync.core.ports import LOOPBACK, free_port
 from ferrosync.train.launcher import _rank_env, torchrun_env
 from ranks import communicate_all
 

@@ -1,6 +1,6 @@
 """``LeaveBallot``: an elastic member's vote to leave, riding in its strategy's one
 collective per sync (``Strategy.carry``), so after that round every member knows how
-many of the round's members voted to leave, at no extra round (docs/elastic.md#leaving).
+many of the round's members voted to leave, at no extra round (docs/elastic.md#the-trainer).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 
-from ferrosync.testing.loopback import free_port
+from ferrosync.core.ports import free_port
 from ferrosync.testing.seaweed import find_executable
 
 __all__ = ["AZURITE_ACCOUNT", "AZURITE_KEY", "AzuriteServer", "FakeGcsServer",

@@ -10,36 +10,10 @@ import ipaddress
 import socket
 import threading
 
-__all__ = ["DEFAULT_DURATION", "LOOPBACK", "Lifetime", "add_proxy_flags", "check_loopback",
-           "free_port", "free_ports", "split_target"]
+__all__ = ["DEFAULT_DURATION", "Lifetime", "add_proxy_flags", "check_loopback", "split_target"]
 
 #: the CLI's default lifetime: a proxy is a test instrument, never left running
 DEFAULT_DURATION = 600.0
-
-#: the one address servers, proxies and local rendezvous listen on
-LOOPBACK = "127.0.0.1"
-
-
-def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """``n`` distinct TCP ports on ``host`` that nothing listens on now (all held open
-    until every one is chosen; as torchrun --standalone picks its port, another program
-    could still take one before its user binds it)."""
-    socks = []
-    try:
-        for _ in range(n):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(sock)
-            sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """One port of ``free_ports``."""
-    return free_ports(1, host)[0]
-
 
 def check_loopback(host: str) -> str:
     """``host`` as a loopback IPv4 address; ValueError for anything that is not loopback

@@ -21,7 +21,7 @@ import sysconfig
 import tempfile
 import time
 
-from ferrosync.testing.loopback import free_ports
+from ferrosync.core.ports import free_ports
 
 __all__ = ["DEFAULT_BUCKET", "main", "SEAWEED_IDENTITIES", "SEAWEED_START_TIMEOUT",
            "SEAWEED_STOP_TIMEOUT", "SeaweedServer", "s3_storage_options",

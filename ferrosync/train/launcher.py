@@ -34,8 +34,11 @@ from ferrosync.core.env import (
     ENV_URL,
     ENV_WORLD_SIZE,
 )
+from ferrosync.core.ports import (
+    LOOPBACK,
+    free_port,  # the ranks all run on this host
+)
 from ferrosync.errors import ConfigError
-from ferrosync.testing.loopback import LOOPBACK, free_port  # the ranks all run on this host
 
 #: set in each rank's environment: "you are a rank, ignore --nproc"
 ENV_CHILD = "FERROSYNC_TRAIN_CHILD"

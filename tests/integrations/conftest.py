@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ferrosync.testing.loopback import free_port
+from ferrosync.core.ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

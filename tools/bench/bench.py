@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 
-from ferrosync.testing.loopback import free_port
+from ferrosync.core.ports import free_port
 from ferrosync.testing.measure import (
     human,
     parse_size,

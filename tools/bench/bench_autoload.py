@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 
-from ferrosync.testing.loopback import free_port
+from ferrosync.core.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

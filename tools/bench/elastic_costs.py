@@ -226,7 +226,7 @@ def _parse_args() -> argparse.Namespace:
 def _metered_seaweed(workdir: str):
     """A SeaweedFS server started under ``workdir`` with its Prometheus metrics on
     loopback too: (the server, its metrics URL, storage_options to reach it)."""
-    from ferrosync.testing.loopback import free_port
+    from ferrosync.core.ports import free_port
     from ferrosync.testing.seaweed import SeaweedServer, s3_storage_options, weed_binary
 
     metrics_port = free_port()
