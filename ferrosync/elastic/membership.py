@@ -104,6 +104,10 @@ class HeartbeatWatch:
     def fresh(self, member_id: str) -> bool:
         return self._silence.fresh(member_id)
 
+    def seen(self, member_id: str) -> bool:
+        """Whether this watch read ``member_id``'s heartbeat before (or judged it gone)."""
+        return member_id in self.gone or self._silence.seen(member_id)
+
     def overdue(self, member_id: str) -> bool:
         return member_id not in self.gone and \
             self._silence.overdue(member_id, self._clock.now())

@@ -24,6 +24,8 @@ KEEP_BUDGET = 256 << 20
 #: a waiting member checks every this many looks (one per heartbeat interval) whether
 #: its round's roster was already pruned; rare, because each check costs two GETs
 PRUNED_CHECK_EVERY = 4
+#: join entries the checker reads, and joiners' heartbeats it judges, at a time
+JOIN_READS = 16
 #: seconds between two progress lines of one wait below ``min_ranks``
 PROGRESS_EVERY = 30.0
 
@@ -143,19 +145,8 @@ class Agreement:
             self.waiting_on = (f"member {late[0]} (rank {prev.members.index(late[0])}): "
                                "its heartbeat stopped, not yet past heartbeat_timeout")
             return None
-        joiners: list[str] = []
-        n = prev.join_next
         room = (1 << 62) if self._max is None else self._max - len(survivors)
-        while len(joiners) < room:
-            member = self._rosters.join_entry(n)
-            if member is None:
-                break
-            n += 1
-            # a joiner whose heartbeat says it left, or was never seen beating past the
-            # timeout, is skipped: its entry is consumed and it learns so (PeerFailed)
-            if member in survivors or member in joiners or self._watch.state(member) != ALIVE:
-                continue
-            joiners.append(member)
+        joiners, n = self._admissions(prev.join_next, set(survivors), room)
         # a contributor this member already knows to be gone (judged while it looked
         # for the checker: no extra read) counts in this round but not in the next, so
         # a job whose members all died restarts with the newcomers alone
@@ -180,6 +171,33 @@ class Agreement:
         roster = replace(roster, changes=changes, admitted_only=admitted_only)
         return self._rosters.create(roster.chained(prev), prev, self._watch.how)
 
+    def _admissions(self, n: int, survivors: set, room: int) -> tuple[list[str], int]:
+        """The joiners to admit (queue order, at most ``room``) from join entry ``n``
+        on, and the first entry not consumed. A joiner whose heartbeat says it left, or
+        was never seen beating past the timeout, is skipped: its entry is consumed and
+        it learns so (``PeerFailed``). Entries are read in batches doubling up to
+        ``JOIN_READS`` (one GET when the queue is empty, the usual case) and the
+        batch's joiners judged ``JOIN_READS`` at a time: one after the other, a queue
+        that grew during a stall cost the checker O(queue) round trips, seconds on an
+        object store, past the detection bound of the members it drops."""
+        joiners: list[str] = []
+        width, run = 1, self._objects.runtime.map
+        while len(joiners) < room:
+            batch = run(self._rosters.join_entry, range(n, n + width), width)
+            claimed = batch[:batch.index(None)] if None in batch else batch
+            new = [m for m in dict.fromkeys(claimed) if m not in survivors]
+            states = dict(zip(new, run(self._watch.state, new, JOIN_READS)))
+            for member in claimed:
+                if len(joiners) >= room:
+                    break
+                n += 1
+                if member not in joiners and states.get(member) == ALIVE:
+                    joiners.append(member)
+            if len(claimed) < width:
+                break
+            width = min(2 * width, JOIN_READS)
+        return joiners, n
+
     def _refused(self, prev: Roster, round_: int, survivors: list[str]) -> list[str]:
         """The survivors making their first contribution (admitted by ``prev``, which
         did not found the job) whose contribution does not fit this round's layout."""
@@ -202,7 +220,8 @@ class Agreement:
                 path=self._rosters.path_of(names.elastic_roster(round_)),
                 hint="connect again with elastic=True to rejoin as a new member")
 
-    def is_checker(self, predecessors: list[str], after=(), everyone: bool = False) -> bool:
+    def is_checker(self, predecessors: list[str], after=(), everyone: bool = False,
+                   ahead: int | None = None) -> bool:
         """True when every member before this one is gone (see the module docstring).
 
         On the way it reads the heartbeats of the members whose death this member
@@ -213,18 +232,40 @@ class Agreement:
         none was seen running now (this member may be the checker within a timeout),
         the members ``after`` it too, whose contributions it will then judge. With
         ``everyone`` (a roster small enough that every member reads every contribution)
-        it reads them all, every time."""
+        it reads them all, every time.
+
+        A queued joiner (``ahead``: how many of ``predecessors``, at their end, are the
+        join entries ahead of it; None: a member) reads the previous roster's members so, except that
+        one it never read before stops the scan as a running one does: on its first
+        look nothing is proven yet, and reading every member then (and on every later
+        look, as long as such a look outlasts a beat gap) cost O(W) reads per joiner
+        per interval. A member that then stays still is not fresh at the next look, one
+        interval later, and the scan goes on past it. The joiners ahead are read, the
+        same way, only once every member is gone: only then can one be the checker."""
+        if ahead is None:
+            gone, proven = self._scan(predecessors, everyone, trust_new=False)
+            if not gone and (everyone or not proven):
+                for member in after:
+                    self._watch.alive(member)
+            return gone
+        members = predecessors[:len(predecessors) - ahead]
+        queue = predecessors[len(predecessors) - ahead:]
+        return self._scan(members, everyone, trust_new=True)[0] and \
+            self._scan(queue, False, trust_new=True)[0]
+
+    def _scan(self, members, everyone: bool, trust_new: bool) -> tuple[bool, bool]:
+        """Read ``members``' heartbeats in order up to the second one read when one was
+        seen running now (with ``trust_new``: or never read before), all of them with
+        ``everyone``: (all gone, one seen running)."""
         gone, proven = True, False
-        for k, member in enumerate(predecessors):
+        for k, member in enumerate(members):
+            new = trust_new and not self._watch.seen(member)
             if self._watch.alive(member):
                 gone = False
-                proven = proven or self._watch.fresh(member)
+                proven = proven or new or self._watch.fresh(member)
             if proven and k >= 1 and not everyone:
                 break
-        if not gone and (everyone or not proven):
-            for member in after:
-                self._watch.alive(member)
-        return gone
+        return gone, proven
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
              deadline: float, on_look=None, sizes: tuple[int, ...] | None = None,
@@ -247,6 +288,8 @@ class Agreement:
         progress = Progress(self._min, clock := self._objects.runtime)
         everyone = len(prev.members) < TREE_FROM
         after = prev.members[len(predecessors) + 1:]
+        # a joiner's predecessors: the previous members, then the join entries ahead
+        ahead = None if queued is None else max(0, len(predecessors) - len(prev.members))
         proof = () if everyone else predecessors[:2]
         gone = self._watch.gone
         state = {"checker": all(m in gone for m in predecessors), "looks": 0,
@@ -270,7 +313,7 @@ class Agreement:
                 if state["looks"] % PRUNED_CHECK_EVERY == 0:
                     self._check_not_pruned(round_)
                 if not state["checker"]:
-                    state["checker"] = self.is_checker(predecessors, after, everyone)
+                    state["checker"] = self.is_checker(predecessors, after, everyone, ahead)
                     self.waiting_on = "the checker (the first live member) to write it"
                 self._next_look = next_look(now)
             elif not state["checker"] and len(predecessors) == 1:
