@@ -234,14 +234,15 @@ class Agreement:
         ``everyone`` (a roster small enough that every member reads every contribution)
         it reads them all, every time.
 
-        A queued joiner (``ahead``: how many of ``predecessors``, at their end, are the
-        join entries ahead of it; None: a member) reads the previous roster's members so, except that
-        one it never read before stops the scan as a running one does: on its first
-        look nothing is proven yet, and reading every member then (and on every later
-        look, as long as such a look outlasts a beat gap) cost O(W) reads per joiner
-        per interval. A member that then stays still is not fresh at the next look, one
-        interval later, and the scan goes on past it. The joiners ahead are read, the
-        same way, only once every member is gone: only then can one be the checker."""
+        A queued joiner (``ahead``: how many of ``predecessors``, at their end, are
+        the join entries ahead of it; None: a member) reads the previous roster's
+        members so, except that one it never read before stops the scan as a running
+        one does (see ``_scan``): on its first look nothing is proven yet, and reading
+        every member then (and on every later look, as long as such a look outlasted a
+        beat gap) cost O(W) reads per joiner per interval. A member that then stays
+        still is not fresh at the next look, one interval later, and the scan goes on
+        past it. The joiners ahead are read, the same way, only once every member is
+        gone: only then can one of them be the checker."""
         if ahead is None:
             gone, proven = self._scan(predecessors, everyone, trust_new=False)
             if not gone and (everyone or not proven):
@@ -255,14 +256,18 @@ class Agreement:
 
     def _scan(self, members, everyone: bool, trust_new: bool) -> tuple[bool, bool]:
         """Read ``members``' heartbeats in order up to the second one read when one was
-        seen running now (with ``trust_new``: or never read before), all of them with
-        ``everyone``: (all gone, one seen running)."""
+        seen running now (with ``trust_new``: or never read before, until one is found
+        neither: then the job may be dying, and one new member per look would start the
+        others' silence clocks a look apart), all of them with ``everyone``: (all gone,
+        one seen running)."""
         gone, proven = True, False
         for k, member in enumerate(members):
             new = trust_new and not self._watch.seen(member)
             if self._watch.alive(member):
                 gone = False
-                proven = proven or new or self._watch.fresh(member)
+                fresh = self._watch.fresh(member)
+                trust_new = trust_new and (new or fresh)
+                proven = proven or new or fresh
             if proven and k >= 1 and not everyone:
                 break
         return gone, proven
