@@ -221,7 +221,7 @@ class Agreement:
                 hint="connect again with elastic=True to rejoin as a new member")
 
     def is_checker(self, predecessors: list[str], after=(), everyone: bool = False,
-                   ahead: int | None = None) -> bool:
+                   ahead=None) -> bool:
         """True when every member before this one is gone (see the module docstring).
 
         On the way it reads the heartbeats of the members whose death this member
@@ -234,25 +234,23 @@ class Agreement:
         ``everyone`` (a roster small enough that every member reads every contribution)
         it reads them all, every time.
 
-        A queued joiner (``ahead``: how many of ``predecessors``, at their end, are
-        the join entries ahead of it; None: a member) reads the previous roster's
-        members so, except that one it never read before stops the scan as a running
-        one does (see ``_scan``): on its first look nothing is proven yet, and reading
-        every member then (and on every later look, as long as such a look outlasted a
-        beat gap) cost O(W) reads per joiner per interval. A member that then stays
-        still is not fresh at the next look, one interval later, and the scan goes on
-        past it. The joiners ahead are read, the same way, only once every member is
-        gone: only then can one of them be the checker."""
+        A queued joiner (``predecessors``: the previous roster's members; ``ahead()``:
+        the members queued ahead of it; ``ahead`` None: a member) reads the members
+        so, except that one it never read before stops the scan as a running one does
+        (see ``_scan``): on its first look nothing is proven yet, and reading every
+        member then (and on every later look, as long as such a look outlasted a beat
+        gap) cost O(W) reads per joiner per interval. A member that then stays still is
+        not fresh at the next look, one interval later, and the scan goes on past it.
+        The joiners ahead are read (their join entries too), the same way, only once
+        every member is gone: only then can one of them be the checker."""
         if ahead is None:
             gone, proven = self._scan(predecessors, everyone, trust_new=False)
             if not gone and (everyone or not proven):
                 for member in after:
                     self._watch.alive(member)
             return gone
-        members = predecessors[:len(predecessors) - ahead]
-        queue = predecessors[len(predecessors) - ahead:]
-        return self._scan(members, everyone, trust_new=True)[0] and \
-            self._scan(queue, False, trust_new=True)[0]
+        return self._scan(predecessors, everyone, trust_new=True)[0] and \
+            self._scan(ahead(), False, trust_new=True)[0]
 
     def _scan(self, members, everyone: bool, trust_new: bool) -> tuple[bool, bool]:
         """Read ``members``' heartbeats in order up to the second one read when one was
@@ -274,14 +272,15 @@ class Agreement:
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
              deadline: float, on_look=None, sizes: tuple[int, ...] | None = None,
-             queued: int | None = None) -> Roster:
+             queued: int | None = None, ahead=None) -> Roster:
         """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
         after ``deadline``. ``predecessors``: the members of ``prev`` before this one (a
-        joiner: all of them and the join entries ahead of its own), so the members after
-        it are the rest of ``prev`` past its own place. ``on_look()`` is called at each look while
-        the roster is missing (a joiner's "has the job ended?"); it may raise.
-        ``queued``: for a joiner of a job being founded, the members queued up to and
-        including it (what it says while there are fewer than ``min_ranks``).
+        joiner: all of them), so the members after it are the rest of ``prev`` past its
+        own place. A joiner passes ``ahead()``, the members queued ahead of it (read
+        only when needed: see ``is_checker``), and ``queued``, the members and joiners
+        up to and including it (what it says while there are fewer than
+        ``min_ranks``). ``on_look()`` is called at each look while the roster is
+        missing (a joiner's "has the job ended?"); it may raise.
 
         Looks (``is_checker``) come once per check interval of waiting, counted across
         rounds (a healthy job's short waits cost no more than one long one), and
@@ -293,11 +292,11 @@ class Agreement:
         progress = Progress(self._min, clock := self._objects.runtime)
         everyone = len(prev.members) < TREE_FROM
         after = prev.members[len(predecessors) + 1:]
-        # a joiner's predecessors: the previous members, then the join entries ahead
-        ahead = None if queued is None else max(0, len(predecessors) - len(prev.members))
         proof = () if everyone else predecessors[:2]
         gone = self._watch.gone
-        state = {"checker": all(m in gone for m in predecessors), "looks": 0,
+        # a joiner is the checker only once the joiners ahead are gone too: its looks say
+        state = {"checker": ahead is None and all(m in gone for m in predecessors),
+                 "looks": 0,
                  # a round that ends within a check interval (a healthy one) needs no
                  # full pass
                  "next_full": clock.monotonic() + self._check_interval}
@@ -321,7 +320,8 @@ class Agreement:
                     state["checker"] = self.is_checker(predecessors, after, everyone, ahead)
                     self.waiting_on = "the checker (the first live member) to write it"
                 self._next_look = next_look(now)
-            elif not state["checker"] and len(predecessors) == 1:
+            elif not state["checker"] and len(predecessors) == 1 and (
+                    ahead is None or queued == 2):
                 # next in line after the checker: a heartbeat read per poll (one member
                 # pays it) sees a checker that closed at once, not after up to a
                 # heartbeat interval (10 s on an object store), and one that stopped
