@@ -51,13 +51,13 @@ def storage(clock):
 class Member:
     """One member's view: its rosters, its watch, its agreement."""
 
-    def __init__(self, storage, *, min_ranks=1, max_ranks=None):
+    def __init__(self, storage, *, min_ranks=1, max_ranks=None, check=CHECK):
         self.storage = storage
         self.rosters = mb.Rosters(layer(storage, SECRET))
         self.watch = mb.HeartbeatWatch(layer(storage, SECRET), TIMEOUT, INTERVAL)
         self.agreement = rounds.Agreement(layer(storage), self.rosters, self.watch,
                                           min_ranks=min_ranks, max_ranks=max_ranks,
-                                          check_interval=CHECK)
+                                          check_interval=check)
 
 
 def beating(storage, clock, member, *, until=float("inf")):
@@ -347,3 +347,100 @@ def test_members_that_die_together_leave_within_one_and_a_half_timeouts(
                                  deadline=start + 60.0)
     assert not set(victims) & set(roster.members)
     assert clock.now - kill <= 1.5 * TIMEOUT, clock.now - kill
+
+
+# -- a queued joiner's looks and the checker's admissions (issue 43: O(1) per joiner) ------
+def ids(tag, n):
+    return [f"{tag}{i:015x}" for i in range(n)]
+
+
+def test_a_queued_joiner_reads_two_heartbeats_a_look_however_long_the_queue(storage, clock):
+    me = Member(storage)
+    members, queue = ids("a", 6), ids("b", 10)
+    for who in members + queue:
+        beating(storage, clock, who)
+
+    def reads(who):
+        return len(storage.requests("open", f"{NS}/hb.{who}"))
+
+    for look in range(1, 5):
+        assert not me.agreement.is_checker(members, ahead=lambda: queue)
+        # the first look trusts members it never read; later ones find them running
+        assert [reads(w) for w in members] == [look, look, 0, 0, 0, 0]
+        clock.advance(INTERVAL)
+    assert not any(reads(w) for w in queue)  # a member lives: no joiner can be checker
+
+
+def test_a_queued_joiner_reads_on_past_members_that_stay_still(storage, clock):
+    me = Member(storage)
+    members = ids("a", 5)
+    for who in members:
+        beating(storage, clock, who, until=clock.now + 0.1 if who in members[:2] else
+                float("inf"))
+
+    def reads(who):
+        return len(storage.requests("open", f"{NS}/hb.{who}"))
+
+    assert not me.agreement.is_checker(members, ahead=list)
+    assert [reads(w) for w in members] == [1, 1, 0, 0, 0]
+    clock.advance(INTERVAL)
+    # the first two did not beat since: not running now, the job may be dying, and
+    # the scan goes on, not trusting members it never read, until one is seen running
+    assert not me.agreement.is_checker(members, ahead=list)
+    assert [reads(w) for w in members] == [2, 2, 1, 1, 1]
+    clock.advance(INTERVAL)
+    assert not me.agreement.is_checker(members, ahead=list)
+    assert [reads(w) for w in members] == [3, 3, 2, 1, 1]  # the third runs now: enough
+
+
+def test_a_queued_joiner_reads_the_joiners_ahead_once_every_member_is_gone(storage, clock):
+    me = Member(storage)
+    members, queue = ids("a", 2), ids("b", 4)
+    for who in members:
+        beating(storage, clock, who, until=clock.now + 0.1).stop(mb.LEFT)
+    for who in queue:
+        beating(storage, clock, who)
+    assert not me.agreement.is_checker(members, ahead=lambda: queue)
+    assert [len(storage.requests("open", f"{NS}/hb.{w}")) for w in queue] == [1, 1, 0, 0]
+
+
+def test_a_joiner_drops_a_job_that_died_whole_within_one_and_a_half_timeouts(storage, clock):
+    """Every member dies at once a second into the round; the joiner first in the
+    queue, which read two of them on its first look, restarts the job with a roster
+    that drops them all within 1.5 heartbeat timeouts of the deaths."""
+    joiner = Member(storage, check=INTERVAL)
+    members = tuple(ids("a", 8))
+    start = clock.now
+    kill = start + 1.0
+    for who in members:
+        beating(storage, clock, who, until=kill)
+    me = ids("c", 1)[0]
+    beating(storage, clock, me)
+    entry = joiner.rosters.claim(me, 0, 1e18)
+    prev = mb.Roster(0, (), members, entry)
+    roster = joiner.agreement.wait(1, prev, list(members), deadline=start + 60.0, queued=9,
+                                     ahead=list)
+    assert roster.members == (me,)
+    assert clock.now - kill <= 1.5 * TIMEOUT, clock.now - kill
+
+
+def test_the_checker_admits_a_long_queue_in_order_reading_it_in_batches(storage, clock):
+    me = Member(storage, max_ranks=31)
+    contribute(storage, 1, A)
+    queue = ids("b", 3 * rounds.JOIN_READS)
+    joiners = Member(storage)
+    for k, who in enumerate(queue):
+        hb = beating(storage, clock, who, until=clock.now + 0.01)
+        if k == 5:
+            hb.stop(mb.LEFT)  # skipped, its entry consumed
+        joiners.rosters.claim(who, 0, 1e18)
+    before = [len(storage.requests("open", f"{NS}/{names.elastic_join(n)}"))
+              for n in range(len(queue))]
+    roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=clock.now + 30.0)
+    admitted = [w for k, w in enumerate(queue) if k != 5][:30]
+    assert roster.members == (A, *admitted)  # max_ranks: the rest wait
+    assert roster.join_next == 31  # the 30 admitted and the one that left
+    # batches of 1, 2, 4, 8, 16 entries: each read once, none past the room's
+    entries = [len(storage.requests("open", f"{NS}/{names.elastic_join(n)}")) -
+               before[n] for n in range(len(queue))]
+    assert entries == [1] * 31 + [0] * 17

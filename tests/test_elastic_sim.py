@@ -169,8 +169,10 @@ def test_a_conditional_create_on_a_taken_name_is_refused():
 def test_members_that_die_with_the_checker_leave_within_the_bound_at_default_liveness(capsys):
     """Seed 10 broke slow_detection at 1.51 x heartbeat_timeout before the looks were
     fixed (a timeout that came during a look was judged a period later; a dead checker
-    stayed fresh for 1.5 intervals): docs/elastic.md#simulation."""
-    code, result, err = sim(capsys, "--members", 20, "--rounds", 8, "--seed", 10,
+    stayed fresh for 1.5 intervals), seed 20 at 1.53 after that fix; since joiners read
+    O(1) heartbeats a look (issue 43) seed 10 takes an easier course (0.07), and seed
+    20 drops a member at 1.49: docs/elastic.md#simulation."""
+    code, result, err = sim(capsys, "--members", 20, "--rounds", 8, "--seed", 20,
                             "--churn", "kills=600,stragglers=300")
     assert code == 0, (result["details"], err)
-    assert result["churn"]["kills"] >= 10 and 1.0 < result["detection_max"] <= 1.5
+    assert result["churn"]["kills"] >= 10 and 1.4 < result["detection_max"] <= 1.5

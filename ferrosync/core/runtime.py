@@ -48,6 +48,37 @@ class Runtime:
     def current_thread(self):
         return threading.current_thread()
 
+    def map(self, fn, items, width: int) -> list:
+        """``[fn(x) for x in items]`` with up to ``width`` calls in flight, on this
+        runtime's threads (the simulator's run deterministically), the caller's among
+        them; the first error of a call is raised once every call ended. Each call
+        must bound itself (a storage request does): the joins below wait on them."""
+        items = list(items)
+        width = max(1, min(width, len(items)))
+        results: list = [None] * len(items)
+        errors: list[BaseException] = []
+
+        def stripe(first: int) -> None:
+            # a fixed stripe per thread: no shared cursor (and no lock) to hand out work
+            for i in range(first, len(items), width):
+                if errors:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                # broad on purpose: re-raised on the caller's thread below
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+                    return
+
+        threads = [self.start_thread(lambda j=j: stripe(j), "ferrosync-map")
+                   for j in range(1, width)]
+        stripe(0)
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+        return results
+
     def token_hex(self, nbytes: int) -> str:
         """A random id (a member's): the simulator's comes from its seed."""
         return secrets.token_hex(nbytes)

@@ -93,10 +93,13 @@ def admit(objects, rosters, agreement, member_id: str, deadline: float) -> Roste
     def next_round() -> Roster | None:
         """The next roster if it admits this member; None: wait for the one after."""
         nonlocal prev
-        predecessors = list(prev.members) + rosters.entries(prev.join_next, entry, deadline)
-        roster = agreement.wait(prev.round + 1, prev, predecessors, deadline,
-                                on_look=lambda: check_ended(objects),
-                                queued=len(predecessors) + 1)
+        # the joiners ahead are read only if every member is gone (rounds.is_checker):
+        # read on every connect, they cost O(queue) GETs per joiner
+        roster = agreement.wait(
+            prev.round + 1, prev, list(prev.members), deadline,
+            on_look=lambda: check_ended(objects),
+            queued=len(prev.members) + entry - prev.join_next + 1,
+            ahead=lambda start=prev.join_next: rosters.entries(start, entry, deadline))
         if member_id in roster.members:
             return roster
         if roster.join_next > entry:

@@ -104,6 +104,10 @@ class HeartbeatWatch:
     def fresh(self, member_id: str) -> bool:
         return self._silence.fresh(member_id)
 
+    def seen(self, member_id: str) -> bool:
+        """Whether this watch read ``member_id``'s heartbeat before (or judged it gone)."""
+        return member_id in self.gone or self._silence.seen(member_id)
+
     def overdue(self, member_id: str) -> bool:
         return member_id not in self.gone and \
             self._silence.overdue(member_id, self._clock.now())
@@ -313,10 +317,9 @@ class Rosters:
         self._joins[n] = member
         return member
 
-    def entries(self, start: int, end: int, deadline: float) -> list[str]:
-        """The member ids of the claimed join entries ``start`` to ``end - 1``, in order
-        (``SyncTimeout`` once past ``deadline``)."""
-        ahead = []
+    def entries(self, start: int, end: int, deadline: float):
+        """The member ids of the claimed join entries ``start`` to ``end - 1``, in order,
+        each read as the caller gets to it (``SyncTimeout`` once past ``deadline``)."""
         for k in range(start, end):
             if runtimes.passed(deadline, self._objects.runtime):
                 raise SyncTimeout(
@@ -326,8 +329,7 @@ class Rosters:
                     hint="let nothing else write under this URL, or raise timeout")
             member = self.join_entry(k)
             if member is not None:
-                ahead.append(member)
-        return ahead
+                yield member
 
     def claim(self, member_id: str, start: int, deadline: float) -> int:
         """Append ``member_id`` to the join queue: the first free entry from ``start``,

@@ -24,6 +24,8 @@ KEEP_BUDGET = 256 << 20
 #: a waiting member checks every this many looks (one per heartbeat interval) whether
 #: its round's roster was already pruned; rare, because each check costs two GETs
 PRUNED_CHECK_EVERY = 4
+#: join entries the checker reads, and joiners' heartbeats it judges, at a time
+JOIN_READS = 16
 #: seconds between two progress lines of one wait below ``min_ranks``
 PROGRESS_EVERY = 30.0
 
@@ -143,19 +145,8 @@ class Agreement:
             self.waiting_on = (f"member {late[0]} (rank {prev.members.index(late[0])}): "
                                "its heartbeat stopped, not yet past heartbeat_timeout")
             return None
-        joiners: list[str] = []
-        n = prev.join_next
         room = (1 << 62) if self._max is None else self._max - len(survivors)
-        while len(joiners) < room:
-            member = self._rosters.join_entry(n)
-            if member is None:
-                break
-            n += 1
-            # a joiner whose heartbeat says it left, or was never seen beating past the
-            # timeout, is skipped: its entry is consumed and it learns so (PeerFailed)
-            if member in survivors or member in joiners or self._watch.state(member) != ALIVE:
-                continue
-            joiners.append(member)
+        joiners, n = self._admissions(prev.join_next, set(survivors), room)
         # a contributor this member already knows to be gone (judged while it looked
         # for the checker: no extra read) counts in this round but not in the next, so
         # a job whose members all died restarts with the newcomers alone
@@ -180,6 +171,33 @@ class Agreement:
         roster = replace(roster, changes=changes, admitted_only=admitted_only)
         return self._rosters.create(roster.chained(prev), prev, self._watch.how)
 
+    def _admissions(self, n: int, survivors: set, room: int) -> tuple[list[str], int]:
+        """The joiners to admit (queue order, at most ``room``) from join entry ``n``
+        on, and the first entry not consumed. A joiner whose heartbeat says it left, or
+        was never seen beating past the timeout, is skipped: its entry is consumed and
+        it learns so (``PeerFailed``). Entries are read in batches doubling up to
+        ``JOIN_READS`` (one GET when the queue is empty, the usual case) and the
+        batch's joiners judged ``JOIN_READS`` at a time: one after the other, a queue
+        that grew during a stall cost the checker O(queue) round trips, seconds on an
+        object store, past the detection bound of the members it drops."""
+        joiners: list[str] = []
+        width, run = 1, self._objects.runtime.map
+        while len(joiners) < room:
+            batch = run(self._rosters.join_entry, range(n, n + width), width)
+            claimed = batch[:batch.index(None)] if None in batch else batch
+            new = [m for m in dict.fromkeys(claimed) if m not in survivors]
+            states = dict(zip(new, run(self._watch.state, new, JOIN_READS)))
+            for member in claimed:
+                if len(joiners) >= room:
+                    break
+                n += 1
+                if member not in joiners and states.get(member) == ALIVE:
+                    joiners.append(member)
+            if len(claimed) < width:
+                break
+            width = min(2 * width, JOIN_READS)
+        return joiners, n
+
     def _refused(self, prev: Roster, round_: int, survivors: list[str]) -> list[str]:
         """The survivors making their first contribution (admitted by ``prev``, which
         did not found the job) whose contribution does not fit this round's layout."""
@@ -202,7 +220,8 @@ class Agreement:
                 path=self._rosters.path_of(names.elastic_roster(round_)),
                 hint="connect again with elastic=True to rejoin as a new member")
 
-    def is_checker(self, predecessors: list[str], after=(), everyone: bool = False) -> bool:
+    def is_checker(self, predecessors: list[str], after=(), everyone: bool = False,
+                   ahead=None) -> bool:
         """True when every member before this one is gone (see the module docstring).
 
         On the way it reads the heartbeats of the members whose death this member
@@ -213,29 +232,55 @@ class Agreement:
         none was seen running now (this member may be the checker within a timeout),
         the members ``after`` it too, whose contributions it will then judge. With
         ``everyone`` (a roster small enough that every member reads every contribution)
-        it reads them all, every time."""
+        it reads them all, every time.
+
+        A queued joiner (``predecessors``: the previous roster's members; ``ahead()``:
+        the members queued ahead of it; ``ahead`` None: a member) reads the members
+        so, except that one it never read before stops the scan as a running one does
+        (see ``_scan``): on its first look nothing is proven yet, and reading every
+        member then (and on every later look, as long as such a look outlasted a beat
+        gap) cost O(W) reads per joiner per interval. A member that then stays still is
+        not fresh at the next look, one interval later, and the scan goes on past it.
+        The joiners ahead are read (their join entries too), the same way, only once
+        every member is gone: only then can one of them be the checker."""
+        if ahead is None:
+            gone, proven = self._scan(predecessors, everyone, trust_new=False)
+            if not gone and (everyone or not proven):
+                for member in after:
+                    self._watch.alive(member)
+            return gone
+        return self._scan(predecessors, everyone, trust_new=True)[0] and \
+            self._scan(ahead(), False, trust_new=True)[0]
+
+    def _scan(self, members, everyone: bool, trust_new: bool) -> tuple[bool, bool]:
+        """Read ``members``' heartbeats in order up to the second one read when one was
+        seen running now (with ``trust_new``: or never read before, until one is found
+        neither: then the job may be dying, and one new member per look would start the
+        others' silence clocks a look apart), all of them with ``everyone``: (all gone,
+        one seen running)."""
         gone, proven = True, False
-        for k, member in enumerate(predecessors):
+        for k, member in enumerate(members):
+            new = trust_new and not self._watch.seen(member)
             if self._watch.alive(member):
                 gone = False
-                proven = proven or self._watch.fresh(member)
+                fresh = self._watch.fresh(member)
+                trust_new = trust_new and (new or fresh)
+                proven = proven or new or fresh
             if proven and k >= 1 and not everyone:
                 break
-        if not gone and (everyone or not proven):
-            for member in after:
-                self._watch.alive(member)
-        return gone
+        return gone, proven
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
              deadline: float, on_look=None, sizes: tuple[int, ...] | None = None,
-             queued: int | None = None) -> Roster:
+             queued: int | None = None, ahead=None) -> Roster:
         """The roster of ``round_``, read or (as the checker) written; ``SyncTimeout``
         after ``deadline``. ``predecessors``: the members of ``prev`` before this one (a
-        joiner: all of them and the join entries ahead of its own), so the members after
-        it are the rest of ``prev`` past its own place. ``on_look()`` is called at each look while
-        the roster is missing (a joiner's "has the job ended?"); it may raise.
-        ``queued``: for a joiner of a job being founded, the members queued up to and
-        including it (what it says while there are fewer than ``min_ranks``).
+        joiner: all of them), so the members after it are the rest of ``prev`` past its
+        own place. A joiner passes ``ahead()``, the members queued ahead of it (read
+        only when needed: see ``is_checker``), and ``queued``, the members and joiners
+        up to and including it (what it says while there are fewer than
+        ``min_ranks``). ``on_look()`` is called at each look while the roster is
+        missing (a joiner's "has the job ended?"); it may raise.
 
         Looks (``is_checker``) come once per check interval of waiting, counted across
         rounds (a healthy job's short waits cost no more than one long one), and
@@ -249,7 +294,9 @@ class Agreement:
         after = prev.members[len(predecessors) + 1:]
         proof = () if everyone else predecessors[:2]
         gone = self._watch.gone
-        state = {"checker": all(m in gone for m in predecessors), "looks": 0,
+        # a joiner is the checker only once the joiners ahead are gone too: its looks say
+        state = {"checker": ahead is None and all(m in gone for m in predecessors),
+                 "looks": 0,
                  # a round that ends within a check interval (a healthy one) needs no
                  # full pass
                  "next_full": clock.monotonic() + self._check_interval}
@@ -270,10 +317,11 @@ class Agreement:
                 if state["looks"] % PRUNED_CHECK_EVERY == 0:
                     self._check_not_pruned(round_)
                 if not state["checker"]:
-                    state["checker"] = self.is_checker(predecessors, after, everyone)
+                    state["checker"] = self.is_checker(predecessors, after, everyone, ahead)
                     self.waiting_on = "the checker (the first live member) to write it"
                 self._next_look = next_look(now)
-            elif not state["checker"] and len(predecessors) == 1:
+            elif not state["checker"] and len(predecessors) == 1 and (
+                    ahead is None or queued == 2):
                 # next in line after the checker: a heartbeat read per poll (one member
                 # pays it) sees a checker that closed at once, not after up to a
                 # heartbeat interval (10 s on an object store), and one that stopped

@@ -179,6 +179,10 @@ class SilenceClocks:
     def silent(self, peer, beat, now: float) -> bool:
         return self.observe(peer, beat, now) > self.timeout
 
+    def seen(self, peer) -> bool:
+        """Whether ``peer``'s counter was read before (and not forgotten)."""
+        return peer in self._seen
+
     def fresh(self, peer) -> bool:
         """Whether the latest read of ``peer`` shows it running now (see the class)."""
         seen = self._seen.get(peer)
