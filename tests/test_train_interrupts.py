@@ -27,11 +27,19 @@ def _mapped(pid: int, library: str) -> bool:
         return False
 
 
+def _as_from_a_terminal() -> None:
+    # runs in the child before exec: Ctrl-C's disposition as a terminal's shell gives it
+    # (a test worker may have inherited or been left with SIGINT ignored, and an ignored
+    # SIGINT is rightly left ignored by the command: nohup's meaning)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_when(tmp_path, ready, *args, argv=None) -> subprocess.CompletedProcess:
     """Start a real ``python -m ferrosync.train ARGS`` (or ``argv``), send SIGINT once
     ``ready(pid)``."""
     proc = subprocess.Popen(argv or command(*args), cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_from_a_terminal)
     with reaped(proc):
         await_point(proc, lambda: ready(proc.pid), "the start-up point")
         proc.send_signal(signal.SIGINT)
