@@ -210,9 +210,9 @@ RENDEZVOUS_KINDS = ("join", "announcement", "objection", "end")
 GENERATION_KINDS = ("contribution", "result", "layout", "message", "heartbeat", "abort")
 
 
-def parse(name: str) -> Name:
-    """What the path component ``name`` is; ``Name("unknown")`` for anything else."""
-    for kind, pattern, fields in _COMPILED:
+def _first_match(compiled, name: str) -> Name:
+    """The ``Name`` of the first pattern of ``compiled`` that ``name`` matches whole."""
+    for kind, pattern, fields in compiled:
         m = pattern.fullmatch(name)
         if m is None:
             continue
@@ -222,6 +222,11 @@ def parse(name: str) -> Name:
                 values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
         return Name(kind, **values)
     return Name("unknown")
+
+
+def parse(name: str) -> Name:
+    """What the path component ``name`` is; ``Name("unknown")`` for anything else."""
+    return _first_match(_COMPILED, name)
 
 
 # -- elastic jobs (ferrosync/elastic) ----------------------------------------------------
@@ -359,13 +364,4 @@ ELASTIC_KINDS = tuple(kind for kind, _, _ in _ELASTIC_PATTERNS) + ("unknown",)
 
 def parse_elastic(name: str) -> Name:
     """What ``name`` is inside an elastic namespace; ``Name("unknown")`` otherwise."""
-    for kind, pattern, fields in _ELASTIC_COMPILED:
-        m = pattern.fullmatch(name)
-        if m is None:
-            continue
-        values = {}
-        for field_name, value in zip(fields, m.groups()):
-            if value is not None:
-                values[field_name] = value if field_name in _TEXT_FIELDS else int(value)
-        return Name(kind, **values)
-    return Name("unknown")
+    return _first_match(_ELASTIC_COMPILED, name)
