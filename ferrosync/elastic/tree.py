@@ -33,6 +33,14 @@ from ferrosync.storage.wire import (
 __all__ = ["TREE_FROM", "TreePlan", "RoundIO", "TreeRound", "Units", "plan"]
 
 _BYTES = RawCodec(torch.uint8)
+#: the most requests one role (or the final read of the average) keeps in flight: its
+#: inputs or outputs, about ``fan_in`` of them, go out together, not one after another
+WIDTH = 16
+
+
+class _Abandoned(Exception):
+    """A wait given up because another request of the same round failed (that error is
+    the one raised: see ``TreeRound._gather``)."""
 
 
 class RoundIO(Protocol):
@@ -104,7 +112,10 @@ class TreeRound:
                         if m in contributing and m in members]
         self._active_set = set(self._active)
         self._done: dict[str, Piece] = {}  # objects this member computed this round
-        self._owners: list[str] | None = None  # see _look_at_owners
+        self._owners: set[str] | None = None  # see _look_at_owners
+        self._next_look: float | None = None  # one look schedule for all waits at once
+        self._looking = io.clock.lock()
+        self._failed: list[BaseException] = []  # the first failed request ends the round
 
     # -- who does what --------------------------------------------------------------------
     def substitute(self, position: int) -> int:
@@ -143,7 +154,8 @@ class TreeRound:
     def write_slices(self, wire: list, weight: float) -> None:
         """This member's contribution as one slice per level-1 slot (before its marker)."""
         send = bool(wire)
-        for j in range(self.plan.k(1)):
+
+        def write(j: int) -> None:
             path = (j,)
             name = names.elastic_piece(self.round, 0, self.me, path)
             expected, _ = self._expected("wire", name, self.me, path)
@@ -156,6 +168,8 @@ class TreeRound:
             parts = [p for p in parts if p.nbytes]
             self.io.write(name, expected, self.me, parts, weight, 0 if send else FLAG_EMPTY,
                           self.round, what=f"contribution (slice {j})")
+
+        self._gather(write, range(self.plan.k(1)))
 
     def _write(self, name: str, expected: Expected, writer: int, parts, weight: float,
                flags: int) -> Piece:
@@ -189,32 +203,38 @@ class TreeRound:
             raise self.io.missing_slice(self.round, position, path)
         return piece
 
-    def _obtain(self, name: str, role, expected: Expected, writer: int) -> Piece:
+    def _obtain(self, name: str, role, expected: Expected, writer: int,
+                wait: bool = True) -> Piece | None:
         """Object ``name`` (an output of ``role``): computed here when this member is
-        the role's owner, else read, computed here once its owner is found gone."""
+        the role's owner, else read, computed here once its owner is found gone.
+        Without ``wait``, one read: None while it is not there (and its owner not
+        known gone)."""
         if name in self._done:
             return self._done[name]
         owner = self._owner(role)
         if owner == self.io.member_id:
             self._compute(role)
             return self._done[name]
-        # an owner already known gone is not waited for; another is looked at once per
-        # heartbeat interval of waiting
-        looks = [0.0 if self.io.known_gone(owner) else
-                 self.io.clock.monotonic() + self.io.look_every]
+        self._watch(owner)
+        if not wait:
+            with self.io.phase("wait_s"):
+                piece = self._read(name, expected, writer)
+            if piece is None and self.io.known_gone(owner):
+                self._compute(role)
+                return self._done[name]
+            return piece
 
         def attempt():
             with self.io.phase("wait_s"):
                 return self._read(name, expected, writer)
 
         def between():
-            now = self.io.clock.monotonic()
-            if now >= looks[0]:
-                self._look_at_owners()
-                if not self.io.alive(owner):
-                    self._compute(role)  # its owner is gone: everyone needs it
-                    return self._done[name]
-                looks[0] = now + self.io.look_every
+            if self._failed:
+                raise _Abandoned()  # another request of this round failed: so does it
+            self._look()
+            if self.io.known_gone(owner):
+                self._compute(role)  # its owner is gone: everyone needs it
+                return self._done[name]
             return None
 
         def expired():
@@ -227,11 +247,47 @@ class TreeRound:
         return self.io.wait_for(attempt, deadline=self.deadline, expired=expired,
                                 between=between)
 
-    def _look_at_owners(self) -> None:
-        """Look at the heartbeat of every member whose object this member will wait for
-        in this round (about ``fan_in`` per level), not only the one it waits for now:
-        members that died together start their silence clocks together, so this round
-        waits out one ``heartbeat_timeout`` for all of them, not one after another."""
+    def _gather(self, fn, items) -> list:
+        """``[fn(x) for x in items]``, up to ``WIDTH`` at once (``Runtime.map``): a
+        role's inputs are read, and its outputs written, together. The first call that
+        fails ends every wait of this round still running (``_obtain``), and its error
+        is the one raised."""
+        def call(item):
+            try:
+                return fn(item)
+            except _Abandoned:
+                raise
+            except BaseException as exc:  # broad on purpose: re-raised by map below
+                self._failed.append(exc)
+                raise
+
+        items = list(items)
+        if len(items) == 1:  # nothing to overlap: no thread
+            return [call(items[0])]
+        try:
+            return self.io.clock.map(call, items, min(WIDTH, len(items)))
+        except _Abandoned:
+            raise self._failed[0] from None
+
+    def _collect(self, fetch, items) -> list[Piece]:
+        """``fetch(x, wait)`` of every item (``_obtain``'s ``wait``), in ``items``'
+        order: all read together; while some are missing, wait for the first of them
+        alone, then read the others together again. One wait polls at a time, not one
+        per item: the items come from one level of the tree, written about together,
+        so when one is there the others mostly are too (docs/elastic.md#the-tree-reduce)."""
+        items = list(items)
+        got = dict(zip(items, self._gather(lambda x: fetch(x, False), items)))
+        missing = [x for x in items if got[x] is None]
+        while missing:
+            got[missing[0]] = fetch(missing[0], True)
+            rest = missing[1:]
+            got.update(zip(rest, self._gather(lambda x: fetch(x, False), rest)))
+            missing = [x for x in rest if got[x] is None]
+        return [got[x] for x in items]
+
+    def _watch(self, owner: str) -> None:
+        """Count ``owner`` among the members the looks read, and start the round's look
+        schedule at the first wait."""
         if self._owners is None:
             me, owners = self.io.member_id, set()
             for role, designee in self.plan.assignments:
@@ -239,8 +295,29 @@ class TreeRound:
                     owners.update(self._owner(r) for r in self._inputs(role))
             owners.update(self._owner(self._range_role((j,))) for j in range(self.plan.k(1)))
             owners.discard(me)
-            self._owners = sorted(owners)
-        for member in self._owners:
+            self._owners = owners
+        self._owners.add(owner)  # one whose role this member took over, too
+        if self._next_look is None:
+            self._next_look = self.io.clock.monotonic() + self.io.look_every
+
+    def _look(self) -> None:
+        """Look at the owners once per ``look_every`` of this round, however many waits
+        run at once (one of them looks; the others see its judgements)."""
+        now = self.io.clock.monotonic()
+        if now < self._next_look or not self._looking.acquire(blocking=False):
+            return
+        try:
+            self._next_look = now + self.io.look_every
+            self._look_at_owners()
+        finally:
+            self._looking.release()
+
+    def _look_at_owners(self) -> None:
+        """Look at the heartbeat of every member whose object this member will wait for
+        in this round (about ``fan_in`` per level), not only the one it waits for now:
+        members that died together start their silence clocks together, so this round
+        waits out one ``heartbeat_timeout`` for all of them, not one after another."""
+        for member in sorted(self._owners):
             self.io.alive(member)  # judged once per look; gone ones stay gone
 
     def _inputs(self, role) -> list[tuple]:
@@ -270,7 +347,7 @@ class TreeRound:
         expected, writer = self._expected("sum", name, node, path)
         return name, ("sum", level, node, path[:-1]), expected, writer
 
-    def _result(self, path) -> Piece:
+    def _result(self, path, wait: bool = True) -> Piece | None:
         """Range ``path`` of the average (a root range, or a merge of its sub-ranges)."""
         if len(path) == self.plan.depth:
             name, role, expected, writer = self._output(self.plan.depth, 0, path)
@@ -278,7 +355,7 @@ class TreeRound:
             name = names.elastic_result(self.round, path)
             role = ("merge", path)
             expected, writer = self._expected("flat", name, 0, path)
-        return self._obtain(name, role, expected, writer)
+        return self._obtain(name, role, expected, writer, wait)
 
     # -- computing ----------------------------------------------------------------------------
     def _values(self, piece: Piece, kind: str, path) -> list[tuple[int, int, int, torch.Tensor]]:
@@ -316,18 +393,22 @@ class TreeRound:
         if role[0] == "merge":
             return self._merge(role[1])
         _, level, node, path = role
-        sums: dict[int, torch.Tensor] = {}
-        weights, first = [], True
         contributing = set(self.roster.contributors)
-        for child in self.plan.children(level, node):
+        children = [c for c in self.plan.children(level, node)
+                    if level > 1 or self.prev.members[c] in contributing]
+
+        def fetch(child: int, wait: bool) -> Piece | None:
             if level == 1:
-                if self.prev.members[child] not in contributing:
-                    continue
-                piece = self._slice(child, path)
-            else:
-                name, crole, expected, writer = self._output(level - 1, child, path)
-                piece = self._obtain(name, crole, expected, writer)
-            weights.append(piece.weight)
+                return self._slice(child, path)  # there already (before its marker)
+            name, crole, expected, writer = self._output(level - 1, child, path)
+            return self._obtain(name, crole, expected, writer, wait)
+
+        # every input first (read together), then added in the children's order: the
+        # same sum, bit for bit, whatever order the inputs arrived in
+        pieces = self._collect(fetch, children)
+        sums: dict[int, torch.Tensor] = {}
+        first = True
+        for piece in pieces:
             if piece.weight <= 0 or piece.flags & FLAG_EMPTY:
                 continue
             with self.io.phase("reduce_s"):
@@ -340,16 +421,18 @@ class TreeRound:
                     accumulate(acc, values.to(acc.device),
                                piece.weight if level == 1 else 1.0, first=first)
                 first = False
-        weight = total_weight(weights)
+        weight = total_weight([p.weight for p in pieces])
+        del pieces  # only the sums from here on
         if level == self.plan.depth:
             self._finish(path, weight, sums, first)
             return
-        for j in range(self.plan.k(level + 1)):
+
+        def write(j: int) -> None:
             sub = path + (j,)
             name, _, expected, writer = self._output(level, node, sub)
             if first:  # nothing with weight: an empty piece
                 self._write(name, expected, writer, [], weight, FLAG_EMPTY)
-                continue
+                return
             lo, hi = self.plan.span(sub, self.units.total)
             base = self.plan.span(path, self.units.total)[0]
             parts = []
@@ -357,6 +440,8 @@ class TreeRound:
                 start = self._element_offset(i, base)
                 parts.append(as_uint8(sums[i][e0 - start:e1 - start]).numpy())
             self._write(name, expected, writer, parts, weight, 0)
+
+        self._gather(write, range(self.plan.k(level + 1)))
 
     def _element_offset(self, i: int, lo: int) -> int:
         """The first element of flat ``i`` in a range starting at unit ``lo``."""
@@ -384,7 +469,8 @@ class TreeRound:
         """Range ``path`` of the average from its sub-ranges one level down the tree."""
         name = names.elastic_result(self.round, path)
         expected, writer = self._expected("flat", name, 0, path)
-        subs = [self._result(path + (j,)) for j in range(self.plan.k(len(path) + 1))]
+        subs = self._collect(lambda j, wait: self._result(path + (j,), wait),
+                             range(self.plan.k(len(path) + 1)))
         weight, flags = self._agree(subs, name)
         self._write(name, expected, writer,
                     [] if flags else [s.payload for s in subs], weight, flags)
@@ -409,7 +495,7 @@ class TreeRound:
         for role, designee in plan_.assignments:
             if self._owner(role, designee) == self.io.member_id and not self._computed(role):
                 self._compute(role)
-        ranges = [self._result((j,)) for j in range(plan_.k(1))]
+        ranges = self._collect(lambda j, wait: self._result((j,), wait), range(plan_.k(1)))
         weight, unchanged = self._agree(ranges, names.elastic_result(self.round, (0,)))
         if unchanged or weight <= 0:
             return 0.0
