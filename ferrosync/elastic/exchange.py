@@ -53,6 +53,7 @@ class Exchange:
         self.look_every = look_every
         self.layout: dict | None = None
         self.mine: list[tuple[int, str]] = []  # (round, key) of own objects
+        self.garbage: list[str] = []  # keys of own objects nobody reads any more
         self._described: set[bytes] = set()  # layouts whose record this member wrote
         #: (previous roster, roster, layout digest, wire bytes) of the round in progress
         self._round: tuple | None = None
@@ -271,11 +272,17 @@ class Exchange:
         self._check_kept(round_, roster, pos, name)
         # everyone who reads round r has finished it once roster r+2 exists (its
         # contributors finished r+1, hence r): older own objects are garbage
-        done = [k for r, k in self.mine if r <= round_ - 2]
-        if done:
-            self.objects.storage.delete(done)
-            self.mine = [(r, k) for r, k in self.mine if r > round_ - 2]
+        self.garbage += [k for r, k in self.mine if r <= round_ - 2]
+        self.mine = [(r, k) for r, k in self.mine if r > round_ - 2]
+        if not tree:  # a tree round sweeps while it reduces (sync._tree_average)
+            self.sweep()
         return roster, wire
+
+    def sweep(self) -> None:
+        """Delete the own objects that the last ``run`` found nobody reads any more."""
+        garbage, self.garbage = self.garbage, []
+        if garbage:
+            self.objects.storage.delete(garbage)
 
     def _check_kept(self, round_: int, roster: Roster, pos: int, name: str) -> None:
         """Raise if ``roster`` refused or dropped this member."""

@@ -287,7 +287,9 @@ class ElasticSync(GradSync):
         tree = TreeRound(self._exchange, plan(len(prev.members), self._fan_in), prev, roster,
                          Units(flats, codecs), digest, wire, weight,
                          self._clock.monotonic() + self.timeout)
-        total = tree.run(flats)
+        # the member's garbage of round r-2 goes while it waits on the tree, not before
+        total = self._clock.map(lambda job: job(), [lambda: tree.run(flats),
+                                                    self._exchange.sweep], 2)[0]
         self._adopt(roster)
         return total
 
