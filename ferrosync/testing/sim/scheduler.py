@@ -24,6 +24,20 @@ from ferrosync.storage.liveness import ProcessClock
 STACK_BYTES = 1 << 20
 
 
+#: wall seconds an idle OS thread waits for another simulated thread before it ends
+IDLE_S = 5.0
+
+
+class _Worker:
+    """An OS thread that runs simulated threads one after another (``Scheduler.spawn``)."""
+
+    __slots__ = ("ready", "job")
+
+    def __init__(self, job) -> None:
+        self.ready = threading.Event()
+        self.job = job  # (task, target) to run next
+
+
 class SimKilled(BaseException):
     """The simulated process was killed: its threads unwind without touching anything."""
 
@@ -75,6 +89,8 @@ class Scheduler:
         self.failures: list[tuple[Task, BaseException]] = []
         self._until = 0.0
         self._stop = None
+        self._idle: list[_Worker] = []  # OS threads waiting for a simulated thread
+        self._idle_lock = threading.Lock()
 
     # -- the trace ---------------------------------------------------------------------
     def note(self, *fields) -> None:
@@ -91,17 +107,38 @@ class Scheduler:
         heapq.heappush(self._heap, (at, next(self._seq), action, None))
 
     def spawn(self, process: Process, name: str, target) -> Task:
-        """A new simulated thread of ``process`` running ``target()``, runnable now."""
+        """A new simulated thread of ``process`` running ``target()``, runnable now: on
+        an idle OS thread if there is one (starting one costs about a millisecond of
+        wall time on a loaded machine, and ``Runtime.map`` starts a few per call)."""
         task = Task(name, process)
         process.tasks.append(task)
-        old = threading.stack_size(STACK_BYTES)
-        try:
-            threading.Thread(target=self._main, args=(task, target), name=f"sim-{name}",
-                             daemon=True).start()
-        finally:
-            threading.stack_size(old)
+        with self._idle_lock:
+            worker = self._idle.pop() if self._idle else None
+            if worker is not None:
+                worker.job = (task, target)
+                worker.ready.set()
+        if worker is None:
+            worker = _Worker((task, target))
+            old = threading.stack_size(STACK_BYTES)
+            try:
+                threading.Thread(target=self._serve, args=(worker,), name=f"sim-{name}",
+                                 daemon=True).start()
+            finally:
+                threading.stack_size(old)
         self._push(self.now, task)
         return task
+
+    def _serve(self, worker: _Worker) -> None:
+        """An OS thread's life: simulated threads one after another, until it has been
+        idle for ``IDLE_S`` of wall time."""
+        while True:
+            self._main(*worker.job, worker=worker)
+            if not worker.ready.wait(IDLE_S):
+                with self._idle_lock:
+                    if not worker.ready.is_set():  # else a spawn just handed it a task
+                        self._idle.remove(worker)
+                        return
+            worker.ready.clear()
 
     def kill(self, process: Process) -> None:
         """The process dies now: its threads unwind at once, touching nothing."""
@@ -186,7 +223,7 @@ class Scheduler:
         if task.process.dead:
             raise SimKilled(task.name)
 
-    def _main(self, task: Task, target) -> None:
+    def _main(self, task: Task, target, worker: _Worker | None = None) -> None:
         task.go.wait()
         task.go.clear()
         try:
@@ -204,6 +241,9 @@ class Scheduler:
             task.done = True
             for joiner in task.joiners:
                 self.wake(joiner)
+            if worker is not None:  # idle before the baton goes: a spawn may reuse it
+                with self._idle_lock:
+                    self._idle.append(worker)
             self._pass_baton(self._dispatch())
 
 
