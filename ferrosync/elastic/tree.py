@@ -50,7 +50,7 @@ class RoundIO(Protocol):
     rank: int  # the member's rank, for error messages
     tag: int  # the job's tag, in every object's header
     look_every: float  # seconds between looks at the owners a wait depends on
-    clock: object  # the member's ``runtime.Runtime`` (its ``monotonic``)
+    clock: object  # the member's ``runtime.Runtime`` (its ``monotonic``, ``map``, ``lock``)
 
     def path_of(self, name: str) -> str: ...
 
@@ -262,9 +262,9 @@ class TreeRound:
                 raise
 
         items = list(items)
-        if len(items) == 1:  # nothing to overlap: no thread
-            return [call(items[0])]
         try:
+            if len(items) == 1:  # nothing to overlap: no thread
+                return [call(items[0])]
             return self.io.clock.map(call, items, min(WIDTH, len(items)))
         except _Abandoned:
             raise self._failed[0] from None
@@ -279,7 +279,7 @@ class TreeRound:
         got = dict(zip(items, self._gather(lambda x: fetch(x, False), items)))
         missing = [x for x in items if got[x] is None]
         while missing:
-            got[missing[0]] = fetch(missing[0], True)
+            got[missing[0]] = self._gather(lambda x: fetch(x, True), missing[:1])[0]
             rest = missing[1:]
             got.update(zip(rest, self._gather(lambda x: fetch(x, False), rest)))
             missing = [x for x in rest if got[x] is None]
