@@ -10,7 +10,6 @@ time runs on.
 
 from __future__ import annotations
 
-import _thread
 import hashlib
 import heapq
 import itertools
@@ -32,7 +31,7 @@ def _baton():
     """A held lock: ``release`` hands it to the one thread that ``acquire``s it next.
     A bare lock, not a ``threading.Event``: a switch is one C call on each side (an
     Event's condition costs its Python code and a lock of its own per wait)."""
-    lock = _thread.allocate_lock()
+    lock = threading.Lock()
     lock.acquire()
     return lock
 
