@@ -60,6 +60,34 @@ def test_no_member_reads_more_than_two_and_a_half_payloads_at_any_size():
     assert worst[1000] < 4 * worst[16]
 
 
+@pytest.mark.unit
+def test_each_member_takes_exactly_the_roles_whose_owner_it_is():
+    """``TreeRound._mine`` (found by position) is the rule ``_owner`` states for every
+    role: the designee's substitute, over rosters where some positions sit out."""
+    import random
+    from types import SimpleNamespace
+
+    rng = random.Random(0)
+    for members in (5, 7, 16, 37, 100, 257):
+        plan = TreePlan(members, 4)
+        ids = tuple(f"{i:016x}" for i in range(members))
+        for _ in range(6):
+            out = set(rng.sample(range(members), rng.randrange(members)))  # sit out
+            roster = SimpleNamespace(round=3, members=ids,
+                                     contributors=tuple(m for i, m in enumerate(ids)
+                                                        if i not in out))
+            taken = []
+            for me in ids:
+                r = tree.TreeRound(SimpleNamespace(member_id=me), plan,
+                                   SimpleNamespace(members=ids), roster, None, b"", [], 1.0,
+                                   0.0)
+                mine = r._mine()
+                assert mine == [(role, d) for role, d in plan.assignments
+                                if r._owner(role, d) == me]
+                taken += mine
+            assert sorted(taken) == sorted(plan.assignments)  # each role to one member
+
+
 # -- members averaging through the tree ------------------------------------------------------
 
 def w_tree(index, _world, url, job, members, rounds, options):

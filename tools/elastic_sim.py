@@ -14,6 +14,7 @@ gives the same ``trace_digest``.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -25,4 +26,8 @@ if ROOT not in sys.path:
 from ferrosync.testing.sim.cli import main  # noqa: E402
 
 if __name__ == "__main__":
+    # what the imports made (torch's hundreds of thousands of objects) lives as long as
+    # this process: out of the collector's way, a full collection no longer walks it
+    # again and again (a tenth of the CPU of a W = 200 run); the trace is unchanged
+    gc.freeze()
     sys.exit(main())

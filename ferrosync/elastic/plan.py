@@ -110,6 +110,14 @@ class TreePlan:
         """(role, the position it falls to) for every role, in ``roles`` order."""
         return [(role, self.designee(role)) for role in self.roles()]
 
+    @cached_property
+    def by_designee(self) -> dict[int, tuple[int, ...]]:
+        """position -> the indices in ``assignments`` of the roles that fall to it."""
+        out: dict[int, list[int]] = {}
+        for i, (_, position) in enumerate(self.assignments):
+            out.setdefault(position, []).append(i)
+        return {p: tuple(ii) for p, ii in out.items()}
+
     def traffic(self, units: int = 1 << 20) -> list[dict]:
         """What each position does in a healthy round (everyone contributes and takes
         part), as the code does it: PUTs (its slices, its marker and every object it

@@ -10,6 +10,7 @@ interface, which ``exchange.Exchange`` implements.
 
 from __future__ import annotations
 
+import bisect
 import warnings
 from dataclasses import dataclass
 from typing import Protocol
@@ -113,6 +114,7 @@ class TreeRound:
         self._active_set = set(self._active)
         self._done: dict[str, Piece] = {}  # objects this member computed this round
         self._owners: set[str] | None = None  # see _look_at_owners
+        self._roles: list[tuple] | None = None  # see _mine
         self._next_look: float | None = None  # one look schedule for all waits at once
         self._looking = io.clock.lock()
         self._failed: list[BaseException] = []  # the first failed request ends the round
@@ -123,8 +125,27 @@ class TreeRound:
         reduce, else the next one that does (cyclically): the same on every member."""
         if position in self._active_set:
             return position
-        later = [p for p in self._active if p > position]
-        return later[0] if later else self._active[0]
+        later = bisect.bisect_right(self._active, position)  # _active is in order
+        return self._active[later % len(self._active)]
+
+    def _mine(self) -> list[tuple]:
+        """(role, designee) of the roles that fall to this member, in ``assignments``
+        order: those of its own position and of the positions not taking part just
+        before it, which it substitutes for (``substitute``). Found by position: judging
+        every role's owner cost each member O(W) per round."""
+        if self._roles is None:
+            positions, active, n = [], self._active_set, len(self.prev.members)
+            if self.me in active:
+                p = self.me
+                while True:
+                    positions.append(p)
+                    p = (p - 1) % n
+                    if p in active or p == self.me:
+                        break
+            by, assignments = self.plan.by_designee, self.plan.assignments
+            self._roles = [assignments[i] for i in
+                           sorted(i for p in positions for i in by.get(p, ()))]
+        return self._roles
 
     def _owner(self, role, designee: int | None = None) -> str:
         if designee is None:
@@ -290,9 +311,8 @@ class TreeRound:
         schedule at the first wait."""
         if self._owners is None:
             me, owners = self.io.member_id, set()
-            for role, designee in self.plan.assignments:
-                if self._owner(role, designee) == me:
-                    owners.update(self._owner(r) for r in self._inputs(role))
+            for role, _ in self._mine():
+                owners.update(self._owner(r) for r in self._inputs(role))
             owners.update(self._owner(self._range_role((j,))) for j in range(self.plan.k(1)))
             owners.discard(me)
             self._owners = owners
@@ -492,8 +512,8 @@ class TreeRound:
         """Do this member's part of the tree, then read the average into ``flats``;
         returns the total weight (0: every member keeps its tensors)."""
         plan_ = self.plan
-        for role, designee in plan_.assignments:
-            if self._owner(role, designee) == self.io.member_id and not self._computed(role):
+        for role, _ in self._mine():
+            if not self._computed(role):
                 self._compute(role)
         ranges = self._collect(lambda j, wait: self._result((j,), wait), range(plan_.k(1)))
         weight, unchanged = self._agree(ranges, names.elastic_result(self.round, (0,)))

@@ -22,10 +22,20 @@ from ferrosync.storage.liveness import ProcessClock
 #: a simulated thread's OS stack: the production code's call depth is modest, and a
 #: thousand members run two thousand threads
 STACK_BYTES = 1 << 20
-
-
+#: trace events kept before they are hashed in one update (the digest of the joined
+#: bytes is the digest of the updates one by one: buffering changes no digest)
+NOTE_BATCH = 4096
 #: wall seconds an idle OS thread waits for another simulated thread before it ends
 IDLE_S = 5.0
+
+
+def _baton():
+    """A held lock: ``release`` hands it to the one thread that ``acquire``s it next.
+    A bare lock, not a ``threading.Event``: a switch is one C call on each side (an
+    Event's condition costs its Python code and a lock of its own per wait)."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 class _Worker:
@@ -50,7 +60,7 @@ class Task:
     def __init__(self, name: str, process) -> None:
         self.name = name
         self.process = process
-        self.go = threading.Event()
+        self.go = _baton()  # released when this task holds the baton
         self.epoch = 0  # wake-ups scheduled under an older epoch are stale
         self.done = False
         self.error: BaseException | None = None
@@ -82,9 +92,10 @@ class Scheduler:
         self.now = start
         self._heap: list = []
         self._seq = itertools.count()
-        self._driver = threading.Event()
+        self._driver = _baton()  # released when the run is over
         self.current: Task | None = None
         self._digest = hashlib.blake2b(digest_size=16)
+        self._notes: list[bytes] = []
         self.switches = 0
         self.failures: list[tuple[Task, BaseException]] = []
         self._until = 0.0
@@ -95,10 +106,18 @@ class Scheduler:
     # -- the trace ---------------------------------------------------------------------
     def note(self, *fields) -> None:
         """Add an event to the trace (its digest is the run's fingerprint)."""
-        self._digest.update(repr((round(self.now, 9), *fields)).encode())
+        notes = self._notes
+        notes.append(repr((round(self.now, 9), *fields)).encode())
+        if len(notes) >= NOTE_BATCH:
+            self._flush_notes()
+
+    def _flush_notes(self) -> None:
+        self._digest.update(b"".join(self._notes))
+        self._notes.clear()
 
     @property
     def digest(self) -> str:
+        self._flush_notes()
         return self._digest.hexdigest()
 
     # -- for the driver ----------------------------------------------------------------
@@ -156,10 +175,9 @@ class Scheduler:
         first = self._dispatch()
         if first is None:
             return
-        self._driver.clear()
         self.current = first
-        first.go.set()
-        self._driver.wait()
+        first.go.release()
+        self._driver.acquire()
 
     def _dispatch(self) -> Task | None:
         """The next task to run (driver actions that fall due run here, on whichever
@@ -193,10 +211,7 @@ class Scheduler:
 
     def _pass_baton(self, nxt: Task | None) -> None:
         self.current = nxt
-        if nxt is None:
-            self._driver.set()
-        else:
-            nxt.go.set()
+        (self._driver if nxt is None else nxt.go).release()
 
     def pending(self) -> list[Task]:
         """Tasks that have not finished (for a stall report)."""
@@ -218,14 +233,12 @@ class Scheduler:
         nxt = self._dispatch()
         if nxt is not task:  # else: nobody is due before this task, it runs on
             self._pass_baton(nxt)
-            task.go.wait()
-            task.go.clear()
+            task.go.acquire()
         if task.process.dead:
             raise SimKilled(task.name)
 
     def _main(self, task: Task, target, worker: _Worker | None = None) -> None:
-        task.go.wait()
-        task.go.clear()
+        task.go.acquire()
         try:
             if task.process.dead:
                 raise SimKilled(task.name)

@@ -125,13 +125,14 @@ class SimServer:
         self.peak_prefix_put_rate = 0
         self.lost_replies = 0
         self.cut_bodies = 0
+        p = profile
+        #: (median, sigma) of the first-byte lognormal: [0] a read's, [1] a write's
+        self._latency = tuple((median, math.log(p99 / median) / _Z99) for median, p99 in
+                              ((p.get_median, p.get_p99), (p.put_median, p.put_p99)))
 
     # -- the model ---------------------------------------------------------------------
     def first_byte(self, kind: str) -> float:
-        p = self.profile
-        median, p99 = (p.put_median, p.put_p99) if kind == "put" else (p.get_median,
-                                                                       p.get_p99)
-        sigma = math.log(p99 / median) / _Z99
+        median, sigma = self._latency[kind == "put"]
         return median * math.exp(sigma * self._rng.gauss(0.0, 1.0))
 
     def modelled(self, key: str, size: int) -> int:

@@ -169,6 +169,7 @@ class World:
         self.published: dict[int, float] = {}
         self.losses: list[tuple[float, int]] = []  # (time, the newest finished round)
         self.contributions: dict[tuple[str, int], torch.Tensor] = {}
+        self._references: dict[tuple[int, tuple], torch.Tensor] = {}  # see _reference
         self.deaths: list[Member] = []
         self.details: list[str] = []  # what each violation saw, in order
         #: the slowest detection: seconds from the bound's start to the roster that
@@ -203,19 +204,29 @@ class World:
         self.ends[round_] = self.sched.now
         contributors = self._saw(round_, sync)
         self._check_events(member, sync)
-        if self.models.setdefault(round_, model.numpy().tobytes()) != model.numpy().tobytes():
+        held = model.numpy().tobytes()
+        if self.models.setdefault(round_, held) != held:
             self.violate("divergent_model", str(round_))
-        # the reference: the mean of the contributors' draws, summed in float64 (every
-        # sum of these small integers is exact) and rounded once
-        ref = torch.zeros(REAL_FLOATS, dtype=torch.float64)
-        for m in contributors:
-            ref += self.contributions[(m, round_)].double()
-        ref = (ref / max(len(contributors), 1)).float()
-        if not torch.equal(ref, avg):
+        if not torch.equal(self._reference(round_, contributors), avg):
             self.wrong.add(round_)
             self.violate("wrong_average", str(round_))
         self.member_rounds += 1
         self.sched.note("round", member.proc.name, round_, len(contributors))
+
+    def _reference(self, round_: int, contributors: tuple) -> torch.Tensor:
+        """The average members of ``round_`` that saw these ``contributors`` must hold:
+        the mean of their draws, summed in float64 (every sum of these small integers is
+        exact) and rounded once. Computed once per round and view (each member's
+        average is still compared with it): summing it again for every member cost
+        O(W^2) per round."""
+        key = (round_, contributors)
+        ref = self._references.get(key)
+        if ref is None:
+            ref = torch.zeros(REAL_FLOATS, dtype=torch.float64)
+            for m in contributors:
+                ref += self.contributions[(m, round_)]
+            ref = self._references[key] = (ref / max(len(contributors), 1)).float()
+        return ref
 
     def _saw(self, round_: int, sync) -> tuple:
         """Record a member's view of the roster of ``round_``; its contributors."""
