@@ -95,10 +95,6 @@ class Exchange:
         ``shared``: a tree object another member computed first (the same bytes)."""
         nbytes = sum(memoryview(p).nbytes for p in parts)
         header = expected.header(writer, weight=weight, nbytes=nbytes, flags=flags)
-        key = self.objects.key_of(name)
-        # its shard directory (names.elastic_shard), made on first use where a store
-        # has directories (remembered there; nothing on an object store)
-        self.objects.storage.makedirs(key.rpartition("/")[0])
         if not self.objects.create(name, header, parts):
             if shared:
                 return
@@ -108,7 +104,7 @@ class Exchange:
                 rank=self.rank, collective=round_, path=self.path_of(name),
                 hint="let nothing else write under this URL; set a secret so planted "
                 "objects are refused by every member")
-        self.mine.append((round_, key))
+        self.mine.append((round_, self.objects.key_of(name)))
 
     def read(self, name: str, expected: Expected, writer: int, round_: int) -> tuple | None:
         """The verified object ``name`` of ``round_`` (header only when empty), or None

@@ -28,11 +28,13 @@ ROSTER_RETENTION = 64
 
 def heartbeat(objects, member_id: str, interval: float) -> Heartbeat:
     """The heartbeat of member ``member_id`` in the job of ``objects`` (its namespace and
-    key): ``liveness.Heartbeat`` writing ``hb.{id}`` with the member's id and the
+    key): ``liveness.Heartbeat`` writing ``p{xx}/hb.{id}`` with the member's id and the
     elastic states (``alive``, ``left``, ``aborted``)."""
     runtime = objects.runtime
+    name = names.elastic_heartbeat(member_id)
+    objects.place(name)  # its shard's directory, where a store has them
     return Heartbeat(objects.storage, objects.prefix, 0, interval, objects.key, 0,
-                     name=names.elastic_heartbeat(member_id), fields={"id": member_id},
+                     name=name, fields={"id": member_id},
                      running=ALIVE, clock=runtime.process_clock, runtime=runtime)
 
 

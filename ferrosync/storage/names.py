@@ -236,9 +236,9 @@ def parse(name: str) -> Name:
 # An elastic job's namespace ``el`` or ``el.{job}`` holds (docs/elastic.md)::
 #
 #     member.{id}        a member's introduction, written once (``elastic_member``)
-#     hb.{id}            its heartbeat, overwritten (``elastic_heartbeat``)
-#     join.{n}           the n-th entry of the join queue (``elastic_join``)
-#     r{r}.roster        the membership agreed for round r (``elastic_roster``)
+#     p{xx}/hb.{id}      its heartbeat, overwritten (``elastic_heartbeat``)
+#     p{xx}/join.{n}     the n-th entry of the join queue (``elastic_join``)
+#     p{xx}/r{r}.roster  the membership agreed for round r (``elastic_roster``)
 #     history.{r}        the membership history as of the change at round r
 #                        (``elastic_history``)
 #     p{xx}/r{r}.{id}    a member's contribution to round r (``elastic_contribution``)
@@ -255,13 +255,14 @@ def parse(name: str) -> Name:
 # Member ids are 16 lowercase hex digits, so ``hb.{id}`` never reads as ``hb.r{k}`` and
 # ``join.{n}`` never as ``join.r{k}.{n}``.
 #
-# A round's data objects (the three ``p{xx}/`` kinds: nearly every request of a round)
-# lie in one of ``ELASTIC_SHARDS`` shard directories, ``xx`` a hash of the name
-# (``elastic_shard``), so that an object store that rates requests per partitioned
-# prefix (S3: 3,500 PUT/s each) spreads a round over that many partitions once it has
-# split the namespace there (docs/elastic.md, "Prefixes"). Any member computes an
-# object's key from its name alone. Control records stay at the top: their rates do
-# not grow with a round's objects.
+# The ``p{xx}/`` kinds lie in one of ``ELASTIC_SHARDS`` shard directories, ``xx`` a
+# hash of the name (``elastic_shard``), so that an object store that rates requests per
+# partitioned prefix (S3: 3,500 PUT/s, 5,500 GET/s each) spreads them over that many
+# partitions once it has split the namespace there (docs/elastic.md, "Prefixes"): a
+# round's data objects (nearly every PUT), and the records every member polls or reads
+# many times a round (rosters, heartbeats, join entries: a thousand members' GETs).
+# Any member computes a key from the name alone. The rest stays at the top: written
+# or read a few times a round.
 
 #: an elastic job without an id
 ELASTIC = "el"
@@ -301,17 +302,17 @@ def elastic_member(member_id: str) -> str:
 
 def elastic_heartbeat(member_id: str) -> str:
     """Member ``member_id``'s heartbeat record."""
-    return f"hb.{member_id}"
+    return _sharded(f"hb.{member_id}")
 
 
 def elastic_join(n: int) -> str:
     """Entry ``n`` of the join queue."""
-    return f"join.{n}"
+    return _sharded(f"join.{n}")
 
 
 def elastic_roster(round_: int) -> str:
     """The roster (agreed membership) of round ``round_``."""
-    return f"r{round_}.roster"
+    return _sharded(f"r{round_}.roster")
 
 
 def elastic_history(round_: int) -> str:
@@ -387,7 +388,8 @@ ELASTIC_KINDS = tuple(kind for kind, _, _ in _ELASTIC_PATTERNS) + ("unknown",)
 
 
 #: the kinds that lie in a shard directory (``elastic_shard``), and only there
-ELASTIC_SHARDED_KINDS = ("elastic_contribution", "elastic_piece", "elastic_result")
+ELASTIC_SHARDED_KINDS = ("elastic_heartbeat", "elastic_join", "elastic_roster",
+                         "elastic_contribution", "elastic_piece", "elastic_result")
 _ELASTIC_SHARD = re.compile(r"(p[0-9a-f]{2})/([^/]+)")
 
 

@@ -1,7 +1,7 @@
 """How an elastic job's objects lie over partitioned prefixes (storage/names.py,
 docs/elastic.md "Prefixes"): a round's data objects spread evenly over the shard
-directories at a thousand members, every name reads back as what wrote it, a data
-object outside its shard is nobody's, and the simulated S3 rates each shard as its own
+directories at a thousand members, every name reads back as what wrote it, a sharded
+object outside its shard is nobody's, the records every member polls are sharded too, and the simulated S3 rates each shard as its own
 partition (``s3``) or the whole namespace as one (``s3cold``).
 """
 
@@ -69,9 +69,15 @@ def test_every_name_of_a_round_reads_back_as_what_wrote_it():
         assert names.parse_elastic(base).kind == "unknown"  # outside its shard
         other = f"p{(int(shard[1:], 16) + 1) % names.ELASTIC_SHARDS:02x}"
         assert names.parse_elastic(f"{other}/{base}").kind == "unknown"  # another one's
-    # control records stay at the namespace's top, and only there
-    for name in (names.elastic_roster(4), names.elastic_heartbeat("0" * 16),
-                 names.elastic_join(3), names.elastic_history(4), names.elastic_state(5, 0)):
+    # the records every member polls lie in shards too; the rest at the top, only there
+    for name, kind in ((names.elastic_roster(4), "elastic_roster"),
+                       (names.elastic_heartbeat("0" * 16), "elastic_heartbeat"),
+                       (names.elastic_join(3), "elastic_join")):
+        shard, _, base = name.partition("/")
+        assert shard == names.elastic_shard(base) and names.parse_elastic(name).kind == kind
+        assert names.parse_elastic(base).kind == "unknown"
+    for name in (names.elastic_history(4), names.elastic_state(5, 0), names.ELASTIC_LATEST,
+                 names.elastic_member("0" * 16), names.ELASTIC_ENDED):
         assert "/" not in name and names.parse_elastic(name).kind != "unknown"
         assert names.parse_elastic(f"{names.elastic_shard(name)}/{name}").kind == "unknown"
 
@@ -89,7 +95,7 @@ def test_s3_rates_each_shard_directory_as_its_own_partition():
     with pytest.raises(SimHTTPError):
         server.admit("put", a)
     server.admit("put", b)  # another shard: its own 3,500 PUT/s
-    server.admit("put", "el.sim/" + names.elastic_roster(1))  # the top: its own too
+    server.admit("put", "el.sim/" + names.ELASTIC_LATEST)  # the top: its own too
     assert server.slowdowns == 1
     assert server.partition(a) == "el.sim/" + a.split("/")[1]
 
@@ -100,7 +106,7 @@ def test_s3cold_rates_the_whole_namespace_as_one_partition_until_it_splits():
     assert len({k.split("/")[1] for k in keys}) == names.ELASTIC_SHARDS
     for key in keys:
         server.admit("put", key)
-    for late in ("el.sim/" + names.elastic_roster(1), "el.sim/" + names.elastic_result(1, (0,))):
+    for late in ("el.sim/" + names.ELASTIC_LATEST, "el.sim/" + names.elastic_result(1, (0,))):
         with pytest.raises(SimHTTPError):
             server.admit("put", late)  # one partition: the shards do not help yet
     assert server.partition(keys[0]) == server.partition("el.sim/latest") == "el.sim"
