@@ -304,7 +304,8 @@ def w_swap(index, _world, url, gate):
         if index == 2:
             open(gate, "w").close()
             # leave once the newcomer's join entry is there (3 entries were the founders')
-            wait_until(lambda: os.path.exists(os.path.join(ns, "join.3")), "the newcomer")
+            wait_until(lambda: os.path.exists(os.path.join(ns, names.elastic_join(3))),
+                       "the newcomer")
             sync.close()
             return {"left": True}
     log = []

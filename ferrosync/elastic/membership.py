@@ -31,10 +31,8 @@ def heartbeat(objects, member_id: str, interval: float) -> Heartbeat:
     key): ``liveness.Heartbeat`` writing ``p{xx}/hb.{id}`` with the member's id and the
     elastic states (``alive``, ``left``, ``aborted``)."""
     runtime = objects.runtime
-    name = names.elastic_heartbeat(member_id)
-    objects.place(name)  # its shard's directory, where a store has them
     return Heartbeat(objects.storage, objects.prefix, 0, interval, objects.key, 0,
-                     name=name, fields={"id": member_id},
+                     name=names.elastic_heartbeat(member_id), fields={"id": member_id},
                      running=ALIVE, clock=runtime.process_clock, runtime=runtime)
 
 

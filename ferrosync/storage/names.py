@@ -393,6 +393,11 @@ ELASTIC_SHARDED_KINDS = ("elastic_heartbeat", "elastic_join", "elastic_roster",
 _ELASTIC_SHARD = re.compile(r"(p[0-9a-f]{2})/([^/]+)")
 
 
+def in_elastic_shard(name: str) -> bool:
+    """Whether ``name`` (a path inside an elastic namespace) lies in a shard directory."""
+    return _ELASTIC_SHARD.fullmatch(name) is not None
+
+
 def parse_elastic(name: str) -> Name:
     """What ``name`` (its path inside an elastic namespace) is; ``Name("unknown")``
     otherwise, a data object outside its shard directory included."""

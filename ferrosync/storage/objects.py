@@ -104,11 +104,11 @@ class Objects:
         return self.storage.path_of(self.key_of(name))
 
     def place(self, name: str) -> str:
-        """The key to write ``name`` at, its directory made first when the name has one
-        (an elastic job's shard, ``names.elastic_shard``): once per directory on a file
-        system, nothing on an object store."""
+        """The key to write ``name`` at, its directory made first when the name lies in
+        an elastic job's shard (``names.in_elastic_shard``): once per directory on a
+        file system, nothing on an object store."""
         key = self.key_of(name)
-        if "/" in name:
+        if names.in_elastic_shard(name):
             self.storage.makedirs(key.rpartition("/")[0])
         return key
 
