@@ -89,7 +89,8 @@ def test_a_member_waits_for_the_roster_the_checker_writes(storage, clock):
     got = me.agreement.wait(1, prev, [A], deadline=start + 30.0)
     assert got == winner
     assert 0.5 <= clock.now - start < 0.5 + POLL[1] + 0.01
-    assert not storage.requests("put", f"{NS}/{names.elastic_roster(1)}")[1:]  # the waiter wrote nothing
+    # the waiter wrote nothing
+    assert not storage.requests("put", f"{NS}/{names.elastic_roster(1)}")[1:]
 
 
 def test_waiting_for_a_roster_times_out_at_the_deadline_naming_what_it_waits_on(storage, clock):
@@ -401,7 +402,8 @@ def test_a_queued_joiner_reads_the_joiners_ahead_once_every_member_is_gone(stora
     for who in queue:
         beating(storage, clock, who)
     assert not me.agreement.is_checker(members, ahead=lambda: queue)
-    assert [len(storage.requests("open", f"{NS}/{names.elastic_heartbeat(w)}")) for w in queue] == [1, 1, 0, 0]
+    assert [len(storage.requests("open", f"{NS}/{names.elastic_heartbeat(w)}"))
+            for w in queue] == [1, 1, 0, 0]
 
 
 def test_a_joiner_drops_a_job_that_died_whole_within_one_and_a_half_timeouts(storage, clock):

@@ -1,8 +1,9 @@
 """How an elastic job's objects lie over partitioned prefixes (storage/names.py,
 docs/elastic.md "Prefixes"): a round's data objects spread evenly over the shard
 directories at a thousand members, every name reads back as what wrote it, a sharded
-object outside its shard is nobody's, the records every member polls are sharded too, and the simulated S3 rates each shard as its own
-partition (``s3``) or the whole namespace as one (``s3cold``).
+object outside its shard is nobody's, the records every member polls are sharded too,
+and the simulated S3 rates each shard as its own partition (``s3``) or the whole
+namespace as one (``s3cold``), split only under sustained throttling.
 """
 
 from __future__ import annotations
