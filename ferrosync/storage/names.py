@@ -235,7 +235,7 @@ def parse(name: str) -> Name:
 #
 # An elastic job's namespace ``el`` or ``el.{job}`` holds (docs/elastic.md)::
 #
-#     member.{id}        a member's introduction, written once (``elastic_member``)
+#     p{xx}/member.{id}  a member's introduction, written once (``elastic_member``)
 #     p{xx}/hb.{id}      its heartbeat, overwritten (``elastic_heartbeat``)
 #     p{xx}/join.{n}     the n-th entry of the join queue (``elastic_join``)
 #     p{xx}/r{r}.roster  the membership agreed for round r (``elastic_roster``)
@@ -259,10 +259,10 @@ def parse(name: str) -> Name:
 # hash of the name (``elastic_shard``), so that an object store that rates requests per
 # partitioned prefix (S3: 3,500 PUT/s, 5,500 GET/s each) spreads them over that many
 # partitions once it has split the namespace there (docs/elastic.md, "Prefixes"): a
-# round's data objects (nearly every PUT), and the records every member polls or reads
-# many times a round (rosters, heartbeats, join entries: a thousand members' GETs).
-# Any member computes a key from the name alone. The rest stays at the top: written
-# or read a few times a round.
+# round's data objects (nearly every PUT), the records every member polls or reads
+# many times a round (rosters, heartbeats, join entries: a thousand members' GETs) and
+# the introductions (a thousand PUTs when a job starts). Any member computes a key
+# from the name alone. The rest stays at the top: written or read a few times a round.
 
 #: an elastic job without an id
 ELASTIC = "el"
@@ -297,7 +297,7 @@ def is_member_id(member_id) -> bool:
 
 def elastic_member(member_id: str) -> str:
     """Member ``member_id``'s introduction record."""
-    return f"member.{member_id}"
+    return _sharded(f"member.{member_id}")
 
 
 def elastic_heartbeat(member_id: str) -> str:
@@ -388,8 +388,9 @@ ELASTIC_KINDS = tuple(kind for kind, _, _ in _ELASTIC_PATTERNS) + ("unknown",)
 
 
 #: the kinds that lie in a shard directory (``elastic_shard``), and only there
-ELASTIC_SHARDED_KINDS = ("elastic_heartbeat", "elastic_join", "elastic_roster",
-                         "elastic_contribution", "elastic_piece", "elastic_result")
+ELASTIC_SHARDED_KINDS = ("elastic_member", "elastic_heartbeat", "elastic_join",
+                         "elastic_roster", "elastic_contribution", "elastic_piece",
+                         "elastic_result")
 _ELASTIC_SHARD = re.compile(r"(p[0-9a-f]{2})/([^/]+)")
 
 

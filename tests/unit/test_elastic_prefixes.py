@@ -73,12 +73,13 @@ def test_every_name_of_a_round_reads_back_as_what_wrote_it():
     # the records every member polls lie in shards too; the rest at the top, only there
     for name, kind in ((names.elastic_roster(4), "elastic_roster"),
                        (names.elastic_heartbeat("0" * 16), "elastic_heartbeat"),
-                       (names.elastic_join(3), "elastic_join")):
+                       (names.elastic_join(3), "elastic_join"),
+                       (names.elastic_member("0" * 16), "elastic_member")):
         shard, _, base = name.partition("/")
         assert shard == names.elastic_shard(base) and names.parse_elastic(name).kind == kind
         assert names.parse_elastic(base).kind == "unknown"
     for name in (names.elastic_history(4), names.elastic_state(5, 0), names.ELASTIC_LATEST,
-                 names.elastic_member("0" * 16), names.ELASTIC_ENDED):
+                 names.elastic_layout(b"\x01" * 8), names.ELASTIC_ENDED):
         assert "/" not in name and names.parse_elastic(name).kind != "unknown"
         assert names.parse_elastic(f"{names.elastic_shard(name)}/{name}").kind == "unknown"
 
