@@ -8,6 +8,7 @@ namespace as one (``s3cold``), split only under sustained throttling.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ import pytest
 from ferrosync.elastic.options import ElasticOptions
 from ferrosync.elastic.plan import plan
 from ferrosync.storage import names
+from ferrosync.storage.engines import open_storage
 from ferrosync.testing.sim.scheduler import Scheduler
 from ferrosync.testing.sim.store import PROFILES, SimHTTPError, SimServer
 
@@ -152,3 +154,21 @@ def test_a_pause_between_bursts_is_no_sustained_throttling():
     server.sched.now += 1.0
     server.admit("put", "el.sim/x.next")
     assert server._prefixes["el.sim"].scale == 1.0  # never split
+
+
+def test_listing_a_job_with_every_shard_directory_leaves_no_descriptor_open(tmp_path):
+    """``gc``, ``inspect`` and tests list a namespace whose 256 shard directories hold
+    no subdirectories: each was left open once (a leaf directory's handle was never
+    closed), 256 descriptors a listing."""
+    storage = open_storage(str(tmp_path))
+    ns = names.elastic_namespace("fds")
+    for n in range(2000):
+        name = names.elastic_join(n)
+        storage.makedirs(names.within(ns, name.rpartition("/")[0]))
+        storage.put(names.within(ns, name), [b"{}"])
+    storage.list("")  # the directory handles the engine keeps are open by now
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        listed = storage.list("")
+    assert len(listed) == 2000
+    assert len(os.listdir("/proc/self/fd")) == before
