@@ -43,7 +43,7 @@ def round_objects(round_: int, members: int) -> list[tuple[str, str, int | None]
         else:
             out += [(names.elastic_piece(round_, level, node, path + (j,)), "elastic_piece",
                      level) for j in range(tree.k(level + 1))]
-    # the plan's own count of a round's PUTs (what tools/elastic_costs.py charges)
+    # the plan's own count of a round's PUTs (what tools/bench/elastic_costs.py charges)
     assert len(out) == sum(t["puts"] for t in tree.traffic())
     return out
 
