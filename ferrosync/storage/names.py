@@ -1,7 +1,7 @@
 """Every object name ferrosync writes on shared storage: formatted and parsed here only.
 
 One format function per kind returns one path component (``within`` joins a directory
-and a name; an elastic round's data objects are a shard directory and a component,
+and a name; an elastic job's busiest kinds are a shard directory and a component,
 ``elastic_shard``); ``parse`` reads a component back into a ``Name`` whose ``kind`` says which
 function made it. The names and where each lives: docs/design.md#object-names and
 docs/design.md#rendezvous; where a kind may appear is the caller's business
@@ -275,8 +275,9 @@ ELASTIC_ENDED = "ended"
 #: the job's record: what its members agree on (exclusive create by the first member)
 ELASTIC_JOB_RECORD = "job"
 _MEMBER_ID = re.compile(r"[0-9a-f]{16}")
-#: shard directories of a round's data objects: two hex digits, a split point S3 can
-#: use at any scale (256 partitions: 896,000 PUT/s), one directory each on a file system
+#: shard directories of an elastic job's busiest kinds: two hex digits, a split point
+#: S3 can use at any scale (256 partitions: 896,000 PUT/s); a directory each on a file
+#: system, made on first use
 ELASTIC_SHARDS = 256
 
 
@@ -322,7 +323,7 @@ def elastic_history(round_: int) -> str:
 
 
 def elastic_shard(name: str) -> str:
-    """The shard directory ``p{xx}`` of a round's data object ``name`` (its last
+    """The shard directory ``p{xx}`` of the object named ``name`` (its last
     component): CRC-32 of the name modulo ``ELASTIC_SHARDS``, the same everywhere, so
     a round's objects (and each member's, each tree level's) spread evenly."""
     return f"p{zlib.crc32(name.encode('ascii')) % ELASTIC_SHARDS:02x}"
