@@ -42,12 +42,12 @@ class Profile:
     prices per 1,000 requests.
 
     S3 partitions a bucket by key range, at any character, and splits a partition under
-    sustained load (503 SlowDown meanwhile; 30 to 60 minutes by AWS's account, or ahead
-    of time on request to AWS support). ``s3`` models a job past that warm-up: its
-    namespace split at the shard directories (``names.elastic_shard``), each shard a
-    partition of 3,500 PUT/s; ``s3cold`` a fresh bucket: the job's namespace one
-    partition, split in two after each ``ramp_s`` of throttling (docs/elastic.md,
-    "Prefixes").
+    sustained load (503 SlowDown meanwhile; 30 to 60 minutes by accounts outside AWS's
+    documentation, or ahead of time on request to AWS support). ``s3`` models a job
+    past that warm-up: its namespace split at the shard directories
+    (``names.elastic_shard``), each shard a partition of 3,500 PUT/s; ``s3cold`` a
+    fresh bucket: the job's namespace one partition, split in two after each ``ramp_s``
+    of throttling (docs/elastic.md, "Prefixes").
     """
 
     name: str
@@ -76,7 +76,7 @@ PROFILES = {
     "s3": Profile("s3", 0.030, 0.250, 0.020, 0.200, 90e6, 3500.0, 5500.0, 600.0, None,
                   None, _S3_PRICES, lost_reply=0.001, cut_body=0.001),
     # S3 Standard on a fresh bucket: the first component of a key (the job's
-    # namespace) one partition, split after 30 minutes of throttling (AWS: 30-60)
+    # namespace) one partition, split after 30 minutes of throttling (reported: 30-60)
     "s3cold": Profile("s3cold", 0.030, 0.250, 0.020, 0.200, 90e6, 3500.0, 5500.0, 1800.0,
                       None, 1, _S3_PRICES, lost_reply=0.001, cut_body=0.001),
     # S3 Express One Zone (directory buckets): single-digit ms latency, rates per
