@@ -52,7 +52,7 @@ def join_requests(url, storage_options=None) -> int:
     storage = open_storage(url, storage_options)
     try:
         return sum(1 for key, _ in storage.list(names.elastic_namespace(None))
-                   if names.parse_elastic(key.rsplit("/", 1)[-1]).kind == "elastic_join")
+                   if names.parse_elastic(key.partition("/")[2]).kind == "elastic_join")
     finally:
         storage.close()
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import ferrosync
 from conftest import PG_INIT
+from ferrosync.storage import names
 from ferrosync.storage.engines import open_storage
 from ranks import run_ranks, wait_until
 
@@ -67,7 +68,7 @@ def connect(case_url, rank, world, options, **extra):
         # the join queue, so the founding roster lists the members in worker order and
         # every rank-indexed check below holds (the roster orders members, not connect)
         if rank:
-            entry = os.path.join(case_url, f"el.{options['job']}", f"join.{rank - 1}")
+            entry = os.path.join(case_url, f"el.{options['job']}", names.elastic_join(rank - 1))
             wait_until(lambda: os.path.exists(entry), timeout=60, what=entry)
         sync = ferrosync.connect(case_url, elastic=True, min_ranks=world, max_ranks=world,
                                  timeout=60, **options)

@@ -20,6 +20,7 @@ from train_cli import run_forked
 
 import ferrosync
 from ferrosync.errors import ConfigError, LayoutMismatch, PeerFailed, SyncTimeout
+from ferrosync.storage import names
 from ranks import collect, run_ranks, start_ranks, wait_until
 
 # short enough to keep the file fast, long enough for a loaded 2-core machine
@@ -268,7 +269,7 @@ def w_grow(index, _world, url, extra):
 def test_a_newcomer_joins_at_a_round_boundary(tmp_path):
     url = str(tmp_path)
     procs, results = start_ranks(w_grow, 3, url, 4, ranks=[0, 1])
-    roster = tmp_path / "el.grow" / "r3.roster"
+    roster = tmp_path / "el.grow" / names.elastic_roster(3)
     wait_until(roster.exists, "round 3 of the first two members", timeout=60)
     late, late_results = start_ranks(w_grow, 3, url, 4, ranks=[2])
     got = collect(procs, results, 120)
@@ -303,7 +304,8 @@ def w_swap(index, _world, url, gate):
         if index == 2:
             open(gate, "w").close()
             # leave once the newcomer's join entry is there (3 entries were the founders')
-            wait_until(lambda: os.path.exists(os.path.join(ns, "join.3")), "the newcomer")
+            wait_until(lambda: os.path.exists(os.path.join(ns, names.elastic_join(3))),
+                       "the newcomer")
             sync.close()
             return {"left": True}
     log = []
@@ -355,7 +357,7 @@ def w_paused(index, _world, url, files):
 def _beat(url, files, index) -> int:
     with open(f"{files}.id{index}", encoding="utf-8") as f:
         member = f.read()
-    raw = json.loads((url / "el.pause" / f"hb.{member}").read_text())
+    raw = json.loads((url / "el.pause" / names.elastic_heartbeat(member)).read_text())
     return json.loads(raw["body"])["beat"]
 
 
@@ -666,7 +668,8 @@ def test_a_newcomer_with_other_shapes_is_refused_alone(tmp_path, members):
     membership changes is what it was."""
     url, stop = str(tmp_path / "store"), str(tmp_path / "stop")
     procs, results = start_ranks(w_fitting, members, url, members, stop)
-    wait_until((tmp_path / "store" / "el.refuse" / "r3.roster").exists, "round 3", timeout=60)
+    wait_until((tmp_path / "store" / "el.refuse" / names.elastic_roster(3)).exists, "round 3",
+               timeout=60)
     late, late_results = start_ranks(w_misfit, 1, url)
     (misfit,) = collect(late, late_results, 60).values()
     open(stop, "w").close()

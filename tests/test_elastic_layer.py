@@ -87,10 +87,11 @@ def test_fault_injection_reaches_an_elastic_member_and_stats_count_its_objects(
 
 @pytest.mark.unit
 @pytest.mark.parametrize("name, kind", [
-    ("el.j/r3.0123456789abcdef", ("contrib", 3)),
-    ("el/r4.t0.2.1", ("contrib", 4)),
-    ("el.j/r4.t1.0.1.0", ("result", 4)),
-    ("el.j/r5.m.0.1", ("result", 5)),
+    ("el.j/" + names.elastic_contribution(3, "0123456789abcdef"), ("contrib", 3)),
+    ("el/" + names.elastic_piece(4, 0, 2, (1,)), ("contrib", 4)),
+    ("el.j/" + names.elastic_piece(4, 1, 0, (1, 0)), ("result", 4)),
+    ("el.j/" + names.elastic_result(5, (0, 1)), ("result", 5)),
+    ("el.j/r5.m.0.1", (None, None)),  # a data object outside its shard: not ferrosync's
     ("el.j/r5.roster", (None, None)),
     ("el.j/join.3", (None, None)),
     ("el.j/state.5", (None, None)),

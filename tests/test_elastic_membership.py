@@ -255,7 +255,7 @@ def test_the_first_roster_written_wins_and_everyone_reads_it(storage):
 def test_a_roster_written_just_before_ours_is_read_back(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     theirs = mb.Roster(3, (A,), (A,), 0)
-    storage.before("put", f"{NS}/r3.roster",
+    storage.before("put", f"{NS}/{names.elastic_roster(3)}",
                    lambda key: mb.Rosters(layer(storage, SECRET)).create(theirs))
     assert rosters.create(mb.Roster(3, (A, B), (A, B), 0)) == theirs
 
@@ -265,7 +265,7 @@ def test_a_roster_forged_without_the_job_key_is_refused(storage):
     mb.Rosters(layer(storage, None)).create(mb.Roster(0, (), (C,), 1))
     with pytest.raises(FerrosyncError, match="MAC mismatch") as info:
         mb.Rosters(layer(storage, SECRET)).read(0)
-    assert info.value.path == storage.path_of(f"{NS}/r0.roster")
+    assert info.value.path == storage.path_of(f"{NS}/{names.elastic_roster(0)}")
 
 
 @pytest.mark.unit
@@ -316,7 +316,7 @@ def test_joiners_claim_the_smallest_free_entries_in_order(storage):
     assert first.claim(C, 0, 1e18) == 2
     reader = mb.Rosters(layer(storage, SECRET))
     assert [reader.join_entry(n) for n in range(4)] == [A, B, C, None]
-    assert record_at(storage, f"{NS}/join.1") == {"id": B}
+    assert record_at(storage, f"{NS}/{names.elastic_join(1)}") == {"id": B}
 
 
 @pytest.mark.unit
@@ -324,7 +324,7 @@ def test_a_claim_finds_the_first_free_entry_in_logarithmic_requests(storage):
     """100,000 entries planted ahead of the queue (empty names): the claim gallops and
     bisects to the first free entry instead of trying every one."""
     for n in range(100_000):
-        storage.objects[f"{NS}/join.{n}"] = b""
+        storage.objects[f"{NS}/{names.elastic_join(n)}"] = b""
     assert mb.Rosters(layer(storage)).claim(A, 0, 1e18) == 100_000
     assert len(storage.log) < 60, len(storage.log)
 
@@ -333,9 +333,9 @@ def test_a_claim_finds_the_first_free_entry_in_logarithmic_requests(storage):
 def test_a_claim_that_keeps_losing_its_race_ends_at_the_deadline(storage, clock):
     def someone_else_first(key):  # every entry is taken just before this member's create
         storage.objects[key] = encode_record({"id": B}, SECRET)
-        storage.before("put", f"{NS}/join.*", someone_else_first)
+        storage.before("put", f"{NS}/p??/join.*", someone_else_first)
 
-    storage.before("put", f"{NS}/join.*", someone_else_first)
+    storage.before("put", f"{NS}/p??/join.*", someone_else_first)
     start = clock.now
     with pytest.raises(SyncTimeout, match="no free entry of the join queue"):
         mb.Rosters(layer(storage)).claim(A, 0, start + 2.0)
@@ -346,16 +346,16 @@ def test_a_claim_that_keeps_losing_its_race_ends_at_the_deadline(storage, clock)
 def test_a_join_entry_is_read_once_then_remembered(storage):
     rosters = mb.Rosters(layer(storage, SECRET))
     mb.Rosters(layer(storage, SECRET)).claim(A, 0, 1e18)
-    before = len(storage.requests("open", f"{NS}/join.0"))  # the claim's probe
+    before = len(storage.requests("open", f"{NS}/{names.elastic_join(0)}"))  # the claim's probe
     assert rosters.join_entry(0) == A
     assert rosters.join_entry(0) == A
-    assert len(storage.requests("open", f"{NS}/join.0")) == before + 1
+    assert len(storage.requests("open", f"{NS}/{names.elastic_join(0)}")) == before + 1
 
 
 @pytest.mark.parametrize("record", [{"id": "not-an-id"}, {"id": 5}, {}])
 @pytest.mark.unit
 def test_a_malformed_join_entry_is_shard_corrupt(storage, record):
-    storage.objects[f"{NS}/join.0"] = encode_record(record, SECRET)
+    storage.objects[f"{NS}/{names.elastic_join(0)}"] = encode_record(record, SECRET)
     with pytest.raises(ShardCorrupt, match="join entry 0 is malformed"):
         mb.Rosters(layer(storage, SECRET)).join_entry(0)
 

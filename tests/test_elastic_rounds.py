@@ -89,7 +89,8 @@ def test_a_member_waits_for_the_roster_the_checker_writes(storage, clock):
     got = me.agreement.wait(1, prev, [A], deadline=start + 30.0)
     assert got == winner
     assert 0.5 <= clock.now - start < 0.5 + POLL[1] + 0.01
-    assert not storage.requests("put", f"{NS}/r1.roster")[1:]  # the waiter wrote nothing
+    # the waiter wrote nothing
+    assert not storage.requests("put", f"{NS}/{names.elastic_roster(1)}")[1:]
 
 
 def test_waiting_for_a_roster_times_out_at_the_deadline_naming_what_it_waits_on(storage, clock):
@@ -101,8 +102,8 @@ def test_waiting_for_a_roster_times_out_at_the_deadline_naming_what_it_waits_on(
         me.agreement.wait(1, mb.Roster(0, (), (A, B), 0), [A], deadline=start + 10.0)
     assert 10.0 <= clock.now - start < 10.0 + POLL[1] + 0.01
     assert info.value.collective == 1
-    assert info.value.path == storage.path_of(f"{NS}/r1.roster")
-    assert storage.objects.get(f"{NS}/r1.roster") is None
+    assert info.value.path == storage.path_of(f"{NS}/{names.elastic_roster(1)}")
+    assert storage.objects.get(f"{NS}/{names.elastic_roster(1)}") is None
 
 
 def test_the_checker_writes_the_roster_once_everyone_contributed(storage, clock):
@@ -122,7 +123,7 @@ def test_the_checker_reads_back_a_roster_another_member_wrote_first(storage, clo
     me = Member(storage)
     contribute(storage, 1, A)
     theirs = mb.Roster(1, (A,), (A, C), 0)
-    storage.before("put", f"{NS}/r1.roster",
+    storage.before("put", f"{NS}/{names.elastic_roster(1)}",
                    lambda key: Member(storage).rosters.create(theirs))
     roster = me.agreement.wait(1, mb.Roster(0, (), (A,), 0), [], deadline=clock.now + 30.0)
     assert roster == theirs
@@ -270,7 +271,7 @@ def test_is_checker_stops_at_the_first_predecessor_seen_running_now(storage, clo
         beating(storage, clock, who)
 
     def reads(who):
-        return len(storage.requests("open", f"{NS}/hb.{who}"))
+        return len(storage.requests("open", f"{NS}/{names.elastic_heartbeat(who)}"))
 
     # a first look proves nothing about now: the look goes on to every predecessor (their
     # clocks start), and to the members after this one (it may be the checker soon)
@@ -361,7 +362,7 @@ def test_a_queued_joiner_reads_two_heartbeats_a_look_however_long_the_queue(stor
         beating(storage, clock, who)
 
     def reads(who):
-        return len(storage.requests("open", f"{NS}/hb.{who}"))
+        return len(storage.requests("open", f"{NS}/{names.elastic_heartbeat(who)}"))
 
     for look in range(1, 5):
         assert not me.agreement.is_checker(members, ahead=lambda: queue)
@@ -379,7 +380,7 @@ def test_a_queued_joiner_reads_on_past_members_that_stay_still(storage, clock):
                 float("inf"))
 
     def reads(who):
-        return len(storage.requests("open", f"{NS}/hb.{who}"))
+        return len(storage.requests("open", f"{NS}/{names.elastic_heartbeat(who)}"))
 
     assert not me.agreement.is_checker(members, ahead=list)
     assert [reads(w) for w in members] == [1, 1, 0, 0, 0]
@@ -401,7 +402,8 @@ def test_a_queued_joiner_reads_the_joiners_ahead_once_every_member_is_gone(stora
     for who in queue:
         beating(storage, clock, who)
     assert not me.agreement.is_checker(members, ahead=lambda: queue)
-    assert [len(storage.requests("open", f"{NS}/hb.{w}")) for w in queue] == [1, 1, 0, 0]
+    assert [len(storage.requests("open", f"{NS}/{names.elastic_heartbeat(w)}"))
+            for w in queue] == [1, 1, 0, 0]
 
 
 def test_a_joiner_drops_a_job_that_died_whole_within_one_and_a_half_timeouts(storage, clock):

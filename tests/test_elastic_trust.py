@@ -14,6 +14,7 @@ import torch
 
 import ferrosync
 from ferrosync.errors import FerrosyncError, ShardCorrupt
+from ferrosync.storage import names
 from ranks import collect, run_ranks, start_ranks, wait_until
 
 FAST = {"heartbeat_interval": 0.2, "heartbeat_timeout": 2.5}
@@ -58,14 +59,16 @@ def test_an_object_planted_under_a_members_name_never_enters_an_average(tmp_path
     object's MAC), and no member's tensor changes."""
     url = str(tmp_path / "store")
     ((a_id, a_round),) = run_ranks(w_source, 1, url, source_secret, timeout=60)
-    source = os.path.join(url, "el.A", f"r{a_round}.{a_id}")
+    source = os.path.join(url, "el.A", names.elastic_contribution(a_round, a_id))
     assert os.path.exists(source)
     gate = tmp_path / "gate"
     gate.mkdir()
     procs, results = start_ranks(w_target, 2, url, "team", str(gate))
     wait_until(lambda: (gate / "target").exists(), "job B's member 1 ready", timeout=60)
     member, round_ = (gate / "target").read_text().split()
-    shutil.copyfile(source, os.path.join(url, "el.B", f"r{round_}.{member}"))
+    planted = os.path.join(url, "el.B", names.elastic_contribution(int(round_), member))
+    os.makedirs(os.path.dirname(planted), exist_ok=True)  # its shard, if nobody made it yet
+    shutil.copyfile(source, planted)
     (gate / "planted").touch()
     got = collect(procs, results, timeout=90)
     outcomes = [got[i] for i in sorted(got)]
@@ -124,7 +127,9 @@ def test_a_sparse_huge_join_entry_is_a_ferrosync_error(tmp_path):
     url = str(tmp_path)
     with _one_member(url, "sparse") as sync:
         sync.barrier()
-        with open(tmp_path / "el.sparse" / f"join.{sync._roster.join_next}", "wb") as f:
+        entry = tmp_path / "el.sparse" / names.elastic_join(sync._roster.join_next)
+        entry.parent.mkdir(exist_ok=True)
+        with open(entry, "wb") as f:
             f.truncate(2**40)  # sparse: costs no disk
         with pytest.raises(FerrosyncError):
             sync.barrier()
@@ -140,7 +145,8 @@ def test_a_deeply_nested_join_entry_is_a_ferrosync_error(tmp_path):
     with _one_member(url, "nested") as sync:
         sync.barrier()
         body = "[" * 100000 + "]" * 100000
-        (tmp_path / "el.nested" / f"join.{sync._roster.join_next}").write_bytes(
-            json.dumps({"v": VERSION, "body": body}).encode())
+        entry = tmp_path / "el.nested" / names.elastic_join(sync._roster.join_next)
+        entry.parent.mkdir(exist_ok=True)
+        entry.write_bytes(json.dumps({"v": VERSION, "body": body}).encode())
         with pytest.raises(FerrosyncError):
             sync.barrier()

@@ -115,7 +115,9 @@ def test_gc_never_touches_an_elastic_namespace_and_names_it(tmp_path, capsys, wh
         sync.average_(torch.ones(4))
     storage = open_storage(url)
     namespace = names.elastic_namespace("exp8")
-    in_flight = names.within(namespace, names.temp(names.elastic_roster(9), pid=DEAD_PID))
+    shard, _, roster = names.elastic_roster(9).rpartition("/")  # in its shard directory
+    storage.makedirs(names.within(namespace, shard))
+    in_flight = names.within(names.within(namespace, shard), names.temp(roster, pid=DEAD_PID))
     storage.put(in_flight, [b"a member's write in progress"])
     def listed():  # everything but gc's own lock file (directories)
         return sorted((k, n) for k, n in storage.list("") if k != names.GC_LOCK)

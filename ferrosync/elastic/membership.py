@@ -28,7 +28,7 @@ ROSTER_RETENTION = 64
 
 def heartbeat(objects, member_id: str, interval: float) -> Heartbeat:
     """The heartbeat of member ``member_id`` in the job of ``objects`` (its namespace and
-    key): ``liveness.Heartbeat`` writing ``hb.{id}`` with the member's id and the
+    key): ``liveness.Heartbeat`` writing ``p{xx}/hb.{id}`` with the member's id and the
     elastic states (``alive``, ``left``, ``aborted``)."""
     runtime = objects.runtime
     return Heartbeat(objects.storage, objects.prefix, 0, interval, objects.key, 0,

@@ -40,7 +40,7 @@ def find_jobs(keys) -> dict[str, ElasticJob]:
     jobs: dict[str, ElasticJob] = {}
     for key in keys:
         top, _, rest = key.partition("/")
-        if not rest or "/" in rest or not names.is_elastic_namespace(top):
+        if not rest or not names.is_elastic_namespace(top):
             continue
         job = jobs.setdefault(top, ElasticJob(top))
         found = names.parse_elastic(rest)

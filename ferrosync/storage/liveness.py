@@ -299,6 +299,11 @@ class Heartbeat:
 
     def start(self) -> None:
         _HEARTBEATS[(id(self._storage), self._prefix, self._record["rank"])] = self
+        directory = self._key.rpartition("/")[0]
+        if directory != self._prefix:
+            # an elastic heartbeat's shard (names.elastic_shard), where a store has
+            # directories: made when the member starts, not before it is admitted
+            self._storage.makedirs(directory)
         self._beat()  # the first beat is synchronous: peers see us at once
         self._thread = self._runtime.start_thread(
             self._run, f"ferrosync-heartbeat-r{self._record['rank']}")

@@ -1,7 +1,8 @@
 """Every object name ferrosync writes on shared storage: formatted and parsed here only.
 
 One format function per kind returns one path component (``within`` joins a directory
-and a name); ``parse`` reads a component back into a ``Name`` whose ``kind`` says which
+and a name; an elastic job's busiest kinds are a shard directory and a component,
+``elastic_shard``); ``parse`` reads a component back into a ``Name`` whose ``kind`` says which
 function made it. The names and where each lives: docs/design.md#object-names and
 docs/design.md#rendezvous; where a kind may appear is the caller's business
 (``ferrosync.ops.scan.classify``).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import zlib
 from dataclasses import dataclass
 
 from ferrosync.core.env import JOB_ID  # how a job id is spelled: the env check's rule
@@ -233,16 +235,16 @@ def parse(name: str) -> Name:
 #
 # An elastic job's namespace ``el`` or ``el.{job}`` holds (docs/elastic.md)::
 #
-#     member.{id}        a member's introduction, written once (``elastic_member``)
-#     hb.{id}            its heartbeat, overwritten (``elastic_heartbeat``)
-#     join.{n}           the n-th entry of the join queue (``elastic_join``)
-#     r{r}.roster        the membership agreed for round r (``elastic_roster``)
+#     p{xx}/member.{id}  a member's introduction, written once (``elastic_member``)
+#     p{xx}/hb.{id}      its heartbeat, overwritten (``elastic_heartbeat``)
+#     p{xx}/join.{n}     the n-th entry of the join queue (``elastic_join``)
+#     p{xx}/r{r}.roster  the membership agreed for round r (``elastic_roster``)
 #     history.{r}        the membership history as of the change at round r
 #                        (``elastic_history``)
-#     r{r}.{id}          a member's contribution to round r (``elastic_contribution``)
-#     r{r}.t{l}.{n}.{path}  a piece of a tree reduce: level l, node n, range path
+#     p{xx}/r{r}.{id}    a member's contribution to round r (``elastic_contribution``)
+#     p{xx}/r{r}.t{l}.{n}.{path}  a piece of a tree reduce: level l, node n, range path
 #                        (``elastic_piece``; level 0: the slices of a contribution)
-#     r{r}.m.{path}      a range of a tree reduce's average (``elastic_result``)
+#     p{xx}/r{r}.m.{path}  a range of a tree reduce's average (``elastic_result``)
 #     latest             hint: a recent roster's round (``ELASTIC_LATEST``)
 #     state / state.{r}.{i}  the published training state's parts and their pointer
 #                        (``elastic_state``)
@@ -252,6 +254,15 @@ def parse(name: str) -> Name:
 #
 # Member ids are 16 lowercase hex digits, so ``hb.{id}`` never reads as ``hb.r{k}`` and
 # ``join.{n}`` never as ``join.r{k}.{n}``.
+#
+# The ``p{xx}/`` kinds lie in one of ``ELASTIC_SHARDS`` shard directories, ``xx`` a
+# hash of the name (``elastic_shard``), so that an object store that rates requests per
+# partitioned prefix (S3: 3,500 PUT/s, 5,500 GET/s each) spreads them over that many
+# partitions once it has split the namespace there (docs/elastic.md, "Prefixes"): a
+# round's data objects (nearly every PUT), the records every member polls or reads
+# many times a round (rosters, heartbeats, join entries: a thousand members' GETs) and
+# the introductions (a thousand PUTs when a job starts). Any member computes a key
+# from the name alone. The rest stays at the top: written or read a few times a round.
 
 #: an elastic job without an id
 ELASTIC = "el"
@@ -264,6 +275,10 @@ ELASTIC_ENDED = "ended"
 #: the job's record: what its members agree on (exclusive create by the first member)
 ELASTIC_JOB_RECORD = "job"
 _MEMBER_ID = re.compile(r"[0-9a-f]{16}")
+#: shard directories of an elastic job's busiest kinds: two hex digits, a split point
+#: S3 can use at any scale (256 partitions: 896,000 PUT/s); a directory each on a file
+#: system, made on first use
+ELASTIC_SHARDS = 256
 
 
 def elastic_namespace(job: str | None) -> str:
@@ -283,22 +298,22 @@ def is_member_id(member_id) -> bool:
 
 def elastic_member(member_id: str) -> str:
     """Member ``member_id``'s introduction record."""
-    return f"member.{member_id}"
+    return _sharded(f"member.{member_id}")
 
 
 def elastic_heartbeat(member_id: str) -> str:
     """Member ``member_id``'s heartbeat record."""
-    return f"hb.{member_id}"
+    return _sharded(f"hb.{member_id}")
 
 
 def elastic_join(n: int) -> str:
     """Entry ``n`` of the join queue."""
-    return f"join.{n}"
+    return _sharded(f"join.{n}")
 
 
 def elastic_roster(round_: int) -> str:
     """The roster (agreed membership) of round ``round_``."""
-    return f"r{round_}.roster"
+    return _sharded(f"r{round_}.roster")
 
 
 def elastic_history(round_: int) -> str:
@@ -307,9 +322,20 @@ def elastic_history(round_: int) -> str:
     return f"history.{round_}"
 
 
+def elastic_shard(name: str) -> str:
+    """The shard directory ``p{xx}`` of the object named ``name`` (its last
+    component): CRC-32 of the name modulo ``ELASTIC_SHARDS``, the same everywhere, so
+    a round's objects (and each member's, each tree level's) spread evenly."""
+    return f"p{zlib.crc32(name.encode('ascii')) % ELASTIC_SHARDS:02x}"
+
+
+def _sharded(name: str) -> str:
+    return f"{elastic_shard(name)}/{name}"
+
+
 def elastic_contribution(round_: int, member_id: str) -> str:
     """Member ``member_id``'s contribution to round ``round_``."""
-    return f"r{round_}.{member_id}"
+    return _sharded(f"r{round_}.{member_id}")
 
 
 def _path(path) -> str:
@@ -320,12 +346,12 @@ def elastic_piece(round_: int, level: int, node: int, path) -> str:
     """A piece of a tree reduce (``elastic/tree.py``): at level 0 the slice ``path``
     of the contribution of roster position ``node``; above, range ``path`` of the
     partial sum of tree node ``node`` of ``level``."""
-    return f"r{round_}.t{level}.{node}.{_path(path)}"
+    return _sharded(f"r{round_}.t{level}.{node}.{_path(path)}")
 
 
 def elastic_result(round_: int, path) -> str:
     """The range ``path`` of a tree reduce's average (``elastic/tree.py``)."""
-    return f"r{round_}.m.{_path(path)}"
+    return _sharded(f"r{round_}.m.{_path(path)}")
 
 
 def elastic_layout(digest: bytes) -> str:
@@ -362,6 +388,23 @@ _ELASTIC_COMPILED = tuple((kind, re.compile(p), f) for kind, p, f in _ELASTIC_PA
 ELASTIC_KINDS = tuple(kind for kind, _, _ in _ELASTIC_PATTERNS) + ("unknown",)
 
 
+#: the kinds that lie in a shard directory (``elastic_shard``), and only there
+ELASTIC_SHARDED_KINDS = ("elastic_member", "elastic_heartbeat", "elastic_join",
+                         "elastic_roster", "elastic_contribution", "elastic_piece",
+                         "elastic_result")
+_ELASTIC_SHARD = re.compile(r"(p[0-9a-f]{2})/([^/]+)")
+
+
+def in_elastic_shard(name: str) -> bool:
+    """Whether ``name`` (a path inside an elastic namespace) lies in a shard directory."""
+    return _ELASTIC_SHARD.fullmatch(name) is not None
+
+
 def parse_elastic(name: str) -> Name:
-    """What ``name`` is inside an elastic namespace; ``Name("unknown")`` otherwise."""
-    return _first_match(_ELASTIC_COMPILED, name)
+    """What ``name`` (its path inside an elastic namespace) is; ``Name("unknown")``
+    otherwise, a data object outside its shard directory included."""
+    sharded = _ELASTIC_SHARD.fullmatch(name)
+    found = _first_match(_ELASTIC_COMPILED, name if sharded is None else sharded[2])
+    in_place = found.kind not in ELASTIC_SHARDED_KINDS if sharded is None else (
+        found.kind in ELASTIC_SHARDED_KINDS and elastic_shard(sharded[2]) == sharded[1])
+    return found if in_place else Name("unknown")

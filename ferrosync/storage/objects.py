@@ -103,13 +103,22 @@ class Objects:
     def path_of(self, name: str) -> str:
         return self.storage.path_of(self.key_of(name))
 
+    def place(self, name: str) -> str:
+        """The key to write ``name`` at, its directory made first when the name lies in
+        an elastic job's shard (``names.in_elastic_shard``): once per directory on a
+        file system, nothing on an object store."""
+        key = self.key_of(name)
+        if names.in_elastic_shard(name):
+            self.storage.makedirs(key.rpartition("/")[0])
+        return key
+
     # -- writing -------------------------------------------------------------------------------
     def put(self, name: str, header: Header, parts: list, *, reuse: str | None = None) -> int:
         """Seal and publish one object (atomically, see ``Storage.put``), replacing
         whatever the name held; returns its size."""
         self.before_put(self.op)
         head = seal(header, parts, self.key)
-        self.storage.put(self.key_of(name), [head, *parts], reuse=reuse)
+        self.storage.put(self.place(name), [head, *parts], reuse=reuse)
         # collective data objects only (not heartbeats or records): what a collective
         # costs in objects
         self.storage.counters.add(objects=1)
@@ -119,7 +128,7 @@ class Objects:
         """Seal and create one object only if the name is free: True when this writer's
         object is there now, False when another object holds the name."""
         self.before_put(self.op)
-        if not self._create(self.key_of(name), [seal(header, parts, self.key), *parts]):
+        if not self._create(self.place(name), [seal(header, parts, self.key), *parts]):
             return False
         self.storage.counters.add(objects=1)
         return True
@@ -129,8 +138,8 @@ class Objects:
         False when another record holds the name."""
         data = [encode_record(body, self.key)]
         if exclusive:
-            return self._create(self.key_of(name), data)
-        self.storage.put(self.key_of(name), data)
+            return self._create(self.place(name), data)
+        self.storage.put(self.place(name), data)
         return True
 
     def create_bytes(self, name: str, parts: list) -> bool:

@@ -65,16 +65,16 @@ def load_faults(rank: int | None, spec: str | None) -> list[dict]:
 def _object_kind(key: str) -> tuple[str | None, int | None]:
     """("contrib" or "result", its collective or round) of the data object at ``key``;
     (None, None) for anything else (control records are never faulted)."""
-    directory, _, name = key.rpartition("/")
-    if names.is_elastic_namespace(directory):
-        found = names.parse_elastic(name)
+    top, _, inside = key.partition("/")
+    if inside and names.is_elastic_namespace(top):
+        found = names.parse_elastic(inside)
         if found.kind == "elastic_contribution" or (
                 found.kind == "elastic_piece" and found.number == 0):
             return "contrib", found.collective
         if found.kind in ("elastic_piece", "elastic_result"):
             return "result", found.collective
         return None, None
-    found = names.parse(name)
+    found = names.parse(key.rpartition("/")[2])
     if found.kind not in ("contribution", "result"):
         return None, None
     return ("result" if found.kind == "result" else "contrib"), found.collective

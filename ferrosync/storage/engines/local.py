@@ -482,6 +482,8 @@ def _walk(fd: int, base: str, out: list) -> None:
             frame = stack[-1]
             if not frame[2]:
                 stack.pop()
+                if frame[0] is not None:  # a directory without subdirectories
+                    os.close(frame[0])
                 continue
             name = frame[2].pop()
             parent_fd = frame[0]

@@ -35,9 +35,19 @@ class Profile:
     Latencies in seconds (first byte: median and 99th percentile of a lognormal),
     ``bandwidth`` bytes/s per connection, ``put_rate``/``get_rate`` requests/s per
     partitioned prefix (None: no limit), ``ramp_s`` the sustained throttling after
-    which a prefix's rates double, ``object_write_rate`` writes/s per object name
-    (None: no limit), ``prefix_depth`` the '/'-separated components of a key that
-    name its partition (0: the whole bucket is one), prices per 1,000 requests.
+    which a prefix's rates double (the store split it in two), ``object_write_rate``
+    writes/s per object name (None: no limit), ``prefix_depth`` the '/'-separated
+    components of a key that name its partition (0: the whole bucket is one; None: the
+    key's whole directory, each shard directory of an elastic job its own partition),
+    prices per 1,000 requests.
+
+    S3 partitions a bucket by key range, at any character, and splits a partition under
+    sustained load (503 SlowDown meanwhile; 30 to 60 minutes by accounts outside AWS's
+    documentation, or ahead of time on request to AWS support). ``s3`` models a job
+    past that warm-up: its namespace split at the shard directories
+    (``names.elastic_shard``), each shard a partition of 3,500 PUT/s; ``s3cold`` a
+    fresh bucket: the job's namespace one partition, split in two after each ``ramp_s``
+    of throttling (docs/elastic.md, "Prefixes").
     """
 
     name: str
@@ -61,9 +71,14 @@ _S3_PRICES = (("put", 0.005), ("get", 0.0004), ("delete", 0.0), ("list", 0.005))
 PROFILES = {
     # S3 Standard: 3,500 PUT/COPY/POST/DELETE and 5,500 GET/HEAD per second per
     # partitioned prefix, scaling gradually (503 SlowDown meanwhile); first-byte
-    # latency of small objects tens of ms (p99 hundreds); ~90 MB/s per connection
+    # latency of small objects tens of ms (p99 hundreds); ~90 MB/s per connection.
+    # Partitions: every directory its own (a job past S3's warm-up: see Profile)
     "s3": Profile("s3", 0.030, 0.250, 0.020, 0.200, 90e6, 3500.0, 5500.0, 600.0, None,
                   None, _S3_PRICES, lost_reply=0.001, cut_body=0.001),
+    # S3 Standard on a fresh bucket: the first component of a key (the job's
+    # namespace) one partition, split after 30 minutes of throttling (reported: 30-60)
+    "s3cold": Profile("s3cold", 0.030, 0.250, 0.020, 0.200, 90e6, 3500.0, 5500.0, 1800.0,
+                      None, 1, _S3_PRICES, lost_reply=0.001, cut_body=0.001),
     # S3 Express One Zone (directory buckets): single-digit ms latency, rates per
     # bucket (200,000 reads and 100,000 writes per second)
     "s3express": Profile("s3express", 0.004, 0.020, 0.003, 0.015, 90e6, 100000.0,
@@ -97,13 +112,14 @@ class LostReply(TimeoutError):
 class _Prefix:
     """One partitioned prefix's recent requests and its current rate multiplier."""
 
-    __slots__ = ("puts", "gets", "scale", "throttled_since", "peak_put")
+    __slots__ = ("puts", "gets", "scale", "throttled_since", "throttled_last", "peak_put")
 
     def __init__(self) -> None:
         self.puts: deque = deque()
         self.gets: deque = deque()
         self.scale = 1.0
         self.throttled_since: float | None = None
+        self.throttled_last = 0.0
         self.peak_put = 0
 
 
@@ -170,9 +186,13 @@ class SimServer:
             elif now - prefix.throttled_since >= p.ramp_s > 0:
                 prefix.scale *= 2  # S3 split the prefix: twice the rate from now on
                 prefix.throttled_since = None
+            prefix.throttled_last = now
             self.sched.note("503", kind, key)
             raise SimHTTPError(503, "SlowDown", key)
-        prefix.throttled_since = None
+        if now - prefix.throttled_last > 1.0:
+            # a whole window without a 503: the load is over, not sustained (requests
+            # that get through a throttled prefix's rate do not end its throttling)
+            prefix.throttled_since = None
         window.append(now)
         if kind == "put" and p.object_write_rate is not None:
             last = self._last_write.get(key)
