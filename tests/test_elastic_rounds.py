@@ -335,6 +335,16 @@ def test_the_checker_reads_the_contributions_concurrently_not_one_after_the_othe
         assert agreement.take(1, member) == bytes([k % 256]) * 8
 
 
+def test_concurrent_reads_keep_no_more_than_the_budget_nor_hold_more_in_flight(monkeypatch):
+    monkeypatch.setattr(rounds, "KEEP_BUDGET", 10 * 8)  # ten 8-byte contributions
+    (roster,), agreement, storage, ids = on_simulated_s3(range(100), members=100)
+    assert len(roster.members) == 100
+    assert in_flight(storage.reads) == 10  # the bytes in flight fit the budget too
+    kept = [agreement.take(1, member) for member in ids]
+    assert sum(raw is not None for raw in kept) == 10  # the budget filled, no further
+    assert all(raw == bytes([k]) * 8 for k, raw in enumerate(kept) if raw is not None)
+
+
 def test_a_cheap_pass_reads_a_window_at_a_time_and_nothing_twice():
     first, growth = rounds.FIRST_WINDOW, rounds.WINDOW_GROWTH
     gap = first + 3  # the first member that has not contributed (alive: no beat missed)
