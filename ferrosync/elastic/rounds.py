@@ -48,6 +48,16 @@ PROGRESS_EVERY = 30.0
 log = logging.getLogger("ferrosync.elastic")
 
 
+def windows(items: list, first: int, growth: int = WINDOW_GROWTH):
+    """``items`` in consecutive batches, ``first`` long and each next ``growth`` times
+    longer: a caller that reads a batch at a time and stops at what it looks for makes
+    few reads while that is near and few round trips when it is far or absent."""
+    at, width = 0, first
+    while at < len(items):
+        yield items[at:at + width]
+        at, width = at + width, width * growth
+
+
 class Progress:
     """Says on ``log`` how many members a wait below ``min_ranks`` has: when it starts,
     and every ``PROGRESS_EVERY`` seconds after, while it lasts."""
@@ -215,17 +225,14 @@ class Agreement:
 
     def _first_missing(self, members, round_: int) -> tuple[int, str] | None:
         """The first of ``members`` (its rank and id) that has not contributed to
-        ``round_``, else None: the unseen ones read in windows from ``FIRST_WINDOW``,
-        growing by ``WINDOW_GROWTH`` while every contribution of a window is there."""
+        ``round_``, else None: the unseen ones read in ``windows`` from
+        ``FIRST_WINDOW`` while every contribution of a window is there."""
         seen = self._present.setdefault(round_, set())
-        unseen = [(i, m) for i, m in enumerate(members) if m not in seen]
-        at, window = 0, FIRST_WINDOW
-        while at < len(unseen):
-            batch = unseen[at:at + window]
+        for batch in windows([(i, m) for i, m in enumerate(members) if m not in seen],
+                             FIRST_WINDOW):
             present = self._look(round_, [m for _, m in batch])
             if not all(present):
                 return batch[present.index(False)]
-            at, window = at + window, WINDOW_GROWTH * window
         return None
 
     def _admissions(self, n: int, survivors: set, room: int) -> tuple[list[str], int]:
@@ -303,8 +310,7 @@ class Agreement:
         if ahead is None:
             gone, proven = self._scan(predecessors, everyone, trust_new=False)
             if not gone and (everyone or not proven):
-                for member in after:
-                    self._watch.alive(member)
+                self._objects.runtime.map(self._watch.state, after, READ_WIDTH)
             return gone
         return self._scan(predecessors, everyone, trust_new=True)[0] and \
             self._scan(ahead(), False, trust_new=True)[0]
@@ -314,17 +320,26 @@ class Agreement:
         seen running now (with ``trust_new``: or never read before, until one is found
         neither: then the job may be dying, and one new member per look would start the
         others' silence clocks a look apart), all of them with ``everyone``: (all gone,
-        one seen running)."""
-        gone, proven = True, False
-        for k, member in enumerate(members):
-            new = trust_new and not self._watch.seen(member)
-            if self._watch.alive(member):
-                gone = False
-                fresh = self._watch.fresh(member)
-                trust_new = trust_new and (new or fresh)
-                proven = proven or new or fresh
-            if proven and k >= 1 and not everyone:
-                break
+        one seen running). A member's look reads them in ``windows`` of concurrent
+        reads from the two it always reads (one after the other, a look that proved
+        nothing cost W round trips: seconds at W = 100, during which the roster went
+        unread); the judgement goes in order, and the members read past where it stops
+        only had their silence clocks started sooner. A joiner's (``trust_new``) stops
+        after a few reads by design: one at a time, as many joiners look."""
+        gone, proven, k = True, False, 0
+        first, growth = (1, 1) if trust_new and not everyone else (2, WINDOW_GROWTH)
+        for batch in windows(list(members), first, growth):
+            new = [trust_new and not self._watch.seen(m) for m in batch]  # before reading
+            states = self._objects.runtime.map(self._watch.state, batch, READ_WIDTH)
+            for member, was_new, state in zip(batch, new, states):
+                if state == ALIVE:
+                    gone = False
+                    fresh = self._watch.fresh(member)
+                    trust_new = trust_new and (was_new or fresh)
+                    proven = proven or was_new or fresh
+                if proven and k >= 1 and not everyone:
+                    return gone, proven
+                k += 1
         return gone, proven
 
     def wait(self, round_: int, prev: Roster, predecessors: list[str],
