@@ -114,17 +114,21 @@ class Agreement:
         seen = self._present.setdefault(round_, set())
         unseen = [m for m in dict.fromkeys(members) if m not in seen]
         if unseen:
-            storage = self._objects.storage
-            width = 1
-            if storage.round_trips_dominate:
-                # bytes in flight stay within KEEP_BUDGET: an all-read-all round's
-                # contributions are whole payloads
-                largest = max(self.sizes) if self.sizes else 1
-                width = max(1, min(READ_WIDTH, KEEP_BUDGET // largest))
+            # bytes in flight stay within KEEP_BUDGET: an all-read-all round's
+            # contributions are whole payloads
+            width = min(self._width(), KEEP_BUDGET // max(self.sizes or (1,)))
             found = self._objects.runtime.map(lambda m: self._exists(round_, m),
-                                              unseen, width)
+                                              unseen, max(1, width))
             seen.update(m for m, yes in zip(unseen, found) if yes)
         return [m in seen for m in members]
+
+    def _width(self) -> int:
+        """Reads this member has in flight at once (see ``READ_WIDTH``)."""
+        return READ_WIDTH if self._objects.storage.round_trips_dominate else 1
+
+    def _judge(self, members) -> list[str]:
+        """``HeartbeatWatch.state`` of each of ``members``, read concurrently."""
+        return self._objects.runtime.map(self._watch.state, members, self._width())
 
     def _exists(self, round_: int, member: str) -> bool:
         """One existence check of a contribution; may run on another thread (``_look``):
@@ -180,8 +184,7 @@ class Agreement:
         survivors = [m for m, yes in zip(prev.members, present) if yes]
         missing = [(i, m) for i, (m, yes) in enumerate(zip(prev.members, present)) if not yes]
         # all, no short cut, read at once
-        states = self._objects.runtime.map(self._watch.state, [m for _, m in missing],
-                                           READ_WIDTH)
+        states = self._judge([m for _, m in missing])
         alive = [(i, m) for (i, m), state in zip(missing, states) if state == ALIVE]
         if alive:
             i, member = alive[0]
@@ -310,7 +313,7 @@ class Agreement:
         if ahead is None:
             gone, proven = self._scan(predecessors, everyone, trust_new=False)
             if not gone and (everyone or not proven):
-                self._objects.runtime.map(self._watch.state, after, READ_WIDTH)
+                self._judge(after)
             return gone
         return self._scan(predecessors, everyone, trust_new=True)[0] and \
             self._scan(ahead(), False, trust_new=True)[0]
@@ -330,7 +333,7 @@ class Agreement:
         first, growth = (1, 1) if trust_new and not everyone else (2, WINDOW_GROWTH)
         for batch in windows(list(members), first, growth):
             new = [trust_new and not self._watch.seen(m) for m in batch]  # before reading
-            states = self._objects.runtime.map(self._watch.state, batch, READ_WIDTH)
+            states = self._judge(batch)
             for member, was_new, state in zip(batch, new, states):
                 if state == ALIVE:
                     gone = False
