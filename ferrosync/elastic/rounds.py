@@ -89,7 +89,7 @@ class Agreement:
         #: the members a round had when it was last found below ``min_ranks`` (None: not)
         self.short: int | None = None
         self._present: dict[int, set[str]] = {}  # round -> members seen to contribute
-        self._kept: dict[tuple[int, str], bytes] = {}  # see contributed()
+        self._kept: dict[tuple[int, str], bytes] = {}  # see _exists()
         self._kept_bytes = 0
         self._keep_lock = objects.runtime.lock()  # _exists keeps bytes from map threads
         self.waiting_on = "the roster's writer"  # for the timeout message
