@@ -10,6 +10,7 @@ every ``PROGRESS_EVERY`` seconds.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import replace
 
@@ -48,14 +49,16 @@ PROGRESS_EVERY = 30.0
 log = logging.getLogger("ferrosync.elastic")
 
 
-def windows(items: list, first: int, growth: int = WINDOW_GROWTH):
+def windows(items, first: int, growth: int = WINDOW_GROWTH):
     """``items`` in consecutive batches, ``first`` long and each next ``growth`` times
     longer: a caller that reads a batch at a time and stops at what it looks for makes
-    few reads while that is near and few round trips when it is far or absent."""
-    at, width = 0, first
-    while at < len(items):
-        yield items[at:at + width]
-        at, width = at + width, width * growth
+    few reads while that is near and few round trips when it is far or absent. Taken
+    from ``items`` as needed: a lazy one (join entries read as they are reached) is
+    read no further than the last batch."""
+    items, width = iter(items), first
+    while batch := list(itertools.islice(items, width)):
+        yield batch
+        width *= growth
 
 
 class Progress:
@@ -331,7 +334,7 @@ class Agreement:
         after a few reads by design: one at a time, as many joiners look."""
         gone, proven, k = True, False, 0
         first, growth = (1, 1) if trust_new and not everyone else (2, WINDOW_GROWTH)
-        for batch in windows(list(members), first, growth):
+        for batch in windows(members, first, growth):
             new = [trust_new and not self._watch.seen(m) for m in batch]  # before reading
             states = self._judge(batch)
             for member, was_new, state in zip(batch, new, states):
