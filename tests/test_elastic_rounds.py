@@ -21,6 +21,8 @@ from ferrosync.storage import names
 from ferrosync.storage import objects as objects_module
 from ferrosync.storage.objects import Objects
 from ferrosync.storage.wire import job_key, job_tag
+from ferrosync.testing.sim.scheduler import Process, Scheduler
+from ferrosync.testing.sim.store import PROFILES, SimServer, SimStorage
 
 pytestmark = pytest.mark.unit
 
@@ -263,6 +265,103 @@ def test_a_contribution_of_the_wrong_size_is_not_kept_but_counts_as_present(stor
     assert me.agreement.take(1, A) is None
 
 
+# -- the checker's reads on a simulated S3 (virtual time, deterministic) ------------------------
+
+class CountingStorage(SimStorage):
+    """The simulator's S3 client, noting when each read of a contribution to round 1
+    began and ended (virtual seconds)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.reads: list[tuple[str, float, float]] = []
+
+    def open(self, key, **kwargs):
+        start = self.server.sched.now
+        try:
+            return super().open(key, **kwargs)
+        finally:
+            if not key.endswith("roster") and "/r1." in key:
+                self.reads.append((key, start, self.server.sched.now))
+
+
+def on_simulated_s3(present, *, members=200, passes=(False,)):
+    """The checker of round 1 over a simulated S3 (the seed's latencies, faults and
+    rates), with the contributions of ``present`` (indices into the roster, 8 bytes
+    each) written; runs ``complete`` once per entry of ``passes`` (full or not) and
+    returns (their results, the agreement, the storage, the roster's ids)."""
+    sched = Scheduler()
+    process = Process(sched, "checker", 0)
+    storage = CountingStorage(SimServer(sched, PROFILES["s3"], 0), process)
+    objects = Objects(storage, NS, key=SECRET, tag=job_tag(NS), poll=POLL,
+                      runtime=process.runtime)
+    ids = [f"{k:016x}" for k in range(members)]
+    for k in present:
+        key = objects.key_of(names.elastic_contribution(1, ids[k]))
+        storage.server.objects[key] = bytes([k % 256]) * 8
+    agreement = rounds.Agreement(objects, mb.Rosters(objects),
+                                 mb.HeartbeatWatch(objects, TIMEOUT, INTERVAL),
+                                 min_ranks=1, max_ranks=None, check_interval=CHECK)
+    agreement.sizes = (8,)
+    prev, got = mb.Roster(0, (), tuple(ids), 0), []
+    sched.spawn(process, "checker",
+                lambda: got.extend(agreement.complete(prev, 1, f) for f in passes))
+    sched.run(sched.now + 600.0)
+    assert not sched.failures, sched.failures
+    return got, agreement, storage, ids
+
+
+def in_flight(reads) -> int:
+    """The most reads in flight at one virtual instant."""
+    edges = sorted([(start, 1) for _, start, _ in reads] + [(stop, -1) for _, _, stop in reads],
+                   key=lambda e: (e[0], e[1]))  # one that ends as another begins: apart
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def test_the_checker_reads_the_contributions_concurrently_not_one_after_the_other():
+    members = 200
+    (roster,), agreement, storage, ids = on_simulated_s3(range(members), members=members)
+    assert roster.members == tuple(ids)
+    keys = [key for key, _, _ in storage.reads]
+    assert len(keys) == len(set(keys)) == members  # every contribution read once
+    # one after the other (the reads' time summed) this took 200 round trips of ~20 ms;
+    # now windows of 8 and 64, then the 128 left, 64 at a time
+    assert in_flight(storage.reads) == rounds.READ_WIDTH
+    took = max(stop for _, _, stop in storage.reads) - min(s for _, s, _ in storage.reads)
+    assert took < sum(stop - start for _, start, stop in storage.reads) / 10
+    for k, member in enumerate(ids):  # every byte fetched was kept for the reduce
+        assert agreement.take(1, member) == bytes([k % 256]) * 8
+
+
+def test_concurrent_reads_keep_no_more_than_the_budget_nor_hold_more_in_flight(monkeypatch):
+    monkeypatch.setattr(rounds, "KEEP_BUDGET", 10 * 8)  # ten 8-byte contributions
+    (roster,), agreement, storage, ids = on_simulated_s3(range(100), members=100)
+    assert len(roster.members) == 100
+    assert in_flight(storage.reads) == 10  # the bytes in flight fit the budget too
+    kept = [agreement.take(1, member) for member in ids]
+    assert sum(raw is not None for raw in kept) == 10  # the budget filled, no further
+    assert all(raw == bytes([k]) * 8 for k, raw in enumerate(kept) if raw is not None)
+
+
+def test_a_cheap_pass_reads_a_window_at_a_time_and_nothing_twice():
+    first, growth = rounds.FIRST_WINDOW, rounds.WINDOW_GROWTH
+    gap = first + 3  # the first member that has not contributed (alive: no beat missed)
+    present = [k for k in range(200) if k != gap]
+    got, _, storage, ids = on_simulated_s3(present, passes=(False, False))
+    assert got == [None, None]
+    keys = [key for key, _, _ in storage.reads]
+    # the first window was all there, the second held the gap: the pass stopped there
+    one = first + first * growth
+    assert len(set(keys[:one])) == one
+    assert len(keys) == one + first
+    # the next poll starts at the gap, and reads no contribution it saw present
+    again = {key.rsplit(".", 1)[1] for key in keys[one:]}
+    assert again == {ids[gap], *ids[one:one + first - 1]}
+
+
 # -- who checks ----------------------------------------------------------------------------------
 
 def test_is_checker_stops_at_the_first_predecessor_seen_running_now(storage, clock):
@@ -401,9 +500,18 @@ def test_a_queued_joiner_reads_the_joiners_ahead_once_every_member_is_gone(stora
         beating(storage, clock, who, until=clock.now + 0.1).stop(mb.LEFT)
     for who in queue:
         beating(storage, clock, who)
-    assert not me.agreement.is_checker(members, ahead=lambda: queue)
+    taken = []
+
+    def ahead():
+        # as Rosters.entries: each join entry read as the look gets to it
+        for who in queue:
+            taken.append(who)
+            yield who
+
+    assert not me.agreement.is_checker(members, ahead=ahead)
     assert [len(storage.requests("open", f"{NS}/{names.elastic_heartbeat(w)}"))
             for w in queue] == [1, 1, 0, 0]
+    assert taken == queue[:2]  # and no join entry past where the look stopped
 
 
 def test_a_joiner_drops_a_job_that_died_whole_within_one_and_a_half_timeouts(storage, clock):

@@ -57,11 +57,17 @@ class Runtime:
         width = max(1, min(width, len(items)))
         results: list = [None] * len(items)
         errors: list[BaseException] = []
+        # each thread takes the next item when it is free: with a fixed stripe per
+        # thread, the map lasted as long as the slowest stripe's sum (a stripe that
+        # drew a tail latency ran on alone: 1.6 s, not 0.9, for 1,000 GETs 64 wide
+        # on the simulated S3)
+        cursor, taking = iter(range(len(items))), threading.Lock()  # held for a next()
 
-        def stripe(first: int) -> None:
-            # a fixed stripe per thread: no shared cursor (and no lock) to hand out work
-            for i in range(first, len(items), width):
-                if errors:
+        def stripe() -> None:
+            while not errors:
+                with taking:
+                    i = next(cursor, None)
+                if i is None:
                     return
                 try:
                     results[i] = fn(items[i])
@@ -70,9 +76,8 @@ class Runtime:
                     errors.append(exc)
                     return
 
-        threads = [self.start_thread(lambda j=j: stripe(j), "ferrosync-map")
-                   for j in range(1, width)]
-        stripe(0)
+        threads = [self.start_thread(stripe, "ferrosync-map") for _ in range(1, width)]
+        stripe()
         for thread in threads:
             thread.join()
         if errors:

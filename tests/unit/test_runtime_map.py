@@ -54,3 +54,21 @@ def test_the_first_error_is_raised_after_every_call_ended():
     with pytest.raises(ValueError, match="item 2"):
         runtime.Runtime().map(call, range(3), WIDTH)
     assert sorted(ended) == [0, 1]
+
+
+def test_a_slow_call_holds_up_no_other_item():
+    # item 0 waits until every other item is done: a thread free sooner takes the
+    # next item, so the one other thread does all five (a fixed stripe per thread
+    # would leave items 2 and 4 behind item 0 until its wait timed out)
+    others = threading.Semaphore(0)
+    waited = []
+
+    def call(x):
+        if x == 0:
+            waited.append(all(others.acquire(timeout=10) for _ in range(5)))
+        else:
+            others.release()
+        return x
+
+    assert runtime.Runtime().map(call, range(6), 2) == list(range(6))
+    assert waited == [True]
