@@ -11,6 +11,7 @@ import torch
 from test_elastic import FAST, TIMEOUT, _values, w_fixed
 
 import ferrosync
+from ferrosync.core.runtime import Runtime
 from ferrosync.elastic import tree
 from ferrosync.elastic.options import ElasticOptions
 from ferrosync.elastic.tree import TREE_FROM, TreePlan
@@ -78,7 +79,7 @@ def test_each_member_takes_exactly_the_roles_whose_owner_it_is():
                                                         if i not in out))
             taken = []
             for me in ids:
-                r = tree.TreeRound(SimpleNamespace(member_id=me), plan,
+                r = tree.TreeRound(SimpleNamespace(member_id=me, clock=Runtime()), plan,
                                    SimpleNamespace(members=ids), roster, None, b"", [], 1.0,
                                    0.0)
                 mine = r._mine()
