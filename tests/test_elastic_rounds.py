@@ -269,26 +269,30 @@ def test_a_contribution_of_the_wrong_size_is_not_kept_but_counts_as_present(stor
 
 class CountingStorage(SimStorage):
     """The simulator's S3 client, noting when each read of a contribution to round 1
-    began and ended (virtual seconds)."""
+    (``reads``) or of a heartbeat (``beats``) began and ended (virtual seconds)."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.reads: list[tuple[str, float, float]] = []
+        self.beats: list[tuple[str, float, float]] = []
 
     def open(self, key, **kwargs):
         start = self.server.sched.now
         try:
             return super().open(key, **kwargs)
         finally:
-            if not key.endswith("roster") and "/r1." in key:
+            if "/hb." in key:
+                self.beats.append((key, start, self.server.sched.now))
+            elif not key.endswith("roster") and "/r1." in key:
                 self.reads.append((key, start, self.server.sched.now))
 
 
-def on_simulated_s3(present, *, members=200, passes=(False,)):
+def on_simulated_s3(present, *, members=200, passes=(False,), run=None):
     """The checker of round 1 over a simulated S3 (the seed's latencies, faults and
     rates), with the contributions of ``present`` (indices into the roster, 8 bytes
-    each) written; runs ``complete`` once per entry of ``passes`` (full or not) and
-    returns (their results, the agreement, the storage, the roster's ids)."""
+    each) written; runs ``complete`` once per entry of ``passes`` (full or not), or
+    ``run(agreement, ids)``, and returns (their results, the agreement, the storage,
+    the roster's ids)."""
     sched = Scheduler()
     process = Process(sched, "checker", 0)
     storage = CountingStorage(SimServer(sched, PROFILES["s3"], 0), process)
@@ -303,8 +307,8 @@ def on_simulated_s3(present, *, members=200, passes=(False,)):
                                  min_ranks=1, max_ranks=None, check_interval=CHECK)
     agreement.sizes = (8,)
     prev, got = mb.Roster(0, (), tuple(ids), 0), []
-    sched.spawn(process, "checker",
-                lambda: got.extend(agreement.complete(prev, 1, f) for f in passes))
+    sched.spawn(process, "checker", lambda: got.extend(
+        [run(agreement, ids)] if run else (agreement.complete(prev, 1, f) for f in passes)))
     sched.run(sched.now + 600.0)
     assert not sched.failures, sched.failures
     return got, agreement, storage, ids
@@ -344,6 +348,23 @@ def test_concurrent_reads_keep_no_more_than_the_budget_nor_hold_more_in_flight(m
     kept = [agreement.take(1, member) for member in ids]
     assert sum(raw is not None for raw in kept) == 10  # the budget filled, no further
     assert all(raw == bytes([k]) * 8 for k, raw in enumerate(kept) if raw is not None)
+
+
+def test_a_look_that_proves_no_member_running_reads_their_heartbeats_concurrently():
+    # no heartbeat was ever written: every member is alive (not yet past the timeout)
+    # but none is running now, so a look reads every member's heartbeat
+    me = 50
+
+    def look(agreement, ids):
+        return agreement.is_checker(ids[:me], after=ids[me + 1:])
+
+    (checker,), _, storage, ids = on_simulated_s3((), run=look)
+    assert checker is False
+    read = [key.rsplit(".", 1)[1] for key, _, _ in storage.beats]
+    assert sorted(read) == sorted(ids[:me] + ids[me + 1:])  # each one once
+    # one after the other this was 199 round trips; now windows of 2, 16 and 32
+    # predecessors, then the 149 after it at once, 64 at a time
+    assert in_flight(storage.beats) == rounds.READ_WIDTH
 
 
 def test_a_cheap_pass_reads_a_window_at_a_time_and_nothing_twice():
