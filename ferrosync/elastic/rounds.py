@@ -124,9 +124,10 @@ class Agreement:
             seen.update(m for m, yes in zip(unseen, found) if yes)
         return [m in seen for m in members]
 
-    def _width(self) -> int:
-        """Reads this member has in flight at once (see ``READ_WIDTH``)."""
-        return READ_WIDTH if self._objects.storage.round_trips_dominate else 1
+    def _width(self, cap: int = READ_WIDTH) -> int:
+        """Reads this member has in flight at once, at most ``cap`` (see
+        ``READ_WIDTH``: one at a time on a local disk)."""
+        return cap if self._objects.storage.round_trips_dominate else 1
 
     def _judge(self, members) -> list[str]:
         """``HeartbeatWatch.state`` of each of ``members``, read concurrently."""
@@ -250,12 +251,12 @@ class Agreement:
         that grew during a stall cost the checker O(queue) round trips, seconds on an
         object store, past the detection bound of the members it drops."""
         joiners: list[str] = []
-        width, run = 1, self._objects.runtime.map
+        width, run, most = 1, self._objects.runtime.map, self._width(JOIN_READS)
         while len(joiners) < room:
-            batch = run(self._rosters.join_entry, range(n, n + width), width)
+            batch = run(self._rosters.join_entry, range(n, n + width), min(width, most))
             claimed = batch[:batch.index(None)] if None in batch else batch
             new = [m for m in dict.fromkeys(claimed) if m not in survivors]
-            states = dict(zip(new, run(self._watch.state, new, JOIN_READS)))
+            states = dict(zip(new, run(self._watch.state, new, most)))
             for member in claimed:
                 if len(joiners) >= room:
                     break

@@ -282,11 +282,8 @@ class TreeRound:
                 self._failed.append(exc)
                 raise
 
-        items = list(items)
         try:
-            if len(items) == 1:  # nothing to overlap: no thread
-                return [call(items[0])]
-            return self.io.clock.map(call, items, min(WIDTH, len(items)))
+            return self.io.clock.map(call, items, WIDTH)  # one item: no thread
         except _Abandoned:
             raise self._failed[0] from None
 
